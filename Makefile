@@ -1,0 +1,43 @@
+# cuvild: `make demo` and `make test` are all a fresh machine needs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PROTOS := $(wildcard protos/*.proto)
+PROTO_OUT := $(PROTOS:.proto=_pb2.py)
+CONFIG ?= configs/cuvild.yaml
+
+.PHONY: setup run demo test lint bench proto clean
+
+setup: $(STAMP) $(PROTO_OUT)
+
+# Reinstall only when the pinned dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+protos/%_pb2.py: protos/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+run: setup
+	$(VENV)/bin/cuvild --config $(CONFIG)
+
+demo: setup
+	$(PY) -m cuvild.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check cuvild partitioner runtimes tests
+
+bench: setup
+	$(PY) tests/bench/run.py
+
+clean:
+	rm -rf $(VENV) protos/*_pb2.py protos/*_pb2.pyi protos/*_pb2_grpc.py .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

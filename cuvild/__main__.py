@@ -1,0 +1,5 @@
+import sys
+
+from cuvild.daemon import main
+
+sys.exit(main())

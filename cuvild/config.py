@@ -1,0 +1,264 @@
+"""cuvild.yaml: load, fill defaults, validate every key.
+
+A bad config is the most common way a daemon fails to start, so every error names the key
+(as a dotted path) and what was expected; `cuvild` exits 2 on it.
+
+Paths left empty follow systemd when it runs us (RUNTIME_DIRECTORY, STATE_DIRECTORY,
+CACHE_DIRECTORY) and the XDG directories otherwise, so one config serves both `make run`
+and the systemd unit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is missing, unknown or has a bad value."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass
+class EmulatedDevice:
+    id: str
+    kind: str
+    runtime: str
+    cores: list[int]
+
+
+@dataclass
+class Config:
+    path: str
+    unix_socket: str
+    tcp: str | None
+    state_dir: Path
+    cache_dir: Path
+    log_level: str
+    cpu_enabled: bool
+    cpu_cores: list[int] | None
+    gpu_enabled: bool
+    openvino_enabled: bool
+    emulated: list[EmulatedDevice] = field(default_factory=list)
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    max_model_bytes: int = 2 << 30
+    max_concurrent_uploads: int = 2
+
+    def device_settings(self) -> dict[str, Any]:
+        """The settings that change what the profiler measures (part of the cache key)."""
+        return {
+            "cpu": {"enabled": self.cpu_enabled, "cores": self.cpu_cores},
+            "gpu": self.gpu_enabled,
+            "openvino": self.openvino_enabled,
+            "emulated": [vars(e) for e in self.emulated],
+        }
+
+
+# key -> (type or tuple of types, default). Nested dicts are their own schema.
+_SCHEMA: dict[str, Any] = {
+    "listen": {"unix": ((str, type(None)), None), "tcp": ((str, type(None)), None)},
+    "state_dir": ((str, type(None)), None),
+    "cache_dir": ((str, type(None)), None),
+    "log_level": (str, "info"),
+    "devices": {
+        "cpu": {"enabled": (bool, True), "cores": ((list, type(None)), None)},
+        "gpu": {"enabled": (bool, True)},
+        "openvino": {"enabled": (bool, True)},
+        "emulated": (list, []),
+        "overrides": (dict, {}),
+    },
+    "limits": {
+        "max_model_bytes": (int, 2 << 30),
+        "max_concurrent_uploads": (int, 2),
+    },
+}
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+EMULATED_KINDS = ("npu", "gpu")
+EMULATED_RUNTIMES = ("openvino",)
+OVERRIDE_KEYS = (
+    "peak_gflops", "mem_bw_gbs", "link_bw_gbs", "link_latency_us", "launch_us", "memory_gb",
+)
+
+
+def _type_name(types: Any) -> str:
+    if not isinstance(types, tuple):
+        types = (types,)
+    names = {bool: "a boolean", int: "an integer", str: "a string", list: "a list",
+             dict: "a mapping", type(None): "null"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def _fill(schema: dict[str, Any], data: Any, prefix: str) -> dict[str, Any]:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(prefix or "<top>", f"expected a mapping, got {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key in data:
+        if key not in schema:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(where, f"unknown key; expected one of {sorted(schema)}")
+    for key, spec in schema.items():
+        where = f"{prefix}.{key}" if prefix else key
+        if isinstance(spec, dict):
+            out[key] = _fill(spec, data.get(key), where)
+            continue
+        types, default = spec
+        value = data.get(key, default)
+        # bool is an int in Python; an integer key must not accept true/false.
+        bad_bool = isinstance(value, bool) and bool not in (
+            types if isinstance(types, tuple) else (types,)
+        )
+        if bad_bool or not isinstance(value, types):
+            raise ConfigError(where, f"expected {_type_name(types)}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def _core_list(value: Any, key: str) -> list[int]:
+    ncpu = os.cpu_count() or 1
+    if not isinstance(value, list) or not value:
+        raise ConfigError(key, "expected a non-empty list of core numbers")
+    for core in value:
+        if isinstance(core, bool) or not isinstance(core, int) or not 0 <= core < ncpu:
+            raise ConfigError(key, f"core {core!r} is not a core of this host (0..{ncpu - 1})")
+    return list(value)
+
+
+def _emulated(items: list[Any]) -> list[EmulatedDevice]:
+    devices = []
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        key = f"devices.emulated[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(key, "expected a mapping with id, kind, runtime, cores")
+        extra = set(item) - {"id", "kind", "runtime", "cores"}
+        if extra:
+            raise ConfigError(f"{key}.{sorted(extra)[0]}", "unknown key; expected id, kind, "
+                              "runtime, cores")
+        dev_id = item.get("id")
+        if not isinstance(dev_id, str) or not dev_id.isidentifier():
+            raise ConfigError(f"{key}.id", f"expected a name like 'npu0', got {dev_id!r}")
+        if dev_id in seen:
+            raise ConfigError(f"{key}.id", f"duplicate device id {dev_id!r}")
+        seen.add(dev_id)
+        kind = item.get("kind")
+        if kind not in EMULATED_KINDS:
+            raise ConfigError(f"{key}.kind", f"expected one of {EMULATED_KINDS}, got {kind!r}")
+        runtime = item.get("runtime", "openvino")
+        if runtime not in EMULATED_RUNTIMES:
+            raise ConfigError(f"{key}.runtime",
+                              f"expected one of {EMULATED_RUNTIMES}, got {runtime!r}")
+        cores = _core_list(item.get("cores"), f"{key}.cores")
+        devices.append(EmulatedDevice(dev_id, kind, runtime, cores))
+    return devices
+
+
+def _overrides(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    for dev_id, fields in data.items():
+        key = f"devices.overrides.{dev_id}"
+        if not isinstance(fields, dict):
+            raise ConfigError(key, "expected a mapping of profile fields")
+        for name, value in fields.items():
+            if name not in OVERRIDE_KEYS:
+                raise ConfigError(f"{key}.{name}", f"unknown key; expected one of {OVERRIDE_KEYS}")
+            if name == "peak_gflops":
+                if not isinstance(value, dict) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                    for v in value.values()
+                ):
+                    raise ConfigError(f"{key}.{name}", "expected a mapping dtype -> GFLOP/s > 0")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{key}.{name}", f"expected a number >= 0, got {value!r}")
+    return data
+
+
+def _default_dir(kind: str) -> Path:
+    """systemd's *_DIRECTORY when it runs us, else the XDG location for this user."""
+    systemd_var = {"runtime": "RUNTIME_DIRECTORY", "state": "STATE_DIRECTORY",
+                   "cache": "CACHE_DIRECTORY"}[kind]
+    if os.environ.get(systemd_var):
+        return Path(os.environ[systemd_var].split(":")[0])
+    home = Path.home()
+    if kind == "runtime":
+        xdg_runtime = os.environ.get("XDG_RUNTIME_DIR")
+        return Path(xdg_runtime) / "cuvild" if xdg_runtime else Path(f"/tmp/cuvild-{os.getuid()}")
+    xdg = {"state": ("XDG_STATE_HOME", home / ".local/state"),
+           "cache": ("XDG_CACHE_HOME", home / ".cache")}[kind]
+    return Path(os.environ.get(xdg[0]) or xdg[1]) / "cuvild"
+
+
+def default_socket() -> str:
+    return str(_default_dir("runtime") / "cuvild.sock")
+
+
+def _writable_dir(value: str | None, kind: str, key: str) -> Path:
+    path = Path(value).expanduser() if value else _default_dir(kind)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise ConfigError(key, f"cannot create directory {path}: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"directory {path} is not writable")
+    return path
+
+
+def parse(data: Any, path: str = "<memory>") -> Config:
+    """Validate a config mapping (as read from YAML) and build a Config. Creates directories."""
+    raw = _fill(_SCHEMA, data, "")
+    if raw["log_level"] not in LOG_LEVELS:
+        raise ConfigError("log_level", f"expected one of {LOG_LEVELS}, got {raw['log_level']!r}")
+    dev = raw["devices"]
+    cpu_cores = dev["cpu"]["cores"]
+    if cpu_cores is not None:
+        cpu_cores = _core_list(cpu_cores, "devices.cpu.cores")
+    emulated = _emulated(dev["emulated"])
+    for e in emulated:
+        if e.id.startswith("cpu"):
+            raise ConfigError("devices.emulated", f"id {e.id!r} clashes with the host CPU's ids")
+    tcp = raw["listen"]["tcp"]
+    if tcp is not None and (":" not in tcp or not tcp.rsplit(":", 1)[1].isdigit()):
+        raise ConfigError("listen.tcp", f"expected HOST:PORT, got {tcp!r}")
+    for key in ("max_model_bytes", "max_concurrent_uploads"):
+        if raw["limits"][key] <= 0:
+            raise ConfigError(f"limits.{key}", f"expected a positive integer, got "
+                              f"{raw['limits'][key]}")
+    unix = raw["listen"]["unix"] or default_socket()
+    sock_dir = _writable_dir(str(Path(unix).parent), "runtime", "listen.unix")
+    return Config(
+        path=path,
+        unix_socket=str(sock_dir / Path(unix).name),
+        tcp=tcp,
+        state_dir=_writable_dir(raw["state_dir"], "state", "state_dir"),
+        cache_dir=_writable_dir(raw["cache_dir"], "cache", "cache_dir"),
+        log_level=raw["log_level"],
+        cpu_enabled=dev["cpu"]["enabled"],
+        cpu_cores=cpu_cores,
+        gpu_enabled=dev["gpu"]["enabled"],
+        openvino_enabled=dev["openvino"]["enabled"],
+        emulated=emulated,
+        overrides=_overrides(dev["overrides"]),
+        max_model_bytes=raw["limits"]["max_model_bytes"],
+        max_concurrent_uploads=raw["limits"]["max_concurrent_uploads"],
+    )
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML config file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError("<file>", f"cannot read {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError("<file>", f"{path} is not valid YAML: {e}") from None
+    return parse(data, str(path))

@@ -1,0 +1,203 @@
+"""cuvild: the daemon process.
+
+Start-up, in order: read and validate the config (exit 2 on a bad one), get the device
+profiles (cached by hardware fingerprint, else measured), bind the unix socket (mode 0660;
+a stale socket from a crashed run is replaced, a live one is an error), start gRPC with the
+health and reflection services, tell systemd READY=1. SIGTERM/SIGINT drain and exit 0,
+removing the socket; SIGHUP reloads the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+import cuvild
+from cuvild import config as config_mod
+from cuvild import sdnotify
+from cuvild.service import ControlService
+from protos import cuvil_pb2, cuvil_pb2_grpc
+from runtimes import profiles as profiles_mod
+
+log = logging.getLogger("cuvild")
+STARTED = time.monotonic()
+DRAIN_GRACE_S = 5.0
+CONTROL_SERVICE = cuvil_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start for a reason outside its config (exit 1)."""
+
+
+def prepare_socket(path: str) -> None:
+    """Make `path` free for bind: remove a stale socket, refuse a live one or a non-socket."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("removing stale socket %s left by an earlier run", path)
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise StartupError(f"another cuvild is already serving on {path}")
+
+
+class Daemon:
+    def __init__(self, cfg: config_mod.Config) -> None:
+        self.cfg = cfg
+        self.stop_event = threading.Event()
+        self.reload_requested = threading.Event()
+        self.alive = threading.Event()
+        self.profiles: profiles_mod.ProfileResult | None = None
+        self.health = health.HealthServicer()
+        self.server: grpc.Server | None = None
+
+    # -- profiles --------------------------------------------------------------------------
+    def _load_profiles(self, refresh: bool = False) -> profiles_mod.ProfileResult:
+        result = profiles_mod.load_or_measure(
+            self.cfg.state_dir, self.cfg.device_settings(), self.cfg.overrides, refresh=refresh)
+        self.profiles = result
+        log.info("%d device(s) from %s in %.2f s: %s", len(result.devices), result.source,
+                 result.seconds, ", ".join(d.id + (" (emulated)" if d.emulated else "")
+                                           for d in result.devices))
+        return result
+
+    def current_profiles(self) -> profiles_mod.ProfileResult:
+        assert self.profiles is not None
+        return self.profiles
+
+    # -- server ----------------------------------------------------------------------------
+    def _bind(self, server: grpc.Server) -> None:
+        path = self.cfg.unix_socket
+        prepare_socket(path)
+        # The socket is created by bind; a umask closes the window before the chmod below.
+        old_umask = os.umask(0o117)
+        try:
+            if server.add_insecure_port(f"unix:{path}") == 0:
+                raise StartupError(f"cannot bind unix socket {path}")
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o660)
+        if self.cfg.tcp:
+            if server.add_insecure_port(self.cfg.tcp) == 0:
+                raise StartupError(f"cannot listen on TCP {self.cfg.tcp} (listen.tcp)")
+            log.warning("listening on TCP %s without authentication", self.cfg.tcp)
+
+    def _build_server(self) -> grpc.Server:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"))
+        control = ControlService(self.current_profiles, lambda: self._load_profiles(True),
+                                 self.cfg.path)
+        cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (CONTROL_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        return server
+
+    def _reload(self) -> None:
+        try:
+            new = config_mod.load(self.cfg.path)
+        except config_mod.ConfigError as e:
+            log.error("reload: keeping the running config, %s is invalid: %s", self.cfg.path, e)
+            sdnotify.notify(f"STATUS=reload failed: {e}")
+            return
+        if (new.unix_socket, new.tcp) != (self.cfg.unix_socket, self.cfg.tcp):
+            log.warning("reload: listen addresses changed; they take effect on restart")
+            new.unix_socket, new.tcp = self.cfg.unix_socket, self.cfg.tcp
+        self.cfg = new
+        logging.getLogger().setLevel(new.log_level.upper())
+        self._load_profiles()
+        log.info("reloaded %s", new.path)
+        sdnotify.notify("STATUS=serving (config reloaded)")
+
+    def run(self) -> int:
+        sdnotify.notify("STATUS=profiling devices")
+        self._load_profiles()
+        server = self._build_server()
+        self._bind(server)
+        server.start()
+        self.server = server
+        for name in ("", CONTROL_SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.alive.set()
+        ready_s = time.monotonic() - STARTED
+        log.info("cuvild %s ready in %.2f s on unix:%s", cuvild.__version__, ready_s,
+                 self.cfg.unix_socket)
+        sdnotify.notify(f"READY=1\nSTATUS=serving on unix:{self.cfg.unix_socket}\n"
+                        f"MAINPID={os.getpid()}")
+        sdnotify.start_watchdog(self.alive, self.stop_event)
+        while not self.stop_event.is_set():
+            if self.reload_requested.wait(timeout=0.2):
+                self.reload_requested.clear()
+                sdnotify.notify("RELOADING=1")
+                self._reload()
+                sdnotify.notify("READY=1")
+        return self._shutdown()
+
+    def _shutdown(self) -> int:
+        sdnotify.notify("STOPPING=1\nSTATUS=draining")
+        log.info("stopping: draining requests (up to %.0f s)", DRAIN_GRACE_S)
+        self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            self.server.stop(grace=DRAIN_GRACE_S).wait()
+        try:
+            os.unlink(self.cfg.unix_socket)
+        except FileNotFoundError:
+            pass
+        log.info("stopped")
+        return 0
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
+
+
+def default_config_path() -> str | None:
+    path = os.environ.get("CUVILD_CONFIG")
+    if path:
+        return path
+    return "/etc/cuvild/cuvild.yaml" if Path("/etc/cuvild/cuvild.yaml").exists() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cuvild", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=default_config_path(),
+                        help="YAML config (default: $CUVILD_CONFIG, /etc/cuvild/cuvild.yaml, "
+                             "else built-in defaults)")
+    parser.add_argument("--version", action="version", version=f"cuvild {cuvild.__version__}")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_mod.load(args.config) if args.config else config_mod.parse({}, "<defaults>")
+    except config_mod.ConfigError as e:
+        print(f"cuvild: bad config {args.config or '<defaults>'}: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    daemon = Daemon(cfg)
+    daemon.install_signals()
+    try:
+        return daemon.run()
+    except (StartupError, profiles_mod.ProfilingError) as e:
+        log.error("%s", e)
+        sdnotify.notify(f"STATUS=failed: {e}")
+        return 1

@@ -1,0 +1,139 @@
+"""Device profiles for this host: measured once, cached under state_dir by fingerprint.
+
+Each measurement runs in a subprocess pinned to the cores its device's worker will own
+(runtimes/benchmarks.py). Subprocesses whose core sets are disjoint run at the same time, as
+their workers will; overlapping ones run one after another so they do not disturb each other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from partitioner.profile import DeviceProfile
+from runtimes import hardware
+
+log = logging.getLogger(__name__)
+MEASURE_TIMEOUT_S = 300
+
+
+class ProfilingError(RuntimeError):
+    """Measuring a device failed; the message carries the benchmark's own error."""
+
+
+@dataclass
+class ProfileResult:
+    devices: list[DeviceProfile]
+    source: str  # "measured" or "cache"
+    seconds: float  # how long getting them took now
+    fingerprint: str
+
+
+def _specs(settings: dict[str, Any]) -> list[dict[str, Any]]:
+    cpu = settings["cpu"]
+    specs = [{
+        "task": "host",
+        "cores": cpu["cores"],
+        "cpu": cpu["enabled"],
+        "gpu": settings["gpu"],
+        "openvino": settings["openvino"],
+    }]
+    for dev in settings["emulated"]:
+        specs.append({"task": "emulated", **dev})
+    return specs
+
+
+def _measure_one(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    # The subprocess must find our packages however the daemon was started (venv or checkout).
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtimes.benchmarks", json.dumps(spec)],
+        capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, env=env,
+    )
+    if proc.returncode != 0:
+        what = spec.get("id", "host devices")
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise ProfilingError(f"measuring {what} failed: {tail[0]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _disjoint(specs: list[dict[str, Any]]) -> bool:
+    seen: set[int] = set()
+    for spec in specs:
+        cores = set(spec.get("cores") or hardware.usable_cores())
+        if cores & seen:
+            return False
+        seen |= cores
+    return True
+
+
+def measure(settings: dict[str, Any]) -> list[DeviceProfile]:
+    """Run the micro-benchmarks for the host devices and every emulated device."""
+    specs = _specs(settings)
+    workers = len(specs) if _disjoint(specs) else 1
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(_measure_one, specs))
+    return [DeviceProfile.from_dict(d) for group in results for d in group]
+
+
+def _apply_overrides(devices: list[DeviceProfile],
+                     overrides: dict[str, dict[str, Any]]) -> list[DeviceProfile]:
+    for dev in devices:
+        for key, value in overrides.get(dev.id, {}).items():
+            if key == "peak_gflops":
+                dev.peak_gflops = {**dev.peak_gflops, **value}
+            else:
+                setattr(dev, key, value)
+    return devices
+
+
+def _write_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cache_path(state_dir: Path, fingerprint: str) -> Path:
+    return state_dir / "profiles" / f"{fingerprint}.json"
+
+
+def load_or_measure(state_dir: Path, settings: dict[str, Any],
+                    overrides: dict[str, dict[str, Any]] | None = None,
+                    refresh: bool = False) -> ProfileResult:
+    """Cached profiles when the fingerprint matches, otherwise measure and cache them."""
+    t0 = time.perf_counter()
+    fp = hardware.fingerprint(settings)
+    path = cache_path(state_dir, fp)
+    if not refresh and path.exists():
+        try:
+            cached = json.loads(path.read_text())
+            devices = [DeviceProfile.from_dict(d) for d in cached["devices"]]
+            devices = _apply_overrides(devices, overrides or {})
+            return ProfileResult(devices, "cache", time.perf_counter() - t0, fp)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring unreadable profile cache %s: %s", path, e)
+    log.info("measuring devices (fingerprint %s)", fp)
+    devices = measure(settings)
+    _write_atomic(path, {"fingerprint": fp, "measured_at": time.time(),
+                         "devices": [d.to_dict() for d in devices]})
+    devices = _apply_overrides(devices, overrides or {})
+    return ProfileResult(devices, "measured", time.perf_counter() - t0, fp)

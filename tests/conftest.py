@@ -1,0 +1,159 @@
+"""Shared fixtures: a real cuvild subprocess on a real unix socket, with a NOTIFY_SOCKET."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 120.0
+
+
+def two_core_layout() -> dict[str, Any]:
+    """CPU worker on the first core, an emulated NPU on the second (the demo layout)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {"cpu": {"cores": cores}}
+    return {
+        "cpu": {"cores": [cores[0]]},
+        "emulated": [{"id": "npu0", "kind": "npu", "runtime": "openvino", "cores": [cores[1]]}],
+    }
+
+
+class DaemonProcess:
+    """One cuvild subprocess; records the sd_notify messages it sends."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
+        self.workdir = workdir
+        self.config_path = workdir / "cuvild.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.socket_path = Path(config["listen"]["unix"])
+        self.target = f"unix://{self.socket_path}"
+        self.notify_path = workdir / "notify.sock"
+        self.notify_path.unlink(missing_ok=True)
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(self.notify_path))
+        self.messages: list[str] = []
+        self.log_path = workdir / "cuvild.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready_s: float | None = None
+
+    def start(self, wait: bool = True) -> DaemonProcess:
+        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path), "PYTHONUNBUFFERED": "1"}
+        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cuvild", "--config", str(self.config_path)],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        if wait:
+            self.wait_for("READY=1")
+            self.ready_s = time.perf_counter() - t0
+        return self
+
+    def wait_for(self, needle: str, timeout: float = START_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout
+        self.notify.settimeout(0.1)
+        while time.monotonic() < deadline:
+            try:
+                self.messages.append(self.notify.recv(4096).decode())
+            except TimeoutError:
+                assert self.proc is not None
+                if self.proc.poll() is not None:  # exited and nothing left to read
+                    break
+            for message in self.messages:
+                if needle in message:
+                    return message
+        raise AssertionError(f"no {needle!r} from cuvild (exit {self.proc and self.proc.poll()})"
+                             f" within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.notify.close()
+
+
+@pytest.fixture(scope="session")
+def state_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One state dir for the session, so devices are measured once and then cached."""
+    return tmp_path_factory.mktemp("state")
+
+
+@pytest.fixture(scope="session")
+def sock_dir() -> Iterator[Path]:
+    # Socket paths are limited to ~107 bytes: keep them short, outside deep pytest dirs.
+    path = Path(tempfile.mkdtemp(prefix="cuvil-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def daemon_config(workdir: Path, state_dir: Path, sock_dir: Path,
+                  **extra: Any) -> dict[str, Any]:
+    config = {
+        "listen": {"unix": str(sock_dir / f"{uuid.uuid4().hex[:8]}.sock")},
+        "state_dir": str(state_dir),
+        "cache_dir": str(workdir / "cache"),
+        "log_level": "debug",
+        "devices": two_core_layout(),
+    }
+    config.update(extra)
+    return config
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path, state_root: Path, sock_dir: Path) -> Iterator[Any]:
+    """Factory: make_daemon(**config_overrides) -> started DaemonProcess (stopped at teardown)."""
+    started: list[DaemonProcess] = []
+
+    def make(start: bool = True, **extra: Any) -> DaemonProcess:
+        workdir = tmp_path / f"d{len(started)}"
+        workdir.mkdir()
+        daemon = DaemonProcess(workdir, daemon_config(workdir, state_root, sock_dir, **extra))
+        started.append(daemon)
+        return daemon.start() if start else daemon
+
+    yield make
+    for daemon in started:
+        daemon.close()
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
+           sock_dir: Path) -> Iterator[DaemonProcess]:
+    """A daemon shared by the read-only tests of a session."""
+    workdir = tmp_path_factory.mktemp("shared")
+    proc = DaemonProcess(workdir, daemon_config(workdir, state_root, sock_dir)).start()
+    yield proc
+    proc.close()

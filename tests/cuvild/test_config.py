@@ -1,0 +1,71 @@
+"""Bad configs exit 2 naming the key; good ones fill defaults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cuvild import config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cuvild(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return subprocess.run([sys.executable, "-m", "cuvild", "--config", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("text, key", [
+    ("listen: {unix: /tmp/x.sock, port: 5}\n", "listen.port"),
+    ("bogus: 1\n", "bogus"),
+    ("log_level: 3\n", "log_level"),
+    ("log_level: loud\n", "log_level"),
+    ("devices: {cpu: {enabled: 'yes'}}\n", "devices.cpu.enabled"),
+    ("devices: {cpu: {cores: [9999]}}\n", "devices.cpu.cores"),
+    ("limits: {max_model_bytes: true}\n", "limits.max_model_bytes"),
+    ("devices: {emulated: [{id: npu0, kind: tpu, cores: [0]}]}\n", "devices.emulated[0].kind"),
+    ("devices: {overrides: {cpu0: {mem_bw: 3}}}\n", "devices.overrides.cpu0.mem_bw"),
+    ("listen: {tcp: 'nohostport'}\n", "listen.tcp"),
+])
+def test_bad_config_exits_2_naming_key(tmp_path, text, key):
+    result = run_cuvild(tmp_path, text)
+    assert result.returncode == 2, result.stderr
+    assert key in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unwritable_state_dir_exits_2(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run_cuvild(tmp_path, yaml.safe_dump({"state_dir": str(blocker / "state")}))
+    assert result.returncode == 2
+    assert "state_dir" in result.stderr and "cannot create" in result.stderr
+
+
+def test_not_yaml_exits_2(tmp_path):
+    result = run_cuvild(tmp_path, "listen: [unclosed\n")
+    assert result.returncode == 2 and "not valid YAML" in result.stderr
+
+
+def test_defaults_follow_systemd_directories(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path / "run"))
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cache"))
+    cfg = config.parse({})
+    assert cfg.unix_socket == str(tmp_path / "run" / "cuvild.sock")
+    assert cfg.state_dir == tmp_path / "state" and cfg.cache_dir == tmp_path / "cache"
+    assert cfg.tcp is None and cfg.emulated == []
+
+
+def test_shipped_configs_are_valid(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for name in ("cuvild.yaml", "demo.yaml"):
+        config.load(ROOT / "configs" / name)

@@ -1,0 +1,150 @@
+"""The daemon as a user meets it: a real subprocess, a real unix socket, real gRPC."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cuvild.client import Client
+from protos import cuvil_pb2, cuvil_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cuvilctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "import sys; from cuvild.cli import main; "
+                           "sys.exit(main())", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_status_shows_measured_cpu(daemon):
+    with Client(daemon.target) as client:
+        status = client.status()
+    cpu = next(d for d in status["devices"] if d["kind"] == "cpu")
+    assert cpu["peak_gflops"]["fp32"] > 0
+    assert cpu["mem_bw_gbs"] > 0
+    assert cpu["link_bw_gbs"] > 0 and cpu["launch_us"] > 0
+    assert cpu["emulated"] is False
+    assert status["models"] == []
+    assert status["profile"]["source"] in ("measured", "cache")
+
+
+def test_emulated_device_is_flagged(daemon):
+    with Client(daemon.target) as client:
+        devices = client.status()["devices"]
+    emulated = [d for d in devices if d["emulated"]]
+    if len(devices) < 2:
+        pytest.skip("needs 2 cores for the emulated NPU layout")
+    assert [d["id"] for d in emulated] == ["npu0"]
+    assert emulated[0]["kind"] == "npu" and emulated[0]["peak_gflops"]["fp32"] > 0
+    assert "emulated" in emulated[0]["name"].lower()
+
+
+def test_socket_mode_and_ready(daemon):
+    mode = stat.S_IMODE(daemon.socket_path.stat().st_mode)
+    assert mode == 0o660
+    assert any("READY=1" in m for m in daemon.messages)
+
+
+def test_health_and_reflection(daemon):
+    with grpc.insecure_channel(daemon.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "cuvil.v1.Control"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(stub.ServerReflectionInfo(iter([request]), timeout=10))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"cuvil.v1.Control", "grpc.health.v1.Health"} <= names
+
+
+def test_cuvilctl_status_human_and_json(daemon):
+    human = cuvilctl("--target", daemon.target, "status")
+    assert human.returncode == 0, human.stderr
+    assert "cpu0" in human.stdout and "FP32 GFLOP/s" in human.stdout
+    as_json = cuvilctl("--target", daemon.target, "status", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert {"version", "uptime_s", "devices", "models", "profile"} <= set(doc)
+    assert set(doc["devices"][0]) >= {"peak_gflops", "mem_bw_gbs", "link_bw_gbs",
+                                      "link_latency_us", "launch_us", "memory_gb"}
+
+
+def test_cuvilctl_dead_daemon_is_one_line_exit_1(tmp_path):
+    result = cuvilctl("--target", f"unix://{tmp_path}/absent.sock", "--timeout", "2", "status")
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "cannot reach cuvild" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_sigterm_exits_0_and_removes_socket(make_daemon):
+    d = make_daemon()
+    d.signal(signal.SIGTERM)
+    assert d.stop() == 0
+    assert not d.socket_path.exists()
+    d.wait_for("STOPPING=1", timeout=5)
+
+
+def test_warm_start_uses_cached_profile(make_daemon):
+    make_daemon().stop()  # the first start of a session may measure; this one caches
+    d = make_daemon()
+    with Client(d.target) as client:
+        status = client.status()
+    assert status["profile"]["source"] == "cache"
+    # Readiness is timed by `make bench`; tests only check the cache was used.
+    print(f"warm start ready in {d.ready_s:.3f} s (spawn to READY=1)")
+
+
+def test_stale_socket_is_replaced(make_daemon):
+    d = make_daemon(start=False)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(d.socket_path))  # bound, never listening, then closed: a crashed run
+    stale.close()
+    d.start()
+    with Client(d.target) as client:
+        assert client.status()["version"]
+
+
+def test_live_socket_is_refused(make_daemon, daemon):
+    d = make_daemon(start=False, listen={"unix": str(daemon.socket_path)})
+    d.start(wait=False)
+    assert d.proc.wait(60) == 1
+    assert "already serving" in d.log()
+    with Client(daemon.target) as client:  # the running one is untouched
+        assert client.status()["version"]
+
+
+def test_sighup_reloads_and_survives_bad_config(make_daemon):
+    d = make_daemon()
+    config = yaml.safe_load(d.config_path.read_text())
+    config["log_level"] = "warning"
+    d.config_path.write_text(yaml.safe_dump(config))
+    d.signal(signal.SIGHUP)
+    d.wait_for("config reloaded", timeout=60)
+    d.config_path.write_text("listen: {unix: 7}\n")
+    d.signal(signal.SIGHUP)
+    d.wait_for("reload failed", timeout=60)
+    with grpc.insecure_channel(d.target) as channel:
+        stub = cuvil_pb2_grpc.ControlStub(channel)
+        assert stub.GetStatus(cuvil_pb2.GetStatusRequest(), timeout=10).version
+    assert d.stop() == 0
+
+
+def test_profile_refresh_remeasures(daemon):
+    with Client(daemon.target) as client:
+        result = client.profile(refresh=True)
+    assert result["profile"]["source"] == "measured"
+    assert result["devices"][0]["peak_gflops"]["fp32"] > 0
