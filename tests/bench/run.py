@@ -1,0 +1,20 @@
+"""`make bench`: every benchmark section, one after another (never two at once on 2 cores)."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SECTIONS = ["bench_startup.py", "bench_partitioner.py"]
+
+if __name__ == "__main__":
+    for name in SECTIONS:
+        path = HERE / name
+        if not path.exists():
+            continue
+        print(f"== {name} ==", flush=True)
+        sys.argv = [str(path), *sys.argv[1:]]
+        runpy.run_path(str(path), run_name="__main__")
+        print(flush=True)
