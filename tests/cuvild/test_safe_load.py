@@ -1,0 +1,711 @@
+"""Tests for cuvild.safe_load: legit archives load, crafted ones are refused without running.
+
+Each attack test first runs the crafted archive through plain ``torch.export.load`` as a
+control (proving the payload really executes there), then checks that
+``load_exported_program`` raises ``UnsafeArchive`` and that a fresh marker stays absent.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import json
+import pickle
+import stat
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.export.pt2_archive.constants
+from torch._export.serde import schema
+
+from cuvild.safe_load import (
+    ArchiveInfo,
+    UnsafeArchive,
+    load_exported_program,
+    validate_archive,
+)
+
+# ----------------------------------------------------------------------------- models
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(4, 8)
+        self.l2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)))
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.max_pool2d(torch.relu(self.bn(self.conv(x))), 2).flatten(1)
+
+
+class Pair(torch.nn.Module):
+    """Two inputs tied by a shared dynamic dim: torch emits guards_code for it."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x[:, :-1] + y[:, 1:]
+
+
+class WithState(torch.nn.Module):
+    """Persistent + non-persistent buffers, a lifted tensor constant and a tied weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.tied = self.lin  # same parameters under two names
+        self.register_buffer("scale", torch.tensor([1.0, 2.0, 3.0]))
+        self.register_buffer("shift", torch.arange(3.0), persistent=False)
+        self.const = torch.tensor([0.5, -0.5, 0.25])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tied(x * self.scale + self.shift) + self.const
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """Real torch.export.save archives plus the eager modules they came from."""
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("legit")
+    batch = torch.export.Dim("batch", min=1, max=64)
+    cols = torch.export.Dim("cols", min=3, max=64)
+    specs: dict[str, tuple[torch.nn.Module, tuple[torch.Tensor, ...], object]] = {
+        "mlp": (MLP(), (torch.randn(2, 4),), None),
+        "conv": (ConvNet().eval(), (torch.randn(2, 3, 10, 10),), None),
+        "state": (WithState(), (torch.randn(2, 3),), None),
+        "dyn": (MLP(), (torch.randn(2, 4),), ({0: batch},)),
+        "pair": (Pair(), (torch.randn(4, 5), torch.randn(4, 5)), ({0: batch, 1: cols},) * 2),
+    }
+    result = {}
+    for name, (module, args, dynamic) in specs.items():
+        ep = torch.export.export(module, args, dynamic_shapes=dynamic)
+        if name == "mlp":  # the partitioner's annotations
+            calls = [n for n in ep.graph.nodes if n.op == "call_function"]
+            for i, node in enumerate(calls):
+                node.meta["custom"] = {"cuvil.partition": {"device": f"dev{i}", "pin": i == 0}}
+        path = out / f"{name}.pt2"
+        torch.export.save(ep, path)
+        result[name] = (path, module)
+    return result
+
+
+# --------------------------------------------------------------------- crafting tools
+
+
+def _root(src: Path) -> str:
+    with zipfile.ZipFile(src) as z:
+        return z.namelist()[0].split("/")[0]
+
+
+def entry(src: Path, rel: str) -> bytes:
+    with zipfile.ZipFile(src) as z:
+        return z.read(f"{_root(src)}/{rel}")
+
+
+def model_json(src: Path) -> dict:
+    return json.loads(entry(src, "models/model.json"))
+
+
+def rewrite(src: Path, dst: Path, edits: dict[str, bytes | str | None]) -> Path:
+    """Copy ``src`` to ``dst`` replacing (value), deleting (None) or adding entries."""
+    root = _root(src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for name in zin.namelist():
+            rel = name[len(root) + 1 :]
+            if rel not in edits:
+                zout.writestr(name, zin.read(name))
+            elif edits[rel] is not None:
+                zout.writestr(name, edits[rel])  # type: ignore[arg-type]
+        for rel, value in edits.items():
+            if value is not None and f"{root}/{rel}" not in zin.namelist():
+                zout.writestr(f"{root}/{rel}", value)
+    return dst
+
+
+class TouchOnUnpickle:
+    """Pickles to `exec("...touch(marker)")`: unpickling it runs code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[str]]:
+        return (exec, (f"import pathlib; pathlib.Path({self.marker!r}).touch()",))
+
+
+def evil_torch_save(marker: Path) -> bytes:
+    buf = io.BytesIO()
+    torch.save(TouchOnUnpickle(marker), buf)
+    return buf.getvalue()
+
+
+def first_symbol(src: Path) -> str:
+    """The expr_str of the dynamic batch dim, e.g. "Symbol('s77', positive=True, ...)"."""
+    sizes = model_json(src)["graph_module"]["graph"]["tensor_values"]["x"]["sizes"]
+    return sizes[0]["as_expr"]["expr_str"]
+
+
+def touch_code(marker: Path) -> str:
+    return f"__import__('pathlib').Path({str(marker)!r}).touch()"
+
+
+# ------------------------------------------------------------------------ the attacks
+# Each builder: (legit archives, marker, dst) -> crafted archive.
+
+
+def attack_example_inputs(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: deserialize_torch_artifact -> torch.load(weights_only=False) fallback
+    return rewrite(saved["mlp"][0], dst, {"data/sample_inputs/model.pt": evil_torch_save(marker)})
+
+
+def attack_pickled_weight(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: _load_state_dict, use_pickle=True -> torch.load(weights_only=False)
+    src = saved["mlp"][0]
+    config = json.loads(entry(src, "data/weights/model_weights_config.json"))
+    config["config"]["l1.weight"].update(use_pickle=True, path_name="weight_9")
+    return rewrite(
+        src,
+        dst,
+        {
+            "data/weights/model_weights_config.json": json.dumps(config),
+            "data/weights/weight_9": evil_torch_save(marker),
+        },
+    )
+
+
+def attack_pickled_constant(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: _load_constants, tensor_* with use_pickle=True -> torch.load(weights_only=False)
+    config = {"config": {"c": {"path_name": "tensor_0", "is_param": False, "use_pickle": True}}}
+    config["config"]["c"]["tensor_meta"] = None
+    return rewrite(
+        saved["mlp"][0],
+        dst,
+        {
+            "data/constants/model_constants_config.json": json.dumps(config),
+            "data/constants/tensor_0": evil_torch_save(marker),
+        },
+    )
+
+
+def _custom_object(kind: str, payload: bytes, saved: dict, dst: Path) -> Path:
+    meta = {"path_name": f"{kind}_0", "is_param": False, "use_pickle": True, "tensor_meta": None}
+    return rewrite(
+        saved["mlp"][0],
+        dst,
+        {
+            "data/constants/model_constants_config.json": json.dumps({"config": {"obj": meta}}),
+            f"data/constants/{kind}_0": payload,
+        },
+    )
+
+
+def attack_opaque_object(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: _load_constants, opaque_obj_* -> pickle.loads
+    return _custom_object("opaque_obj", pickle.dumps(TouchOnUnpickle(marker), 2), saved, dst)
+
+
+def attack_torchbind_object(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: _load_constants, custom_obj_* -> torch._C._pickle_load_obj (TorchScript unpickler)
+    return _custom_object("custom_obj", pickle.dumps(TouchOnUnpickle(marker), 2), saved, dst)
+
+
+def attack_sympy_eval(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: GraphModuleDeserializer._parse_sym_expr -> sympy.sympify(expr_str) == eval
+    src = saved["dyn"][0]
+    text, sym = entry(src, "models/model.json").decode(), first_symbol(src)
+    return rewrite(
+        src, dst, {"models/model.json": text.replace(sym, f"{touch_code(marker)} or {sym}")}
+    )
+
+
+def attack_fx_name_injection(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: sync_fx_node/placeholder keep raw names; GraphModule.recompile() exec()s
+    # "def forward(self, ..., <name>):" -> a default argument runs at definition time.
+    src = saved["mlp"][0]
+    program = model_json(src)
+    graph = program["graph_module"]["graph"]
+    name = f"y={touch_code(marker)}"
+    graph["inputs"].append({"as_tensor": {"name": name}})
+    graph["tensor_values"][name] = copy.deepcopy(graph["tensor_values"]["x"])
+    spec = {"user_input": {"arg": {"as_tensor": {"name": name}}}}
+    program["graph_module"]["signature"]["input_specs"].append(spec)
+    return rewrite(src, dst, {"models/model.json": json.dumps(program)})
+
+
+def attack_guards_code(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: ExportedProgram.module() -> _unlift._convert_guards_code_to_fn -> exec(guards)
+    src = saved["mlp"][0]
+    program = model_json(src)
+    program["guards_code"] = [f"{touch_code(marker)} is None"]
+    return rewrite(src, dst, {"models/model.json": json.dumps(program)})
+
+
+def attack_treespec_import(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: treespec_loads -> pytree.enum_object_hook -> importlib.import_module(fqn)
+    src = saved["mlp"][0]
+    program = model_json(src)
+    module = f"cuvil_evil_{abs(hash(str(marker)))}"
+    (marker.parent / f"{module}.py").write_text(f"{touch_code(marker)}\n")
+    context = json.dumps([{"__enum__": True, "fqn": f"{module}:X", "name": "a"}])
+    leaf = {"type": None, "context": None, "children_spec": []}
+    spec = [1, {"type": "builtins.dict", "context": context, "children_spec": [leaf]}]
+    program["graph_module"]["module_call_graph"][0]["signature"]["out_spec"] = json.dumps(spec)
+    return rewrite(src, dst, {"models/model.json": json.dumps(program)})
+
+
+def attack_legacy_format(saved: dict, marker: Path, dst: Path) -> Path:
+    # torch: load_pt2 fails -> torch.export.load falls back to the pre-2.8 zip layout whose
+    # serialized_*.pt payloads go through torch.load(weights_only=False) fallbacks.
+    evil = evil_torch_save(marker)
+    program = entry(saved["mlp"][0], "models/model.json")
+    with zipfile.ZipFile(dst, "w") as z:
+        z.writestr("version", ".".join(map(str, schema.SCHEMA_VERSION)))
+        z.writestr("serialized_exported_program.json", program)
+        for name in ("state_dict", "constants", "example_inputs"):
+            z.writestr(f"serialized_{name}.pt", evil)
+    return dst
+
+
+# name -> (builder, when the control payload runs under plain torch: "load", "module"
+# (at ep.module()), "never" (not reachable through torch.export.load on this torch)).
+# Older torch (2.11) may lack opaque objects / guards_code; then those controls are "never".
+_HAS_OPAQUE = hasattr(torch.export.pt2_archive.constants, "OPAQUE_OBJ_FILENAME_PREFIX")
+_HAS_GUARDS = "guards_code" in {f.name for f in dataclasses.fields(schema.ExportedProgram)}
+ATTACKS: dict[str, tuple[Callable[[dict, Path, Path], Path], str]] = {
+    "example_inputs_pickle": (attack_example_inputs, "load"),
+    "use_pickle_weight": (attack_pickled_weight, "load"),
+    "use_pickle_constant": (attack_pickled_constant, "load"),
+    "opaque_object_pickle": (attack_opaque_object, "load" if _HAS_OPAQUE else "never"),
+    "torchbind_custom_object": (attack_torchbind_object, "never"),
+    "sympy_expr_eval": (attack_sympy_eval, "load"),
+    "fx_name_injection": (attack_fx_name_injection, "load"),
+    "guards_code_exec": (attack_guards_code, "module" if _HAS_GUARDS else "never"),
+    "treespec_module_import": (attack_treespec_import, "load"),
+    "legacy_format_fallback": (attack_legacy_format, "load"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_attack_runs_under_torch_but_is_refused(
+    attack: str, saved: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build, when = ATTACKS[attack]
+    monkeypatch.syspath_prepend(str(tmp_path))  # lets the import attack find its module
+    control_marker = tmp_path / "control_marker"
+    crafted = build(saved, control_marker, tmp_path / "control.pt2")
+    try:
+        ep = torch.export.load(crafted)
+        if when == "module":
+            ep.module()(torch.randn(2, 4))
+    except Exception:
+        pass  # torch usually fails *after* the payload ran
+    if when == "never":
+        # E.g. the TorchScript unpickler cannot call Python globals: torch refuses this
+        # file before anything runs. Our loader must still refuse it on sight.
+        assert not control_marker.exists()
+    else:
+        assert control_marker.exists(), f"{attack}: control payload did not run under torch"
+
+    marker = tmp_path / "our_marker"
+    crafted = build(saved, marker, tmp_path / "ours.pt2")
+    with pytest.raises(UnsafeArchive) as err:
+        ep = load_exported_program(crafted)
+        ep.module()(torch.randn(2, 4))  # only reached on failure: show what would happen
+    assert not marker.exists()
+    assert err.value.entry and err.value.reason and err.value.entry in str(err.value)
+
+
+def test_refusals_name_the_entry_and_reason(saved: dict, tmp_path: Path) -> None:
+    expected = {
+        "example_inputs_pickle": ("data/sample_inputs/model.pt", "exec"),
+        "use_pickle_weight": ("data/weights/model_weights_config.json", "use_pickle"),
+        "use_pickle_constant": ("data/constants/model_constants_config.json", "use_pickle"),
+        "opaque_object_pickle": ("data/constants/opaque_obj_0", "pickle"),
+        "torchbind_custom_object": ("data/constants/custom_obj_0", "torchbind"),
+        "sympy_expr_eval": ("models/model.json", "not allowed"),
+        "fx_name_injection": ("models/model.json", "identifier"),
+        "guards_code_exec": ("models/model.json", "guard"),
+        "treespec_module_import": ("models/model.json", "import"),
+    }
+    for attack, (entry_name, word) in expected.items():
+        crafted = ATTACKS[attack][0](saved, tmp_path / "m", tmp_path / f"{attack}.pt2")
+        with pytest.raises(UnsafeArchive) as err:
+            validate_archive(crafted)
+        assert err.value.entry == entry_name, attack
+        assert word in err.value.reason, (attack, err.value.reason)
+
+
+def _set(path: str, value: object) -> Callable[[dict], None]:
+    """Mutation helper: assign ``value`` at a '/'-separated path inside model.json."""
+
+    def mutate(program: dict) -> None:
+        *parents, last = path.split("/")
+        obj: object = program
+        for key in parents:
+            obj = obj[int(key) if isinstance(obj, list) else key]  # type: ignore[index]
+        obj[int(last) if isinstance(obj, list) else last] = value  # type: ignore[index]
+
+    return mutate
+
+
+GM = "graph_module"
+NODE0 = f"{GM}/graph/nodes/0"
+SPEC = f"{GM}/module_call_graph/0/signature"
+LEAF = {"type": None, "context": None, "children_spec": []}
+
+
+@pytest.mark.parametrize(
+    "mutate, word",
+    [
+        # FX codegen: pytree kwargs keys are pasted as '<key>' into forward()
+        (
+            _set(
+                f"{SPEC}/in_spec",
+                json.dumps(
+                    [
+                        1,
+                        {
+                            "type": "builtins.dict",
+                            "context": "[\"a'+x+'\"]",
+                            "children_spec": [LEAF],
+                        },
+                    ]
+                ),
+            ),
+            "tree spec key",
+        ),
+        # pytree defaultdict context: importlib.import_module(default_factory_module)
+        (
+            _set(
+                f"{SPEC}/out_spec",
+                json.dumps(
+                    [
+                        1,
+                        {
+                            "type": "collections.defaultdict",
+                            "context": json.dumps(
+                                {
+                                    "default_factory_module": "os",
+                                    "default_factory_name": "system",
+                                    "dict_context": [],
+                                }
+                            ),
+                            "children_spec": [],
+                        },
+                    ]
+                ),
+            ),
+            "defaultdict",
+        ),
+        (
+            _set(f"{GM}/graph/custom_obj_values", {"obj": {"name": "obj", "class_fqn": "x"}}),
+            "torchbind",
+        ),
+        (_set(f"{NODE0}/metadata/nn_module_stack", 'a,b") or x("'), "forbidden"),
+        (_set(f"{NODE0}/metadata/stack_trace", 'File "a", line 1, in f\rimport os'), "control"),
+        (_set(f"{NODE0}/metadata/source_fn_stack", "n,torch.__class__.__init__"), "dotted"),
+        (_set(f"{NODE0}/metadata/custom", "{not json"), "JSON"),
+        (_set(f"{NODE0}/name", "a;b"), "identifier"),
+        (_set(f"{NODE0}/inputs/0/name", "x=1"), "identifier"),
+        (_set(f"{GM}/signature/input_specs/0/parameter/parameter_name", 'l1")+x+("'), "forbidden"),
+        (_set(f"{SPEC}/forward_arg_names", ["x", "y=print()"]), "identifier"),
+        (_set("guards_code", ["L['x'].size()[0] == len('')"]), "guard"),
+        (_set("guards_code", ["L['x\\'].size()[0] == 1"]), "guard"),
+        (_set("verifiers", ["CUSTOM"]), "verifier"),
+        (
+            _set(f"{NODE0}/target", "torch.ops.higher_order.triton_kernel_wrapper_mutation"),
+            "higher-order",
+        ),
+        (_set(f"{NODE0}/inputs/0/arg", {"as_operator": "torch.ops.myns.op.default"}), "namespace"),
+    ],
+)
+def test_program_json_sinks_are_guarded(
+    saved: dict, tmp_path: Path, mutate: Callable[[dict], None], word: str
+) -> None:
+    program = model_json(saved["mlp"][0])
+    mutate(program)
+    path = rewrite(saved["mlp"][0], tmp_path / "m.pt2", {"models/model.json": json.dumps(program)})
+    with pytest.raises(UnsafeArchive) as err:
+        load_exported_program(path)
+    assert err.value.entry == "models/model.json"
+    assert word in err.value.reason, err.value.reason
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "sympify('1')",
+        "Symbol('s0').__class__",
+        "lambdify(Symbol('s0'), 1)",
+        "Symbol('s0', evil=__import__('os'))",
+        "Pow(Symbol('s0'), Integer(10000000))",
+        "[Symbol('s0')][0]",
+        "preview(Symbol('s0'))",
+    ],
+)
+def test_sympy_expressions_outside_grammar(saved: dict, tmp_path: Path, expr: str) -> None:
+    src = saved["dyn"][0]
+    text, sym = entry(src, "models/model.json").decode(), first_symbol(src)
+    path = rewrite(src, tmp_path / "e.pt2", {"models/model.json": text.replace(sym, expr)})
+    with pytest.raises(UnsafeArchive, match="not allowed|too large"):
+        load_exported_program(path)
+
+
+def _with_node(saved: dict, tmp_path: Path, target: str, **node: object) -> Path:
+    src = saved["mlp"][0]
+    program = model_json(src)
+    arg = {"name": "", "arg": {"as_string": "x"}, "kind": 1}
+    new = {"target": target, "inputs": [arg], "outputs": [{"as_none": True}]}
+    program["graph_module"]["graph"]["nodes"].insert(0, {**new, "metadata": {}, **node})
+    return rewrite(src, tmp_path / "node.pt2", {"models/model.json": json.dumps(program)})
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "torch.os.system",  # resolves by getattr chain in torch's deserializer
+        "torch.ops.evil_ns.run.default",  # unknown namespace
+        "torch.ops.aten.save.default",  # aten op that writes files
+        "torch.ops.aten.add.Tensor.__call__",
+        "torch.ops.higher_order.call_torchbind",
+        "#evil:op",  # extension-op registry lookup
+        "builtins.eval",
+    ],
+)
+def test_disallowed_op_targets_are_named(saved: dict, tmp_path: Path, target: str) -> None:
+    with pytest.raises(UnsafeArchive) as err:
+        load_exported_program(_with_node(saved, tmp_path, target))
+    assert err.value.entry == "models/model.json"
+    assert repr(target) in err.value.reason
+
+
+# ------------------------------------------------------------------------ legit loads
+
+
+SHAPES = {
+    "mlp": [(2, 4)],
+    "conv": [(2, 3, 10, 10)],
+    "state": [(2, 3)],
+    "dyn": [(2, 4)],
+    "pair": [(4, 5), (4, 5)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_legit_archives_match_eager(saved: dict, name: str) -> None:
+    path, module = saved[name]
+    ep = load_exported_program(path)
+    assert isinstance(ep, torch.export.ExportedProgram)
+    assert ep.example_inputs is None  # never read
+    args = [torch.randn(*shape) for shape in SHAPES[name]]
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(*args), module(*args), rtol=0, atol=0)
+        reference = torch.export.load(path)  # trusted here: we made the file
+        torch.testing.assert_close(ep.module()(*args), reference.module()(*args), rtol=0, atol=0)
+    if name in ("dyn", "pair"):  # other sizes inside the declared ranges
+        args = [torch.randn(17, *shape[1:]) for shape in SHAPES[name]]
+        torch.testing.assert_close(ep.module()(*args), module(*args), rtol=0, atol=0)
+    if name == "pair":
+        assert model_json(path)["guards_code"]  # torch's own guards pass our guard grammar
+        assert ep._guards_code == model_json(path)["guards_code"]
+
+
+def test_state_keeps_buffers_constants_and_aliasing(saved: dict) -> None:
+    path, module = saved["state"]
+    ep = load_exported_program(path)
+    assert set(ep.state_dict) == set(torch.export.load(path).state_dict)
+    assert isinstance(ep.state_dict["lin.weight"], torch.nn.Parameter)
+    torch.testing.assert_close(ep.state_dict["scale"], module.scale)
+    assert len(ep.constants) >= 1
+
+
+def test_custom_annotations_survive(saved: dict) -> None:
+    ep = load_exported_program(saved["mlp"][0])
+    annotations = [
+        n.meta["custom"]["cuvil.partition"] for n in ep.graph.nodes if "custom" in n.meta
+    ]
+    assert annotations
+    assert annotations[0] == {"device": "dev0", "pin": True}
+    assert all(isinstance(a["device"], str) for a in annotations)
+
+
+def test_validate_reports_archive(saved: dict) -> None:
+    info = validate_archive(saved["conv"][0])
+    assert isinstance(info, ArchiveInfo)
+    assert "models/model.json" in info.entries
+    assert "torch.ops.aten.conv2d.default" in info.op_targets
+    assert info.total_bytes > 0 and info.root == "conv"
+
+
+def test_validate_then_load_via_bytesio_root(saved: dict, tmp_path: Path) -> None:
+    # Archives saved to a buffer use the root folder "archive".
+    buf = io.BytesIO()
+    torch.export.save(torch.export.load(saved["mlp"][0]), buf)
+    path = tmp_path / "buffer.pt2"
+    path.write_bytes(buf.getvalue())
+    assert validate_archive(path).root == "archive"
+    load_exported_program(path)
+
+
+# -------------------------------------------------------------------- malformed files
+
+
+def _zip(path: Path, members: list[tuple[zipfile.ZipInfo | str, bytes]]) -> Path:
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "w") as z:
+        warnings.simplefilter("ignore")  # duplicate names
+        for name, data in members:
+            z.writestr(name, data)
+    return path
+
+
+def _legit_members(src: Path) -> list[tuple[zipfile.ZipInfo | str, bytes]]:
+    with zipfile.ZipFile(src) as z:
+        return [(n, z.read(n)) for n in z.namelist()]
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.pt2"
+    path.write_bytes(b"")
+    with pytest.raises(UnsafeArchive, match="empty file"):
+        load_exported_program(path)
+
+
+def test_not_a_zip(tmp_path: Path) -> None:
+    path = tmp_path / "junk.pt2"
+    path.write_bytes(b"\x80\x04hello this is not a zip" * 10)
+    with pytest.raises(UnsafeArchive, match="not a readable zip"):
+        load_exported_program(path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99])
+def test_truncated(saved: dict, tmp_path: Path, keep: float) -> None:
+    data = saved["mlp"][0].read_bytes()
+    path = tmp_path / "cut.pt2"
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(UnsafeArchive):
+        load_exported_program(path)
+
+
+def test_corrupted_entry_crc(saved: dict, tmp_path: Path) -> None:
+    data = bytearray(saved["mlp"][0].read_bytes())
+    at = data.find(b'"graph_module"')
+    data[at + 2] ^= 0x20  # flip a byte inside models/model.json
+    path = tmp_path / "crc.pt2"
+    path.write_bytes(bytes(data))
+    with pytest.raises(UnsafeArchive, match="corrupt or truncated"):
+        load_exported_program(path)
+
+
+def test_extra_unknown_entry(saved: dict, tmp_path: Path) -> None:
+    path = rewrite(saved["mlp"][0], tmp_path / "extra.pt2", {"data/notes.txt": b"hi"})
+    with pytest.raises(UnsafeArchive) as err:
+        load_exported_program(path)
+    assert err.value.entry == "data/notes.txt" and "allow-list" in err.value.reason
+
+
+def test_aotinductor_entry_refused(saved: dict, tmp_path: Path) -> None:
+    path = rewrite(saved["mlp"][0], tmp_path / "so.pt2", {"data/aotinductor/model/x.so": b"E"})
+    with pytest.raises(UnsafeArchive, match="native code"):
+        load_exported_program(path)
+
+
+@pytest.mark.parametrize("bad", ["mlp/../../etc/evil", "/abs/evil", "mlp/data/./x", "C:/x"])
+def test_path_traversal_and_absolute(saved: dict, tmp_path: Path, bad: str) -> None:
+    members = _legit_members(saved["mlp"][0]) + [(bad, b"x")]
+    with pytest.raises(UnsafeArchive) as err:
+        load_exported_program(_zip(tmp_path / "trav.pt2", members))
+    assert "path" in err.value.reason
+
+
+def test_duplicate_names(saved: dict, tmp_path: Path) -> None:
+    members = _legit_members(saved["mlp"][0])
+    members.append(next(m for m in members if str(m[0]).endswith("models/model.json")))
+    with pytest.raises(UnsafeArchive, match="duplicate"):
+        load_exported_program(_zip(tmp_path / "dup.pt2", members))
+
+
+def test_symlink_entry(saved: dict, tmp_path: Path) -> None:
+    link = zipfile.ZipInfo("mlp/data/weights/weight_0")
+    link.external_attr = (stat.S_IFLNK | 0o777) << 16
+    members = [m for m in _legit_members(saved["mlp"][0]) if m[0] != link.filename]
+    with pytest.raises(UnsafeArchive, match="symlink"):
+        load_exported_program(_zip(tmp_path / "ln.pt2", [*members, (link, b"/etc/passwd")]))
+
+
+def test_too_many_entries(saved: dict) -> None:
+    with pytest.raises(UnsafeArchive, match="exceed the limit"):
+        load_exported_program(saved["mlp"][0], max_entries=5)
+
+
+def test_oversize_limit(saved: dict, tmp_path: Path) -> None:
+    path = saved["mlp"][0]
+    total = validate_archive(path).total_bytes
+    load_exported_program(path, max_bytes=total)
+    with pytest.raises(UnsafeArchive, match="exceed the limit"):
+        load_exported_program(path, max_bytes=total - 1)
+    # a deflate bomb: tiny on disk, huge declared size
+    bomb = tmp_path / "bomb.pt2"
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in _legit_members(path):
+            z.writestr(name, data)
+        z.writestr("mlp/data/weights/weight_7", b"\0" * (64 << 20))
+    assert bomb.stat().st_size < (1 << 20)
+    with pytest.raises(UnsafeArchive, match="exceed the limit"):
+        load_exported_program(bomb, max_bytes=32 << 20)
+
+
+def test_wrong_archive_format_marker(saved: dict, tmp_path: Path) -> None:
+    path = rewrite(saved["mlp"][0], tmp_path / "fmt.pt2", {"archive_format": b"zip"})
+    with pytest.raises(UnsafeArchive) as err:
+        load_exported_program(path)
+    assert err.value.entry == "archive_format"
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda p: p["graph_module"]["graph"]["nodes"][0].update(name={"x": 1}),
+        lambda p: p["graph_module"]["graph"]["nodes"][0].update(target=["torch"]),
+        lambda p: p["graph_module"]["graph"].pop("nodes"),
+        lambda p: p.update(verifiers=["EDGE"]),
+        lambda p: p["graph_module"]["graph"]["tensor_values"]["x"].update(dtype=999),
+        lambda p: p["graph_module"]["graph"]["inputs"][0]["as_tensor"].update(name="nope"),
+        lambda p: p.update(schema_version={"major": 999, "minor": 0}),
+    ],
+    ids=["name-type", "target-type", "missing-field", "verifier", "dtype", "dangling", "ver"],
+)
+def test_malformed_program_json(saved: dict, tmp_path: Path, mutate: Callable) -> None:
+    program = model_json(saved["mlp"][0])
+    mutate(program)
+    path = rewrite(
+        saved["mlp"][0], tmp_path / "bad.pt2", {"models/model.json": json.dumps(program)}
+    )
+    with pytest.raises(UnsafeArchive) as err:
+        load_exported_program(path)
+    assert err.value.entry == "models/model.json"
+
+
+def test_invalid_json_and_weight_sizes(saved: dict, tmp_path: Path) -> None:
+    src = saved["mlp"][0]
+    path = rewrite(src, tmp_path / "j.pt2", {"models/model.json": b"{not json"})
+    with pytest.raises(UnsafeArchive, match="malformed"):
+        load_exported_program(path)
+    config = json.loads(entry(src, "data/weights/model_weights_config.json"))
+    config["config"]["l1.weight"]["tensor_meta"]["sizes"] = [{"as_int": 4096}, {"as_int": 4096}]
+    path = rewrite(
+        src, tmp_path / "w.pt2", {"data/weights/model_weights_config.json": json.dumps(config)}
+    )
+    with pytest.raises(UnsafeArchive, match="cannot build"):
+        load_exported_program(path)
