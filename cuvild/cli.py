@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -47,6 +48,16 @@ def devices_table(devices: list[dict[str, Any]]) -> str:
     return format_table(headers, rows) + "\n" + names
 
 
+def models_table(models: list[dict[str, Any]]) -> str:
+    def shapes(specs: list[dict[str, Any]]) -> str:
+        return " ".join(f"{t['name']}:{t['dtype']}{t['shape']}" for t in specs)
+
+    return format_table(
+        ["MODEL", "VERSION", "SIZE MB", "NODES", "ANNOTATED", "SHA256", "INPUTS"],
+        [[m["name"], m["version"], _num(m["size_bytes"] / 1e6), str(m["num_nodes"]),
+          str(m["annotated_nodes"]), m["sha256"][:12], shapes(m["inputs"])] for m in models])
+
+
 def print_status(status: dict[str, Any]) -> None:
     prof = status["profile"]
     print(f"cuvild {status['version']}  pid {status['pid']}  up {status['uptime_s']:.1f} s  "
@@ -57,12 +68,7 @@ def print_status(status: dict[str, Any]) -> None:
     print(devices_table(status["devices"]))
     print()
     models = status["models"]
-    if not models:
-        print("models: none loaded")
-    else:
-        print(format_table(["MODEL", "VERSION", "STATE", "SIZE MB", "SHA256"],
-                           [[m["name"], m["version"], m["state"],
-                             _num(m["size_bytes"] / 1e6), m["sha256"][:12]] for m in models]))
+    print(models_table(models) if models else "models: none loaded")
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:
@@ -88,6 +94,42 @@ def cmd_profile(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_load(client: Client, args: argparse.Namespace) -> int:
+    if not Path(args.file).is_file():
+        print(f"cuvilctl: {args.file}: no such file", file=sys.stderr)
+        return 1
+    result = client.load_file(args.name, args.file, version=args.version, replace=args.replace,
+                              progress=not args.json and sys.stderr.isatty() or None)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        m = result["model"]
+        how = "already registered" if result["already_present"] else "registered"
+        print(f"{m['name']} version {m['version']} {how}: {m['num_nodes']} nodes "
+              f"({m['annotated_nodes']} annotated), sha256 {m['sha256'][:12]}, "
+              f"{result['seconds']:.2f} s")
+    return 0
+
+
+def cmd_models(client: Client, args: argparse.Namespace) -> int:
+    models = client.models()
+    if args.json:
+        print(json.dumps(models, indent=2))
+    else:
+        print(models_table(models) if models else "no models registered")
+    return 0
+
+
+def cmd_unload(client: Client, args: argparse.Namespace) -> int:
+    removed = client.unload(args.name, args.version)
+    if args.json:
+        print(json.dumps(removed, indent=2))
+    else:
+        for m in removed:
+            print(f"unloaded {m['name']} version {m['version']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cuvilctl", description="Control a running cuvild.")
     parser.add_argument("--target", default=None,
@@ -102,6 +144,22 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--refresh", action="store_true", help="re-run the micro-benchmarks")
     profile.add_argument("--json", action="store_true", help="machine-readable output")
     profile.set_defaults(func=cmd_profile)
+    load = sub.add_parser("load", help="upload a .pt2 archive (torch.export.save) to the daemon")
+    load.add_argument("name", help="model name: A-Z a-z 0-9 _ . -")
+    load.add_argument("file", help="the .pt2 archive")
+    load.add_argument("--version", default=None, help="version label (default: 1)")
+    load.add_argument("--replace", action="store_true",
+                      help="replace a registered name+version that has different content")
+    load.add_argument("--json", action="store_true", help="machine-readable output")
+    load.set_defaults(func=cmd_load)
+    models = sub.add_parser("models", help="list registered models")
+    models.add_argument("--json", action="store_true", help="machine-readable output")
+    models.set_defaults(func=cmd_models)
+    unload = sub.add_parser("unload", help="remove a model (every version unless --version)")
+    unload.add_argument("name")
+    unload.add_argument("--version", default=None)
+    unload.add_argument("--json", action="store_true", help="machine-readable output")
+    unload.set_defaults(func=cmd_unload)
     return parser
 
 
@@ -125,3 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

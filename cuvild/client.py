@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +16,25 @@ from cuvild.config import default_socket
 from protos import cuvil_pb2, cuvil_pb2_grpc
 
 SYSTEM_SOCKET = "/run/cuvild/cuvild.sock"
+CHUNK_BYTES = 1 << 20
+Progress = Callable[[int, int], None]
+
+
+def print_progress(sent: int, total: int) -> None:
+    """Default progress: one updating line on stderr."""
+    end = "\n" if sent >= total else ""
+    print(f"\ruploading {sent / 1e6:,.1f} / {total / 1e6:,.1f} MB "
+          f"({100 * sent / max(total, 1):.0f}%)", end=end, file=sys.stderr, flush=True)
+
+
+def model_dict(m: cuvil_pb2.ModelSummary) -> dict[str, Any]:
+    def specs(items: Any) -> list[dict[str, Any]]:
+        return [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in items]
+
+    return {"name": m.name, "version": m.version, "sha256": m.sha256,
+            "size_bytes": m.size_bytes, "state": m.state, "created_at": m.created_at,
+            "num_nodes": m.num_nodes, "annotated_nodes": m.annotated_nodes,
+            "inputs": specs(m.inputs), "outputs": specs(m.outputs)}
 
 
 def default_target() -> str:
@@ -63,8 +86,7 @@ class Client:
             "profile": {"source": r.profile_source, "seconds": round(r.profile_seconds, 3),
                         "fingerprint": r.fingerprint},
             "devices": [profile_dict(d) for d in r.devices],
-            "models": [{"name": m.name, "version": m.version, "sha256": m.sha256,
-                        "size_bytes": m.size_bytes, "state": m.state} for m in r.models],
+            "models": [model_dict(m) for m in r.models],
         }
 
     def profile(self, refresh: bool = False, timeout: float = 600.0) -> dict[str, Any]:
@@ -76,3 +98,56 @@ class Client:
                         "fingerprint": r.fingerprint},
             "devices": [profile_dict(d) for d in r.devices],
         }
+
+    # -- models ----------------------------------------------------------------------------
+    def load_file(self, name: str, path: str | os.PathLike[str], version: str | None = None,
+                  replace: bool = False, progress: Progress | bool | None = None,
+                  timeout: float = 600.0) -> dict[str, Any]:
+        """Upload a .pt2 archive saved by torch.export.save (or cuvild.export + save)."""
+        path = Path(path)
+        size = path.stat().st_size
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+                digest.update(block)
+        report = print_progress if progress is True else progress or None
+
+        def requests() -> Iterator[cuvil_pb2.LoadModelRequest]:
+            yield cuvil_pb2.LoadModelRequest(header=cuvil_pb2.LoadModelHeader(
+                name=name, version=version or "", sha256=digest.hexdigest(), size_bytes=size,
+                replace=replace))
+            sent = 0
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+                    yield cuvil_pb2.LoadModelRequest(chunk=block)
+                    sent += len(block)
+                    if report:
+                        report(sent, size)
+
+        r = self._control.LoadModel(requests(), timeout=timeout)
+        return {"model": model_dict(r.model), "already_present": r.already_present,
+                "seconds": r.seconds}
+
+    def load(self, name: str, model: Any, example_inputs: tuple[Any, ...],
+             dynamic_shapes: Any = None, version: str | None = None, replace: bool = False,
+             progress: Progress | bool | None = None) -> dict[str, Any]:
+        """Export `model` with its @partition annotations and upload it."""
+        import torch
+
+        from partitioner.annotate import export
+
+        program = export(model, example_inputs, dynamic_shapes=dynamic_shapes)
+        with tempfile.TemporaryDirectory(prefix="cuvil-upload-") as tmp:
+            path = Path(tmp) / f"{name}.pt2"
+            torch.export.save(program, path)
+            return self.load_file(name, path, version=version, replace=replace,
+                                  progress=progress)
+
+    def models(self) -> list[dict[str, Any]]:
+        r = self._control.ListModels(cuvil_pb2.ListModelsRequest(), timeout=self.timeout)
+        return [model_dict(m) for m in r.models]
+
+    def unload(self, name: str, version: str | None = None) -> list[dict[str, Any]]:
+        r = self._control.UnloadModel(
+            cuvil_pb2.UnloadModelRequest(name=name, version=version or ""), timeout=self.timeout)
+        return [model_dict(m) for m in r.removed]

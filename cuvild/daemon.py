@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 import cuvild
 from cuvild import config as config_mod
 from cuvild import sdnotify
+from cuvild.registry import Registry
 from cuvild.service import ControlService
 from protos import cuvil_pb2, cuvil_pb2_grpc
 from runtimes import profiles as profiles_mod
@@ -71,6 +72,7 @@ class Daemon:
         self.profiles: profiles_mod.ProfileResult | None = None
         self.health = health.HealthServicer()
         self.server: grpc.Server | None = None
+        self.registry: Registry | None = None
 
     # -- profiles --------------------------------------------------------------------------
     def _load_profiles(self, refresh: bool = False) -> profiles_mod.ProfileResult:
@@ -106,7 +108,7 @@ class Daemon:
     def _build_server(self) -> grpc.Server:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"))
         control = ControlService(self.current_profiles, lambda: self._load_profiles(True),
-                                 self.cfg.path)
+                                 self.cfg.path, self.registry, self.cfg.max_concurrent_uploads)
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -123,7 +125,11 @@ class Daemon:
         if (new.unix_socket, new.tcp) != (self.cfg.unix_socket, self.cfg.tcp):
             log.warning("reload: listen addresses changed; they take effect on restart")
             new.unix_socket, new.tcp = self.cfg.unix_socket, self.cfg.tcp
+        if new.max_concurrent_uploads != self.cfg.max_concurrent_uploads:
+            log.warning("reload: limits.max_concurrent_uploads takes effect on restart")
         self.cfg = new
+        if self.registry is not None:
+            self.registry.max_model_bytes = new.max_model_bytes
         logging.getLogger().setLevel(new.log_level.upper())
         self._load_profiles()
         log.info("reloaded %s", new.path)
@@ -132,6 +138,7 @@ class Daemon:
     def run(self) -> int:
         sdnotify.notify("STATUS=profiling devices")
         self._load_profiles()
+        self.registry = Registry(self.cfg.state_dir, self.cfg.max_model_bytes)
         server = self._build_server()
         self._bind(server)
         server.start()

@@ -6,11 +6,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 
 import grpc
 
 import cuvild
+from cuvild import intake
+from cuvild.registry import ModelRecord, Registry, RegistryError
 from partitioner.profile import DeviceProfile
 from protos import cuvil_pb2, cuvil_pb2_grpc
 from runtimes.profiles import ProfileResult, ProfilingError
@@ -27,16 +30,33 @@ def profile_to_pb(dev: DeviceProfile) -> cuvil_pb2.DeviceProfile:
     )
 
 
+def record_to_pb(record: ModelRecord) -> cuvil_pb2.ModelSummary:
+    fields = asdict(record)
+    specs = {k: [cuvil_pb2.TensorSpec(**t) for t in fields.pop(k)] for k in ("inputs", "outputs")}
+    return cuvil_pb2.ModelSummary(state="registered", **fields, **specs)
+
+
+REGISTRY_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "exists": grpc.StatusCode.ALREADY_EXISTS,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+}
+
+
 class ControlService(cuvil_pb2_grpc.ControlServicer):
-    """Answers status and profiling requests from the daemon's current state."""
+    """Answers status, profiling and model registry requests."""
 
     def __init__(self, profiles: Callable[[], ProfileResult],
-                 reprofile: Callable[[], ProfileResult], config_path: str) -> None:
+                 reprofile: Callable[[], ProfileResult], config_path: str,
+                 registry: Registry, max_uploads: int) -> None:
         self._profiles = profiles
         self._reprofile = reprofile
         self._config_path = config_path
+        self._registry = registry
         self._started = time.monotonic()
         self._refresh_lock = threading.Lock()
+        self._max_uploads = max_uploads
+        self._upload_slots = threading.BoundedSemaphore(max_uploads)
 
     def GetStatus(self, request: cuvil_pb2.GetStatusRequest,
                   context: grpc.ServicerContext) -> cuvil_pb2.GetStatusResponse:
@@ -45,7 +65,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             version=cuvild.__version__,
             uptime_s=time.monotonic() - self._started,
             devices=[profile_to_pb(d) for d in result.devices],
-            models=[],
+            models=[record_to_pb(r) for r in self._registry.list()],
             profile_source=result.source,
             profile_seconds=result.seconds,
             fingerprint=result.fingerprint,
@@ -74,3 +94,57 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             profile_seconds=result.seconds,
             fingerprint=result.fingerprint,
         )
+
+    # -- models ----------------------------------------------------------------------------
+    def LoadModel(self, request_iterator: Iterator[cuvil_pb2.LoadModelRequest],
+                  context: grpc.ServicerContext) -> cuvil_pb2.LoadModelResponse:
+        if not self._upload_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self._max_uploads} uploads already in progress "
+                          "(limits.max_concurrent_uploads); retry later")
+        t0 = time.perf_counter()
+        try:
+            record, present = self._receive(request_iterator)
+        except RegistryError as e:
+            context.abort(REGISTRY_CODES[e.kind], str(e))
+        except ValueError as e:  # the archive was refused by the safe loader
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model archive refused: {e}")
+        finally:
+            self._upload_slots.release()
+        seconds = time.perf_counter() - t0
+        log.info("model %s:%s %s (%d bytes, %.2f s)", record.name, record.version,
+                 "already registered" if present else "registered", record.size_bytes, seconds)
+        return cuvil_pb2.LoadModelResponse(model=record_to_pb(record), already_present=present,
+                                           seconds=seconds)
+
+    def _receive(self, requests: Iterator[cuvil_pb2.LoadModelRequest]) -> tuple[ModelRecord, bool]:
+        first = next(requests, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise RegistryError("invalid", "the first LoadModel message must be the header")
+        h = first.header
+        upload = self._registry.begin_upload({
+            "name": h.name, "version": h.version, "sha256": h.sha256,
+            "size_bytes": h.size_bytes, "replace": h.replace})
+        try:
+            for message in requests:
+                if message.WhichOneof("part") != "chunk":
+                    raise RegistryError("invalid", "LoadModel got a second header")
+                upload.write(message.chunk)
+        except BaseException:  # includes the client cancelling mid-stream
+            upload.abort()
+            raise
+        return upload.finish(
+            lambda path: intake.inspect_archive(path, self._registry.max_model_bytes))
+
+    def UnloadModel(self, request: cuvil_pb2.UnloadModelRequest,
+                    context: grpc.ServicerContext) -> cuvil_pb2.UnloadModelResponse:
+        try:
+            removed = self._registry.remove(request.name, request.version)
+        except RegistryError as e:
+            context.abort(REGISTRY_CODES[e.kind], str(e))
+        return cuvil_pb2.UnloadModelResponse(removed=[record_to_pb(r) for r in removed])
+
+    def ListModels(self, request: cuvil_pb2.ListModelsRequest,
+                   context: grpc.ServicerContext) -> cuvil_pb2.ListModelsResponse:
+        return cuvil_pb2.ListModelsResponse(
+            models=[record_to_pb(r) for r in self._registry.list()])

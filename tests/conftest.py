@@ -50,6 +50,7 @@ class DaemonProcess:
         self.log_path = workdir / "cuvild.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
+        self.state_dir = Path(config["state_dir"])
 
     def start(self, wait: bool = True) -> DaemonProcess:
         env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path), "PYTHONUNBUFFERED": "1"}
@@ -134,13 +135,22 @@ def daemon_config(workdir: Path, state_dir: Path, sock_dir: Path,
 
 @pytest.fixture
 def make_daemon(tmp_path: Path, state_root: Path, sock_dir: Path) -> Iterator[Any]:
-    """Factory: make_daemon(**config_overrides) -> started DaemonProcess (stopped at teardown)."""
+    """Factory: make_daemon(state_dir=None, **config) -> started DaemonProcess.
+
+    Each daemon gets its own state dir (pass one back to restart on the same state), seeded
+    with the session's cached device profiles so only the first start of a session measures.
+    """
     started: list[DaemonProcess] = []
 
-    def make(start: bool = True, **extra: Any) -> DaemonProcess:
+    def make(start: bool = True, state_dir: Path | None = None, **extra: Any) -> DaemonProcess:
         workdir = tmp_path / f"d{len(started)}"
         workdir.mkdir()
-        daemon = DaemonProcess(workdir, daemon_config(workdir, state_root, sock_dir, **extra))
+        if state_dir is None:
+            state_dir = workdir / "state"
+            if (state_root / "profiles").exists():
+                shutil.copytree(state_root / "profiles", state_dir / "profiles")
+        daemon = DaemonProcess(workdir, daemon_config(workdir, state_dir, sock_dir, **extra))
+        daemon.state_dir = state_dir
         started.append(daemon)
         return daemon.start() if start else daemon
 

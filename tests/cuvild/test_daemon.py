@@ -99,8 +99,9 @@ def test_sigterm_exits_0_and_removes_socket(make_daemon):
 
 
 def test_warm_start_uses_cached_profile(make_daemon):
-    make_daemon().stop()  # the first start of a session may measure; this one caches
-    d = make_daemon()
+    first = make_daemon()  # may measure (when the session has no cached profile yet)
+    first.stop()
+    d = make_daemon(state_dir=first.state_dir)
     with Client(d.target) as client:
         status = client.status()
     assert status["profile"]["source"] == "cache"

@@ -1,0 +1,224 @@
+"""Model intake through the daemon: upload, list, survive restarts, refuse bad archives."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+import cuvild
+from cuvild.client import Client
+from protos import cuvil_pb2, cuvil_pb2_grpc
+
+
+class Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = cuvild.partition(device="npu", precision="fp32")(torch.nn.Linear(8, 16))
+        self.head = Head()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def save_archive(path: Path, model: torch.nn.Module | None = None) -> Path:
+    model = model or Net().eval()
+    torch.export.save(cuvild.export(model, (torch.randn(2, 8),)), path)
+    return path
+
+
+def raw_upload(target: str, data: bytes, *, name: str = "m", size: int | None = None,
+               sha256: str | None = None) -> grpc.RpcError | cuvil_pb2.LoadModelResponse:
+    header = cuvil_pb2.LoadModelHeader(
+        name=name, sha256=sha256 or hashlib.sha256(data).hexdigest(),
+        size_bytes=len(data) if size is None else size)
+
+    def requests():
+        yield cuvil_pb2.LoadModelRequest(header=header)
+        for i in range(0, len(data), 1 << 16):
+            yield cuvil_pb2.LoadModelRequest(chunk=data[i:i + (1 << 16)])
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return cuvil_pb2_grpc.ControlStub(channel).LoadModel(requests(), timeout=60)
+        except grpc.RpcError as err:
+            return err
+
+
+def assert_no_residue(state_dir: Path) -> None:
+    assert list((state_dir / "uploads").iterdir()) == []
+    assert [p.name for p in (state_dir / "models").iterdir() if p.name != "index.json"] == []
+
+
+def test_load_lists_and_survives_restart(make_daemon):
+    d = make_daemon()
+    seen = []
+    with Client(d.target) as client:
+        result = client.load("net", Net().eval(), (torch.randn(2, 8),),
+                             progress=lambda sent, total: seen.append((sent, total)))
+        assert result["already_present"] is False
+        model = result["model"]
+        assert model["annotated_nodes"] > 0 and model["num_nodes"] >= 3
+        assert model["inputs"] == [{"name": "x", "dtype": "float32", "shape": [2, 8]}]
+        assert seen and seen[-1][0] == seen[-1][1] == model["size_bytes"]
+        assert [m["name"] for m in client.models()] == ["net"]
+    d.stop()
+    again = make_daemon(state_dir=d.state_dir)
+    with Client(again.target) as client:
+        models = client.models()
+        assert [(m["name"], m["sha256"]) for m in models] == [("net", model["sha256"])]
+        assert client.status()["models"][0]["name"] == "net"
+
+
+def test_versions_replace_and_unload(make_daemon, tmp_path):
+    d = make_daemon()
+    a = save_archive(tmp_path / "a.pt2")
+    b = save_archive(tmp_path / "b.pt2")  # new random weights: different content
+    with Client(d.target) as client:
+        client.load_file("m", a)
+        assert client.load_file("m", a)["already_present"] is True
+        with pytest.raises(grpc.RpcError) as err:
+            client.load_file("m", b)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "new version or set replace" in err.value.details()
+        client.load_file("m", b, version="2")
+        assert sorted(m["version"] for m in client.models()) == ["1", "2"]
+        client.load_file("m", b, replace=True)  # version 1 now has b's content
+        assert len({m["sha256"] for m in client.models()}) == 1
+        assert len(list((d.state_dir / "models").glob("*.pt2"))) == 1  # a's archive is gone
+        removed = client.unload("m")
+        assert {m["version"] for m in removed} == {"1", "2"}
+        assert client.models() == []
+        with pytest.raises(grpc.RpcError) as err:
+            client.unload("m")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert_no_residue(d.state_dir)
+
+
+def test_bad_uploads_get_clear_errors_and_leave_nothing(make_daemon, tmp_path):
+    d = make_daemon(limits={"max_model_bytes": 1 << 20})
+    good = save_archive(tmp_path / "good.pt2").read_bytes()
+    cases = {
+        "truncated upload": raw_upload(d.target, good[: len(good) // 2], size=len(good)),
+        "size_bytes: expected > 0": raw_upload(d.target, b""),
+        "exceeds limits.max_model_bytes": raw_upload(d.target, b"x" * 10, size=(1 << 20) + 1),
+        "sha256 mismatch": raw_upload(d.target, good, sha256="0" * 64),
+        "zip": raw_upload(d.target, os.urandom(4096)),
+        "more bytes than the declared": raw_upload(d.target, good, size=len(good) - 1),
+        "name": raw_upload(d.target, good, name="../escape"),
+    }
+    for needle, reply in cases.items():
+        assert isinstance(reply, grpc.RpcError), needle
+        assert reply.code() == grpc.StatusCode.INVALID_ARGUMENT, (needle, reply.details())
+        assert needle in reply.details(), (needle, reply.details())
+    with Client(d.target) as client:  # still serving, nothing registered
+        assert client.models() == []
+    assert_no_residue(d.state_dir)
+
+
+def test_crafted_archive_is_refused_and_runs_nothing(make_daemon, tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    import pickle
+
+    good = save_archive(tmp_path / "good.pt2")
+    crafted = tmp_path / "crafted.pt2"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(crafted, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if "sample_inputs" in item.filename:
+                data = pickle.dumps(Payload())
+            dst.writestr(item, data)
+    d = make_daemon()
+    reply = raw_upload(d.target, crafted.read_bytes())
+    assert isinstance(reply, grpc.RpcError)
+    assert reply.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "refused" in reply.details()
+    assert not marker.exists()
+    assert_no_residue(d.state_dir)
+
+
+def test_sigkill_mid_upload_leaves_registry_consistent(make_daemon, tmp_path):
+    d = make_daemon()
+    archive = save_archive(tmp_path / "m.pt2")
+    with Client(d.target) as client:
+        client.load_file("kept", archive)
+    data = archive.read_bytes() * 8  # a bigger upload that never finishes
+    started = threading.Event()
+
+    def requests():
+        yield cuvil_pb2.LoadModelRequest(header=cuvil_pb2.LoadModelHeader(
+            name="half", sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)))
+        yield cuvil_pb2.LoadModelRequest(chunk=data[: len(data) // 2])
+        started.set()
+        time.sleep(30)
+
+    def upload():
+        with grpc.insecure_channel(d.target) as channel:
+            try:
+                cuvil_pb2_grpc.ControlStub(channel).LoadModel(requests(), timeout=60)
+            except grpc.RpcError:
+                pass
+
+    thread = threading.Thread(target=upload, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    deadline = time.monotonic() + 10
+    while not any((d.state_dir / "uploads").iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    d.signal(signal.SIGKILL)
+    d.proc.wait(10)
+    again = make_daemon(state_dir=d.state_dir)
+    with Client(again.target) as client:
+        assert [m["name"] for m in client.models()] == ["kept"]
+    assert list((d.state_dir / "uploads").iterdir()) == []
+    assert len(list((d.state_dir / "models").glob("*.pt2"))) == 1
+
+
+def test_cuvilctl_load_models_unload(make_daemon, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cuvild.cli", "--target", d.target, *args],
+                              capture_output=True, text=True, timeout=120)
+
+    d = make_daemon()
+    archive = save_archive(tmp_path / "net.pt2")
+    loaded = ctl("load", "net", str(archive))
+    assert loaded.returncode == 0, loaded.stderr
+    assert "net version 1 registered" in loaded.stdout
+    listed = json.loads(ctl("models", "--json").stdout)
+    assert [m["name"] for m in listed] == ["net"] and listed[0]["annotated_nodes"] > 0
+    assert "net" in ctl("models").stdout
+    refused = ctl("load", "net", str(tmp_path / "missing.pt2"))
+    assert refused.returncode == 1 and "no such file" in refused.stderr
+    bad = tmp_path / "bad.pt2"
+    bad.write_bytes(b"not a zip at all")
+    refused = ctl("load", "bad", str(bad))
+    assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert ctl("unload", "net").returncode == 0
+    assert json.loads(ctl("models", "--json").stdout) == []
