@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The repo root first (tests/cuvild must not shadow the cuvild package), tests/ for conftest.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 from conftest import DaemonProcess, daemon_config  # noqa: E402
 
 from cuvild.client import Client  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ["bench_startup.py", "bench_partitioner.py"]
+SECTIONS = ["bench_startup.py", "bench_intake.py", "bench_partitioner.py"]
 
 if __name__ == "__main__":
     for name in SECTIONS:
