@@ -1,0 +1,144 @@
+"""Cut an ExportedProgram into self-contained part modules along a Plan.
+
+Each part becomes an fx.GraphModule that owns the parameters, buffers and constants it uses
+(inlined back as attributes), takes the values that enter it as positional inputs and
+returns the values other parts or the model's outputs need. Values are named as in the
+submitted graph, so the engine wires parts by name and users can read the wiring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+
+@dataclass
+class PartGraph:
+    id: str
+    module: fx.GraphModule
+    inputs: list[str]  # value names, in the order the module takes them
+    outputs: list[str]  # value names, in the order the module returns them
+
+
+@dataclass
+class SplitProgram:
+    parts: list[PartGraph]  # in an order where every part comes after its producers
+    inputs: list[str]  # the model's user inputs, in call order
+    outputs: list[str]  # the values the model returns, in order
+
+    def run(self, *args: Any) -> list[Any]:
+        """Run every part with torch eager: the reference the compiled parts are checked by."""
+        values = dict(zip(self.inputs, args, strict=True))
+        for part in self.parts:
+            results = part.module(*(values[name] for name in part.inputs))
+            values.update(zip(part.outputs, results, strict=True))
+        return [values[name] for name in self.outputs]
+
+    def trace(self, *args: Any) -> dict[str, Any]:
+        """Every value that crosses a part boundary, from one eager run (sample data per part)."""
+        values = dict(zip(self.inputs, args, strict=True))
+        for part in self.parts:
+            results = part.module(*(values[name] for name in part.inputs))
+            values.update(zip(part.outputs, results, strict=True))
+        return values
+
+
+def _state(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """Placeholder name -> tensor for parameters, buffers and lifted constants."""
+    sig = ep.graph_signature
+    state: dict[str, Any] = {}
+    for placeholder, key in sig.inputs_to_parameters.items():
+        state[placeholder] = ep.state_dict[key]
+    for placeholder, key in sig.inputs_to_buffers.items():
+        state[placeholder] = ep.state_dict[key] if key in ep.state_dict else ep.constants[key]
+    for placeholder, key in sig.inputs_to_lifted_tensor_constants.items():
+        state[placeholder] = ep.constants[key]
+    return state
+
+
+def _build_part(part_id: str, nodes: list[fx.Node], owner: Mapping[str, str],
+                state: Mapping[str, torch.Tensor], needed: set[str]) -> PartGraph:
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[str] = []
+
+    def bring(value: fx.Node) -> fx.Node:
+        if value in env:
+            return env[value]
+        if value.name in state:  # a weight: inline it into this part
+            attr = value.name
+            root.register_buffer(attr, state[attr], persistent=False)
+            env[value] = graph.get_attr(attr)
+        else:  # a model input or a value made by another part
+            env[value] = graph.placeholder(value.name)
+            inputs.append(value.name)
+        env[value].meta = dict(value.meta)
+        return env[value]
+
+    members = {n.name for n in nodes}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg.name not in members:
+                bring(arg)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    outputs = [n.name for n in nodes if n.name in needed]
+    graph.output(tuple(env[n] for n in nodes if n.name in needed))
+    module = fx.GraphModule(root, graph, class_name=f"Part_{part_id}")
+    return PartGraph(part_id, module, inputs, outputs)
+
+
+def split_program(ep: torch.export.ExportedProgram,
+                  assignment: Mapping[str, str] | Sequence[tuple[str, Sequence[str]]],
+                  ) -> SplitProgram:
+    """Split `ep` into parts.
+
+    `assignment` is either node name -> part id, or a list of (part id, node names) such as
+    a Plan's parts. Every call_function node must belong to exactly one part; the parts must
+    form an acyclic graph (a Plan guarantees it) and are returned in dependency order.
+    """
+    if not isinstance(assignment, Mapping):
+        assignment = {name: pid for pid, names in assignment for name in names}
+    state = _state(ep)
+    graph_nodes = list(ep.graph.nodes)
+    compute = [n for n in graph_nodes if n.op == "call_function"]
+    missing = [n.name for n in compute if n.name not in assignment]
+    if missing:
+        raise ValueError(f"nodes without a part: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    output_node = graph_nodes[-1]
+    n_user = len(ep.graph_signature.user_outputs)
+    user_outputs = list(output_node.args[0][:n_user])
+    needed = {a.name for a in user_outputs if isinstance(a, fx.Node)}
+    for node in compute:
+        for user in node.users:
+            if user.op != "output" and assignment[user.name] != assignment[node.name]:
+                needed.add(node.name)
+    by_part: dict[str, list[fx.Node]] = {}
+    for node in compute:
+        by_part.setdefault(assignment[node.name], []).append(node)
+    parts = [_build_part(pid, nodes, assignment, state, needed)
+             for pid, nodes in by_part.items()]
+    return SplitProgram(_dependency_order(parts), list(ep.graph_signature.user_inputs),
+                        [a.name for a in user_outputs])
+
+
+def _dependency_order(parts: list[PartGraph]) -> list[PartGraph]:
+    producer = {name: p.id for p in parts for name in p.outputs}
+    order: list[PartGraph] = []
+    done: set[str] = set()
+    pending = list(parts)
+    while pending:
+        ready = [p for p in pending
+                 if all(producer.get(i) in done or i not in producer for i in p.inputs)]
+        if not ready:
+            raise ValueError("parts form a cycle: "
+                             + ", ".join(p.id for p in pending))
+        for p in ready:
+            order.append(p)
+            done.add(p.id)
+            pending.remove(p)
+    return order

@@ -1,0 +1,58 @@
+"""The one visible place that maps runtime names to their modules.
+
+A runtime module is imported only when first asked for, so a library that is not installed
+costs nothing and shows up as a reason, not a crash.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from runtimes.base import Runtime, RuntimeUnavailable
+
+RUNTIMES = {
+    "torch": "runtimes.torch_eager:TorchRuntime",  # reference: torch eager on the host
+    "openvino": "runtimes.openvino:OpenVINORuntime",  # CPU, NPU, Intel GPU
+    "onnxruntime": "runtimes.onnxruntime:ONNXRuntime",  # CPU
+    "llvm-cpu": "runtimes.llvm_cpu:IREERuntime",  # CPU, LLVM through IREE
+    "triton": "runtimes.triton:TritonRuntime",  # CUDA GPUs, inductor -> Triton
+}
+
+# Which runtimes may serve each device kind, best-known first (auto still measures).
+BY_KIND = {
+    "cpu": ("openvino", "onnxruntime", "llvm-cpu", "torch"),
+    "gpu": ("triton",),
+    "npu": ("openvino",),
+}
+
+
+def runtime_class(name: str) -> type[Runtime]:
+    if name not in RUNTIMES:
+        raise RuntimeUnavailable(f"unknown runtime {name!r}; expected one of {sorted(RUNTIMES)}")
+    module_name, class_name = RUNTIMES[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RuntimeUnavailable(f"runtime {name!r} is not installed ({e})") from None
+    return getattr(module, class_name)
+
+
+def get(name: str) -> Runtime:
+    """An instance of runtime `name`; RuntimeUnavailable says why it cannot be used here."""
+    cls = runtime_class(name)
+    reason = cls.unavailable()
+    if reason:
+        raise RuntimeUnavailable(f"runtime {name!r} is unavailable: {reason}")
+    return cls()
+
+
+def report() -> dict[str, str | None]:
+    """Every runtime with None (usable) or the reason it is not."""
+    out: dict[str, str | None] = {}
+    for name in RUNTIMES:
+        try:
+            get(name)
+            out[name] = None
+        except RuntimeUnavailable as e:
+            out[name] = str(e)
+    return out
