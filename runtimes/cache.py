@@ -1,0 +1,135 @@
+"""Content-addressed compile cache under cache_dir, size-bounded with LRU eviction.
+
+Key = the part's graph code and weights + runtime and its version + the device (kind, name,
+features, cores, emulated) + precision + input shapes. An entry is a directory written under
+a temporary name and renamed into place, so a crash never leaves a half entry visible.
+The per-part choice of runtime (`auto`) is cached too, so a restarted daemon loads only the
+winner and compiles nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from partitioner.profile import DeviceProfile
+
+log = logging.getLogger(__name__)
+
+
+def graph_digest(module: fx.GraphModule) -> str:
+    """Hash of a part: its code and every weight's dtype, shape and bytes."""
+    h = hashlib.sha256(module.code.encode())
+    for name, tensor in sorted({**dict(module.named_buffers()),
+                                **dict(module.named_parameters())}.items()):
+        t = tensor.detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def device_digest(device: DeviceProfile) -> dict[str, Any]:
+    return {"kind": device.kind, "name": device.name, "features": sorted(device.features),
+            "cores": len(device.cores), "emulated": device.emulated}
+
+
+def _key(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class CompileCache:
+    def __init__(self, root: Path, max_bytes: int = 10 << 30) -> None:
+        self.entries = root / "compiled"
+        self.choices = root / "choices"
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        for d in (self.entries, self.choices):
+            d.mkdir(parents=True, exist_ok=True)
+            for leftover in d.glob(".tmp-*"):  # a crash mid-write
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    leftover.unlink(missing_ok=True)
+
+    # -- keys ----------------------------------------------------------------------------
+    @staticmethod
+    def part_key(part_digest: str, device: DeviceProfile, precision: str,
+                 shapes: list[Any]) -> str:
+        """Identifies the compile problem, whatever runtime solves it."""
+        return _key(part_digest, device_digest(device), precision, shapes)
+
+    @staticmethod
+    def entry_key(part_key: str, runtime: str, runtime_version: str) -> str:
+        return _key(part_key, runtime, runtime_version)
+
+    # -- entries -------------------------------------------------------------------------
+    def lookup(self, key: str) -> Path | None:
+        path = self.entries / key
+        if not (path / "meta.json").exists():
+            return None
+        os.utime(path / "meta.json")  # LRU: last use is the meta file's mtime
+        return path
+
+    def store(self, key: str, write: Any, meta: dict[str, Any]) -> Path:
+        """Call write(tmp_dir) to fill a new entry, then publish it atomically."""
+        tmp = Path(tempfile.mkdtemp(dir=self.entries, prefix=".tmp-"))
+        try:
+            write(tmp)
+            (tmp / "meta.json").write_text(json.dumps({**meta, "stored_at": time.time()}))
+            final = self.entries / key
+            with self._lock:
+                if final.exists():
+                    shutil.rmtree(tmp)
+                    return final
+                os.replace(tmp, final)
+            self.evict()
+            return final
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def evict(self) -> list[str]:
+        """Drop least recently used entries until the cache fits max_bytes."""
+        with self._lock:
+            sized = sorted(((p / "meta.json").stat().st_mtime, p) for p in self.entries.iterdir()
+                           if (p / "meta.json").exists())
+            total = sum(_dir_size(p) for _, p in sized)
+            dropped = []
+            while total > self.max_bytes and sized:
+                _, oldest = sized.pop(0)
+                total -= _dir_size(oldest)
+                shutil.rmtree(oldest, ignore_errors=True)
+                dropped.append(oldest.name)
+                log.info("compile cache: evicted %s", oldest.name)
+            return dropped
+
+    # -- choices -------------------------------------------------------------------------
+    def choice(self, part_key: str) -> dict[str, Any] | None:
+        path = self.choices / f"{part_key}.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def record_choice(self, part_key: str, choice: dict[str, Any]) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.choices, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(choice, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.choices / f"{part_key}.json")

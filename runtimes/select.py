@@ -1,0 +1,202 @@
+"""Build one part for its device: pick the runtime, check numerics, use the compile cache.
+
+With `runtime="auto"` every runtime that can target the device and precision is compiled
+(each time-boxed), checked against torch eager within the precision's tolerance, timed, and
+the fastest correct one is kept. The choice and the measured times are recorded in the cache,
+so a restarted daemon loads the winner without compiling or timing anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from partitioner.profile import DeviceProfile
+from runtimes import registry
+from runtimes.base import TOLERANCE, CompileError, CompileSpec, Executable, RuntimeUnavailable
+from runtimes.cache import CompileCache, graph_digest
+
+log = logging.getLogger(__name__)
+TIMING_BUDGET_S = 0.5  # per candidate; at least 3 runs
+
+
+@dataclass
+class Candidate:
+    runtime: str
+    status: str  # "ok" | "unavailable" | "failed" | "timeout" | "inaccurate"
+    reason: str = ""
+    compile_s: float = 0.0
+    rel_error: float = 0.0
+    median_ms: float = 0.0
+    cached: bool = False
+
+
+@dataclass
+class BuiltPart:
+    runtime: str
+    executable: Executable
+    candidates: list[Candidate] = field(default_factory=list)
+    from_cache: bool = False  # True when nothing was compiled
+    compiled: list[str] = field(default_factory=list)  # runtimes compiled now
+
+    def report(self) -> dict[str, Any]:
+        return {"runtime": self.runtime, "from_cache": self.from_cache,
+                "candidates": [asdict(c) for c in self.candidates]}
+
+
+def relative_error(outputs: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
+    """max |a - b| / max |b| over all outputs (0 when they are equal)."""
+    worst = 0.0
+    for out, ref in zip(outputs, expected, strict=True):
+        if not ref.is_floating_point():
+            worst = max(worst, float((out != ref).any()))
+            continue
+        scale = max(ref.abs().max().item(), 1e-12) if ref.numel() else 1.0
+        diff = (out.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+        worst = max(worst, diff / scale)
+    return worst
+
+
+def time_ms(executable: Executable, inputs: Sequence[torch.Tensor]) -> float:
+    executable.run(inputs)
+    samples = []
+    deadline = time.perf_counter() + TIMING_BUDGET_S
+    while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < 50):
+        t0 = time.perf_counter()
+        executable.run(inputs)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _compile_boxed(runtime: Any, part: fx.GraphModule, spec: CompileSpec,
+                   timeout_s: float) -> Executable:
+    """Compile in a thread we stop waiting for after timeout_s, so one slow compiler cannot
+    stall a load. (The thread finishes in the background; runtimes that compile in a
+    subprocess, like llvm-cpu, are really stopped.)"""
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["exe"] = runtime.compile(part, spec)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller below
+            result["error"] = e
+
+    thread = threading.Thread(target=work, name=f"compile-{runtime.name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{runtime.name} did not compile within {timeout_s:.0f} s")
+    if "error" in result:
+        raise result["error"]
+    return result["exe"]
+
+
+def candidates_for(device: DeviceProfile, precision: str, wanted: str) -> list[str]:
+    names = list(registry.BY_KIND.get(device.kind, ()))
+    if device.runtimes:  # what the profile says can target this device
+        names = [n for n in names if n in device.runtimes]
+    if wanted != "auto":
+        if wanted not in registry.RUNTIMES:
+            raise RuntimeUnavailable(f"unknown runtime {wanted!r}")
+        names = [wanted]
+    return names
+
+
+def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str,
+               sample_inputs: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
+               cache: CompileCache, runtime: str = "auto", timeout_s: float = 300.0,
+               threads: int | None = None) -> BuiltPart:
+    """Compile (or load from cache) `part` for `device`; raise CompileError if nothing works."""
+    spec = CompileSpec(device=device, precision=precision, example_inputs=list(sample_inputs),
+                       threads=threads or max(len(device.cores), 1))
+    part_key = cache.part_key(graph_digest(part), device, precision, spec.shapes())
+    names = candidates_for(device, precision, runtime)
+    recorded = cache.choice(part_key)
+    if recorded and recorded["runtime"] in names:
+        built = _load_recorded(part_key, recorded, spec, cache)
+        if built is not None:
+            return built
+    tried: list[Candidate] = []
+    winners: list[tuple[float, str, Executable]] = []
+    compiled: list[str] = []
+    for name in names:
+        cand, exe = _try(name, part, spec, expected, cache, part_key, timeout_s)
+        tried.append(cand)
+        if exe is not None:
+            if not cand.cached:
+                compiled.append(name)
+            winners.append((cand.median_ms, name, exe))
+    if not winners:
+        reasons = "; ".join(f"{c.runtime}: {c.status} ({c.reason})" for c in tried)
+        raise CompileError(f"no runtime could build this part for {device.id} at {precision}: "
+                           f"{reasons or 'no runtime targets this device'}")
+    _, best, exe = min(winners, key=lambda w: w[0])
+    cache.record_choice(part_key, {"runtime": best, "candidates": [asdict(c) for c in tried]})
+    return BuiltPart(best, exe, tried, from_cache=not compiled, compiled=compiled)
+
+
+def _load_recorded(part_key: str, recorded: dict[str, Any], spec: CompileSpec,
+                   cache: CompileCache) -> BuiltPart | None:
+    name = recorded["runtime"]
+    try:
+        rt = registry.get(name)
+        entry = cache.lookup(cache.entry_key(part_key, name, rt.version()))
+        if entry is None:
+            return None
+        exe = rt.load(entry, spec)
+    except (RuntimeUnavailable, NotImplementedError, OSError, RuntimeError) as e:
+        log.warning("cached %s build unusable (%s); rebuilding", name, e)
+        return None
+    candidates = [Candidate(**c) for c in recorded.get("candidates", [])]
+    return BuiltPart(name, exe, candidates, from_cache=True)
+
+
+def _try(name: str, part: fx.GraphModule, spec: CompileSpec, expected: Sequence[torch.Tensor],
+         cache: CompileCache, part_key: str,
+         timeout_s: float) -> tuple[Candidate, Executable | None]:
+    try:
+        rt = registry.get(name)
+    except RuntimeUnavailable as e:
+        return Candidate(name, "unavailable", str(e)), None
+    if not rt.can_target(spec.device, spec.precision):
+        return Candidate(name, "unavailable", f"cannot target {spec.device.kind} at "
+                                              f"{spec.precision}"), None
+    key = cache.entry_key(part_key, name, rt.version())
+    entry = cache.lookup(key)
+    t0 = time.perf_counter()
+    cached = False
+    try:
+        if entry is not None:
+            exe, cached = rt.load(entry, spec), True
+        else:
+            exe = _compile_boxed(rt, part, spec, timeout_s)
+    except TimeoutError as e:
+        return Candidate(name, "timeout", str(e)), None
+    except Exception as e:  # noqa: BLE001 - any compiler failure moves on to the next runtime
+        log.info("%s failed on a part for %s: %s", name, spec.device.id, e)
+        return Candidate(name, "failed", f"{type(e).__name__}: {e}"[:500]), None
+    compile_s = time.perf_counter() - t0
+    try:
+        error = relative_error(exe.run(spec.example_inputs), expected)
+    except Exception as e:  # noqa: BLE001
+        return Candidate(name, "failed", f"run: {type(e).__name__}: {e}"[:500], compile_s), None
+    tolerance = TOLERANCE[spec.precision]
+    if error > tolerance:
+        return Candidate(name, "inaccurate", f"relative error {error:.2e} > {tolerance:.0e}",
+                         compile_s, error), None
+    if entry is None:
+        try:
+            cache.store(key, exe.save, {"runtime": name, "device": spec.device.id,
+                                        "precision": spec.precision})
+        except NotImplementedError:
+            pass  # this runtime has nothing to cache
+    return Candidate(name, "ok", "", compile_s, error, time_ms(exe, spec.example_inputs),
+                     cached), exe
