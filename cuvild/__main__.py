@@ -2,4 +2,6 @@ import sys
 
 from cuvild.daemon import main
 
-sys.exit(main())
+# The guard matters: device workers are spawned processes that re-import the main module.
+if __name__ == "__main__":
+    sys.exit(main())

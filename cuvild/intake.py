@@ -6,13 +6,8 @@ namespaces only); anything it refuses becomes INVALID_ARGUMENT naming the entry.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
-
-# torch's deserializer keeps state in a module global: one archive at a time.
-_LOAD_LOCK = threading.Lock()
-
 
 
 def _spec(name: str, value: Any) -> dict[str, Any]:
@@ -45,5 +40,4 @@ def inspect_archive(path: Path, max_bytes: int) -> dict[str, Any]:
     """Load the archive safely and summarise it. Raises ValueError (UnsafeArchive) if refused."""
     from cuvild.safe_load import load_exported_program
 
-    with _LOAD_LOCK:
-        return summarize(load_exported_program(path, max_bytes=max_bytes))
+    return summarize(load_exported_program(path, max_bytes=max_bytes))

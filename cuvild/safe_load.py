@@ -29,6 +29,7 @@ import os
 import pickletools
 import re
 import stat
+import threading
 import types
 import typing
 import zipfile
@@ -968,6 +969,9 @@ def _load_payloads(zf: zipfile.ZipFile, info: ArchiveInfo, kind: str) -> dict[st
     return out
 
 
+_DESERIALIZE_LOCK = threading.Lock()
+
+
 def load_exported_program(
     path: str | os.PathLike[str],
     *,
@@ -979,8 +983,8 @@ def load_exported_program(
     Runs :func:`validate_archive`, reads weights and constants as raw bytes, and gives the
     validated program to torch's ``ExportedProgramDeserializer``. Example inputs are never
     read, so the result has ``example_inputs is None`` (and ``ep.module()`` builds no guard
-    function); node ``meta["custom"]`` annotations are preserved. Not thread-safe (torch's
-    deserializer uses a module-level global).
+    function); node ``meta["custom"]`` annotations are preserved. Calls are serialised by a
+    lock: torch's deserializer keeps state in a module-level global.
 
     Args:
         path: the archive file.
@@ -1000,6 +1004,8 @@ def load_exported_program(
         state_dict = _load_payloads(zf, info, "weights")
         constants = _load_payloads(zf, info, "constants")
     try:
-        return ExportedProgramDeserializer().deserialize(info._program, state_dict, constants, None)
+        with _DESERIALIZE_LOCK:
+            return ExportedProgramDeserializer().deserialize(info._program, state_dict,
+                                                             constants, None)
     except Exception as e:  # schema version, dangling names, verifier errors, ...
         raise UnsafeArchive(_MODEL_JSON, f"rejected by torch's deserializer: {e}") from e

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
+from partitioner.profile import DeviceProfile
 from runtimes.base import CompileSpec, Executable, Runtime
 
 
@@ -38,6 +39,10 @@ class TorchRuntime(Runtime):
     @classmethod
     def version(cls) -> str:
         return torch.__version__
+
+    def can_target(self, device: DeviceProfile, precision: str) -> bool:
+        # Emulated devices run on the host CPU, so the reference can stand in for them.
+        return (device.kind == "cpu" or device.emulated) and precision in self.precisions
 
     def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
         return TorchExecutable(part, torch.bfloat16 if spec.precision == "bf16" else None)

@@ -1,0 +1,302 @@
+"""The engine: a plan becomes a served model.
+
+Control path (`prepare`, once per model): load the archive safely, plan it on the measured
+devices, split it, lay out every crossing tensor in one arena block per request (tensors whose
+lifetimes do not overlap share bytes), and have each device's worker build its parts.
+
+Data path (`infer`): take a block, put the inputs in it, dispatch each part to its worker as
+soon as its inputs are ready (independent parts run at once; requests in flight pipeline
+across devices), read the outputs, give the block back. No planning, compiling or file I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cuvild.worker import TensorRef, WorkerDied, WorkerHandle
+from partitioner.profile import DeviceProfile
+from runtimes.arena import Arena, Block, plan_offsets
+
+log = logging.getLogger(__name__)
+
+
+class InferError(RuntimeError):
+    """A request failed; the message names the part, the device and the cause."""
+
+
+class BadInput(ValueError):
+    """A request's inputs do not match the model (name, count, dtype or shape)."""
+
+
+@dataclass
+class Slot:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Route:
+    id: str
+    device: str
+    precision: str
+    inputs: list[str]
+    outputs: list[str]
+    runtime: str = ""
+    build: dict[str, Any] = field(default_factory=dict)
+    measured_ms: list[float] = field(default_factory=list)
+
+
+@dataclass
+class LoadedModel:
+    key: str
+    name: str
+    version: str
+    plan: Any  # partitioner.plan.Plan
+    routes: list[Route]
+    inputs: list[str]
+    outputs: list[str]
+    slots: dict[str, Slot]
+    footprint: int  # bytes per request: the peak of live tensors
+    total_bytes: int  # what the same tensors would take without sharing
+    archive: str = ""
+    input_specs: list[dict[str, Any]] = field(default_factory=list)
+    parts_by_device: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _slot(val: Any) -> Slot:
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(f"a value crossing parts is not a tensor ({type(val).__name__})")
+    if any(not isinstance(d, int) for d in val.shape):
+        raise ValueError("dynamic shapes are not served yet; export with static shapes")
+    return Slot(str(val.dtype).removeprefix("torch."), tuple(int(d) for d in val.shape))
+
+
+def layout(ep: Any, split: Any) -> tuple[dict[str, Slot], int, int]:
+    """Offsets for every tensor crossing a part boundary, from their lifetimes."""
+    meta = {n.name: n.meta.get("val") for n in ep.graph.nodes}
+    slots: dict[str, Slot] = {}
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for name in split.inputs:
+        slots[name], first[name], last[name] = _slot(meta[name]), 0, 0
+    for step, part in enumerate(split.parts, start=1):
+        for name in part.inputs:
+            last[name] = max(last.get(name, step), step)
+        for name in part.outputs:
+            slots[name], first[name], last[name] = _slot(meta[name]), step, step
+    for name in split.outputs:
+        last[name] = len(split.parts) + 1  # read back after the last part
+    sizes = {n: s.nbytes for n, s in slots.items()}
+    offsets, footprint = plan_offsets(sizes, {n: (first[n], last[n]) for n in slots})
+    for name, off in offsets.items():
+        slots[name].offset = off
+    return slots, footprint, sum(sizes.values())
+
+
+class Engine:
+    def __init__(self, devices: Sequence[DeviceProfile], cache_dir: Path, arena: Arena,
+                 in_process: bool = False, max_in_flight: int = 4,
+                 build_timeout_s: float = 600.0) -> None:
+        self.devices = {d.id: d for d in devices}
+        self.cache_dir = cache_dir
+        self.arena = arena
+        self.in_process = in_process
+        self.workers: dict[str, WorkerHandle] = {}
+        self.models: dict[str, LoadedModel] = {}
+        self._in_flight = threading.BoundedSemaphore(max_in_flight)
+        self._restart_lock = threading.Lock()
+        self._usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
+        self.build_timeout_s = build_timeout_s
+
+    def worker(self, device_id: str) -> WorkerHandle:
+        if device_id not in self.workers:
+            self._usable[device_id] = threading.Event()
+            self._usable[device_id].set()
+            self.workers[device_id] = WorkerHandle(self.devices[device_id], self.cache_dir,
+                                                   in_process=self.in_process)
+        return self.workers[device_id]
+
+    # -- control path ----------------------------------------------------------------------
+    def prepare(self, key: str, name: str, version: str, archive: Path,
+                input_specs: list[dict[str, Any]], objective: str = "latency",
+                plan: Any = None) -> LoadedModel:
+        """Plan, split, lay out and build a registered model; returns it ready to serve."""
+        from cuvild.safe_load import load_exported_program
+        from partitioner.plan import plan_model
+        from partitioner.split import split_program
+
+        ep = load_exported_program(archive)
+        if plan is None:
+            plan = plan_model(ep, list(self.devices.values()), objective=objective)
+        assignment = [(p.id, p.nodes) for p in plan.parts]
+        split = split_program(ep, assignment)
+        slots, footprint, total = layout(ep, split)
+        by_id = {p.id: p for p in plan.parts}
+        routes = [Route(p.id, by_id[p.id].device, by_id[p.id].precision, p.inputs, p.outputs)
+                  for p in split.parts]
+        model = LoadedModel(key, name, version, plan, routes, list(split.inputs),
+                            list(split.outputs), slots, footprint, total, str(archive),
+                            input_specs)
+        for route in routes:
+            model.parts_by_device.setdefault(route.device, []).append(route.id)
+        del ep, split  # workers hold the parts; the daemon keeps only the wiring
+        self._build(model)
+        self.models[key] = model
+        return model
+
+    def _build(self, model: LoadedModel, only_device: str | None = None) -> None:
+        assignment = [(p.id, p.nodes) for p in model.plan.parts]
+        futures: list[tuple[Route, Future[dict[str, Any]]]] = []
+        for device, part_ids in model.parts_by_device.items():
+            if only_device and device != only_device:
+                continue
+            for i, pid in enumerate(part_ids):
+                route = next(r for r in model.routes if r.id == pid)
+                futures.append((route, self.worker(device).call(
+                    "build", model=model.key, archive=model.archive, parts=assignment,
+                    part=pid, precision=route.precision, input_specs=model.input_specs,
+                    last=i == len(part_ids) - 1)))
+        for route, future in futures:
+            reply = future.result(timeout=self.build_timeout_s)
+            if not reply["ok"]:
+                raise InferError(f"building part {route.id} for {route.device} failed: "
+                                 f"{reply['error']}")
+            route.runtime, route.build = reply["runtime"], reply
+
+    def unload(self, key: str) -> None:
+        model = self.models.pop(key, None)
+        if model is None:
+            return
+        for device in model.parts_by_device:
+            if device in self.workers:
+                self.workers[device].call("unload", model=key)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.stop()
+        self.workers.clear()
+
+    # -- data path -------------------------------------------------------------------------
+    def _ref(self, block: Block, slot: Slot) -> TensorRef:
+        return TensorRef(block.segment, block.offset + slot.offset, slot.dtype, slot.shape)
+
+    def _view(self, block: Block, slot: Slot) -> torch.Tensor:
+        seg = self.arena.segments[block.segment]
+        if slot.nbytes == 0:
+            return torch.empty(slot.shape, dtype=getattr(torch, slot.dtype))
+        raw = seg.view(block.offset + slot.offset, slot.nbytes)
+        return torch.frombuffer(raw, dtype=getattr(torch, slot.dtype)).view(slot.shape)
+
+    def check_inputs(self, model: LoadedModel, inputs: Sequence[torch.Tensor]) -> None:
+        if len(inputs) != len(model.inputs):
+            raise BadInput(f"model {model.name} takes {len(model.inputs)} inputs "
+                           f"({', '.join(model.inputs)}), got {len(inputs)}")
+        for name, t in zip(model.inputs, inputs, strict=True):
+            slot = model.slots[name]
+            if str(t.dtype).removeprefix("torch.") != slot.dtype:
+                raise BadInput(f"input {name}: expected dtype {slot.dtype}, got "
+                               f"{str(t.dtype).removeprefix('torch.')}")
+            if tuple(t.shape) != slot.shape:
+                raise BadInput(f"input {name}: expected shape {list(slot.shape)}, got "
+                               f"{list(t.shape)}")
+
+    def infer(self, key: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run one request; outputs are fresh host tensors (the block is reused at once)."""
+        model = self.models[key]
+        self.check_inputs(model, inputs)
+        with self._in_flight:
+            block = self.arena.alloc(model.footprint)
+            try:
+                for name, t in zip(model.inputs, inputs, strict=True):
+                    self._view(block, model.slots[name]).copy_(t)
+                self._run_parts(model, block)
+                return [self._view(block, model.slots[n]).clone() for n in model.outputs]
+            finally:
+                self.arena.free(block)
+
+    def _run_parts(self, model: LoadedModel, block: Block) -> None:
+        ready = set(model.inputs)
+        waiting = list(model.routes)
+        running: dict[Future[dict[str, Any]], Route] = {}
+        failure: str | None = None
+        dead: set[str] = set()
+        while waiting or running:
+            if failure is None:
+                for route in [r for r in waiting if all(i in ready for i in r.inputs)]:
+                    waiting.remove(route)
+                    self._usable[route.device].wait(self.build_timeout_s)
+                    future = self.worker(route.device).call(
+                        "run", model=model.key, part=route.id,
+                        inputs=[self._ref(block, model.slots[n]) for n in route.inputs],
+                        outputs=[self._ref(block, model.slots[n]) for n in route.outputs])
+                    running[future] = route
+            if not running:
+                break
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for future in done:
+                route = running.pop(future)
+                try:
+                    reply = future.result()
+                except WorkerDied as e:
+                    dead.add(route.device)
+                    failure = failure or (f"part {route.id} on {route.device} "
+                                          f"({route.runtime}) failed: {e}")
+                    continue
+                if not reply["ok"]:
+                    failure = failure or (f"part {route.id} on {route.device} "
+                                          f"({route.runtime}) failed: {reply['error']}")
+                    continue
+                route.measured_ms.append(reply["run_ms"])
+                del route.measured_ms[:-100]
+                ready.update(route.outputs)
+        for device in dead:
+            threading.Thread(target=self._revive, args=(device,), daemon=True).start()
+        if failure:
+            raise InferError(failure)
+
+    def _revive(self, device: str) -> None:
+        """Restart a dead worker and rebuild its parts from the compile cache."""
+        with self._restart_lock:
+            worker = self.workers[device]
+            if worker.alive():
+                return
+            log.error("worker for %s died; restarting it", device)
+            self._usable[device].clear()
+            t0 = time.perf_counter()
+            try:
+                worker.restart()
+                for model in list(self.models.values()):
+                    if device in model.parts_by_device:
+                        self._build(model, only_device=device)
+                log.info("worker for %s back in %.2f s", device, time.perf_counter() - t0)
+            finally:
+                self._usable[device].set()
+
+    def stats(self, key: str) -> dict[str, Any]:
+        """Predicted vs measured time per part (the profile feedback)."""
+        model = self.models[key]
+        predicted = {p.id: p.predicted_ms for p in model.plan.parts}
+        out = {}
+        for r in model.routes:
+            ms = sorted(r.measured_ms)
+            out[r.id] = {"device": r.device, "runtime": r.runtime,
+                         "predicted_ms": predicted.get(r.id, 0.0),
+                         "measured_ms": ms[len(ms) // 2] if ms else None}
+        return out

@@ -1,0 +1,223 @@
+"""Device workers: one process per device, pinned to its cores, running compiled parts.
+
+The daemon talks to a worker with one small verb set over a pipe (`build`, `run`, `unload`,
+`ping`); tensors never travel through the pipe, only references into shared memory
+(segment name, offset, dtype, shape). The same `serve` loop runs in a thread for tests
+(in_process=True) and in a process in production, where a crashing compiler or driver takes
+down its worker and not the daemon.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from partitioner.profile import DeviceProfile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TensorRef:
+    """Where a tensor lives: a named shared-memory segment and a place in it."""
+
+    segment: str
+    offset: int
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+# ---- inside the worker ------------------------------------------------------------------
+
+class _Worker:
+    def __init__(self, device: DeviceProfile, cache_dir: str) -> None:
+        from runtimes.cache import CompileCache
+
+        self.device = device
+        self.cache = CompileCache(Path(cache_dir))
+        self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable
+        self.segments: dict[str, Any] = {}
+
+    def tensor(self, ref: TensorRef) -> Any:
+        import torch
+
+        from runtimes.arena import Segment
+
+        seg = self.segments.get(ref.segment)
+        if seg is None:
+            seg = self.segments[ref.segment] = Segment(ref.segment, 0, create=False, lock=False)
+        dtype = getattr(torch, ref.dtype)
+        count = 1
+        for d in ref.shape:
+            count *= d
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(ref.shape, dtype=dtype)
+        return torch.frombuffer(seg.view(ref.offset, nbytes), dtype=dtype).view(ref.shape)
+
+    def build(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from cuvild.build import build_model_part, forget
+
+        try:
+            built = build_model_part(msg, self.device, self.cache)
+        finally:
+            if msg.get("last"):  # the model's other parts are not needed here any more
+                forget(msg["model"])
+        self.parts[(msg["model"], msg["part"])] = built.executable
+        return built.report()
+
+    def run(self, msg: dict[str, Any]) -> dict[str, Any]:
+        exe = self.parts.get((msg["model"], msg["part"]))
+        if exe is None:
+            raise KeyError(f"part {msg['part']} of model {msg['model']} is not built here")
+        inputs = [self.tensor(r) for r in msg["inputs"]]
+        t0 = time.perf_counter()
+        outputs = exe.run(inputs)
+        run_ms = (time.perf_counter() - t0) * 1e3
+        for out, ref in zip(outputs, msg["outputs"], strict=True):
+            dst = self.tensor(ref)
+            if tuple(out.shape) != tuple(ref.shape):
+                raise ValueError(f"output shape {tuple(out.shape)} != planned {ref.shape}")
+            if dst.data_ptr() != out.data_ptr():  # the runtime did not write in place
+                dst.copy_(out)
+        return {"run_ms": run_ms}
+
+    def unload(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from cuvild.build import forget
+
+        forget(msg["model"])
+        for key in [k for k in self.parts if k[0] == msg["model"]]:
+            del self.parts[key]
+        return {}
+
+
+def serve(conn: Any, device: DeviceProfile, cache_dir: str, in_process: bool = False) -> None:
+    """The worker loop: one request at a time, replies tagged with the request's id."""
+    if not in_process:
+        _pin(device)
+    worker = _Worker(device, cache_dir)
+    handlers = {"build": worker.build, "run": worker.run, "unload": worker.unload,
+                "ping": lambda msg: {"pid": os.getpid()}}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        try:
+            reply = {"id": msg["id"], "ok": True, **handlers[msg["op"]](msg)}
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the caller
+            reply = {"id": msg["id"], "ok": False, "error": f"{type(e).__name__}: {e}"}
+        conn.send(reply)
+
+
+def _pin(device: DeviceProfile) -> None:
+    """Own the device's cores with passive waits: spinning pools of two runtimes on shared
+    cores slow each other by up to 1.6x (measured on the 2-core dev host)."""
+    cores = device.cores or sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores)
+    os.environ.update({"OMP_NUM_THREADS": str(len(cores)), "OMP_WAIT_POLICY": "PASSIVE",
+                       "KMP_BLOCKTIME": "0"})
+    import torch
+
+    torch.set_num_threads(len(cores))
+
+
+def _process_main(conn: Any, device_dict: dict[str, Any], cache_dir: str) -> None:
+    serve(conn, DeviceProfile.from_dict(device_dict), cache_dir)
+
+
+# ---- on the daemon's side ----------------------------------------------------------------
+
+class WorkerHandle:
+    """The daemon's end of one worker: send a verb, get a Future of the reply."""
+
+    def __init__(self, device: DeviceProfile, cache_dir: Path, in_process: bool = False) -> None:
+        self.device = device
+        self.cache_dir = str(cache_dir)
+        self.in_process = in_process
+        self._ids = itertools.count()
+        self._pending: dict[int, Future[dict[str, Any]]] = {}
+        self._send_lock = threading.Lock()
+        self.process: Any = None
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        if self.in_process:
+            self.process = threading.Thread(target=serve, args=(theirs, self.device,
+                                                                self.cache_dir, True),
+                                            name=f"worker-{self.device.id}", daemon=True)
+        else:
+            self.process = ctx.Process(target=_process_main, name=f"cuvil-{self.device.id}",
+                                       args=(theirs, self.device.to_dict(), self.cache_dir),
+                                       daemon=True)
+        self.process.start()
+        self.conn = ours
+        self._reader = threading.Thread(target=self._read, args=(ours,),
+                                        name=f"reply-{self.device.id}", daemon=True)
+        self._reader.start()
+
+    def _read(self, conn: Any) -> None:
+        while True:
+            try:
+                reply = conn.recv()
+            except (EOFError, OSError):
+                break
+            future = self._pending.pop(reply["id"], None)
+            if future is not None:
+                future.set_result(reply)
+        code = getattr(self.process, "exitcode", None)
+        error = WorkerDied(f"worker for {self.device.id} died"
+                           + (f" (exit code {code})" if code is not None else ""))
+        for rid in list(self._pending):
+            future = self._pending.pop(rid, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
+
+    def call(self, op: str, **fields: Any) -> Future[dict[str, Any]]:
+        future: Future[dict[str, Any]] = Future()
+        with self._send_lock:
+            rid = next(self._ids)
+            self._pending[rid] = future
+            try:
+                self.conn.send({"id": rid, "op": op, **fields})
+            except (OSError, ValueError, BrokenPipeError) as e:
+                self._pending.pop(rid, None)
+                future.set_exception(WorkerDied(f"worker for {self.device.id} is gone: {e}"))
+        return future
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def restart(self) -> None:
+        self.stop()
+        self.restarts += 1
+        self._start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout)
+        if not self.in_process and self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
