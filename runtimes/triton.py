@@ -1,0 +1,335 @@
+"""The GPU compile path: torch inductor turns a part into Triton kernels for a CUDA device.
+
+How a part is compiled (control path, `TritonRuntime.compile`):
+1. a copy of the part goes to the profile's device ("gpu0" -> cuda:0), cast to bf16/fp16 for
+   those precisions; the caller's part stays on the host as the eager reference;
+2. AOTInductor compiles it ahead of time: `torch.export.export` -> `aoti_compile_and_package`
+   -> one `.pt2` package (Triton kernels as cubins, a C++ wrapper, the weights), loaded with
+   `aoti_load_package`. The package is the compile-cache artifact: `save` copies it, `load`
+   only loads it, so a restarted daemon compiles nothing;
+3. only where AOTInductor is missing or fails to build (e.g. no C++ compiler or CUDA headers on
+   the host) does it fall back to `torch.compile(backend="inductor")`, compiled eagerly with
+   the example inputs. That executable is not cached across restarts except through inductor's
+   own on-disk cache (a warm restart then recompiles in seconds, not minutes); `path` and
+   `aoti_error` on the executable say which path was taken and why.
+
+Running (data path, `InductorExecutable.run`): host tensors are copied to the device (without
+blocking when the caller's tensor is pinned), cast to the compute dtype there, run, and the
+outputs are cast back to the inputs' dtype on the device and copied to host tensors.
+
+Shapes are static: a part is compiled for its example inputs' shapes (they are in the compile
+cache key, CompileSpec.shapes()).
+
+Works with torch >= 2.6 (aoti_compile_and_package / aoti_load_package), tested with 2.11 and
+2.13; triton is imported only where CUDA is present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from partitioner.profile import DeviceProfile
+from runtimes.base import CompileError, CompileSpec, Executable, Runtime, RuntimeUnavailable
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PACKAGE = "part.pt2"  # the AOTInductor package inside a compile-cache directory
+META = "triton.json"  # what `load` needs besides the package
+META_FORMAT = 1
+# Outputs at least this big are copied back into pinned host memory: a pinned device-to-host
+# copy runs at full link speed, while for small tensors the plain copy is as fast and does
+# not hold on to page-locked memory (torch's caching host allocator reuses the pinned blocks).
+PINNED_OUTPUT_MIN_BYTES = 256 << 10
+
+
+def cuda_device(profile: DeviceProfile) -> torch.device:
+    """The torch device of a GPU profile: "gpu0" -> cuda:0."""
+    match = re.fullmatch(r"gpu(\d+)", profile.id)
+    if profile.kind != "gpu" or match is None:
+        raise CompileError(f"triton: device {profile.id!r} (kind {profile.kind!r}) is not a CUDA "
+                           "GPU; expected a gpu profile with an id like 'gpu0'")
+    return torch.device("cuda", int(match.group(1)))
+
+
+def aoti_missing() -> str | None:
+    """None when this torch has AOTInductor's package API, else why not."""
+    import torch._inductor as inductor
+
+    needed = ("aoti_compile_and_package", "aoti_load_package")
+    absent = [name for name in needed if not hasattr(inductor, name)]
+    if absent:
+        return f"torch {torch.__version__} has no torch._inductor.{', '.join(absent)}"
+    return None
+
+
+@contextlib.contextmanager
+def _on(device: torch.device) -> Iterator[None]:
+    """Make `device` current while inductor compiles or loads: it targets the current GPU."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
+
+
+def _load_package(path: Path, device: torch.device) -> Callable[..., Any]:
+    """Load an AOTInductor package onto `device`; never compiles."""
+    load = torch._inductor.aoti_load_package
+    kwargs = {}
+    # device_index picks the GPU explicitly where this torch has it; `_on` covers the rest.
+    if device.index is not None and "device_index" in inspect.signature(load).parameters:
+        kwargs["device_index"] = device.index
+    with _on(device):
+        return load(str(path), **kwargs)
+
+
+@contextlib.contextmanager
+def _strict_fp32(device: torch.device) -> Iterator[None]:
+    """No TF32 in cuBLAS/cuDNN calls while an fp32 part runs: fp32 must mean fp32.
+
+    Inductor leaves matmuls and convolutions to cuBLAS/cuDNN, which read these process-wide
+    flags at call time; cuDNN's TF32 is on by default and alone costs ~1e-3 relative error
+    (TOLERANCE["fp32"] is 1e-4). The flags are restored afterwards: other code in the process
+    keeps its own choice.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    try:
+        saved = (matmul.allow_tf32, cudnn.allow_tf32)
+    except RuntimeError:  # set through torch's newer fp32_precision API: leave it as chosen
+        yield
+        return
+    matmul.allow_tf32, cudnn.allow_tf32 = False, False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def _math(device: torch.device, compute: torch.dtype) -> contextlib.AbstractContextManager[None]:
+    return _strict_fp32(device) if compute == torch.float32 else contextlib.nullcontext()
+
+
+def device_input(t: torch.Tensor, device: torch.device, compute: torch.dtype) -> torch.Tensor:
+    """A host input as the compiled part takes it: on `device`, contiguous, in `compute` dtype.
+
+    The same conversion at compile and at run time, so the compiled code always sees the
+    strides and dtypes it was built for (AOTInductor specialises on both; an engine's inputs
+    may be views, e.g. a transposed tensor crossing a cut).
+    """
+    if t.device != device:
+        # From pinned memory the copy is queued without waiting; `run` synchronises before it
+        # returns, so the caller may reuse its buffer afterwards.
+        t = t.to(device, non_blocking=t.device.type == "cpu" and t.is_pinned())
+    if compute != torch.float32 and t.is_floating_point() and t.dtype != compute:
+        t = t.to(compute)  # on the device: casting there is cheaper than on the host
+    return t.contiguous()
+
+
+def _arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+class InductorExecutable(Executable):
+    """A part compiled by inductor for one device, called with host tensors."""
+
+    runtime = "triton"
+
+    def __init__(self, model: Callable[..., Any], device: torch.device, precision: str,
+                 out_dtype: torch.dtype, package: Path | None = None,
+                 aoti_error: str | None = None,
+                 workdir: tempfile.TemporaryDirectory[str] | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.precision = precision
+        self.compute_dtype = DTYPES[precision]
+        self.out_dtype = out_dtype
+        self.package = package  # None for the torch.compile fallback: nothing to cache
+        self.path = "aoti" if package is not None else "torch.compile"
+        self.aoti_error = aoti_error
+        self._workdir = workdir  # owns a freshly built package until the executable is dropped
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == self.compute_dtype != self.out_dtype:
+            t = t.to(self.out_dtype)  # back to the inputs' dtype, on the device: half the copy
+        if t.device.type == "cpu":
+            return t
+        if t.numel() * t.element_size() >= PINNED_OUTPUT_MIN_BYTES:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        return t.to("cpu")
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.inference_mode(), _on(self.device), _math(self.device, self.compute_dtype):
+            outs = self.model(*(device_input(t, self.device, self.compute_dtype)
+                                for t in inputs))
+            if isinstance(outs, torch.Tensor):
+                outs = (outs,)
+            host = [self._to_host(o) for o in outs]
+            if self.device.type == "cuda":
+                # The pinned copies above are asynchronous: finish them before handing out.
+                torch.cuda.current_stream(self.device).synchronize()
+        return host
+
+    def save(self, directory: Path) -> None:
+        if self.package is None:
+            raise NotImplementedError(
+                "triton: this part was compiled with torch.compile (AOTInductor unavailable: "
+                f"{self.aoti_error}); only inductor's own cache keeps it across restarts")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / PACKAGE
+        if not (target.exists() and target.samefile(self.package)):
+            shutil.copyfile(self.package, target)
+        meta = {"format": META_FORMAT, "precision": self.precision,
+                "out_dtype": str(self.out_dtype).removeprefix("torch."),
+                "torch": torch.__version__, "arch": _arch(self.device)}
+        (directory / META).write_text(json.dumps(meta, indent=1))
+
+
+def _floating_dtype(inputs: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype outputs are returned in: that of the first floating input (fp32 if none)."""
+    return next((t.dtype for t in inputs if t.is_floating_point()), torch.float32)
+
+
+def compile_part(part: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+                 device: torch.device, precision: str = "fp32",
+                 aoti: bool = True) -> InductorExecutable:
+    """Compile `part` with inductor for `device` (AOTInductor first, torch.compile fallback).
+
+    `TritonRuntime.compile` calls this with the profile's CUDA device; it takes any device
+    inductor supports so the packaging can be exercised on the host too. `aoti=False` forces
+    the torch.compile path.
+    """
+    if precision not in DTYPES:
+        raise CompileError(f"triton: precision must be one of {list(DTYPES)}, got {precision!r}")
+    compute = DTYPES[precision]
+    out_dtype = _floating_dtype(example_inputs)
+    # A deep copy: Module.to() moves buffers in place, and the caller's part must stay on the
+    # host as the eager reference (and for other devices' compiles).
+    module = copy.deepcopy(part).to(device=device)
+    if compute != torch.float32:
+        module = module.to(compute)
+    aoti_error = aoti_missing() if aoti else "disabled by the caller"
+    if aoti_error is None:
+        args = tuple(device_input(t, device, compute) for t in example_inputs)
+        workdir = tempfile.TemporaryDirectory(prefix="cuvild-triton-")
+        try:
+            with _on(device), _math(device, compute):
+                exported = torch.export.export(module, args)
+                path = torch._inductor.aoti_compile_and_package(
+                    exported, package_path=str(Path(workdir.name) / PACKAGE))
+            model = _load_package(Path(path), device)
+            return InductorExecutable(model, device, precision, out_dtype, Path(path),
+                                      workdir=workdir)
+        except Exception as e:  # any build failure: the fallback below may still work
+            workdir.cleanup()
+            aoti_error = f"{type(e).__name__}: {e}"
+            log.warning("triton: AOTInductor failed, falling back to torch.compile: %s",
+                        aoti_error)
+    executable = InductorExecutable(torch.compile(module, backend="inductor", dynamic=False),
+                                    device, precision, out_dtype, aoti_error=aoti_error)
+    try:
+        # Compile now, through the very path `run` takes (dynamo guards on grad mode and the
+        # TF32 flags): the data path must not compile.
+        executable.run(example_inputs)
+    except Exception as e:
+        raise CompileError(f"triton: could not compile the part for {device}: torch.compile "
+                           f"failed ({type(e).__name__}: {e}); AOTInductor: {aoti_error}") from e
+    return executable
+
+
+class TritonRuntime(Runtime):
+    """CUDA GPUs through torch inductor, which generates Triton kernels."""
+
+    name = "triton"
+    kinds = ("gpu",)
+    precisions = ("fp32", "bf16", "fp16")
+
+    def __init__(self, aoti: bool = True) -> None:
+        self.aoti = aoti  # False forces the torch.compile path (for comparing the two)
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        if torch.version.cuda is None and torch.version.hip is None:
+            return f"no CUDA device: torch {torch.__version__} is a CPU-only build"
+        if not torch.cuda.is_available():
+            return "no CUDA device (torch.cuda.is_available() is False)"
+        try:
+            import triton  # noqa: F401 - inductor generates Triton kernels: it must import
+        except ImportError as e:
+            return f"triton is not installed ({e})"
+        return None
+
+    @classmethod
+    def version(cls) -> str:
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = "none"
+        return f"torch {torch.__version__} cuda {torch.version.cuda} triton {triton_version}"
+
+    def _device(self, spec: CompileSpec) -> torch.device:
+        reason = self.unavailable()
+        if reason:
+            raise RuntimeUnavailable(f"runtime 'triton' is unavailable: {reason}")
+        device = cuda_device(spec.device)
+        if device.index >= torch.cuda.device_count():
+            raise CompileError(f"triton: device {spec.device.id!r} is cuda:{device.index} but "
+                               f"only {torch.cuda.device_count()} CUDA device(s) are visible")
+        return device
+
+    def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
+        if not spec.example_inputs:
+            raise CompileError("triton: spec.example_inputs is empty; inductor compiles for "
+                               "the shapes of real sample inputs")
+        return compile_part(part, spec.example_inputs, self._device(spec), spec.precision,
+                            aoti=self.aoti)
+
+    def load(self, directory: Path, spec: CompileSpec) -> Executable:
+        """Load a package saved by `InductorExecutable.save`; compiles nothing."""
+        device = self._device(spec)
+        directory = Path(directory)
+        return load_package_dir(directory, device, spec.precision)
+
+
+def load_package_dir(directory: Path, device: torch.device,
+                     precision: str) -> InductorExecutable:
+    """Rebuild an executable from a directory `InductorExecutable.save` wrote."""
+    meta_path, package = directory / META, directory / PACKAGE
+    if not meta_path.exists() or not package.exists():
+        raise CompileError(f"triton: {directory} holds no saved part (expected {META} and "
+                           f"{PACKAGE})")
+    meta = json.loads(meta_path.read_text())
+    expected = {"format": META_FORMAT, "precision": precision, "torch": torch.__version__,
+                "arch": _arch(device)}
+    stale = {k: meta.get(k) for k, v in expected.items() if meta.get(k) != v}
+    if stale:
+        # A package holds cubins for one GPU architecture and a wrapper built against one
+        # torch: anything else must be recompiled, not loaded.
+        raise CompileError(f"triton: saved part in {directory} does not fit here: saved "
+                           f"{stale}, need { {k: expected[k] for k in stale} }")
+    out_dtype = getattr(torch, meta["out_dtype"])
+    return InductorExecutable(_load_package(package, device), device, precision, out_dtype,
+                              package)

@@ -1,0 +1,365 @@
+"""Validate and time cuvild's GPU path on a CUDA machine, in one call (about 5-8 minutes).
+
+    cd <repo> && python3 tests/gpu/check_gpu.py            # all of it
+    python3 tests/gpu/check_gpu.py --models mlp --budget 240
+
+Made for a lent GPU machine with no network: it uses the system python and only what is
+installed there (torch, triton; pytest and psutil if present; never grpcio, OpenVINO or
+ONNX Runtime). Sections, each of which reports its error and lets the next one run:
+
+1. environment: nvidia-smi, versions, the C compiler and headers AOTInductor needs;
+2. per reference model (mlp, resnet18, bert4; batch 1), fp32 and bf16: cold compile through
+   TritonRuntime (fresh inductor and Triton caches, so "cold" is honest), error against torch
+   eager on the CPU, save + load time, and the median of 50 runs after warm-up of torch eager
+   on the GPU vs the compiled part (host tensors in and out, as the engine calls it, and
+   device-resident for the bare kernels);
+3. `pytest tests/gpu` on the now warm caches;
+4. `python -m runtimes.benchmarks '{"task":"host"}'`: the measured GPU profile.
+
+Past the time budget, the remaining work is skipped and says so. A JSON summary goes to
+$OUT/gpu_summary.json when OUT is set (rewritten after every section, so a killed run still
+leaves one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRATCH = Path(tempfile.mkdtemp(prefix="cuvild-gpu-check-"))
+# Set before torch and triton are imported: both read their cache locations from these.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "inductor"))
+os.environ.setdefault("TRITON_CACHE_DIR", str(SCRATCH / "triton"))
+sys.path.insert(0, str(ROOT))
+
+MODELS = ("mlp", "resnet18", "bert4")
+PRECISIONS = ("fp32", "bf16")
+WARMUP, REPS = 10, 50
+T0 = time.monotonic()
+SUMMARY: dict[str, Any] = {"errors": []}
+
+
+def say(message: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f} s] {message}", flush=True)
+
+
+def elapsed() -> float:
+    return time.monotonic() - T0
+
+
+def write_summary() -> None:
+    SUMMARY["wall_s"] = round(elapsed(), 1)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "gpu_summary.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
+
+
+def section(name: str, fn: Callable[[], Any]) -> Any:
+    """Run one section; an exception is printed and recorded, and the check goes on."""
+    say(f"==== {name}")
+    try:
+        return fn()
+    except Exception as e:
+        traceback.print_exc()
+        SUMMARY["errors"].append(f"{name}: {type(e).__name__}: {e}")
+        return None
+    finally:
+        write_summary()
+
+
+# ---- 1. environment -----------------------------------------------------------------------
+
+def environment() -> dict[str, Any]:
+    import sysconfig
+
+    env: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = [smi, "--query-gpu=name,driver_version,memory.total,compute_cap",
+                 "--format=csv,noheader"]
+        done = subprocess.run(query, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:  # older drivers lack compute_cap
+            done = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        env["nvidia_smi"] = (done.stdout or done.stderr).strip()
+    else:
+        env["nvidia_smi"] = "nvidia-smi not found"
+    print(env["nvidia_smi"], flush=True)
+    import torch
+
+    env.update(torch=torch.__version__, torch_cuda=torch.version.cuda,
+               cudnn=torch.backends.cudnn.version(), cuda_available=torch.cuda.is_available())
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability(0))
+    for module in ("triton", "pytest", "psutil", "yaml", "numpy"):
+        try:
+            env[module] = __import__(module).__version__
+        except Exception as e:  # a missing optional package is a fact to report, not a failure
+            env[module] = f"absent ({type(e).__name__})"
+    # AOTInductor builds a C++ wrapper and Triton a C launcher: both need these.
+    env["cxx"] = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++") or "absent"
+    env["cc"] = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc") or "absent"
+    include = sysconfig.get_paths().get("include", "")
+    env["python_h"] = str(Path(include, "Python.h").exists())
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        env["cuda_home"] = str(CUDA_HOME)
+    except Exception as e:
+        env["cuda_home"] = f"unknown ({type(e).__name__}: {e})"
+    from runtimes.triton import TritonRuntime
+
+    env["triton_runtime"] = TritonRuntime.unavailable() or "available"
+    env["triton_runtime_version"] = TritonRuntime.version()
+    for key, value in env.items():
+        print(f"  {key}: {value}", flush=True)
+    return env
+
+
+# ---- 2. per-model timing ------------------------------------------------------------------
+
+def median_ms(fn: Callable[[], Any]) -> float:
+    import torch
+
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+def relative_error(out: Any, ref: Any) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def eager_ms(module: Any, args: tuple[Any, ...], dtype: Any, device: Any) -> dict[str, float]:
+    """torch eager on the GPU: on device-resident inputs, and host tensors in and out."""
+    import torch
+
+    from runtimes.triton import _math
+
+    # A copy: Module.to() converts in place, and `module` is the fp32 CPU reference whose
+    # weights the part shares.
+    eager = copy.deepcopy(module).to(device=device, dtype=dtype)
+    dev_args = [a.to(device=device, dtype=dtype) for a in args]
+    # Same math as the runtime: no TF32 for fp32 (see runtimes/triton.py _strict_fp32).
+    with torch.inference_mode(), _math(device, dtype):
+        return {"eager_gpu_ms": median_ms(lambda: eager(*dev_args)),
+                "eager_gpu_host_io_ms": median_ms(
+                    lambda: eager(*(a.to(device, dtype) for a in args)).float().cpu())}
+
+
+def time_precision(module: Any, args: tuple[Any, ...], expected: Any, part: Any,
+                   precision: str, device: Any) -> dict[str, Any]:
+    """Eager on the GPU vs the compiled part, compile and load times, for one precision."""
+    import torch
+
+    from partitioner.profile import DeviceProfile
+    from runtimes.base import TOLERANCE, CompileSpec
+    from runtimes.triton import DTYPES, TritonRuntime, _math
+
+    dtype = DTYPES[precision]
+    row = eager_ms(module, args, dtype, device)
+    dev_args = [a.to(device=device, dtype=dtype) for a in args]
+    gpu = DeviceProfile(id="gpu0", kind="gpu", runtimes=["triton"])
+    spec = CompileSpec(gpu, precision, list(args))
+    t0 = time.perf_counter()
+    executable = TritonRuntime().compile(part, spec)
+    row["cold_compile_s"] = round(time.perf_counter() - t0, 2)
+    row["path"] = executable.path
+    if executable.aoti_error:
+        row["aoti_error"] = executable.aoti_error[:2000]
+    out = executable.run(list(args))[0]
+    row["relative_error"] = relative_error(out, expected)
+    row["within_tolerance"] = row["relative_error"] < TOLERANCE[precision]
+    row["triton_host_io_ms"] = median_ms(lambda: executable.run(list(args)))
+    with torch.inference_mode(), _math(device, dtype):
+        row["triton_gpu_ms"] = median_ms(lambda: executable.model(*dev_args))
+    row["speedup_vs_eager_gpu"] = round(row["eager_gpu_ms"] / row["triton_gpu_ms"], 2)
+    if executable.package is not None:
+        saved = SCRATCH / f"{id(part)}-{precision}"
+        executable.save(saved)
+        row["package_mb"] = round((saved / "part.pt2").stat().st_size / 1e6, 1)
+        t0 = time.perf_counter()
+        loaded = TritonRuntime().load(saved, spec)
+        row["warm_load_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        again = loaded.run(list(args))[0]
+        row["first_run_after_load_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+        row["load_matches_compile"] = bool(torch.equal(again, out))
+    return row
+
+
+def time_model(name: str, precisions: tuple[str, ...], deadline: float) -> dict[str, Any]:
+    import torch
+
+    from cuvild.samples import reference
+    from partitioner.split import split_program
+
+    module, args = reference(name)
+    with torch.inference_mode():
+        expected = module(*args)
+    exported = torch.export.export(module, args)
+    names = [n.name for n in exported.graph.nodes if n.op == "call_function"]
+    part = split_program(exported, {n: "p0" for n in names}).parts[0].module
+    results: dict[str, Any] = {}
+    for precision in precisions:
+        if elapsed() > deadline:
+            results[precision] = "skipped: past the time budget"
+            say(f"{name} {precision}: skipped, past the time budget")
+            continue
+        try:
+            results[precision] = time_precision(module, args, expected, part, precision,
+                                                torch.device("cuda", 0))
+        except Exception as e:
+            traceback.print_exc()
+            results[precision] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            SUMMARY["errors"].append(f"timing {name} {precision}: {type(e).__name__}: {e}"[:300])
+        torch.cuda.empty_cache()
+        say(f"{name} {precision}: {json.dumps(results[precision])}")
+    return results
+
+
+def timing(models: list[str], deadline: float) -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
+    torch.manual_seed(0)
+    results: dict[str, Any] = {}
+    SUMMARY["models"] = results
+    for name in models:
+        try:
+            results[name] = time_model(name, PRECISIONS, deadline)
+        except Exception as e:
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            SUMMARY["errors"].append(f"timing {name}: {type(e).__name__}: {e}"[:300])
+        write_summary()
+    return results
+
+
+# ---- 3. the test suite --------------------------------------------------------------------
+
+def pytest_suite(deadline: float) -> dict[str, Any]:
+    try:
+        import pytest  # noqa: F401 - only to learn whether it is installed
+    except ImportError:
+        return {"skipped": "pytest is not installed: section 2 checked accuracy and save/load"}
+    # --noconftest: tests/conftest.py starts daemons and needs pyyaml; tests/gpu needs neither.
+    command = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
+               "--noconftest"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    timeout = max(30.0, deadline - elapsed())
+    say(f"{' '.join(command[1:])} (timeout {timeout:.0f} s)")
+    t0 = time.perf_counter()
+    lines: list[str] = []
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    watchdog = threading.Timer(timeout, proc.kill)  # a compile may print nothing for minutes
+    watchdog.start()
+    try:
+        for line in proc.stdout:  # streamed, so progress shows while it runs
+            print(line, end="", flush=True)
+            lines.append(line.rstrip())
+    finally:
+        rc = proc.wait()
+        watchdog.cancel()
+    if time.perf_counter() - t0 >= timeout:
+        lines.append(f"killed after {timeout:.0f} s (time budget)")
+        print(lines[-1], flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "pytest_gpu.log").write_text("\n".join(lines) + "\n")
+    summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln
+                    or " skipped" in ln or " error" in ln), "")
+    return {"rc": rc, "summary": summary, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+# ---- 4. the measured GPU profile ----------------------------------------------------------
+
+def profile() -> Any:
+    command = [sys.executable, "-m", "runtimes.benchmarks", json.dumps({"task": "host"})]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    if done.returncode == 0:
+        profiles = json.loads(done.stdout.strip().splitlines()[-1])
+    elif "No module named 'psutil'" in done.stderr:
+        say("psutil is not installed: measuring the GPUs in this process with a stand-in")
+        profiles = _profile_without_psutil()
+    else:
+        raise RuntimeError(f"runtimes.benchmarks exited {done.returncode}: {done.stderr[-3000:]}")
+    for p in profiles:
+        print(json.dumps(p), flush=True)
+    return profiles
+
+
+def _profile_without_psutil() -> list[dict[str, Any]]:
+    """profile_cuda with a stand-in psutil: it only reads the host's total memory."""
+    import types
+
+    import torch
+
+    shim = types.ModuleType("psutil")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    shim.virtual_memory = lambda: types.SimpleNamespace(total=total)  # type: ignore[attr-defined]
+    sys.modules["psutil"] = shim
+    from runtimes import benchmarks
+
+    return [benchmarks.profile_cuda(i) for i in range(torch.cuda.device_count())]
+
+
+# ---- entry --------------------------------------------------------------------------------
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, from {MODELS} (default: all)")
+    parser.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET_S", 420)),
+                        help="seconds after which no new work starts (default 420)")
+    parser.add_argument("--skip-pytest", action="store_true")
+    options = parser.parse_args()
+    models = [m for m in options.models.split(",") if m]
+    budget = options.budget
+    say(f"cuvild GPU check: models {models}, budget {budget:.0f} s, caches in {SCRATCH}")
+    SUMMARY["environment"] = section("environment", environment)
+    # Timing gets ~55% of the budget; the suite most of the rest; the profile needs ~30 s.
+    section("timing", lambda: timing(models, deadline=0.55 * budget))
+    if options.skip_pytest:
+        SUMMARY["pytest"] = {"skipped": "--skip-pytest"}
+    else:
+        SUMMARY["pytest"] = section("pytest tests/gpu", lambda: pytest_suite(budget - 45))
+    SUMMARY["profile"] = section("GPU profile (runtimes.benchmarks)", profile)
+    write_summary()
+    say("==== summary")
+    print(json.dumps({k: v for k, v in SUMMARY.items() if k != "environment"}, indent=1,
+                     default=str), flush=True)
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+    failed = bool(SUMMARY["errors"]) or (SUMMARY.get("pytest") or {}).get("rc", 0) != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
