@@ -54,7 +54,8 @@ def build_model_part(msg: dict[str, Any], device: DeviceProfile,
     part = next(p for p in split.parts if p.id == msg["part"])
 
     def samples() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        with torch.inference_mode():
+        # no_grad, not inference_mode: runtimes re-export the part with these tensors.
+        with torch.no_grad():
             values = split.trace(*sample_inputs(msg["input_specs"]))
         return [values[n] for n in part.inputs], [values[n] for n in part.outputs]
 

@@ -50,6 +50,13 @@ class Config:
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     max_model_bytes: int = 2 << 30
     max_concurrent_uploads: int = 2
+    token: str | None = None
+    insecure_loopback: bool = False
+    shm_allowed_uids: list[int] = field(default_factory=list)
+    shm_allow_tcp_clients: bool = False
+    max_in_flight: int = 4
+    objective: str = "latency"
+    compile_timeout_s: float = 300.0
 
     def device_settings(self) -> dict[str, Any]:
         """The settings that change what the profiler measures (part of the cache key)."""
@@ -63,7 +70,8 @@ class Config:
 
 # key -> (type or tuple of types, default). Nested dicts are their own schema.
 _SCHEMA: dict[str, Any] = {
-    "listen": {"unix": ((str, type(None)), None), "tcp": ((str, type(None)), None)},
+    "listen": {"unix": ((str, type(None)), None), "tcp": ((str, type(None)), None),
+               "token": ((str, type(None)), None), "insecure_loopback": (bool, False)},
     "state_dir": ((str, type(None)), None),
     "cache_dir": ((str, type(None)), None),
     "log_level": (str, "info"),
@@ -78,6 +86,9 @@ _SCHEMA: dict[str, Any] = {
         "max_model_bytes": (int, 2 << 30),
         "max_concurrent_uploads": (int, 2),
     },
+    "shm": {"allowed_uids": (list, []), "allow_tcp_clients": (bool, False)},
+    "engine": {"max_in_flight": (int, 4), "objective": (str, "latency"),
+               "compile_timeout_s": ((int, float), 300)},
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -211,6 +222,17 @@ def _writable_dir(value: str | None, kind: str, key: str) -> Path:
     return path
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def parse(data: Any, path: str = "<memory>") -> Config:
     """Validate a config mapping (as read from YAML) and build a Config. Creates directories."""
     raw = _fill(_SCHEMA, data, "")
@@ -227,6 +249,20 @@ def parse(data: Any, path: str = "<memory>") -> Config:
     tcp = raw["listen"]["tcp"]
     if tcp is not None and (":" not in tcp or not tcp.rsplit(":", 1)[1].isdigit()):
         raise ConfigError("listen.tcp", f"expected HOST:PORT, got {tcp!r}")
+    if tcp is not None and not raw["listen"]["token"]:
+        host = tcp.rsplit(":", 1)[0].strip("[]")
+        if not (raw["listen"]["insecure_loopback"] and _is_loopback(host)):
+            raise ConfigError("listen.token", "a TCP listener needs a bearer token (or "
+                              "listen.insecure_loopback: true with a loopback host)")
+    uids = raw["shm"]["allowed_uids"]
+    if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in uids):
+        raise ConfigError("shm.allowed_uids", f"expected a list of user ids, got {uids!r}")
+    eng = raw["engine"]
+    if eng["objective"] not in ("latency", "throughput"):
+        raise ConfigError("engine.objective", f"expected latency or throughput, got "
+                          f"{eng['objective']!r}")
+    if eng["max_in_flight"] <= 0 or eng["compile_timeout_s"] <= 0:
+        raise ConfigError("engine", "max_in_flight and compile_timeout_s must be positive")
     for key in ("max_model_bytes", "max_concurrent_uploads"):
         if raw["limits"][key] <= 0:
             raise ConfigError(f"limits.{key}", f"expected a positive integer, got "
@@ -248,6 +284,13 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         overrides=_overrides(dev["overrides"]),
         max_model_bytes=raw["limits"]["max_model_bytes"],
         max_concurrent_uploads=raw["limits"]["max_concurrent_uploads"],
+        token=raw["listen"]["token"],
+        insecure_loopback=raw["listen"]["insecure_loopback"],
+        shm_allowed_uids=list(uids),
+        shm_allow_tcp_clients=raw["shm"]["allow_tcp_clients"],
+        max_in_flight=eng["max_in_flight"],
+        objective=eng["objective"],
+        compile_timeout_s=float(eng["compile_timeout_s"]),
     )
 
 

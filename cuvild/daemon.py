@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,13 +31,15 @@ from cuvild import config as config_mod
 from cuvild import sdnotify
 from cuvild.registry import Registry
 from cuvild.service import ControlService
-from protos import cuvil_pb2, cuvil_pb2_grpc
+from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 from runtimes import profiles as profiles_mod
+from runtimes.arena import Arena, reclaim_stale
 
 log = logging.getLogger("cuvild")
 STARTED = time.monotonic()
 DRAIN_GRACE_S = 5.0
 CONTROL_SERVICE = cuvil_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 
 class StartupError(RuntimeError):
@@ -71,8 +74,11 @@ class Daemon:
         self.alive = threading.Event()
         self.profiles: profiles_mod.ProfileResult | None = None
         self.health = health.HealthServicer()
-        self.server: grpc.Server | None = None
+        self.servers: list[grpc.Server] = []
         self.registry: Registry | None = None
+        self.models: Any = None  # cuvild.models.ModelManager, made once profiles are known
+        self.regions: Any = None
+        self.arena: Arena | None = None
 
     # -- profiles --------------------------------------------------------------------------
     def _load_profiles(self, refresh: bool = False) -> profiles_mod.ProfileResult:
@@ -89,7 +95,7 @@ class Daemon:
         return self.profiles
 
     # -- server ----------------------------------------------------------------------------
-    def _bind(self, server: grpc.Server) -> None:
+    def _bind_unix(self, server: grpc.Server) -> None:
         path = self.cfg.unix_socket
         prepare_socket(path)
         # The socket is created by bind; a umask closes the window before the chmod below.
@@ -100,20 +106,47 @@ class Daemon:
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o660)
-        if self.cfg.tcp:
-            if server.add_insecure_port(self.cfg.tcp) == 0:
-                raise StartupError(f"cannot listen on TCP {self.cfg.tcp} (listen.tcp)")
-            log.warning("listening on TCP %s without authentication", self.cfg.tcp)
 
-    def _build_server(self) -> grpc.Server:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"))
+    def _build_server(self, tcp: bool) -> grpc.Server:
+        from cuvild.auth import TokenAuth
+        from cuvild.oip import InferenceService
+
+        interceptors = [TokenAuth(self.cfg.token)] if tcp and self.cfg.token else []
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
+                             interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", 256 << 20),
+                                      ("grpc.max_send_message_length", 256 << 20)])
         control = ControlService(self.current_profiles, lambda: self._load_profiles(True),
-                                 self.cfg.path, self.registry, self.cfg.max_concurrent_uploads)
+                                 self.cfg.path, self.registry, self.cfg.max_concurrent_uploads,
+                                 self.models)
+        shm = not tcp or self.cfg.shm_allow_tcp_clients
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
+        inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceService(self.models, self.regions, shm_enabled=shm), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (CONTROL_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (CONTROL_SERVICE, INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server)
+        if tcp:
+            if server.add_insecure_port(self.cfg.tcp) == 0:
+                raise StartupError(f"cannot listen on TCP {self.cfg.tcp} (listen.tcp)")
+        else:
+            self._bind_unix(server)
         return server
+
+    def _start_engine(self) -> None:
+        from cuvild.engine import Engine
+        from cuvild.models import ModelManager
+        from cuvild.shm import Regions
+
+        for name in reclaim_stale():
+            log.info("reclaimed shared memory %s left by a stopped daemon", name)
+        self.arena = Arena(str(os.getpid()))
+        engine = Engine(self.current_profiles().devices, self.cfg.cache_dir, self.arena,
+                        max_in_flight=self.cfg.max_in_flight,
+                        build_timeout_s=max(600.0, 4 * self.cfg.compile_timeout_s))
+        self.models = ModelManager(self.registry, engine, self.cfg.objective)
+        self.regions = Regions(self.cfg.shm_allowed_uids)
 
     def _reload(self) -> None:
         try:
@@ -139,11 +172,15 @@ class Daemon:
         sdnotify.notify("STATUS=profiling devices")
         self._load_profiles()
         self.registry = Registry(self.cfg.state_dir, self.cfg.max_model_bytes)
-        server = self._build_server()
-        self._bind(server)
-        server.start()
-        self.server = server
-        for name in ("", CONTROL_SERVICE):
+        self._start_engine()
+        self.servers = [self._build_server(tcp=False)]
+        if self.cfg.tcp:
+            self.servers.append(self._build_server(tcp=True))
+            log.info("also listening on TCP %s (%s)", self.cfg.tcp,
+                     "bearer token" if self.cfg.token else "insecure loopback")
+        for server in self.servers:
+            server.start()
+        for name in ("", CONTROL_SERVICE, INFERENCE_SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.alive.set()
         ready_s = time.monotonic() - STARTED
@@ -152,6 +189,7 @@ class Daemon:
         sdnotify.notify(f"READY=1\nSTATUS=serving on unix:{self.cfg.unix_socket}\n"
                         f"MAINPID={os.getpid()}")
         sdnotify.start_watchdog(self.alive, self.stop_event)
+        self.models.restore()  # registered models come back from the compile cache
         while not self.stop_event.is_set():
             if self.reload_requested.wait(timeout=0.2):
                 self.reload_requested.clear()
@@ -164,12 +202,20 @@ class Daemon:
         sdnotify.notify("STOPPING=1\nSTATUS=draining")
         log.info("stopping: draining requests (up to %.0f s)", DRAIN_GRACE_S)
         self.health.enter_graceful_shutdown()
-        if self.server is not None:
-            self.server.stop(grace=DRAIN_GRACE_S).wait()
+        stops = [server.stop(grace=DRAIN_GRACE_S) for server in self.servers]
+        for stopped in stops:
+            stopped.wait()
         try:
             os.unlink(self.cfg.unix_socket)
         except FileNotFoundError:
             pass
+        if self.models is not None:
+            self.models.close()
+            self.models.engine.close()
+        if self.regions is not None:
+            self.regions.close()
+        if self.arena is not None:
+            self.arena.close()
         log.info("stopped")
         return 0
 

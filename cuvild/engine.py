@@ -18,13 +18,14 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cuvild.worker import TensorRef, WorkerDied, WorkerHandle
 from partitioner.profile import DeviceProfile
 from runtimes.arena import Arena, Block, plan_offsets
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
+        import torch
+
         n = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         for d in self.shape:
             n *= d
@@ -81,6 +84,8 @@ class LoadedModel:
 
 
 def _slot(val: Any) -> Slot:
+    import torch
+
     if not isinstance(val, torch.Tensor):
         raise ValueError(f"a value crossing parts is not a tensor ({type(val).__name__})")
     if any(not isinstance(d, int) for d in val.shape):
@@ -198,40 +203,55 @@ class Engine:
         return TensorRef(block.segment, block.offset + slot.offset, slot.dtype, slot.shape)
 
     def _view(self, block: Block, slot: Slot) -> torch.Tensor:
+        import torch
+
         seg = self.arena.segments[block.segment]
         if slot.nbytes == 0:
             return torch.empty(slot.shape, dtype=getattr(torch, slot.dtype))
         raw = seg.view(block.offset + slot.offset, slot.nbytes)
         return torch.frombuffer(raw, dtype=getattr(torch, slot.dtype)).view(slot.shape)
 
-    def check_inputs(self, model: LoadedModel, inputs: Sequence[torch.Tensor]) -> None:
+    def check_inputs(self, model: LoadedModel, inputs: Sequence[Any]) -> None:
         if len(inputs) != len(model.inputs):
             raise BadInput(f"model {model.name} takes {len(model.inputs)} inputs "
                            f"({', '.join(model.inputs)}), got {len(inputs)}")
         for name, t in zip(model.inputs, inputs, strict=True):
             slot = model.slots[name]
-            if str(t.dtype).removeprefix("torch.") != slot.dtype:
-                raise BadInput(f"input {name}: expected dtype {slot.dtype}, got "
-                               f"{str(t.dtype).removeprefix('torch.')}")
+            dtype = t.dtype if isinstance(t, TensorRef) else str(t.dtype).removeprefix("torch.")
+            if dtype != slot.dtype:
+                raise BadInput(f"input {name}: expected dtype {slot.dtype}, got {dtype}")
             if tuple(t.shape) != slot.shape:
                 raise BadInput(f"input {name}: expected shape {list(slot.shape)}, got "
                                f"{list(t.shape)}")
 
-    def infer(self, key: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Run one request; outputs are fresh host tensors (the block is reused at once)."""
+    def infer(self, key: str, inputs: Sequence[torch.Tensor | TensorRef],
+              output_refs: dict[str, TensorRef] | None = None) -> list[torch.Tensor | None]:
+        """Run one request. Inputs are tensors (copied into the arena) or references into
+        shared memory (read in place by the first part); outputs named in output_refs are
+        written in place there (None is returned for them), the rest come back as fresh
+        host tensors (the block is reused at once)."""
         model = self.models[key]
         self.check_inputs(model, inputs)
+        output_refs = output_refs or {}
         with self._in_flight:
             block = self.arena.alloc(model.footprint)
             try:
-                for name, t in zip(model.inputs, inputs, strict=True):
-                    self._view(block, model.slots[name]).copy_(t)
-                self._run_parts(model, block)
-                return [self._view(block, model.slots[n]).clone() for n in model.outputs]
+                refs = dict(output_refs)
+                for name, value in zip(model.inputs, inputs, strict=True):
+                    if isinstance(value, TensorRef):
+                        refs[name] = value
+                    else:
+                        self._view(block, model.slots[name]).copy_(value)
+                self._run_parts(model, block, refs)
+                return [None if n in output_refs else self._view(block, model.slots[n]).clone()
+                        for n in model.outputs]
             finally:
                 self.arena.free(block)
 
-    def _run_parts(self, model: LoadedModel, block: Block) -> None:
+    def _run_parts(self, model: LoadedModel, block: Block, refs: dict[str, TensorRef]) -> None:
+        def ref(name: str) -> TensorRef:
+            return refs.get(name) or self._ref(block, model.slots[name])
+
         ready = set(model.inputs)
         waiting = list(model.routes)
         running: dict[Future[dict[str, Any]], Route] = {}
@@ -244,8 +264,8 @@ class Engine:
                     self._usable[route.device].wait(self.build_timeout_s)
                     future = self.worker(route.device).call(
                         "run", model=model.key, part=route.id,
-                        inputs=[self._ref(block, model.slots[n]) for n in route.inputs],
-                        outputs=[self._ref(block, model.slots[n]) for n in route.outputs])
+                        inputs=[ref(n) for n in route.inputs],
+                        outputs=[ref(n) for n in route.outputs])
                     running[future] = route
             if not running:
                 break

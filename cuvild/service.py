@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from typing import Any
 
 import grpc
 
@@ -48,11 +49,12 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
 
     def __init__(self, profiles: Callable[[], ProfileResult],
                  reprofile: Callable[[], ProfileResult], config_path: str,
-                 registry: Registry, max_uploads: int) -> None:
+                 registry: Registry, max_uploads: int, models: Any = None) -> None:
         self._profiles = profiles
         self._reprofile = reprofile
         self._config_path = config_path
         self._registry = registry
+        self._models = models  # cuvild.models.ModelManager
         self._started = time.monotonic()
         self._refresh_lock = threading.Lock()
         self._max_uploads = max_uploads
@@ -65,7 +67,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             version=cuvild.__version__,
             uptime_s=time.monotonic() - self._started,
             devices=[profile_to_pb(d) for d in result.devices],
-            models=[record_to_pb(r) for r in self._registry.list()],
+            models=[self._summary(r) for r in self._registry.list()],
             profile_source=result.source,
             profile_seconds=result.seconds,
             fingerprint=result.fingerprint,
@@ -96,6 +98,13 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         )
 
     # -- models ----------------------------------------------------------------------------
+    def _summary(self, record: ModelRecord) -> cuvil_pb2.ModelSummary:
+        summary = record_to_pb(record)
+        served = self._models.get(record.name, record.version) if self._models else None
+        if served is not None:
+            summary.state = served.state.lower() + (f": {served.reason}" if served.reason else "")
+        return summary
+
     def LoadModel(self, request_iterator: Iterator[cuvil_pb2.LoadModelRequest],
                   context: grpc.ServicerContext) -> cuvil_pb2.LoadModelResponse:
         if not self._upload_slots.acquire(blocking=False):
@@ -112,6 +121,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         finally:
             self._upload_slots.release()
         seconds = time.perf_counter() - t0
+        if self._models is not None:
+            self._models.submit(record)
         log.info("model %s:%s %s (%d bytes, %.2f s)", record.name, record.version,
                  "already registered" if present else "registered", record.size_bytes, seconds)
         return cuvil_pb2.LoadModelResponse(model=record_to_pb(record), already_present=present,
@@ -142,9 +153,11 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             removed = self._registry.remove(request.name, request.version)
         except RegistryError as e:
             context.abort(REGISTRY_CODES[e.kind], str(e))
+        if self._models is not None:
+            self._models.remove(request.name, request.version)
         return cuvil_pb2.UnloadModelResponse(removed=[record_to_pb(r) for r in removed])
 
     def ListModels(self, request: cuvil_pb2.ListModelsRequest,
                    context: grpc.ServicerContext) -> cuvil_pb2.ListModelsResponse:
         return cuvil_pb2.ListModelsResponse(
-            models=[record_to_pb(r) for r in self._registry.list()])
+            models=[self._summary(r) for r in self._registry.list()])

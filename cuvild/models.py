@@ -1,0 +1,114 @@
+"""Served models: each registered model is prepared (planned, split, compiled) in the
+background and then served by the engine. State is READY, LOADING or UNAVAILABLE (with the
+reason). Everything here can be rebuilt from disk: the registry and the compile cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from cuvild.engine import Engine, LoadedModel
+from cuvild.registry import ModelRecord, Registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedModel:
+    record: ModelRecord
+    state: str = "LOADING"  # LOADING | READY | UNAVAILABLE
+    reason: str = ""
+    loaded: LoadedModel | None = None
+    prepare_s: float = 0.0
+    built: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.record.name}:{self.record.version}"
+
+
+class ModelManager:
+    def __init__(self, registry: Registry, engine: Engine, objective: str = "latency") -> None:
+        self.registry = registry
+        self.engine = engine
+        self.objective = objective
+        self._models: dict[str, ServedModel] = {}
+        self._lock = threading.Lock()
+        # One model prepared at a time: compilers saturate the cores on their own.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
+
+    def restore(self) -> None:
+        """Prepare every registered model again (compile cache makes this quick)."""
+        for record in self.registry.list():
+            self.submit(record)
+
+    def submit(self, record: ModelRecord) -> ServedModel:
+        served = ServedModel(record)
+        with self._lock:
+            old = self._models.get(served.key)
+            if old is not None and old.record.sha256 == record.sha256 and old.state != \
+                    "UNAVAILABLE":
+                return old
+            self._models[served.key] = served
+        if old is not None:
+            self.engine.unload(old.key)
+        self._pool.submit(self._prepare, served)
+        return served
+
+    def _prepare(self, served: ServedModel) -> None:
+        t0 = time.perf_counter()
+        record = served.record
+        try:
+            loaded = self.engine.prepare(
+                served.key, record.name, record.version,
+                self.registry.archive_path(record.sha256), record.inputs,
+                objective=self.objective)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be served says why
+            served.state, served.reason = "UNAVAILABLE", f"{type(e).__name__}: {e}"
+            log.error("model %s unavailable: %s", served.key, served.reason)
+            return
+        served.loaded, served.prepare_s = loaded, time.perf_counter() - t0
+        with self._lock:
+            if self._models.get(served.key) is not served:  # unloaded or replaced meanwhile
+                self.engine.unload(served.key)
+                return
+            served.state = "READY"
+        log.info("model %s ready in %.2f s: %s", served.key, served.prepare_s,
+                 ", ".join(f"{r.id}@{r.device}/{r.runtime}" for r in loaded.routes))
+
+    def remove(self, name: str, version: str = "") -> None:
+        with self._lock:
+            keys = [k for k, m in self._models.items() if m.record.name == name
+                    and (not version or m.record.version == version)]
+            for key in keys:
+                del self._models[key]
+        for key in keys:
+            self.engine.unload(key)
+
+    def get(self, name: str, version: str = "") -> ServedModel | None:
+        """The named version, or the newest registered one."""
+        with self._lock:
+            matches = [m for m in self._models.values() if m.record.name == name
+                       and (not version or m.record.version == version)]
+        return max(matches, key=lambda m: m.record.created_at) if matches else None
+
+    def all(self) -> list[ServedModel]:
+        with self._lock:
+            return sorted(self._models.values(), key=lambda m: m.key)
+
+    def wait_ready(self, name: str, timeout: float = 600.0) -> ServedModel:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            served = self.get(name)
+            if served is not None and served.state != "LOADING":
+                return served
+            time.sleep(0.05)
+        raise TimeoutError(f"model {name!r} not ready within {timeout:.0f} s")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

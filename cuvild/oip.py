@@ -1,0 +1,327 @@
+"""The Open Inference Protocol data plane (inference.GRPCInferenceService).
+
+ModelInfer is the request path: check the request against the model's metadata, take each
+input from raw bytes, typed contents or a shared-memory region (read in place), run the
+engine, and return outputs as raw bytes or write them into the client's regions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+import numpy as np
+
+import cuvild
+from cuvild.engine import BadInput, InferError
+from cuvild.models import ModelManager, ServedModel
+from cuvild.registry import RegistryError
+from cuvild.shm import RegionError, Regions
+from cuvild.worker import TensorRef
+from protos import inference_pb2 as pb
+from protos import inference_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# OIP datatype <-> torch dtype name, and the typed-contents field that carries it.
+DATATYPES = {
+    "BOOL": ("bool", "bool_contents"), "UINT8": ("uint8", "uint_contents"),
+    "INT8": ("int8", "int_contents"), "INT16": ("int16", "int_contents"),
+    "INT32": ("int32", "int_contents"), "INT64": ("int64", "int64_contents"),
+    "FP16": ("float16", None), "BF16": ("bfloat16", None),
+    "FP32": ("float32", "fp32_contents"), "FP64": ("float64", "fp64_contents"),
+}
+TORCH_TO_OIP = {torch_name: oip for oip, (torch_name, _) in DATATYPES.items()}
+CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "exists": grpc.StatusCode.ALREADY_EXISTS,
+         "not_found": grpc.StatusCode.NOT_FOUND, "denied": grpc.StatusCode.PERMISSION_DENIED}
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _param(params: Any, key: str) -> Any:
+    if key not in params:
+        return None
+    p = params[key]
+    return getattr(p, p.WhichOneof("parameter_choice"))
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype) if shape else _itemsize(dtype)
+
+
+class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, models: ModelManager, regions: Regions, shm_enabled: bool = True) -> None:
+        self.models = models
+        self.regions = regions
+        self.shm_enabled = shm_enabled
+
+    # -- health and metadata ---------------------------------------------------------------
+    def ServerLive(self, request, context):  # noqa: N802
+        return pb.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request, context):  # noqa: N802
+        return pb.ServerReadyResponse(ready=True)
+
+    def ServerMetadata(self, request, context):  # noqa: N802
+        extensions = ["model_repository"] + (["system_shared_memory"] if self.shm_enabled else [])
+        return pb.ServerMetadataResponse(name="cuvild", version=cuvild.__version__,
+                                         extensions=extensions)
+
+    def ModelReady(self, request, context):  # noqa: N802
+        served = self.models.get(request.name, request.version)
+        return pb.ModelReadyResponse(ready=served is not None and served.state == "READY")
+
+    def _served(self, name: str, version: str, context: grpc.ServicerContext,
+                ready: bool = True) -> ServedModel:
+        served = self.models.get(name, version)
+        if served is None:
+            what = f"{name!r}" + (f" version {version!r}" if version else "")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {what}")
+        if ready and served.state != "READY":
+            detail = f": {served.reason}" if served.reason else " (still loading)"
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"model {served.key} is {served.state.lower()}{detail}")
+        return served
+
+    def ModelMetadata(self, request, context):  # noqa: N802
+        served = self._served(request.name, request.version, context, ready=False)
+        versions = sorted({m.record.version for m in self.models.all()
+                           if m.record.name == request.name})
+
+        def meta(specs: list[dict[str, Any]]) -> list[Any]:
+            return [pb.ModelMetadataResponse.TensorMetadata(
+                name=t["name"], datatype=TORCH_TO_OIP.get(t["dtype"], t["dtype"].upper()),
+                shape=t["shape"]) for t in specs]
+
+        return pb.ModelMetadataResponse(name=request.name, versions=versions,
+                                        platform="pytorch_torch_export",
+                                        inputs=meta(served.record.inputs),
+                                        outputs=meta(served.record.outputs))
+
+    # -- inference -------------------------------------------------------------------------
+    def ModelInfer(self, request, context):  # noqa: N802
+        import torch
+
+        served = self._served(request.model_name, request.model_version, context)
+        try:
+            inputs = self._inputs(served, request)
+            wanted, output_refs = self._outputs(served, request)
+            results = self.models.engine.infer(served.key, inputs, output_refs)
+        except Refused as e:
+            context.abort(e.code, str(e))
+        except RegionError as e:
+            context.abort(CODES[e.kind], str(e))
+        except BadInput as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except InferError as e:
+            context.abort(grpc.StatusCode.INTERNAL, str(e))
+        response = pb.ModelInferResponse(model_name=served.record.name,
+                                         model_version=served.record.version, id=request.id)
+        specs = {t["name"]: t for t in served.record.outputs}
+        for name, value in zip([t["name"] for t in served.record.outputs], results, strict=True):
+            if name not in wanted:
+                continue
+            spec = specs[name]
+            out = response.outputs.add(name=name, shape=spec["shape"],
+                                       datatype=TORCH_TO_OIP[spec["dtype"]])
+            if value is None:  # written into the client's region
+                for key, param in wanted[name].items():
+                    out.parameters[key].CopyFrom(param)
+            else:
+                response.raw_output_contents.append(
+                    value.contiguous().view(torch.uint8).numpy().tobytes())
+        return response
+
+    def _inputs(self, served: ServedModel, request: Any) -> list[Any]:
+        specs = served.record.inputs
+        given = {}
+        for i, tensor in enumerate(request.inputs):
+            if tensor.name in given:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"input {tensor.name!r} given "
+                                                                "twice")
+            given[tensor.name] = (i, tensor)
+        expected = [s["name"] for s in specs]
+        unknown = sorted(set(given) - set(expected))
+        missing = [n for n in expected if n not in given]
+        if unknown or missing:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"model {served.key} takes inputs {expected}; "
+                          + (f"unknown {unknown} " if unknown else "")
+                          + (f"missing {missing}" if missing else ""))
+        raw = list(request.raw_input_contents)
+        if raw and len(raw) != len(request.inputs):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
+        return [self._input(spec, *given[spec["name"]], raw) for spec in specs]
+
+    def _input(self, spec: dict[str, Any], index: int, tensor: Any, raw: list[bytes]) -> Any:
+        import torch
+
+        name = spec["name"]
+        if tensor.datatype not in DATATYPES:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"input {name!r}: unsupported datatype {tensor.datatype!r}")
+        dtype, field = DATATYPES[tensor.datatype]
+        if dtype != spec["dtype"]:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"input {name!r}: expected datatype {TORCH_TO_OIP[spec['dtype']]}, "
+                          f"got {tensor.datatype}")
+        shape = tuple(tensor.shape)
+        if len(shape) != len(spec["shape"]) or any(
+                want not in (-1, got) for want, got in zip(spec["shape"], shape, strict=True)):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"input {name!r}: expected shape {spec['shape']}, got {list(shape)}")
+        nbytes = _nbytes(dtype, shape)
+        region = _param(tensor.parameters, "shared_memory_region")
+        if region is not None:
+            if not self.shm_enabled:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                              "shared memory is off for this listener (shm.allow_tcp_clients)")
+            size = _param(tensor.parameters, "shared_memory_byte_size")
+            if size is not None and size != nbytes:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"input {name!r}: shared_memory_byte_size {size} != {nbytes} "
+                              f"bytes of {tensor.datatype}{list(shape)}")
+            offset = _param(tensor.parameters, "shared_memory_offset") or 0
+            reg, absolute = self.regions.locate(region, offset, nbytes)
+            return TensorRef(reg.object_name, absolute, dtype, shape)
+        if raw:
+            data = raw[index]
+            if len(data) != nbytes:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"input {name!r}: {len(data)} raw bytes, expected {nbytes} for "
+                              f"{tensor.datatype}{list(shape)}")
+            return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(shape)
+        if field is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"input {name!r}: {tensor.datatype} must be sent as raw contents")
+        values = getattr(tensor.contents, field)
+        count = nbytes // _itemsize(dtype)
+        if len(values) != count:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"input {name!r}: {len(values)} values in contents, expected {count}")
+        return torch.tensor(list(values), dtype=getattr(torch, dtype)).view(shape)
+
+    def _outputs(self, served: ServedModel, request: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        specs = {t["name"]: t for t in served.record.outputs}
+        if not request.outputs:
+            return {n: {} for n in specs}, {}
+        wanted, refs = {}, {}
+        for out in request.outputs:
+            if out.name not in specs:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"unknown output {out.name!r}; model {served.key} has "
+                              f"{sorted(specs)}")
+            wanted[out.name] = {}
+            region = _param(out.parameters, "shared_memory_region")
+            if region is None:
+                continue
+            if not self.shm_enabled:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                              "shared memory is off for this listener (shm.allow_tcp_clients)")
+            spec = specs[out.name]
+            nbytes = _nbytes(spec["dtype"], tuple(spec["shape"]))
+            size = _param(out.parameters, "shared_memory_byte_size")
+            if size is not None and size < nbytes:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"output {out.name!r}: shared_memory_byte_size {size} < {nbytes} "
+                              "bytes needed")
+            offset = _param(out.parameters, "shared_memory_offset") or 0
+            reg, absolute = self.regions.locate(region, offset, nbytes)
+            refs[out.name] = TensorRef(reg.object_name, absolute, spec["dtype"],
+                                       tuple(spec["shape"]))
+            wanted[out.name] = dict(out.parameters)
+        return wanted, refs
+
+    # -- repository ------------------------------------------------------------------------
+    def RepositoryIndex(self, request, context):  # noqa: N802
+        response = pb.RepositoryIndexResponse()
+        for served in self.models.all():
+            if request.ready and served.state != "READY":
+                continue
+            response.models.add(name=served.record.name, version=served.record.version,
+                                state=served.state, reason=served.reason)
+        return response
+
+    def RepositoryModelLoad(self, request, context):  # noqa: N802
+        """(Re)prepare a registered model; models arrive through cuvil.v1 LoadModel."""
+        try:
+            record = self.models.registry.get(request.model_name)
+        except RegistryError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"{e}; upload it with `cuvilctl load`")
+        served = self.models.submit(record)
+        try:
+            served = self.models.wait_ready(request.model_name)
+        except TimeoutError as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        if served.state != "READY":
+            context.abort(grpc.StatusCode.INTERNAL, f"model {served.key}: {served.reason}")
+        return pb.RepositoryModelLoadResponse()
+
+    def RepositoryModelUnload(self, request, context):  # noqa: N802
+        """Stop serving the model (it stays registered: `cuvilctl unload` deletes it)."""
+        if self.models.get(request.model_name) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_name!r}")
+        self.models.remove(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- shared memory ---------------------------------------------------------------------
+    def _shm_allowed(self, context: grpc.ServicerContext) -> None:
+        if not self.shm_enabled:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "shared memory is off for this listener (shm.allow_tcp_clients)")
+
+    def SystemSharedMemoryRegister(self, request, context):  # noqa: N802
+        self._shm_allowed(context)
+        try:
+            self.regions.register(request.name, request.key, request.offset, request.byte_size)
+        except RegionError as e:
+            context.abort(CODES[e.kind], str(e))
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    def SystemSharedMemoryUnregister(self, request, context):  # noqa: N802
+        self._shm_allowed(context)
+        try:
+            self.regions.unregister(request.name)
+        except RegionError as e:
+            context.abort(CODES[e.kind], str(e))
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    def SystemSharedMemoryStatus(self, request, context):  # noqa: N802
+        self._shm_allowed(context)
+        try:
+            regions = self.regions.status(request.name)
+        except RegionError as e:
+            context.abort(CODES[e.kind], str(e))
+        response = pb.SystemSharedMemoryStatusResponse()
+        for r in regions:
+            response.regions[r.name].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
+        return response
+
+    def _no_cuda(self, context: grpc.ServicerContext) -> None:
+        import torch
+
+        reason = ("CUDA shared memory is not supported by this cuvild yet"
+                  if torch.cuda.is_available() else "no CUDA device on this host")
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, reason)
+
+    def CudaSharedMemoryRegister(self, request, context):  # noqa: N802
+        self._no_cuda(context)
+
+    def CudaSharedMemoryUnregister(self, request, context):  # noqa: N802
+        self._no_cuda(context)
+
+    def CudaSharedMemoryStatus(self, request, context):  # noqa: N802
+        return pb.CudaSharedMemoryStatusResponse()
