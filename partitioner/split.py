@@ -8,6 +8,7 @@ submitted graph, so the engine wires parts by name and users can read the wiring
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,12 @@ def split_program(ep: torch.export.ExportedProgram,
     """
     if not isinstance(assignment, Mapping):
         assignment = {name: pid for pid, names in assignment for name in names}
+    assignment = dict(assignment)
+    for node in ep.graph.nodes:  # a tuple never crosses parts: its getitems follow the op
+        if node.op == "call_function" and node.target is operator.getitem:
+            producer = node.args[0]
+            if isinstance(producer, fx.Node) and producer.name in assignment:
+                assignment[node.name] = assignment[producer.name]
     state = _state(ep)
     graph_nodes = list(ep.graph.nodes)
     compute = [n for n in graph_nodes if n.op == "call_function"]

@@ -1,0 +1,147 @@
+"""The engine on emulated devices: parts in worker processes, tensors through the arena."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import cuvild
+from cuvild.engine import BadInput, Engine, InferError
+from cuvild.intake import summarize
+from cuvild.samples import MLP, Encoder, ResNet18
+from partitioner.plan import Part, Plan
+from partitioner.profile import DeviceProfile
+from runtimes.arena import SHM_DIR, Arena
+
+CORES = sorted(os.sched_getaffinity(0))
+DEVICES = [
+    DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"]),
+    DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:], runtimes=["torch"]),
+    DeviceProfile(id="npu1", kind="npu", emulated=True, cores=CORES[-1:], runtimes=["torch"]),
+]
+
+
+def chunked_plan(ep, devices: list[str]) -> Plan:
+    """Contiguous chunks of the graph, one per device: always an acyclic plan."""
+    nodes = [n.name for n in ep.graph.nodes if n.op == "call_function"]
+    k = len(devices)
+    parts = [Part(f"p{i}", dev, "", "fp32", nodes[i * len(nodes) // k:(i + 1) * len(nodes) // k],
+                  0.0) for i, dev in enumerate(devices)]
+    return Plan(parts=parts, cuts=[], predicted_ms=0.0, peak_bytes={})
+
+
+def prepare(engine: Engine, tmp: Path, name: str, model, inputs, devices: list[str]):
+    ep = cuvild.export(model, inputs)
+    path = tmp / f"{name}.pt2"
+    torch.export.save(ep, path)
+    return engine.prepare(name, name, "1", path, summarize(ep)["inputs"],
+                          plan=chunked_plan(ep, devices))
+
+
+@pytest.fixture
+def engine(tmp_path):
+    arena = Arena(f"{os.getpid()}-eng")
+    eng = Engine(DEVICES, tmp_path / "cache", arena)
+    yield eng
+    eng.close()
+    arena.close()
+    assert not list(SHM_DIR.glob(f"cuvil-{os.getpid()}-eng-*"))
+
+
+def reference_models():
+    torch.manual_seed(0)
+    return {
+        "resnet": (ResNet18(num_classes=10, width=16).eval(), (torch.randn(1, 3, 64, 64),)),
+        "encoder": (Encoder(layers=2, hidden=64, heads=4).eval(), (torch.randn(2, 16, 64),)),
+        "mlp": (MLP(width=128, depth=4).eval(), (torch.randn(3, 128),)),
+    }
+
+
+@pytest.mark.parametrize("devices", [["cpu0", "npu0"], ["npu0", "cpu0", "npu1"]])
+def test_multi_part_plans_match_eager(engine, tmp_path, devices):
+    for name, (model, inputs) in reference_models().items():
+        loaded = prepare(engine, tmp_path, name, model, inputs, devices)
+        assert [r.device for r in loaded.routes] == devices
+        assert loaded.footprint <= loaded.total_bytes
+        with torch.no_grad():
+            expected = model(*inputs)
+        (out,) = engine.infer(name, inputs)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        stats = engine.stats(name)
+        assert all(s["measured_ms"] is not None for s in stats.values())
+    assert engine.arena.in_use() == 0
+
+
+def test_concurrent_requests_are_not_mixed(engine, tmp_path):
+    model, (x,) = reference_models()["mlp"]
+    prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0", "npu0"])
+    batches = [torch.randn(3, 128) for _ in range(24)]
+    with torch.no_grad():
+        expected = [model(b) for b in batches]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda b: engine.infer("mlp", (b,))[0], batches))
+    for got, want in zip(results, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert engine.arena.in_use() == 0
+
+
+def test_bad_inputs_are_named(engine, tmp_path):
+    model, (x,) = reference_models()["mlp"]
+    prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0"])
+    with pytest.raises(BadInput, match="expected shape"):
+        engine.infer("mlp", (torch.randn(4, 128),))
+    with pytest.raises(BadInput, match="dtype"):
+        engine.infer("mlp", (x.double(),))
+    with pytest.raises(BadInput, match="takes 1 inputs"):
+        engine.infer("mlp", (x, x))
+
+
+def test_failing_part_names_itself_and_leaks_nothing(engine, tmp_path):
+    model, (x,) = reference_models()["mlp"]
+    prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0", "npu0"])
+    engine.workers["npu0"].call("unload", model="mlp").result(10)  # p1 now fails
+    with pytest.raises(InferError, match=r"part p1 on npu0 .* not built here"):
+        engine.infer("mlp", (x,))
+    assert engine.arena.in_use() == 0
+
+
+def test_killed_worker_fails_request_then_recovers(engine, tmp_path):
+    model, (x,) = reference_models()["resnet"]
+    prepare(engine, tmp_path, "resnet", model, (x,), ["cpu0", "npu0"])
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                engine.infer("resnet", (x,))
+            except InferError as e:
+                errors.append(str(e))
+                return
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    time.sleep(0.5)
+    os.kill(engine.workers["npu0"].process.pid, signal.SIGKILL)
+    thread.join(60)
+    stop.set()
+    assert errors and "npu0" in errors[0] and "died" in errors[0]
+    deadline = time.monotonic() + 120
+    while True:  # the worker is restarted and its part rebuilt from the cache
+        try:
+            (out,) = engine.infer("resnet", (x,))
+            break
+        except InferError:
+            assert time.monotonic() < deadline, "worker did not come back"
+            time.sleep(0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+    assert engine.workers["npu0"].restarts == 1
+    assert engine.arena.in_use() == 0
