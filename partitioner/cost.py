@@ -1,0 +1,251 @@
+"""Cost model: how long an assignment of nodes to devices takes, and how much memory it needs.
+
+A node on a device costs its roofline time, max(FLOPs / peak(dtype), bytes / memory bandwidth).
+Nodes become parts (see partitioner.schedule); a part costs its device's launch overhead once
+plus its nodes. A tensor crossing between parts on different devices costs bytes / link
+bandwidth + link latency of each non-host end: a copy between two accelerators goes through
+host memory, so it pays both links. Graph inputs start, and graph outputs end, in host memory.
+
+`latency` is one request's end-to-end time: parts run as soon as their inputs arrived and their
+device is free, so parts on different devices overlap. `throughput` is the period of a full
+pipeline: the busiest device or link. Ops a device cannot run cost infinity there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Sequence
+
+from partitioner import schedule
+from partitioner.costgraph import PRECISIONS, CostGraph, CostNode
+from partitioner.profile import DeviceProfile
+from partitioner.schedule import Schedule
+
+OBJECTIVES = ("latency", "throughput")
+# A non-strict annotation costs this much when not followed: a tie-break for cheap nodes,
+# a tenth of the node's own time for costly ones.
+PREFER_MIN_MS = 1e-3
+PREFER_FRACTION = 0.1
+BYTES_PER = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+
+Support = Callable[[CostNode], bool] | Collection[str]
+
+
+class PlacementError(ValueError):
+    """No valid placement: a strict annotation or an op no device can run."""
+
+
+class CostModel:
+    """Costs of one CostGraph on one set of devices; assignments are lists of device indices."""
+
+    def __init__(
+        self,
+        graph: CostGraph,
+        devices: Sequence[DeviceProfile],
+        objective: str = "latency",
+        support: dict[str, Support] | None = None,
+    ) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if not devices:
+            raise ValueError("no devices to place on")
+        self.graph, self.devices, self.objective = graph, list(devices), objective
+        self.n, self.k = len(graph), len(devices)
+        self.preds = graph.preds
+        self.succs = graph.succs
+        # (predecessor, bytes) per node: the inner loops' view of the edges
+        self.in_edges = [
+            [(u, graph.edge_bytes[(u, v)]) for u in graph.preds[v]] for v in range(self.n)
+        ]
+        self.is_host = [d.kind == "cpu" for d in devices]
+        self.launch_ms = [d.launch_us / 1e3 for d in devices]
+        self._links()
+        self.precisions = [None, *PRECISIONS]
+        self.prec = [self.precisions.index(_precision(node)) for node in graph.nodes]
+        self.node_ms = [[self._node_ms(node, dev) for dev in devices] for node in graph.nodes]
+        self._support(support or {})
+        self._constraints()
+        self._io()
+
+    # ---- per node and per transfer ----------------------------------------------------------
+
+    def _node_ms(self, node: CostNode, dev: DeviceProfile) -> float:
+        if not dev.peak_gflops:
+            raise ValueError(f"device {dev.id!r}: peak_gflops is empty")
+        if dev.mem_bw_gbs <= 0:
+            raise ValueError(f"device {dev.id!r}: mem_bw_gbs must be > 0")
+        dtype = _precision(node) or node.dtype
+        # integer/bool/scalar ops run at the fp32 rate; a device listing neither the dtype
+        # nor fp32 gets its slowest listed rate, never an optimistic one
+        peak = dev.peak_gflops.get(dtype) or dev.peak_gflops.get("fp32")
+        peak = peak or min(dev.peak_gflops.values())
+        moved = node.bytes_read + node.bytes_written
+        if node.annotation and node.annotation.precision and node.dtype in BYTES_PER:
+            moved = moved * BYTES_PER[node.annotation.precision] / BYTES_PER[node.dtype]
+        return max(node.flops / (peak * 1e6), moved / (dev.mem_bw_gbs * 1e6))
+
+    def _links(self) -> None:
+        """Per-byte and fixed cost of a copy between any two places (index k is the host)."""
+        per_byte, fixed = [], []
+        for dev in self.devices:
+            if dev.link_bw_gbs <= 0 and dev.kind != "cpu":
+                raise ValueError(f"device {dev.id!r}: link_bw_gbs must be > 0")
+            per_byte.append(1 / (dev.link_bw_gbs * 1e6) if dev.link_bw_gbs > 0 else 0.0)
+            fixed.append(dev.link_latency_us / 1e3)
+        k = self.k
+        self.cut_per_byte = [[0.0] * (k + 1) for _ in range(k + 1)]
+        self.cut_fixed = [[0.0] * (k + 1) for _ in range(k + 1)]
+        for a in range(k + 1):
+            for b in range(k + 1):
+                ends = [x for x in (a, b) if x < k and not self.is_host[x]]
+                if a == b or (not ends and k in (a, b)):
+                    continue  # same place, or host memory <-> a host device: no copy
+                if not ends:  # two host devices: one copy into the arena
+                    ends = [b]
+                self.cut_per_byte[a][b] = sum(per_byte[x] for x in ends)
+                self.cut_fixed[a][b] = sum(fixed[x] for x in ends)
+        self.device_link = [
+            None if self.is_host[x] else (per_byte[x], fixed[x]) for x in range(k)
+        ]
+
+    def cut_ms(self, nbytes: float, src: int, dst: int) -> float:
+        """Time to move `nbytes` from device src to device dst (HOST, or k, for host memory)."""
+        if src == dst:
+            return 0.0
+        return nbytes * self.cut_per_byte[src][dst] + self.cut_fixed[src][dst]
+
+    # ---- constraints: support, annotations --------------------------------------------------
+
+    def _support(self, support: dict[str, Support]) -> None:
+        ids = [d.id for d in self.devices]
+        unknown = set(support) - set(ids)
+        if unknown:
+            raise ValueError(f"support: unknown device ids {sorted(unknown)}; have {ids}")
+        self.unsupported: dict[int, list[int]] = {}
+        for d, dev in enumerate(self.devices):
+            spec = support.get(dev.id)
+            if spec is None:
+                continue
+            for v, node in enumerate(self.graph.nodes):
+                ok = spec(node) if callable(spec) else (node.target not in spec
+                                                        and node.op not in spec)
+                if not ok:
+                    self.node_ms[v][d] = math.inf
+                    self.unsupported.setdefault(d, []).append(v)
+
+    def matching(self, device: str) -> list[int]:
+        """Devices an annotation names: a kind ("npu") means all of that kind, else an id."""
+        return [d for d, dev in enumerate(self.devices) if device in (dev.kind, dev.id)]
+
+    def _constraints(self) -> None:
+        self.allowed: list[list[int]] = []
+        self.penalty: list[list[float]] = []
+        for v, node in enumerate(self.graph.nodes):
+            ms = self.node_ms[v]
+            runnable = [d for d in range(self.k) if ms[d] < math.inf]
+            if not runnable:
+                raise PlacementError(f"node {node.name!r} ({node.target}): no device can run it")
+            ann = node.annotation
+            pen = [0.0] * self.k
+            if ann is not None and ann.device is not None:
+                wanted = self.matching(ann.device)
+                ok = [d for d in wanted if ms[d] < math.inf]
+                if ann.strict:
+                    self._check_strict(node, ann, wanted, ok)
+                    runnable = ok
+                elif ok:
+                    cost = max(PREFER_MIN_MS, PREFER_FRACTION * min(ms[d] for d in ok))
+                    pen = [0.0 if d in ok else cost for d in range(self.k)]
+            self.allowed.append(runnable)
+            self.penalty.append(pen)
+
+    def _check_strict(self, node: CostNode, ann, wanted: list[int], ok: list[int]) -> None:
+        have = ", ".join(d.id for d in self.devices)
+        if not wanted:
+            raise PlacementError(
+                f"node {node.name!r}: strict annotation {ann.describe()} names no device of "
+                f"this machine (have: {have})"
+            )
+        if not ok:
+            names = ", ".join(self.devices[d].id for d in wanted)
+            raise PlacementError(
+                f"node {node.name!r}: strict annotation {ann.describe()}, but {names} cannot "
+                f"run {node.target or node.op}"
+            )
+
+    def _io(self) -> None:
+        names = list(self.graph.input_bytes)
+        ids = {name: i for i, name in enumerate(names)}
+        self.node_inputs = [
+            [(ids[x], self.graph.input_bytes[x]) for x in node.inputs] for node in self.graph.nodes
+        ]
+        self.out_bytes = [node.output_bytes for node in self.graph.nodes]
+
+    # ---- evaluation ---------------------------------------------------------------------------
+
+    def simulate(self, assign: Sequence[int], upto: int | None = None) -> Schedule:
+        """Predicted run of `assign` (device index per node), or of its first `upto` nodes."""
+        return schedule.simulate(self, assign, self.n if upto is None else upto)
+
+    def value(self, assign: Sequence[int]) -> float:
+        """The objective of a full assignment (what placement minimises)."""
+        return schedule.run(self, assign, self.n).value
+
+    # ---- memory -------------------------------------------------------------------------------
+
+    def peak_bytes(self, assign: Sequence[int]) -> list[int]:
+        """Peak live bytes per device: resident parameters plus live activations.
+
+        A tensor lives on its producer's device from its producer to its last consumer, and on
+        each other device that consumes it up to its last consumer there; graph outputs live
+        to the end, graph inputs from the start.
+        """
+        n, k = self.n, self.k
+        delta = [[0] * (n + 2) for _ in range(k)]
+        nodes = self.graph.nodes
+        for u in range(n):
+            node, d = nodes[u], assign[u]
+            last: dict[int, int] = {}
+            for w in self.succs[u]:
+                last[assign[w]] = max(last.get(assign[w], u), w)
+            end = n if node.is_output else max(last.values(), default=u)
+            if node.bytes_written or last.keys() - {d}:
+                delta[d][u] += node.out_bytes
+                delta[d][end + 1] -= node.out_bytes
+            for e, w in last.items():
+                if e != d:
+                    delta[e][u] += node.out_bytes
+                    delta[e][w + 1] -= node.out_bytes
+        used_inputs: dict[tuple[int, str], int] = {}
+        used_params: set[tuple[int, str]] = set()
+        for v, node in enumerate(nodes):
+            for x in node.inputs:
+                used_inputs[(assign[v], x)] = v
+            for p in node.params:
+                used_params.add((assign[v], p))
+        for (d, x), last_use in used_inputs.items():
+            delta[d][0] += self.graph.input_bytes[x]
+            delta[d][last_use + 1] -= self.graph.input_bytes[x]
+        peak = []
+        for d in range(k):
+            live = best = 0
+            for change in delta[d]:
+                live += change
+                best = max(best, live)
+            peak.append(best)
+        for d, p in used_params:
+            peak[d] += self.graph.param_bytes.get(p, 0)
+        return peak
+
+    def memory_over(self, assign: Sequence[int]) -> dict[int, int]:
+        """Devices whose peak exceeds memory_gb (0 means unknown: never over), with the peak."""
+        over = {}
+        for d, peak in enumerate(self.peak_bytes(assign)):
+            cap = self.devices[d].memory_gb * 1e9
+            if cap > 0 and peak > cap:
+                over[d] = peak
+        return over
+
+
+def _precision(node: CostNode) -> str | None:
+    return node.annotation.precision if node.annotation else None

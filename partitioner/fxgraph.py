@@ -1,0 +1,207 @@
+"""Read a torch.export graph into a CostGraph: shapes from the fake tensors in node.meta["val"].
+
+Symbolic sizes are replaced by their hints (the example inputs' sizes), so costs are those of
+the example batch. getitem nodes that pick one value from a tuple result are folded into the
+op that produced the tuple: a cut between them would move a tuple no runtime can compile as a
+part boundary, and the plan still lists their names in the producer's part.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from partitioner import flops
+from partitioner.costgraph import ANNOTATION_KEY, Annotation, CostGraph, CostNode, Edge
+
+DTYPE_NAMES = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8",
+    torch.uint8: "int8", torch.float64: "fp64", torch.int64: "int64", torch.int32: "int32",
+    torch.bool: "bool",
+}  # fmt: skip
+SCALAR_BYTES = 8  # a SymInt or Python number crossing a cut
+# Shape queries read no data: a cut into one moves nothing but the dependency.
+SHAPE_QUERIES = {"sym_size", "sym_numel", "sym_stride", "sym_storage_offset"}
+
+
+def build_costgraph(ep: Any) -> CostGraph:
+    """CostGraph of an ExportedProgram; node names are the graph's own."""
+    graph = ep.graph_module.graph
+    params, user_inputs = _placeholder_kinds(ep)
+    compute = [n for n in graph.nodes if n.op == "call_function"]
+    owner = {n: _fold_target(n) for n in compute}  # node -> the compute node that stands for it
+    kept = [n for n in compute if owner[n] is n]
+    index = {n: i for i, n in enumerate(kept)}
+    aliases: dict[Any, list[str]] = {n: [] for n in kept}
+    for n in compute:
+        if owner[n] is not n:
+            aliases[owner[n]].append(n.name)
+
+    edges: dict[tuple[int, int], list] = {}
+    nodes = []
+    for n in kept:
+        nodes.append(_cost_node(n, params, user_inputs, aliases[n]))
+    for n in compute:
+        dst = index[owner[n]]
+        for a in n.all_input_nodes:
+            if a.op != "call_function" or owner[a] is owner[n]:
+                continue
+            key = (index[owner[a]], dst)
+            entry = edges.setdefault(key, [0, []])
+            if a.name not in entry[1]:
+                if _short_name(n.target) not in SHAPE_QUERIES:
+                    entry[0] += _value_bytes(a.meta.get("val"))
+                entry[1].append(a.name)
+    _mark_outputs(graph, owner, index, nodes)
+    param_bytes = {name: _value_bytes(n.meta.get("val")) for n, name in _by_name(graph, params)}
+    input_bytes = {
+        name: _value_bytes(n.meta.get("val")) for n, name in _by_name(graph, user_inputs)
+    }
+    return CostGraph(
+        nodes,
+        [Edge(s, d, b, tuple(t)) for (s, d), (b, t) in sorted(edges.items())],
+        param_bytes,
+        input_bytes,
+    )
+
+
+def _placeholder_kinds(ep: Any) -> tuple[set[str], set[str]]:
+    from torch.export.graph_signature import InputKind
+
+    params, user_inputs = set(), set()
+    for spec in ep.graph_signature.input_specs:
+        name = getattr(spec.arg, "name", None)
+        if name is None:
+            continue
+        if spec.kind == InputKind.USER_INPUT:
+            user_inputs.add(name)
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            params.add(name)
+    return params, user_inputs
+
+
+def _by_name(graph: Any, names: set[str]) -> list[tuple[Any, str]]:
+    return [(n, n.name) for n in graph.nodes if n.op == "placeholder" and n.name in names]
+
+
+def _fold_target(node: Any) -> Any:
+    """The compute node a getitem-of-a-tuple stands for; other nodes stand for themselves."""
+    while _short_name(node.target) == "getitem" and node.args:
+        src = node.args[0]
+        if getattr(src, "op", None) != "call_function":
+            break
+        if not isinstance(src.meta.get("val"), (tuple, list)):
+            break
+        node = src
+    return node
+
+
+def _cost_node(node: Any, params: set[str], user_inputs: set[str], aliases: list[str]) -> CostNode:
+    op = _short_name(node.target)
+    val = node.meta.get("val")
+    in_shapes, read = [], 0
+    for a in _flat_args(node):
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val")
+            in_shapes.append(_shape(v))
+            read += _value_bytes(v)
+        else:
+            in_shapes.append(None)
+    out_shape = _shape(val)
+    out_bytes = _value_bytes(val)
+    kind = flops.category(op)
+    written = out_bytes
+    if kind == "view":
+        read = written = 0
+    elif op == "embedding" and in_shapes and in_shapes[0] is not None:
+        # only the looked-up rows of the table are read
+        read = out_bytes + _value_bytes(node.args[1].meta.get("val"))
+    args = [_shape(a.meta.get("val")) if isinstance(a, torch.fx.Node) else a for a in node.args]
+    inputs = [a.name for a in node.all_input_nodes if a.op == "placeholder"]
+    if op in SHAPE_QUERIES:
+        inputs, read = [], 0
+    return CostNode(
+        name=node.name,
+        target=str(node.target),
+        op=op,
+        category=kind,
+        flops=flops.op_flops(op, in_shapes, out_shape, args),
+        bytes_read=read,
+        bytes_written=written,
+        out_bytes=out_bytes,
+        dtype=_dtype_name(val),
+        params=tuple(a for a in inputs if a in params),
+        inputs=tuple(a for a in inputs if a in user_inputs),
+        annotation=Annotation.from_meta(node.meta.get("custom", {}).get(ANNOTATION_KEY)),
+        aliases=tuple(aliases),
+        fx_node=node,
+    )
+
+
+def _mark_outputs(graph: Any, owner: dict, index: dict, nodes: list[CostNode]) -> None:
+    for n in graph.nodes:
+        if n.op != "output":
+            continue
+        for a in n.all_input_nodes:
+            if a.op == "call_function":
+                node = nodes[index[owner[a]]]
+                node.output_bytes += max(_value_bytes(a.meta.get("val")), 1)
+                node.output_names += (a.name,)
+
+
+def _flat_args(node: Any) -> list[Any]:
+    """Positional then keyword arguments, with lists of nodes (cat, stack) flattened."""
+    out = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
+
+
+def _short_name(target: Any) -> str:
+    text = str(target)
+    if text.startswith("aten."):
+        return text.split(".")[1]
+    return getattr(target, "__name__", text).split(".")[0]
+
+
+def _hint(size: Any) -> int:
+    if isinstance(size, int):
+        return size
+    try:
+        return int(optimization_hint(size))
+    except Exception:  # an unbacked size has no hint: cost it as 1, like torch's own fallback
+        hint = getattr(getattr(size, "node", None), "hint", None)
+        return int(hint) if hint is not None else 1
+
+
+def _shape(val: Any) -> tuple[int, ...] | None:
+    """Shape with sizes hinted; a tuple result gives its first tensor's (the main output)."""
+    if isinstance(val, (list, tuple)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    if isinstance(val, torch.Tensor):
+        return tuple(_hint(s) for s in val.shape)
+    return None
+
+
+def _value_bytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return prod(_hint(s) for s in val.shape) * val.dtype.itemsize
+    if isinstance(val, (list, tuple)):
+        return sum(_value_bytes(v) for v in val)
+    if val is None:
+        return 0
+    return SCALAR_BYTES
+
+
+def _dtype_name(val: Any) -> str:
+    if isinstance(val, (list, tuple)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    if isinstance(val, torch.Tensor):
+        return DTYPE_NAMES.get(val.dtype, str(val.dtype).replace("torch.", ""))
+    return "scalar"

@@ -1,0 +1,189 @@
+"""Placement: choose a device for every node, then say why wherever the choice is surprising.
+
+`place` picks the method: the chain DP for chains (latency), branch and bound for graphs of
+up to `exact_up_to` nodes, else the scalable heuristic (partitioner.heuristic). Whatever the
+method, fragments below break-even are merged into a neighbour, the plan must fit each
+device's memory, and every node placed away from its annotation or from its cheapest device
+is explained in the notes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from partitioner import heuristic
+from partitioner.cost import CostModel, PlacementError, Schedule
+from partitioner.exact import branch_and_bound, chain_dp, is_chain
+from partitioner.fragments import merge_fragments
+
+METHODS = ("auto", "chain", "exact", "scalable")
+EXACT_UP_TO = 14  # nodes: branch and bound stays well under a second up to about here
+KICKS_UP_TO = 200  # nodes: iterated local search below, one local search above
+PRICED_GROUPS = 25  # groups of moved nodes whose reason is priced by a simulate each
+
+
+@dataclass
+class Placement:
+    """An assignment (device index per node), its predicted run and the reasons behind it."""
+
+    assign: list[int]
+    schedule: Schedule
+    method: str
+    proven_optimal: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def place(
+    model: CostModel,
+    method: str = "auto",
+    exact_up_to: int = EXACT_UP_TO,
+    max_visits: int = 200_000,
+) -> Placement:
+    """Place model.graph on model.devices, minimising model.objective."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if model.n == 0:
+        return Placement([], model.simulate([]), "empty", True)
+    if method == "auto":
+        if model.objective == "latency" and is_chain(model):
+            method = "chain"
+        else:
+            method = "exact" if model.n <= exact_up_to else "scalable"
+    proven = False
+    if method == "chain":
+        assign, proven = chain_dp(model).assign, True
+    else:
+        assign = scalable(model)
+        if method == "exact":
+            result = branch_and_bound(model, assign, max_visits)
+            assign, proven = result.assign or assign, result.proven
+    searched = assign
+    assign, notes = merge_fragments(model, assign)
+    assign, fitted = fit_memory(model, assign)
+    notes += fitted
+    schedule = model.simulate(assign)
+    notes += explain_moves(model, assign, schedule)
+    return Placement(assign, schedule, method, proven and assign == searched, notes)
+
+
+def scalable(model: CostModel) -> list[int]:
+    """Coarsen, start from the best of list scheduling and every single device, refine."""
+    groups = heuristic.coarsen(model)
+    starts = [heuristic.greedy(model, groups)]
+    starts += [heuristic.single_device(model, d) for d in range(model.k)]
+    best = min(starts, key=model.value)
+    swept = heuristic.sweep(model, best, groups)
+    if model.value(swept) < model.value(best):
+        best = swept
+    if model.n <= KICKS_UP_TO:
+        return heuristic.kick_and_refine(model, best, groups)[0]
+    return heuristic.refine(model, best, groups)[0]
+
+
+def fit_memory(
+    model: CostModel, assign: list[int], rounds: int = 20
+) -> tuple[list[int], list[str]]:
+    """Move nodes off devices whose peak memory exceeds memory_gb, weights first."""
+    assign = list(assign)
+    notes = []
+    for _ in range(rounds):
+        over = model.memory_over(assign)
+        if not over:
+            return assign, notes
+        d, peak = max(over.items(), key=lambda item: item[1])
+        cap = model.devices[d].memory_gb * 1e9
+        movable = [v for v in range(model.n) if assign[v] == d and len(model.allowed[v]) > 1]
+        if not movable:
+            raise PlacementError(
+                f"device {model.devices[d].id!r}: the plan needs {peak / 1e9:.2f} GB there but "
+                f"memory_gb is {model.devices[d].memory_gb}, and no node on it may move"
+            )
+        movable.sort(key=lambda v: -_resident_bytes(model, v))
+        freed, moved = 0, []
+        for v in movable:
+            others = [e for e in model.allowed[v] if e != d and e not in over]
+            if not others:
+                continue
+            assign[v] = min(others, key=model.node_ms[v].__getitem__)
+            moved.append(v)
+            freed += _resident_bytes(model, v)
+            if freed >= peak - cap:
+                break
+        if not moved:
+            raise PlacementError(f"device {model.devices[d].id!r}: over memory and nowhere to go")
+        notes.append(
+            f"moved {len(moved)} node(s) ({model.graph.describe(moved)}) off "
+            f"{model.devices[d].id}: the plan needed {peak / 1e9:.2f} GB there, "
+            f"{model.devices[d].memory_gb} GB fit"
+        )
+    raise PlacementError("could not fit the plan in device memory after moving nodes")
+
+
+def _resident_bytes(model: CostModel, v: int) -> int:
+    node = model.graph.nodes[v]
+    return sum(model.graph.param_bytes.get(p, 0) for p in node.params) + node.out_bytes
+
+
+def explain_moves(model: CostModel, assign: list[int], schedule: Schedule) -> list[str]:
+    """Reasons for nodes placed away from their annotation or their cheapest device."""
+    nodes = model.graph.nodes
+    ids = [dev.id for dev in model.devices]
+    base = schedule.value - schedule.penalty_ms
+    notes = []
+    for d, vs in _unsupported_summary(model).items():
+        ops = sorted({nodes[v].target or nodes[v].op for v in vs})
+        notes.append(f"{ids[d]} cannot run {len(vs)} node(s): {', '.join(ops[:6])}")
+    by_reason: dict[tuple, list[int]] = {}
+    for v, node in enumerate(nodes):
+        ann, d = node.annotation, assign[v]
+        fastest = min(range(model.k), key=model.node_ms[v].__getitem__)
+        if ann is not None and ann.device is not None and d not in model.matching(ann.device):
+            by_reason.setdefault(("preference", ann, d), []).append(v)
+        elif model.node_ms[v][d] > model.node_ms[v][fastest] * (1 + 1e-9):
+            if ann is not None and ann.device is not None:
+                by_reason.setdefault(("annotated", ann, d, fastest), []).append(v)
+            else:
+                by_reason.setdefault(("kept", schedule.part_of[v], d, fastest), []).append(v)
+    priced = 0
+    budget = min(PRICED_GROUPS, heuristic.EVAL_WORK // (model.n + len(model.graph.edges) + 1))
+    for key, vs in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+        what = f"{len(vs)} node(s) ({model.graph.describe(vs)})"
+        if key[0] == "annotated":
+            notes.append(f"{what} on {ids[key[2]]} as annotated {key[1].describe()}; "
+                         f"alone they would run fastest on {ids[key[3]]}")
+            continue
+        if key[0] == "preference":
+            ann, d = key[1], key[2]
+            wanted = [e for e in model.matching(ann.device)
+                      if all(model.node_ms[v][e] < math.inf for v in vs)]
+            if not wanted:
+                notes.append(f"{what} annotated {ann.describe()} placed on {ids[d]}: "
+                             f"no {ann.device} device can run them")
+                continue
+            target = wanted[0]
+            prefix = f"{what} annotated {ann.describe()} placed on {ids[d]}"
+        else:
+            target = key[3]
+            prefix = (f"{what} in part {key[1]} on {ids[key[2]]}, "
+                      f"though alone faster on {ids[target]}")
+        if priced >= budget:
+            notes.append(f"{prefix}: kept with their neighbours to save cuts and launches")
+            continue
+        priced += 1
+        trial = list(assign)
+        for v in vs:
+            trial[v] = target
+        moved = model.simulate(trial)
+        delta = moved.value - moved.penalty_ms - base
+        if delta > 0:
+            notes.append(f"{prefix}: moving them to {ids[target]} makes the plan "
+                         f"{delta:.4f} ms slower")
+        else:
+            notes.append(f"{prefix}: moving them to {ids[target]} alone would change the plan by "
+                         f"{delta:+.4f} ms; the search kept them here")
+    return notes
+
+
+def _unsupported_summary(model: CostModel) -> dict[int, list[int]]:
+    return {d: vs for d, vs in model.unsupported.items() if vs}

@@ -1,0 +1,188 @@
+"""The Plan: parts (nodes, device, runtime, precision), cuts between them, predicted times.
+
+A Plan is plain data (`to_dict` / `from_dict` round-trip through JSON); `explain()` prints it
+as tables and `to_dot()` draws it. `plan_model` is the one entry point from a model to a Plan.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from partitioner.cost import CostModel, Support
+from partitioner.costgraph import CostGraph
+from partitioner.place import place
+from partitioner.profile import DeviceProfile
+from partitioner.schedule import HOST
+
+IO = "host"  # the src of graph-input copies and the dst of graph-output copies
+
+
+@dataclass
+class Part:
+    id: str
+    device: str
+    runtime: str
+    precision: str
+    nodes: list[str]  # graph node names, in graph order (folded getitems follow their op)
+    predicted_ms: float  # launch + nodes
+    gflops: float = 0.0
+    start_ms: float = 0.0
+    finish_ms: float = 0.0
+
+
+@dataclass
+class Cut:
+    src: str  # part id, or "host" for graph inputs
+    dst: str  # part id, or "host" for graph outputs
+    bytes: int
+    predicted_ms: float
+    tensors: list[str] = field(default_factory=list)  # graph values that cross
+
+
+@dataclass
+class Plan:
+    parts: list[Part]
+    cuts: list[Cut]
+    predicted_ms: float  # the objective: latency, or the pipeline period for throughput
+    peak_bytes: dict[str, int]
+    objective: str = "latency"
+    notes: list[str] = field(default_factory=list)
+    latency_ms: float = 0.0
+    period_ms: float = 0.0
+    method: str = ""
+    proven_optimal: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form; `cuts` holds copies between parts and to/from the host."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        data = dict(data)
+        data["parts"] = [Part(**p) for p in data.get("parts", [])]
+        data["cuts"] = [Cut(**c) for c in data.get("cuts", [])]
+        return cls(**data)
+
+    def explain(self) -> str:
+        """A human-readable report: parts, cuts, totals and the notes on moved nodes."""
+        from partitioner.report import explain
+
+        return explain(self)
+
+    def to_dot(self, nodes: bool = False) -> str:
+        """Graphviz DOT of the parts and cuts (and, with nodes=True, each part's nodes)."""
+        from partitioner.report import to_dot
+
+        return to_dot(self, nodes)
+
+
+def plan_model(
+    model: Any,
+    devices: Sequence[DeviceProfile | dict[str, Any]] | str | Path,
+    objective: str = "latency",
+    support: dict[str, Support] | None = None,
+    method: str = "auto",
+) -> Plan:
+    """Plan a model (ExportedProgram or CostGraph) on devices (profiles, dicts or a YAML path).
+
+    `objective` is "latency" (one request end to end) or "throughput" (pipeline period).
+    `support` maps a device id to a predicate on CostNode (True: the device can run it; the
+    node's `fx_node` is the graph node when the graph came from a program) or a collection
+    of op names it cannot run; devices without an entry run everything.
+    Raises PlacementError when a strict annotation cannot be honoured or no device can run
+    a node, ValueError on bad profiles or arguments.
+    """
+    from partitioner.profiles import load_profiles, profiles_from_data
+
+    graph = model if isinstance(model, CostGraph) else _costgraph(model)
+    if isinstance(devices, (str, Path)):
+        devices = load_profiles(devices)
+    elif any(isinstance(d, dict) for d in devices):
+        devices = profiles_from_data([d if isinstance(d, dict) else d.to_dict() for d in devices])
+    cost = CostModel(graph, devices, objective, support)
+    placement = place(cost, method)
+    return build_plan(cost, placement.assign, placement.notes, placement.method,
+                      placement.proven_optimal)
+
+
+def build_plan(
+    cost: CostModel,
+    assign: Sequence[int],
+    notes: Sequence[str] = (),
+    method: str = "",
+    proven_optimal: bool = False,
+) -> Plan:
+    """The Plan of an assignment under a cost model."""
+    schedule = cost.simulate(assign)
+    graph, devices = cost.graph, cost.devices
+    parts = []
+    for p, timing in enumerate(schedule.parts):
+        dev = devices[timing.device]
+        names = []
+        for v in timing.nodes:
+            names += [graph.nodes[v].name, *graph.nodes[v].aliases]
+        parts.append(Part(
+            id=f"p{p}",
+            device=dev.id,
+            runtime=dev.runtimes[0] if dev.runtimes else "",
+            precision=cost.precisions[timing.precision] or _dominant_dtype(graph, timing.nodes),
+            nodes=names,
+            predicted_ms=timing.compute_ms,
+            gflops=sum(graph.nodes[v].flops for v in timing.nodes) / 1e9,
+            start_ms=timing.start_ms,
+            finish_ms=timing.finish_ms,
+        ))  # fmt: skip
+    cuts = []
+    for c in sorted(schedule.cuts, key=lambda c: (c.src != HOST, c.src, c.dst == HOST, c.dst)):
+        tensors = []
+        for v in c.tensors:
+            tensors += _crossing_values(graph, v, schedule.part_of, c.dst)
+        cuts.append(Cut(
+            src=IO if c.src == HOST else f"p{c.src}",
+            dst=IO if c.dst == HOST else f"p{c.dst}",
+            bytes=int(c.bytes),
+            predicted_ms=c.ms,
+            tensors=tensors,
+        ))  # fmt: skip
+    peak = cost.peak_bytes(assign) if cost.n else [0] * cost.k
+    return Plan(
+        parts=parts,
+        cuts=cuts,
+        predicted_ms=schedule.value - schedule.penalty_ms,
+        peak_bytes={dev.id: int(b) for dev, b in zip(devices, peak, strict=True)},
+        objective=cost.objective,
+        notes=list(notes),
+        latency_ms=schedule.latency_ms,
+        period_ms=schedule.period_ms,
+        method=method,
+        proven_optimal=proven_optimal,
+    )
+
+
+def _crossing_values(graph: CostGraph, u: int, part_of: list[int], dst: int) -> list[str]:
+    """Names of u's values a part needs (getitems of a tuple result name their own values)."""
+    if dst == HOST:
+        return list(graph.nodes[u].output_names) or [graph.nodes[u].name]
+    names: list[str] = []
+    for w in graph.succs[u]:
+        if part_of[w] == dst:
+            names += [t for t in graph.edge_at[(u, w)].tensors if t not in names]
+    return names or [graph.nodes[u].name]
+
+
+def _dominant_dtype(graph: CostGraph, nodes: list[int]) -> str:
+    counts = Counter(graph.nodes[v].dtype for v in nodes if graph.nodes[v].dtype in _FLOATS)
+    return counts.most_common(1)[0][0] if counts else "fp32"
+
+
+_FLOATS = ("fp32", "bf16", "fp16", "int8")
+
+
+def _costgraph(model: Any) -> CostGraph:
+    from partitioner.costgraph import from_exported_program
+
+    return from_exported_program(model)

@@ -1,0 +1,220 @@
+"""Plans of reference models on the shipped machine shapes; Plan I/O, reports and profiles."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import refmodels  # noqa: E402
+
+from partitioner import plan_model  # noqa: E402
+from partitioner.cost import CostModel, PlacementError  # noqa: E402
+from partitioner.costgraph import ANNOTATION_KEY, from_exported_program  # noqa: E402
+from partitioner.fragments import fragments  # noqa: E402
+from partitioner.plan import Plan, build_plan  # noqa: E402
+from partitioner.profiles import load_profiles, load_shipped, shipped_profiles  # noqa: E402
+from partitioner.synthetic import random_dag, sample_devices  # noqa: E402
+
+PROFILES = ["xeon-amx-h100", "laptop-soc", "ci-host"]
+MODELS = list(refmodels.BUILDERS)
+
+
+def part_order_is_topological(plan: Plan, graph) -> bool:
+    part = {name: i for i, p in enumerate(plan.parts) for name in p.nodes}
+    return all(part[graph.nodes[e.src].name] <= part[graph.nodes[e.dst].name] for e in graph.edges)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("name", MODELS)
+def test_reference_models_get_sane_plans(name: str, profile: str) -> None:
+    graph = refmodels.costgraph(name)
+    devices = load_shipped(profile)
+    plan = plan_model(graph, devices)
+    listed = [n for p in plan.parts for n in p.nodes]
+    compute = [n.name for n in refmodels.exported(name).graph.nodes if n.op == "call_function"]
+    assert sorted(listed) == sorted(compute)  # every graph node in exactly one part
+    assert part_order_is_topological(plan, graph)
+    model = CostModel(graph, devices)
+    single = min(model.value([d] * len(graph)) for d in range(len(devices)))
+    assert plan.predicted_ms <= single * 1.01
+    assert set(plan.peak_bytes) == {d.id for d in devices}
+    # no part below break-even stays without a reason
+    schedule = model.simulate([_device_index(devices, plan, n.name) for n in graph.nodes])
+    for p in fragments(model, schedule):
+        first = graph.nodes[schedule.parts[p].nodes[0]].name
+        assert any("stays on" in note and first in note for note in plan.notes)
+
+
+def _device_index(devices, plan: Plan, node: str) -> int:
+    device = next(p.device for p in plan.parts if node in p.nodes)
+    return [d.id for d in devices].index(device)
+
+
+@pytest.mark.parametrize("name", ["resnet18-like", "bert-2layer-256", "mlp-4x-linear"])
+def test_heavy_ops_go_to_the_h100(name: str) -> None:
+    plan = plan_model(refmodels.costgraph(name), load_shipped("xeon-amx-h100"))
+    graph = refmodels.costgraph(name)
+    heavy = [n.name for n in graph.nodes if n.category in ("conv", "matmul", "attention")]
+    on_gpu = {n for p in plan.parts if p.device == "gpu0" for n in p.nodes}
+    assert heavy and set(heavy) <= on_gpu
+    assert plan.predicted_ms < 1.0  # a few GFLOPs on an H100: well under a millisecond
+
+
+def test_ci_host_keeps_one_request_on_the_cpu_and_runs_it_faster_than_the_npu() -> None:
+    plan = plan_model(refmodels.costgraph("mlp-4x-linear"), load_shipped("ci-host"))
+    assert [p.device for p in plan.parts] == ["cpu0"]  # equal speed, cheaper launch, no copies
+    assert plan.method == "chain" and plan.proven_optimal
+
+
+def test_throughput_objective_balances_devices() -> None:
+    graph = random_dag(120, 11)
+    latency = plan_model(graph, sample_devices(), objective="latency")
+    throughput = plan_model(graph, sample_devices(), objective="throughput")
+    assert throughput.objective == "throughput"
+    assert throughput.period_ms <= latency.period_ms * 1.01
+    assert throughput.predicted_ms == pytest.approx(throughput.period_ms)
+
+
+def test_annotated_export_is_honoured_end_to_end() -> None:
+    ep = refmodels.exported("mlp-4x-linear")
+    ep = ep.run_decompositions()  # a fresh program: the cached one stays unannotated
+    for node in ep.graph.nodes:
+        if node.name.startswith("relu"):
+            node.meta.setdefault("custom", {})[ANNOTATION_KEY] = {"device": "npu"}
+    plan = plan_model(ep, load_shipped("laptop-soc"))
+    for p in plan.parts:
+        if any(n.startswith("relu") for n in p.nodes):
+            assert p.device == "npu0"
+    with pytest.raises(PlacementError, match="relu.*device='npu'"):
+        plan_model(from_exported_program(ep), load_shipped("xeon-amx-h100"))
+
+
+# ---- the Plan as data and as reports ---------------------------------------------------------
+
+
+def test_plan_round_trips_through_json() -> None:
+    plan = plan_model(refmodels.costgraph("bert-2layer-256"), load_shipped("laptop-soc"))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert set(data) >= {"parts", "cuts", "predicted_ms", "peak_bytes", "objective", "notes"}
+    assert set(data["parts"][0]) >= {"id", "device", "runtime", "precision", "nodes",
+                                     "predicted_ms"}
+    assert Plan.from_dict(data) == plan
+
+
+def test_explain_and_dot_describe_the_plan() -> None:
+    graph = random_dag(60, 2)
+    plan = plan_model(graph, sample_devices())
+    text = plan.explain()
+    for p in plan.parts:
+        assert p.id in text and p.device in text
+    assert "predicted latency" in text and "peak memory" in text
+    dot = plan.to_dot()
+    assert dot.startswith("digraph plan {") and dot.rstrip().endswith("}")
+    assert all(f'"{p.id}"' in dot for p in plan.parts)
+    assert plan.to_dot(nodes=True).count("cluster_") == len(plan.parts)
+
+
+def test_explain_says_why_an_annotated_node_moved() -> None:
+    graph = random_dag(20, 8)
+    for node in graph.nodes:
+        node.flops = 5e10
+    from partitioner.costgraph import Annotation
+
+    graph.nodes[5].annotation = Annotation("cpu", None, False)
+    plan = plan_model(graph, sample_devices())
+    assert "n5" in plan.explain() and "preference" in plan.explain()
+
+
+def test_build_plan_names_cut_tensors() -> None:
+    ep = refmodels.exported("resnet18-like")
+    graph = refmodels.costgraph("resnet18-like")
+    cost = CostModel(graph, load_shipped("xeon-amx-h100"))
+    half = len(graph) // 2
+    plan = build_plan(cost, [0] * half + [1] * (len(graph) - half))
+    names = {n.name for n in ep.graph.nodes}
+    inner = [c for c in plan.cuts if "host" not in (c.src, c.dst)]
+    assert inner and all(t in names for c in inner for t in c.tensors)
+
+
+# ---- profiles ----------------------------------------------------------------------------------
+
+
+def test_shipped_profiles_load() -> None:
+    assert set(shipped_profiles()) >= set(PROFILES)
+    xeon = {d.id: d for d in load_shipped("xeon-amx-h100")}
+    assert xeon["gpu0"].peak_gflops["bf16"] > xeon["cpu0"].peak_gflops["bf16"] > 0
+    assert xeon["gpu0"].runtimes == ["triton"]
+    assert xeon["cpu0"].runtimes == ["llvm-cpu", "openvino", "onnxruntime", "torch"]
+    ci = {d.id: d for d in load_shipped("ci-host")}
+    assert ci["npu0"].emulated and ci["npu0"].runtimes == ["openvino"]
+    assert ci["cpu0"].cores == [0] and ci["npu0"].cores == [1]
+    assert {d.kind for d in load_shipped("laptop-soc")} == {"cpu", "gpu", "npu"}
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ({"id": "x0", "kind": "cpu", "speed": 3}, r"devices\[0\] \(x0\): unknown key.*'speed'"),
+        ({"kind": "cpu"}, r"key 'id' is required"),
+        ({"id": "x0", "kind": "tpu"}, r"kind must be one of"),
+        ({"id": "x0", "kind": "cpu", "mem_bw_gbs": "fast"}, r"key 'mem_bw_gbs' must be a number"),
+        ({"id": "x0", "kind": "cpu", "peak_gflops": {"fp8": 1.0}}, r"unknown dtypes \['fp8'\]"),
+        ({"id": "x0", "kind": "cpu", "peak_gflops": {"fp32": 0}}, r"'peak_gflops.fp32' must be"),
+        ({"id": "x0", "kind": "cpu", "cores": 3}, r"key 'cores' must be a list"),
+    ],
+)
+def test_bad_profiles_name_the_key(tmp_path: Path, device: dict, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"devices": [device]}))
+    with pytest.raises(ValueError, match=message):
+        load_profiles(path)
+
+
+def test_profile_file_errors(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("devices: [ {id: a")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_profiles(path)
+    path.write_text(yaml.safe_dump({"device": []}))
+    with pytest.raises(ValueError, match="unknown top-level keys"):
+        load_profiles(path)
+    path.write_text(yaml.safe_dump({"devices": [{"id": "a", "kind": "cpu"}] * 2}))
+    with pytest.raises(ValueError, match="'a' appears twice"):
+        load_profiles(path)
+
+
+def test_plan_model_takes_a_yaml_path() -> None:
+    plan = plan_model(random_dag(30, 1), shipped_profiles()["ci-host"])
+    assert {p.device for p in plan.parts} <= {"cpu0", "npu0"}
+
+
+def test_plan_model_takes_an_exported_program() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(torch.nn.Linear(8, 8), (torch.randn(2, 8),))
+    plan = plan_model(ep, load_shipped("ci-host"))
+    assert [n for p in plan.parts for n in p.nodes] == ["linear"]
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_plan_parts_split_the_real_program(decompose: bool) -> None:
+    """Parts cover the graph and run in order: split along the plan, the result matches eager."""
+    from partitioner.split import split_program
+
+    ep = refmodels.exported("bert-2layer-256")
+    if decompose:
+        ep = ep.run_decompositions()  # tuple results (native_layer_norm) and their getitems
+    norms = {"layer_norm", "native_layer_norm"}
+    plan = plan_model(ep, load_shipped("xeon-amx-h100"), support={"gpu0": norms})
+    assert {p.device for p in plan.parts} == {"cpu0", "gpu0"} and len(plan.parts) > 2
+    split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
+    ids = torch.randint(0, 30522, (8, 128))
+    expected = ep.module()(ids)
+    torch.testing.assert_close(split.run(ids)[0], expected)
