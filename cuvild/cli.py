@@ -130,6 +130,93 @@ def cmd_unload(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_offline(args: argparse.Namespace, client: Client) -> dict[str, Any]:
+    from cuvild.safe_load import load_exported_program
+    from partitioner.plan import plan_model
+    from partitioner.profile import DeviceProfile
+    from partitioner.profiles import load_profiles
+
+    if args.profile:
+        devices = load_profiles(args.profile)
+    else:  # the host's measured devices, from the daemon
+        devices = [DeviceProfile.from_dict(d) for d in client.profile()["devices"]]
+    plan = plan_model(load_exported_program(args.model), devices, objective=args.objective)
+    return {"plan": plan.to_dict(), "explain": plan.explain(), "measured": {},
+            "dot": plan.to_dot()}
+
+
+def cmd_partition(client: Client, args: argparse.Namespace) -> int:
+    from partitioner.cost import PlacementError
+
+    try:
+        if Path(args.model).is_file():
+            result = _plan_offline(args, client)
+        elif args.profile:
+            print(f"cuvilctl: {args.model}: no such file (--profile plans a .pt2 file)",
+                  file=sys.stderr)
+            return 1
+        else:  # a model the daemon serves
+            result = client.plan(args.model, replan=args.replan, objective=args.objective)
+    except (PlacementError, ValueError) as e:
+        print(f"cuvilctl: cannot plan {args.model}: {e}", file=sys.stderr)
+        return 1
+    if args.dot:
+        Path(args.dot).write_text(result["dot"])
+    if args.svg:
+        import shutil
+        import subprocess
+
+        if not shutil.which("dot"):
+            print("cuvilctl: --svg needs Graphviz's `dot` (apt-get install graphviz); "
+                  "--dot writes the source", file=sys.stderr)
+            return 1
+        subprocess.run(["dot", "-Tsvg", "-o", args.svg], input=result["dot"], text=True,
+                       check=True)
+    if args.json:
+        print(json.dumps({k: result[k] for k in ("plan", "measured")}, indent=2))
+        return 0
+    print(result["explain"])
+    if result["measured"]:
+        print()
+        print(format_table(["PART", "DEVICE", "RUNTIME", "PREDICTED ms", "MEASURED ms"],
+                           [[pid, m["device"], m["runtime"], f"{m['predicted_ms']:.2f}",
+                             "-" if m["measured_ms"] is None else f"{m['measured_ms']:.2f}"]
+                            for pid, m in result["measured"].items()]))
+    return 0
+
+
+def cmd_infer(client: Client, args: argparse.Namespace) -> int:
+    import numpy as np
+
+    meta = client.metadata(args.name)
+    names = [i["name"] for i in meta["inputs"]]
+    if len(args.input) != len(names):
+        print(f"cuvilctl: {args.name} takes {len(names)} inputs ({', '.join(names)}); give "
+              f"one --input FILE.npy each, in that order", file=sys.stderr)
+        return 1
+    arrays = {}
+    for name, path in zip(names, args.input, strict=True):
+        try:
+            arrays[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            print(f"cuvilctl: --input {path}: {e}", file=sys.stderr)
+            return 1
+    outputs = client.infer(args.name, arrays, shm=args.shm)
+    if args.output:
+        for name, tensor in outputs.items():
+            np.save(Path(args.output) / f"{name}.npy", tensor.numpy())
+    if args.json:
+        print(json.dumps({n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix(
+            "torch."), "data": t.flatten().tolist()} for n, t in outputs.items()}))
+    else:
+        for name, t in outputs.items():
+            flat = t.flatten()
+            preview = ", ".join(f"{v:.4g}" for v in flat[:8].tolist())
+            print(f"{name} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}: [{preview}"
+                  f"{', ...' if flat.numel() > 8 else ''}]")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cuvilctl", description="Control a running cuvild.")
     parser.add_argument("--target", default=None,
@@ -160,6 +247,24 @@ def build_parser() -> argparse.ArgumentParser:
     unload.add_argument("--version", default=None)
     unload.add_argument("--json", action="store_true", help="machine-readable output")
     unload.set_defaults(func=cmd_unload)
+    part = sub.add_parser("partition", help="show how a model is split across devices")
+    part.add_argument("model", help="a .pt2 file, or the name of a model cuvild serves")
+    part.add_argument("--profile", help="device profiles YAML: plan offline for that machine")
+    part.add_argument("--objective", choices=("latency", "throughput"), default="latency")
+    part.add_argument("--replan", action="store_true",
+                      help="for a served model: plan again now instead of showing its plan")
+    part.add_argument("--json", action="store_true", help="machine-readable output")
+    part.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz DOT")
+    part.add_argument("--svg", metavar="OUT.svg", help="render the plan (needs Graphviz)")
+    part.set_defaults(func=cmd_partition)
+    infer = sub.add_parser("infer", help="run a served model on .npy inputs")
+    infer.add_argument("name")
+    infer.add_argument("--input", action="append", default=[], metavar="FILE.npy",
+                       help="one per model input, in order")
+    infer.add_argument("--shm", action="store_true", help="pass tensors via shared memory")
+    infer.add_argument("--output", metavar="DIR", help="also save outputs as DIR/NAME.npy")
+    infer.add_argument("--json", action="store_true", help="machine-readable output")
+    infer.set_defaults(func=cmd_infer)
     return parser
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from cuvild.config import default_socket
-from protos import cuvil_pb2, cuvil_pb2_grpc
+from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 SYSTEM_SOCKET = "/run/cuvild/cuvild.sock"
 CHUNK_BYTES = 1 << 20
@@ -65,6 +65,7 @@ class Client:
         self.timeout = timeout
         self._channel = grpc.insecure_channel(self.target)
         self._control = cuvil_pb2_grpc.ControlStub(self._channel)
+        self._infer = inference_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -151,3 +152,34 @@ class Client:
         r = self._control.UnloadModel(
             cuvil_pb2.UnloadModelRequest(name=name, version=version or ""), timeout=self.timeout)
         return [model_dict(m) for m in r.removed]
+
+    def plan(self, name: str, version: str | None = None, replan: bool = False,
+             objective: str = "latency") -> dict[str, Any]:
+        """The plan a served model runs with, or (replan=True) a fresh one."""
+        import json
+
+        r = self._control.GetPlan(cuvil_pb2.GetPlanRequest(
+            name=name, version=version or "", replan=replan, objective=objective),
+            timeout=max(self.timeout, 120.0))
+        return {"plan": json.loads(r.plan_json), "explain": r.explain,
+                "measured": json.loads(r.measured_json or "{}"), "dot": r.dot}
+
+    # -- inference (Open Inference Protocol) -----------------------------------------------
+    def metadata(self, name: str) -> dict[str, Any]:
+        r = self._infer.ModelMetadata(inference_pb2.ModelMetadataRequest(name=name),
+                                      timeout=self.timeout)
+        return {"name": r.name, "versions": list(r.versions),
+                "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+                           for t in r.inputs],
+                "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+                            for t in r.outputs]}
+
+    def infer(self, name: str, inputs: Any, shm: bool = False,
+              version: str | None = None) -> dict[str, Any]:
+        """Run a model. `inputs`: a tensor, a sequence in the model's order, or a dict by
+        input name. Returns {output name: torch tensor}. shm=True passes inputs and outputs
+        through a shared-memory region instead of the gRPC message."""
+        from cuvild.infer_io import run_infer
+
+        return run_infer(self._infer, name, inputs, shm=shm, version=version or "",
+                         metadata=self.metadata(name), timeout=self.timeout)

@@ -161,3 +161,35 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                    context: grpc.ServicerContext) -> cuvil_pb2.ListModelsResponse:
         return cuvil_pb2.ListModelsResponse(
             models=[self._summary(r) for r in self._registry.list()])
+
+    def GetPlan(self, request: cuvil_pb2.GetPlanRequest,
+                context: grpc.ServicerContext) -> cuvil_pb2.GetPlanResponse:
+        import json
+
+        served = self._models.get(request.name, request.version) if self._models else None
+        if served is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name!r}")
+        measured: dict = {}
+        if request.replan:
+            try:
+                plan = self._replan(served, request.objective or "latency")
+            except ValueError as e:  # PlacementError: an annotation no device can honour
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        elif served.loaded is None:
+            detail = served.reason or "still loading"
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"model {served.key} has no plan yet: "
+                                                       f"{detail}")
+        else:
+            plan = served.loaded.plan
+            measured = self._models.engine.stats(served.key)
+        return cuvil_pb2.GetPlanResponse(plan_json=json.dumps(plan.to_dict()),
+                                         explain=plan.explain(),
+                                         measured_json=json.dumps(measured),
+                                         dot=plan.to_dot())
+
+    def _replan(self, served, objective: str):  # noqa: ANN001, ANN202
+        from cuvild.safe_load import load_exported_program
+        from partitioner.plan import plan_model
+
+        ep = load_exported_program(self._registry.archive_path(served.record.sha256))
+        return plan_model(ep, self._profiles().devices, objective=objective)

@@ -1,0 +1,107 @@
+"""The client side of ModelInfer: tensors in and out as raw bytes or via shared memory."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from protos import inference_pb2 as pb
+
+DTYPES = {"BOOL": "bool", "UINT8": "uint8", "INT8": "int8", "INT16": "int16", "INT32": "int32",
+          "INT64": "int64", "FP16": "float16", "BF16": "bfloat16", "FP32": "float32",
+          "FP64": "float64"}
+
+
+def _by_name(inputs: Any, specs: list[dict[str, Any]]) -> dict[str, Any]:
+    import torch
+
+    if isinstance(inputs, (torch.Tensor, np.ndarray)):
+        inputs = [inputs]
+    if isinstance(inputs, Mapping):
+        return dict(inputs)
+    if isinstance(inputs, Sequence):
+        if len(inputs) != len(specs):
+            raise ValueError(f"model takes {len(specs)} inputs, got {len(inputs)}")
+        return {s["name"]: t for s, t in zip(specs, inputs, strict=True)}
+    raise TypeError("inputs: a tensor, a sequence of tensors or a dict name -> tensor")
+
+
+def _raw(value: Any) -> tuple[bytes, list[int]]:
+    import torch
+
+    t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes(), list(t.shape)
+
+
+def _tensor(data: bytes | memoryview, datatype: str, shape: list[int]) -> Any:
+    import torch
+
+    dtype = getattr(torch, DTYPES[datatype])
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape).clone()
+
+
+def run_infer(stub: Any, name: str, inputs: Any, shm: bool, version: str,
+              metadata: dict[str, Any], timeout: float) -> dict[str, Any]:
+    values = _by_name(inputs, metadata["inputs"])
+    request = pb.ModelInferRequest(model_name=name, model_version=version)
+    blobs = []
+    for spec in metadata["inputs"]:
+        if spec["name"] not in values:
+            raise ValueError(f"missing input {spec['name']!r}")
+        data, shape = _raw(values[spec["name"]])
+        request.inputs.add(name=spec["name"], datatype=spec["datatype"], shape=shape)
+        blobs.append(data)
+    if not shm:
+        request.raw_input_contents.extend(blobs)
+        reply = stub.ModelInfer(request, timeout=timeout)
+        return {o.name: _tensor(raw, o.datatype, list(o.shape))
+                for o, raw in zip(reply.outputs, reply.raw_output_contents, strict=True)}
+    return _infer_shm(stub, request, blobs, metadata, timeout)
+
+
+def _infer_shm(stub: Any, request: Any, blobs: list[bytes], metadata: dict[str, Any],
+               timeout: float) -> dict[str, Any]:
+    from runtimes.arena import Segment, align
+
+    out_sizes = []
+    for spec in metadata["outputs"]:
+        n = int(np.prod(spec["shape"])) * np.dtype(
+            "uint16" if spec["datatype"] in ("BF16", "FP16") else DTYPES[spec["datatype"]]
+        ).itemsize
+        out_sizes.append(n)
+    offsets, total = [], 0
+    for n in [len(b) for b in blobs] + out_sizes:
+        offsets.append(total)
+        total += align(n)
+    region = f"cuvil-client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    seg = Segment(region, max(total, 64), create=True, lock=False)
+    try:
+        stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+            name=region, key=f"/{region}", offset=0, byte_size=seg.size), timeout=timeout)
+        try:
+            for i, (blob, tensor) in enumerate(zip(blobs, request.inputs, strict=True)):
+                seg.view(offsets[i], len(blob))[:] = blob
+                _shm_params(tensor.parameters, region, offsets[i], len(blob))
+            for j, spec in enumerate(metadata["outputs"]):
+                out = request.outputs.add(name=spec["name"])
+                _shm_params(out.parameters, region, offsets[len(blobs) + j], out_sizes[j])
+            reply = stub.ModelInfer(request, timeout=timeout)
+            return {o.name: _tensor(seg.view(offsets[len(blobs) + j], out_sizes[j]),
+                                    o.datatype, list(o.shape))
+                    for j, o in enumerate(reply.outputs)}
+        finally:
+            stub.SystemSharedMemoryUnregister(
+                pb.SystemSharedMemoryUnregisterRequest(name=region), timeout=timeout)
+    finally:
+        seg.close()
+
+
+def _shm_params(params: Any, region: str, offset: int, size: int) -> None:
+    params["shared_memory_region"].string_param = region
+    params["shared_memory_offset"].int64_param = offset
+    params["shared_memory_byte_size"].int64_param = size
