@@ -117,7 +117,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             inputs = self._inputs(served, request)
             wanted, output_refs = self._outputs(served, request)
-            results = self.models.engine.infer(served.key, inputs, output_refs)
+            # The engine names values as in the graph; the protocol by position ("output0").
+            graph_names = dict(zip([t["name"] for t in served.record.outputs],
+                                   served.loaded.outputs, strict=True))
+            results = self.models.engine.infer(
+                served.key, inputs, {graph_names[n]: ref for n, ref in output_refs.items()})
         except Refused as e:
             context.abort(e.code, str(e))
         except RegionError as e:

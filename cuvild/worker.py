@@ -107,6 +107,7 @@ def serve(conn: Any, device: DeviceProfile, cache_dir: str, in_process: bool = F
     """The worker loop: one request at a time, replies tagged with the request's id."""
     if not in_process:
         _pin(device)
+        _quiet()
     worker = _Worker(device, cache_dir)
     handlers = {"build": worker.build, "run": worker.run, "unload": worker.unload,
                 "ping": lambda msg: {"pid": os.getpid()}}
@@ -134,6 +135,15 @@ def _pin(device: DeviceProfile) -> None:
     import torch
 
     torch.set_num_threads(len(cores))
+
+
+def _quiet() -> None:
+    """Library chatter that says nothing to a cuvild user (torch's pytree deprecation on
+    unpickling, the ONNX exporter's note that torchvision is absent)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
 def _process_main(conn: Any, device_dict: dict[str, Any], cache_dir: str) -> None:
