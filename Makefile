@@ -17,11 +17,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
 
+# inference.proto shares its package with tritonclient's own generated module, so ours is
+# built into a private descriptor pool: a process may import both (clients, tests).
+PRIVATE_POOL := sed -i 's/_descriptor_pool.Default().AddSerializedFile(/_descriptor_pool.DescriptorPool().AddSerializedFile(/' protos/inference_pb2.py
+
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	$(PRIVATE_POOL)
 
 protos/%_pb2.py: protos/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $<
+	if [ "$*" = inference ]; then $(PRIVATE_POOL); fi
 
 run: setup
 	$(VENV)/bin/cuvild --config $(CONFIG)

@@ -42,6 +42,18 @@ CONTROL_SERVICE = cuvil_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 
+def reflection_pool() -> Any:
+    """One descriptor pool with every service we serve: inference_pb2 lives in a private pool
+    (see the Makefile), so the default pool alone cannot describe it."""
+    from google.protobuf import descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.DescriptorPool()
+    for module in (cuvil_pb2, inference_pb2, health_pb2, reflection_pb2):
+        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
+    return pool
+
+
 class StartupError(RuntimeError):
     """The daemon cannot start for a reason outside its config (exit 1)."""
 
@@ -126,7 +138,7 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (CONTROL_SERVICE, INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            server)
+            server, pool=reflection_pool())
         if tcp:
             if server.add_insecure_port(self.cfg.tcp) == 0:
                 raise StartupError(f"cannot listen on TCP {self.cfg.tcp} (listen.tcp)")

@@ -68,7 +68,8 @@ def test_health_and_reflection(daemon):
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         reply = next(stub.ServerReflectionInfo(iter([request]), timeout=10))
         names = {s.name for s in reply.list_services_response.service}
-        assert {"cuvil.v1.Control", "grpc.health.v1.Health"} <= names
+        assert {"cuvil.v1.Control", "inference.GRPCInferenceService",
+                "grpc.health.v1.Health"} <= names
 
 
 def test_cuvilctl_status_human_and_json(daemon):
