@@ -156,7 +156,8 @@ class Daemon:
         self.arena = Arena(str(os.getpid()))
         engine = Engine(self.current_profiles().devices, self.cfg.cache_dir, self.arena,
                         max_in_flight=self.cfg.max_in_flight,
-                        build_timeout_s=max(600.0, 4 * self.cfg.compile_timeout_s))
+                        build_timeout_s=max(600.0, 4 * self.cfg.compile_timeout_s),
+                        compile_timeout_s=self.cfg.compile_timeout_s)
         self.models = ModelManager(self.registry, engine, self.cfg.objective)
         self.regions = Regions(self.cfg.shm_allowed_uids)
 

@@ -118,7 +118,7 @@ def layout(ep: Any, split: Any) -> tuple[dict[str, Slot], int, int]:
 class Engine:
     def __init__(self, devices: Sequence[DeviceProfile], cache_dir: Path, arena: Arena,
                  in_process: bool = False, max_in_flight: int = 4,
-                 build_timeout_s: float = 600.0) -> None:
+                 build_timeout_s: float = 600.0, compile_timeout_s: float = 300.0) -> None:
         self.devices = {d.id: d for d in devices}
         self.cache_dir = cache_dir
         self.arena = arena
@@ -129,6 +129,7 @@ class Engine:
         self._restart_lock = threading.Lock()
         self._usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
         self.build_timeout_s = build_timeout_s
+        self.compile_timeout_s = compile_timeout_s
 
     def worker(self, device_id: str) -> WorkerHandle:
         if device_id not in self.workers:
@@ -177,7 +178,7 @@ class Engine:
                 futures.append((route, self.worker(device).call(
                     "build", model=model.key, archive=model.archive, parts=assignment,
                     part=pid, precision=route.precision, input_specs=model.input_specs,
-                    last=i == len(part_ids) - 1)))
+                    timeout_s=self.compile_timeout_s, last=i == len(part_ids) - 1)))
         for route, future in futures:
             reply = future.result(timeout=self.build_timeout_s)
             if not reply["ok"]:
