@@ -113,7 +113,8 @@ def main() -> dict[str, Any]:
     engine = Engine([CPU, NPU], tmp / "cache", arena, max_in_flight=8)
     try:
         t0 = time.perf_counter()
-        two = engine.prepare("two", "resnet18", "1", path, specs, plan=chunked(ep, ["npu0", "cpu0"]))
+        two = engine.prepare("two", "resnet18", "1", path, specs,
+                             plan=chunked(ep, ["npu0", "cpu0"]))
         result["prepare_two_parts_s"] = time.perf_counter() - t0
         one = engine.prepare("one", "resnet18", "1", path, specs, plan=chunked(ep, ["npu0"]))
         result["runtimes"] = {"two": [(r.id, r.device, r.runtime) for r in two.routes],

@@ -1,0 +1,209 @@
+"""ONNX Runtime on the host CPU: a part exported to ONNX, run by the CPU execution provider.
+
+Compile (control path, `ONNXRuntime.compile`): `torch.export.export(part, example_inputs)`, then
+torch's ONNX exporter on the ExportedProgram (`torch.onnx.export(..., dynamo=True)`, which
+needs the onnx and onnxscript packages). The TorchScript exporter (dynamo=False) also handles
+the reference models, about 1 s faster per part, but torch deprecates it (a DeprecationWarning
+since 2.9) and it loses the value names; the dynamo exporter keeps them ("x", "relu_8"), so
+the ONNX file reads like the part. Shapes are static: a part is compiled per input shape.
+
+Cache (`save` / `load`): the .onnx file, with its weights in part.onnx.data when the model is
+over protobuf's 2 GB limit (the exporter decides). `load` opens a session on it; nothing is
+exported again.
+
+Run (data path, `ONNXExecutable.run`): inputs are bound as OrtValues over the torch tensors'
+memory (`OrtValue.ortvalue_from_numpy`, no copy). Outputs are written by ORT straight into
+torch tensors allocated for that run and bound by address, so nothing is copied and a result
+the engine still holds is never overwritten: ORT reuses the buffers it allocates for bound
+outputs from one run to the next. Parts whose output shapes are not static fall back to
+ORT-allocated outputs, copied once.
+
+Session options: intra_op_num_threads = spec.threads, inter_op_num_threads = 1 (parts run their
+nodes sequentially), graph optimization level ALL, and no spinning
+(session.intra_op.allow_spinning = "0"): ORT's spinning pools slowed the other runtimes on
+2 cores by up to 1.6x here (shared/BASELINES.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import tempfile
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+from runtimes.base import CompileError, CompileSpec, Executable, Runtime
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+MODEL = "part.onnx"
+META = "onnxruntime.json"
+META_FORMAT = 1
+EXPORTER_PACKAGES = ("onnx", "onnxscript")  # torch.onnx.export(dynamo=True) needs them
+
+# ONNX tensor element types -> torch dtypes, for binding output buffers.
+ONNX_DTYPES = {
+    "tensor(float)": torch.float32, "tensor(double)": torch.float64,
+    "tensor(float16)": torch.float16, "tensor(int64)": torch.int64,
+    "tensor(int32)": torch.int32, "tensor(int16)": torch.int16, "tensor(int8)": torch.int8,
+    "tensor(uint8)": torch.uint8, "tensor(bool)": torch.bool,
+}
+
+
+def _ort() -> Any:
+    import onnxruntime
+
+    return onnxruntime
+
+
+def session_options(threads: int) -> ort.SessionOptions:
+    """Sequential execution on `threads` intra-op threads that sleep instead of spinning."""
+    ort = _ort()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = max(int(threads), 1)
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return options
+
+
+def open_session(path: Path, threads: int) -> ort.InferenceSession:
+    return _ort().InferenceSession(str(path), session_options(threads),
+                                   providers=["CPUExecutionProvider"])
+
+
+def feed_order(model_inputs: Sequence[str], part_inputs: Sequence[str]) -> list[int]:
+    """For each session input, its position among the part's inputs (by name, else order)."""
+    if all(name in part_inputs for name in model_inputs):
+        return [list(part_inputs).index(name) for name in model_inputs]
+    if len(model_inputs) == len(part_inputs):
+        return list(range(len(part_inputs)))
+    raise CompileError(f"onnxruntime: model inputs {list(model_inputs)} do not match the "
+                       f"part's inputs {list(part_inputs)}")
+
+
+class ONNXExecutable(Executable):
+    runtime = "onnxruntime"
+
+    def __init__(self, session: ort.InferenceSession, model_dir: Path, feed: list[int],
+                 meta: dict[str, Any]) -> None:
+        self.session = session
+        self.model_dir = model_dir  # holds part.onnx (+ data) for `save`
+        self.feed = feed
+        self.meta = meta
+        self._inputs = [i.name for i in session.get_inputs()]
+        self._outputs = [(o.name, o.shape, ONNX_DTYPES.get(o.type))
+                         for o in session.get_outputs()]
+        self._static = all(dtype is not None and all(isinstance(d, int) for d in shape)
+                           for _, shape, dtype in self._outputs)
+        self._binding = session.io_binding()
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        ort = _ort()
+        binding = self._binding
+        # The OrtValues only point at the arrays' memory: keep both alive until the run ends
+        # (a non-contiguous input's contiguous copy lives nowhere else).
+        alive = []
+        for name, i in zip(self._inputs, self.feed, strict=True):
+            value = ort.OrtValue.ortvalue_from_numpy(inputs[i].detach().contiguous().numpy())
+            binding.bind_ortvalue_input(name, value)
+            alive.append(value)
+        if not self._static:
+            for name, _, _ in self._outputs:
+                binding.bind_output(name, "cpu")
+            self.session.run_with_iobinding(binding)
+            return [torch.from_numpy(v.numpy().copy()) for v in binding.get_outputs()]
+        outputs = []
+        for name, shape, dtype in self._outputs:
+            out = torch.empty(shape, dtype=dtype)
+            binding.bind_output(name, "cpu", 0, out.numpy().dtype, list(shape), out.data_ptr())
+            outputs.append(out)
+        self.session.run_with_iobinding(binding)
+        return outputs
+
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        for path in self.model_dir.iterdir():
+            if path.name.startswith(MODEL):  # part.onnx and its external data, if any
+                shutil.copy2(path, directory / path.name)
+        (directory / META).write_text(json.dumps(self.meta, indent=1))
+
+
+class ONNXRuntime(Runtime):
+    name = "onnxruntime"
+    kinds = ("cpu",)
+    precisions = ("fp32",)
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        try:
+            _ort()
+        except ImportError as e:
+            return f"onnxruntime is not installed ({e})"
+        missing = [name for name in EXPORTER_PACKAGES if not _installed(name)]
+        if missing:
+            return (f"{' and '.join(missing)} not installed: torch.onnx.export(dynamo=True) "
+                    "needs them")
+        return None
+
+    @classmethod
+    def version(cls) -> str:
+        return _ort().__version__
+
+    def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
+        """Export `part` to ONNX in a private directory and open a session on it."""
+        if not self.can_target(spec.device, spec.precision):
+            raise CompileError(f"onnxruntime runs fp32 on the host CPU only, not "
+                               f"{spec.device.id} (kind {spec.device.kind!r}) at {spec.precision}")
+        example = tuple(t.detach() for t in spec.example_inputs)
+        workdir = Path(tempfile.mkdtemp(prefix="cuvil-ort-"))
+        try:
+            exe = self._build(part, example, workdir, spec.threads)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        weakref.finalize(exe, shutil.rmtree, workdir, True)  # the export dies with it
+        return exe
+
+    def _build(self, part: fx.GraphModule, example: tuple[torch.Tensor, ...], workdir: Path,
+               threads: int) -> ONNXExecutable:
+        try:
+            exported = torch.export.export(part, example)
+            program = torch.onnx.export(exported, example, dynamo=True, verbose=False)
+            program.save(str(workdir / MODEL))  # external data only past 2 GB
+        except Exception as e:
+            raise CompileError(f"onnxruntime: ONNX export failed: {type(e).__name__}: {e}") from e
+        try:
+            session = open_session(workdir / MODEL, threads)
+        except Exception as e:
+            raise CompileError(f"onnxruntime: session creation failed: {e}") from e
+        names = [i.name for i in session.get_inputs()]
+        feed = feed_order(names, list(exported.graph_signature.user_inputs))
+        meta = {"format": META_FORMAT, "feed": feed, "onnxruntime": self.version()}
+        return ONNXExecutable(session, workdir, feed, meta)
+
+    def load(self, directory: Path, spec: CompileSpec) -> Executable:
+        """Open a session on a saved .onnx file; nothing is exported."""
+        directory = Path(directory)
+        meta = json.loads((directory / META).read_text())
+        if meta.get("format") != META_FORMAT:
+            raise RuntimeError(f"onnxruntime: {directory} has cache format "
+                               f"{meta.get('format')}, expected {META_FORMAT}")
+        session = open_session(directory / MODEL, spec.threads)
+        return ONNXExecutable(session, directory, list(meta["feed"]), meta)
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules[name] is None
+        return False
