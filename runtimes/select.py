@@ -201,6 +201,8 @@ def _try(name: str, part: fx.GraphModule, spec: CompileSpec, expected: Sequence[
         if entry is not None:
             exe, cached = rt.load(entry, spec), True
         else:
+            if hasattr(rt, "timeout_s"):  # runtimes that compile in a subprocess stop it too
+                rt.timeout_s = timeout_s
             exe = _compile_boxed(rt, part, spec, timeout_s)
     except TimeoutError as e:
         return Candidate(name, "timeout", str(e)), None
