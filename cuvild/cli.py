@@ -157,6 +157,8 @@ def cmd_partition(client: Client, args: argparse.Namespace) -> int:
             return 1
         else:  # a model the daemon serves
             result = client.plan(args.model, replan=args.replan, objective=args.objective)
+            if args.replan:
+                result["served"] = client.plan(args.model)
     except (PlacementError, ValueError) as e:
         print(f"cuvilctl: cannot plan {args.model}: {e}", file=sys.stderr)
         return 1
@@ -173,9 +175,13 @@ def cmd_partition(client: Client, args: argparse.Namespace) -> int:
         subprocess.run(["dot", "-Tsvg", "-o", args.svg], input=result["dot"], text=True,
                        check=True)
     if args.json:
-        print(json.dumps({k: result[k] for k in ("plan", "measured")}, indent=2))
+        print(json.dumps({k: result[k] for k in ("plan", "measured", "served") if k in result},
+                         indent=2))
         return 0
     print(result["explain"])
+    if "served" in result:
+        print()
+        print(replan_difference(result["served"], result["plan"]))
     if result["measured"]:
         print()
         print(format_table(["PART", "DEVICE", "RUNTIME", "PREDICTED ms", "MEASURED ms"],
@@ -183,6 +189,25 @@ def cmd_partition(client: Client, args: argparse.Namespace) -> int:
                              "-" if m["measured_ms"] is None else f"{m['measured_ms']:.2f}"]
                             for pid, m in result["measured"].items()]))
     return 0
+
+
+def replan_difference(served: dict[str, Any], plan: dict[str, Any]) -> str:
+    """How a re-plan with measured costs differs from the plan being served."""
+    def placement(p: dict[str, Any]) -> dict[str, str]:
+        return {n: part["device"] for part in p["parts"] for n in part["nodes"]}
+
+    before, after = placement(served["plan"]), placement(plan)
+    moved = [n for n in after if before.get(n) != after[n]]
+    measured = [m["measured_ms"] for m in served["measured"].values() if m["measured_ms"]]
+    lines = [f"served plan: predicted {served['plan']['predicted_ms']:.2f} ms"
+             + (f", measured {sum(measured):.2f} ms of part time" if measured else ""),
+             f"re-plan with measured costs: predicted {plan['predicted_ms']:.2f} ms, "
+             f"{len(moved)} node(s) moved"]
+    for name in moved[:10]:
+        lines.append(f"  {name}: {before.get(name, '?')} -> {after[name]}")
+    if len(moved) > 10:
+        lines.append(f"  ... {len(moved) - 10} more")
+    return "\n".join(lines)
 
 
 def cmd_infer(client: Client, args: argparse.Namespace) -> int:

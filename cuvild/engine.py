@@ -164,6 +164,10 @@ class Engine:
             model.parts_by_device.setdefault(route.device, []).append(route.id)
         del ep, split  # workers hold the parts; the daemon keeps only the wiring
         self._build(model)
+        for part in plan.parts:  # the plan records what each part really runs on
+            route = next((r for r in routes if r.id == part.id), None)
+            if route is not None:
+                part.runtime = route.runtime
         self.models[key] = model
         return model
 
@@ -319,5 +323,6 @@ class Engine:
             ms = sorted(r.measured_ms)
             out[r.id] = {"device": r.device, "runtime": r.runtime,
                          "predicted_ms": predicted.get(r.id, 0.0),
-                         "measured_ms": ms[len(ms) // 2] if ms else None}
+                         "measured_ms": ms[len(ms) // 2] if ms else None,
+                         "candidates": r.build.get("candidates", [])}
         return out

@@ -31,6 +31,23 @@ def profile_to_pb(dev: DeviceProfile) -> cuvil_pb2.DeviceProfile:
     )
 
 
+def calibrate(devices: list[DeviceProfile], stats: dict) -> list[DeviceProfile]:
+    """Scale each device's speed by measured / predicted time of the parts it ran, so a
+    re-plan uses what the engine saw rather than what the micro-benchmarks promised."""
+    import dataclasses
+
+    out = []
+    for dev in devices:
+        runs = [s for s in stats.values() if s["device"] == dev.id and s["measured_ms"]
+                and s["predicted_ms"] > 0]
+        factor = (sum(s["measured_ms"] for s in runs) / sum(s["predicted_ms"] for s in runs)
+                  if runs else 1.0)
+        out.append(dataclasses.replace(
+            dev, peak_gflops={k: v / factor for k, v in dev.peak_gflops.items()},
+            mem_bw_gbs=dev.mem_bw_gbs / factor))
+    return out
+
+
 def record_to_pb(record: ModelRecord) -> cuvil_pb2.ModelSummary:
     fields = asdict(record)
     specs = {k: [cuvil_pb2.TensorSpec(**t) for t in fields.pop(k)] for k in ("inputs", "outputs")}
@@ -192,4 +209,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         from partitioner.plan import plan_model
 
         ep = load_exported_program(self._registry.archive_path(served.record.sha256))
-        return plan_model(ep, self._profiles().devices, objective=objective)
+        devices = self._profiles().devices
+        if served.loaded is not None:  # profile-guided: devices scaled by what was measured
+            devices = calibrate(devices, self._models.engine.stats(served.key))
+        return plan_model(ep, devices, objective=objective)
