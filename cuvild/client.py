@@ -66,8 +66,12 @@ class Client:
         self._channel = grpc.insecure_channel(self.target)
         self._control = cuvil_pb2_grpc.ControlStub(self._channel)
         self._infer = inference_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._region: Any = None  # cuvild.infer_io.ClientRegion, made on first shm request
+        self._metadata: dict[str, dict[str, Any]] = {}
 
     def close(self) -> None:
+        if self._region is not None:
+            self._region.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -179,7 +183,12 @@ class Client:
         """Run a model. `inputs`: a tensor, a sequence in the model's order, or a dict by
         input name. Returns {output name: torch tensor}. shm=True passes inputs and outputs
         through a shared-memory region instead of the gRPC message."""
-        from cuvild.infer_io import run_infer
+        from cuvild.infer_io import ClientRegion, run_infer
 
-        return run_infer(self._infer, name, inputs, shm=shm, version=version or "",
-                         metadata=self.metadata(name), timeout=self.timeout)
+        if name not in self._metadata:
+            self._metadata[name] = self.metadata(name)
+        if shm and self._region is None:
+            self._region = ClientRegion(self._infer, self.timeout)
+        return run_infer(self._infer, name, inputs, self._region if shm else None,
+                         version=version or "", metadata=self._metadata[name],
+                         timeout=self.timeout)

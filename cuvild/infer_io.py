@@ -45,7 +45,41 @@ def _tensor(data: bytes | memoryview, datatype: str, shape: list[int]) -> Any:
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape).clone()
 
 
-def run_infer(stub: Any, name: str, inputs: Any, shm: bool, version: str,
+class ClientRegion:
+    """A shared-memory region this client owns and keeps registered between requests, so a
+    request costs one ModelInfer call and no copies through the gRPC message."""
+
+    def __init__(self, stub: Any, timeout: float) -> None:
+        self.stub, self.timeout = stub, timeout
+        self.segment: Any = None
+        self.name = ""
+
+    def ensure(self, nbytes: int) -> Any:
+        from runtimes.arena import Segment
+
+        if self.segment is not None and self.segment.size >= nbytes:
+            return self.segment
+        self.close()
+        self.name = f"cuvil-client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.segment = Segment(self.name, max(nbytes, 1 << 16), create=True, lock=False)
+        self.stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+            name=self.name, key=f"/{self.name}", offset=0, byte_size=self.segment.size),
+            timeout=self.timeout)
+        return self.segment
+
+    def close(self) -> None:
+        if self.segment is None:
+            return
+        try:
+            self.stub.SystemSharedMemoryUnregister(
+                pb.SystemSharedMemoryUnregisterRequest(name=self.name), timeout=self.timeout)
+        except Exception:  # noqa: BLE001 - the daemon may be gone; the segment still goes
+            pass
+        self.segment.close()
+        self.segment = None
+
+
+def run_infer(stub: Any, name: str, inputs: Any, region: ClientRegion | None, version: str,
               metadata: dict[str, Any], timeout: float) -> dict[str, Any]:
     values = _by_name(inputs, metadata["inputs"])
     request = pb.ModelInferRequest(model_name=name, model_version=version)
@@ -56,49 +90,38 @@ def run_infer(stub: Any, name: str, inputs: Any, shm: bool, version: str,
         data, shape = _raw(values[spec["name"]])
         request.inputs.add(name=spec["name"], datatype=spec["datatype"], shape=shape)
         blobs.append(data)
-    if not shm:
+    if region is None:
         request.raw_input_contents.extend(blobs)
         reply = stub.ModelInfer(request, timeout=timeout)
         return {o.name: _tensor(raw, o.datatype, list(o.shape))
                 for o, raw in zip(reply.outputs, reply.raw_output_contents, strict=True)}
-    return _infer_shm(stub, request, blobs, metadata, timeout)
+    return _infer_shm(stub, request, blobs, metadata, region, timeout)
 
 
 def _infer_shm(stub: Any, request: Any, blobs: list[bytes], metadata: dict[str, Any],
-               timeout: float) -> dict[str, Any]:
-    from runtimes.arena import Segment, align
+               region: ClientRegion, timeout: float) -> dict[str, Any]:
+    from runtimes.arena import align
 
     out_sizes = []
     for spec in metadata["outputs"]:
-        n = int(np.prod(spec["shape"])) * np.dtype(
-            "uint16" if spec["datatype"] in ("BF16", "FP16") else DTYPES[spec["datatype"]]
-        ).itemsize
-        out_sizes.append(n)
+        item = 2 if spec["datatype"] in ("BF16", "FP16") else np.dtype(
+            DTYPES[spec["datatype"]]).itemsize
+        out_sizes.append(int(np.prod(spec["shape"])) * item)
     offsets, total = [], 0
     for n in [len(b) for b in blobs] + out_sizes:
         offsets.append(total)
         total += align(n)
-    region = f"cuvil-client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    seg = Segment(region, max(total, 64), create=True, lock=False)
-    try:
-        stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
-            name=region, key=f"/{region}", offset=0, byte_size=seg.size), timeout=timeout)
-        try:
-            for i, (blob, tensor) in enumerate(zip(blobs, request.inputs, strict=True)):
-                seg.view(offsets[i], len(blob))[:] = blob
-                _shm_params(tensor.parameters, region, offsets[i], len(blob))
-            for j, spec in enumerate(metadata["outputs"]):
-                out = request.outputs.add(name=spec["name"])
-                _shm_params(out.parameters, region, offsets[len(blobs) + j], out_sizes[j])
-            reply = stub.ModelInfer(request, timeout=timeout)
-            return {o.name: _tensor(seg.view(offsets[len(blobs) + j], out_sizes[j]),
-                                    o.datatype, list(o.shape))
-                    for j, o in enumerate(reply.outputs)}
-        finally:
-            stub.SystemSharedMemoryUnregister(
-                pb.SystemSharedMemoryUnregisterRequest(name=region), timeout=timeout)
-    finally:
-        seg.close()
+    seg = region.ensure(total)
+    for i, (blob, tensor) in enumerate(zip(blobs, request.inputs, strict=True)):
+        seg.view(offsets[i], len(blob))[:] = blob
+        _shm_params(tensor.parameters, region.name, offsets[i], len(blob))
+    for j, spec in enumerate(metadata["outputs"]):
+        out = request.outputs.add(name=spec["name"])
+        _shm_params(out.parameters, region.name, offsets[len(blobs) + j], out_sizes[j])
+    reply = stub.ModelInfer(request, timeout=timeout)
+    return {o.name: _tensor(seg.view(offsets[len(blobs) + j], out_sizes[j]), o.datatype,
+                            list(o.shape))
+            for j, o in enumerate(reply.outputs)}
 
 
 def _shm_params(params: Any, region: str, offset: int, size: int) -> None:
