@@ -1,0 +1,356 @@
+"""Serving cost through the Open Inference Protocol, in one run with interleaved rounds.
+
+(a) ResNet-18 (batch 1, fp32) end to end through tritonclient on the unix socket, with
+    inputs and outputs in system shared memory and with raw contents, against the fastest
+    in-process runner at the same precision (torch eager, OpenVINO fp32 compiled in this
+    process on the whole model as one part): p50/p99 and the ratios to that.
+(b) Per-request overhead on a tiny MLP (16 wide, one layer, input (1, 16)): tritonclient raw
+    against a bare grpcio unary echo (a separate process on a unix socket) of the same bytes.
+
+The daemon runs with `devices: {cpu: {cores: null}}`: one CPU device on every core, so each
+model is one part. `python tests/bench/bench_serving.py [--json] [--rounds N]`. On a shared
+host, run it alone: the in-process runners (torch's OpenMP pool above all) suffer most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# The repo root first (tests/cuvild must not shadow the cuvild package), tests/ for conftest.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+ROUNDS = 120  # (a): 4 runners x ~20-40 ms each per round
+TINY_ROUNDS = 500  # (b): ~1-3 ms calls
+WARMUP = 10
+GAP_S = 0.005  # idle between timed calls, so one runner's spinning threads do not hit the next
+READY_TIMEOUT_S = 300.0
+
+
+# -- the echo server (run as a separate process: `--echo-server PATH`) -----------------------
+def echo_server(path: str) -> None:
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)  # bytes
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("echo.Echo",
+                                                                          {"Echo": echo}),))
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    server.wait_for_termination()
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def stats(samples_ms: list[float]) -> dict[str, float]:
+    import numpy as np
+
+    return {"p50_ms": statistics.median(samples_ms),
+            "p99_ms": float(np.percentile(samples_ms, 99)), "n": len(samples_ms)}
+
+
+def interleaved(runners: dict[str, Callable[[], Any]], rounds: int,
+                gap_s: float = GAP_S) -> dict[str, list[float]]:
+    for run in runners.values():
+        for _ in range(WARMUP):
+            run()
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            if gap_s:
+                time.sleep(gap_s)
+            t0 = time.perf_counter()
+            run()
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def rel_error(got: Any, expected: Any) -> float:
+    import numpy as np
+
+    got, expected = np.asarray(got), np.asarray(expected)
+    return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-12))
+
+
+def wait_ready(control: Any, names: set[str], daemon: Any) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    states: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        states = {m["name"]: m["state"] for m in control.status()["models"]}
+        if names <= set(states) and not any(states[n] == "loading" for n in names):
+            break
+        time.sleep(0.5)
+    bad = {n: states.get(n) for n in names if states.get(n) != "ready"}
+    if bad:
+        raise RuntimeError(f"models not ready: {bad}\n{daemon.log()[-3000:]}")
+
+
+def served_parts(control: Any, name: str) -> list[dict[str, Any]]:
+    """The served plan's parts: device, runtime, precision, the worker's measured run p50."""
+    reply = control.plan(name)
+    return [{"id": p["id"], "device": p["device"], "precision": p["precision"],
+             "runtime": reply["measured"].get(p["id"], {}).get("runtime") or p["runtime"],
+             "measured_ms": reply["measured"].get(p["id"], {}).get("measured_ms")}
+            for p in reply["plan"]["parts"]]
+
+
+# -- (a) resnet18 ----------------------------------------------------------------------------
+def bench_resnet(client: Any, rounds: int, threads: int,
+                 daemon_runtimes: list[str]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.shared_memory as shm
+
+    from cuvild.samples import reference
+    from partitioner.annotate import export
+    from partitioner.profile import DeviceProfile
+    from partitioner.split import split_program
+    from runtimes import registry
+    from runtimes.base import CompileSpec
+
+    model, (x,) = reference("resnet18", 1)
+    with torch.inference_mode():
+        expected = model(x).numpy()
+    xn = x.numpy()
+    meta = client.get_model_metadata("resnet18")
+    in_name, out_name = meta.inputs[0].name, meta.outputs[0].name
+    out_shape = list(meta.outputs[0].shape)
+    out_bytes = int(np.prod(out_shape)) * 4
+
+    # In-process references at the same precision (fp32), on the same cores.
+    torch.set_num_threads(threads)
+    ep = export(model, (x,))
+    part = split_program(ep, {n.name: "all" for n in ep.graph.nodes
+                              if n.op == "call_function"}).parts[0].module
+    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=sorted(os.sched_getaffinity(0)))
+    spec = CompileSpec(device=cpu, precision="fp32", example_inputs=[x], threads=threads)
+    local: dict[str, Callable[[], Any]] = {}
+    compile_s = {}
+
+    def eager() -> Any:
+        with torch.inference_mode():
+            return model(x)
+
+    local["torch eager (in-process)"] = eager
+    # OpenVINO, and the runtime the daemon chose for its part when it is another one.
+    for name in ["openvino", *(r for r in daemon_runtimes if r not in ("openvino", "torch"))]:
+        t0 = time.perf_counter()
+        exe = registry.get(name).compile(part, spec)
+        compile_s[name] = time.perf_counter() - t0
+        local[f"{name} fp32 (in-process)"] = lambda exe=exe: exe.run([x])[0]
+
+    def raw() -> Any:
+        inp = grpcclient.InferInput(in_name, list(xn.shape), "FP32")
+        inp.set_data_from_numpy(xn)
+        result = client.infer("resnet18", [inp],
+                              outputs=[grpcclient.InferRequestedOutput(out_name)])
+        return result.as_numpy(out_name)
+
+    key = f"/cuvil-bench-{os.getpid()}"
+    in_h = shm.create_shared_memory_region("bench_in", f"{key}-in", xn.nbytes)
+    out_h = shm.create_shared_memory_region("bench_out", f"{key}-out", out_bytes)
+    try:
+        client.register_system_shared_memory("bench_in", f"{key}-in", xn.nbytes)
+        client.register_system_shared_memory("bench_out", f"{key}-out", out_bytes)
+
+        def shared() -> Any:
+            shm.set_shared_memory_region(in_h, [xn])  # the client puts its input there
+            inp = grpcclient.InferInput(in_name, list(xn.shape), "FP32")
+            inp.set_shared_memory("bench_in", xn.nbytes)
+            out = grpcclient.InferRequestedOutput(out_name)
+            out.set_shared_memory("bench_out", out_bytes)
+            client.infer("resnet18", [inp], outputs=[out])
+            return shm.get_contents_as_numpy(out_h, np.float32, out_shape).copy()
+
+        runners = {"tritonclient shm": shared, "tritonclient raw": raw, **local}
+        errors = {name: rel_error(np.asarray(run()), expected) for name, run in runners.items()}
+        samples = interleaved(runners, rounds)
+    finally:
+        for name in ("bench_in", "bench_out"):
+            try:
+                client.unregister_system_shared_memory(name)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        shm.destroy_shared_memory_region(in_h)
+        shm.destroy_shared_memory_region(out_h)
+    results = {name: stats(values) for name, values in samples.items()}
+    best = min(local, key=lambda n: results[n]["p50_ms"])
+    for name, r in results.items():
+        r["p50_ratio"] = r["p50_ms"] / results[best]["p50_ms"]
+        r["p99_ratio"] = r["p99_ms"] / results[best]["p99_ms"]
+        r["rel_error"] = errors[name]
+    return {"model": "resnet18", "batch": 1, "precision": "fp32", "baseline": best,
+            "compile_s": compile_s, "results": results}
+
+
+# -- (b) per-request overhead ----------------------------------------------------------------
+def bench_tiny(client: Any, echo_target: str, rounds: int) -> dict[str, Any]:
+    import grpc
+    import torch
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import service_pb2
+
+    from cuvild.samples import MLP
+
+    torch.manual_seed(0)
+    model = MLP(width=16, depth=1).eval()
+    x = torch.randn(1, 16)
+    with torch.inference_mode():
+        expected = model(x).numpy()
+    xn = x.numpy()
+    meta = client.get_model_metadata("tiny")
+    in_name, out_name = meta.inputs[0].name, meta.outputs[0].name
+
+    # The bytes tritonclient puts on the wire for this request.
+    request = service_pb2.ModelInferRequest(model_name="tiny")
+    request.inputs.add(name=in_name, datatype="FP32", shape=list(xn.shape))
+    request.outputs.add(name=out_name)
+    request.raw_input_contents.append(xn.tobytes())
+    payload = request.SerializeToString()
+    channel = grpc.insecure_channel(echo_target)
+    echo_call = channel.unary_unary("/echo.Echo/Echo")
+    grpc.channel_ready_future(channel).result(timeout=30)
+
+    def infer() -> Any:
+        inp = grpcclient.InferInput(in_name, list(xn.shape), "FP32")
+        inp.set_data_from_numpy(xn)
+        return client.infer("tiny", [inp]).as_numpy(out_name)
+
+    def echo() -> Any:
+        return echo_call(payload, timeout=10)
+
+    def live() -> Any:
+        return client.is_server_live()
+
+    error = rel_error(infer(), expected)
+    assert echo() == payload
+    runners = {"tritonclient raw infer": infer, "tritonclient ServerLive": live,
+               "grpcio echo (same bytes)": echo}
+    try:
+        samples = interleaved(runners, rounds)
+    finally:
+        channel.close()
+
+    def eager() -> Any:  # timed after the others: torch's spinning pool would slow them
+        with torch.inference_mode():
+            return model(x)
+
+    samples.update(interleaved({"torch eager (in-process)": eager}, rounds))
+    results = {name: stats(values) for name, values in samples.items()}
+    base = results["grpcio echo (same bytes)"]["p50_ms"]
+    for r in results.values():
+        r["p50_ratio"] = r["p50_ms"] / base
+    return {"model": "MLP(width=16, depth=1)", "input": [1, 16], "payload_bytes": len(payload),
+            "rel_error": error, "baseline": "grpcio echo (same bytes)", "results": results}
+
+
+# -- main ------------------------------------------------------------------------------------
+def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]:
+    import torch
+    import tritonclient.grpc as grpcclient
+    from conftest import DaemonProcess, daemon_config
+
+    from cuvild.client import Client
+    from cuvild.samples import MLP, reference
+
+    # Library chatter (as cuvild/worker.py silences it in the workers).
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    t_start = time.perf_counter()
+    threads = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="cuvil-bench-") as tmp:
+        root = Path(tmp)
+        echo_path = root / "echo.sock"
+        echo = subprocess.Popen([sys.executable, __file__, "--echo-server", str(echo_path)])
+        config = daemon_config(root, root / "state", root)
+        config["devices"] = {"cpu": {"cores": None}}  # one CPU device on every core
+        config["log_level"] = "info"
+        daemon = DaemonProcess(root, config)
+        client = control = None
+        try:
+            daemon.start()
+            control = Client(daemon.target, timeout=120)
+            model, inputs = reference("resnet18", 1)
+            control.load("resnet18", model, inputs)
+            torch.manual_seed(0)
+            control.load("tiny", MLP(width=16, depth=1).eval(), (torch.randn(1, 16),))
+            t0 = time.perf_counter()
+            wait_ready(control, {"resnet18", "tiny"}, daemon)
+            prepare_s = time.perf_counter() - t0
+            client = grpcclient.InferenceServerClient(url=daemon.target)
+            layout = {"devices": config["devices"], "cores": sorted(os.sched_getaffinity(0)),
+                      "resnet18_parts": served_parts(control, "resnet18"),
+                      "tiny_parts": served_parts(control, "tiny"), "prepare_s": prepare_s}
+            a = bench_resnet(client, rounds, threads,
+                             [p["runtime"] for p in layout["resnet18_parts"]])
+            b = bench_tiny(client, f"unix://{echo_path}", tiny_rounds)
+            for name in ("resnet18", "tiny"):  # now with the worker's measured run times
+                layout[f"{name}_parts"] = served_parts(control, name)
+        finally:
+            for c in (client, control):
+                if c is not None:
+                    c.close()
+            if daemon.proc is not None:
+                daemon.stop()
+            daemon.close()
+            echo.terminate()
+            echo.wait(10)
+    return {"layout": layout, "resnet18": a, "tiny": b, "threads": threads,
+            "total_s": time.perf_counter() - t_start}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    lay = result["layout"]
+    def parts(key: str) -> str:
+        return ", ".join(f"{p['id']}@{p['device']}/{p['runtime']} {p['precision']}"
+                         + (f" (worker run p50 {p['measured_ms']:.3f} ms)"
+                            if p.get("measured_ms") is not None else "")
+                         for p in lay[key])
+
+    print(f"layout: devices {lay['devices']} (cores {lay['cores']}): one CPU device; "
+          f"models ready in {lay['prepare_s']:.1f} s")
+    print(f"  resnet18 -> {parts('resnet18_parts')}")
+    print(f"  tiny     -> {parts('tiny_parts')}")
+    a = result["resnet18"]
+    print(f"\n(a) resnet18 b1 fp32, end to end; ratios vs {a['baseline']}")
+    print(f"{'runner':<30} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} {'rel err':>9}")
+    for name, r in a["results"].items():
+        print(f"{name:<30} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['p50_ratio']:7.2f} "
+              f"{r['p99_ratio']:7.2f} {r['rel_error']:9.1e}")
+    b = result["tiny"]
+    print(f"\n(b) per-request overhead, {b['model']} input {b['input']} "
+          f"({b['payload_bytes']} request bytes); ratios vs {b['baseline']}")
+    print(f"{'call':<30} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7}")
+    for name, r in b["results"].items():
+        print(f"{name:<30} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ratio']:7.2f}")
+    print(f"\n{result['threads']} threads; whole run {result['total_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds for (a)")
+    parser.add_argument("--echo-server", metavar="PATH", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.echo_server:
+        echo_server(args.echo_server)
+        sys.exit(0)
+    out = main(args.rounds)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print_table(out)
