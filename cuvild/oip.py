@@ -133,6 +133,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         response = pb.ModelInferResponse(model_name=served.record.name,
                                          model_version=served.record.version, id=request.id)
         specs = {t["name"]: t for t in served.record.outputs}
+        raws = []
         for name, value in zip([t["name"] for t in served.record.outputs], results, strict=True):
             if name not in wanted:
                 continue
@@ -142,9 +143,12 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             if value is None:  # written into the client's region
                 for key, param in wanted[name].items():
                     out.parameters[key].CopyFrom(param)
+                raws.append(None)
             else:
-                response.raw_output_contents.append(
-                    value.contiguous().view(torch.uint8).numpy().tobytes())
+                raws.append(value.contiguous().view(torch.uint8).numpy().tobytes())
+        if any(r is not None for r in raws):
+            # Clients index raw contents by output position: shm outputs get empty entries.
+            response.raw_output_contents.extend(r or b"" for r in raws)
         return response
 
     def _inputs(self, served: ServedModel, request: Any) -> list[Any]:
@@ -163,13 +167,18 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                           f"model {served.key} takes inputs {expected}; "
                           + (f"unknown {unknown} " if unknown else "")
                           + (f"missing {missing}" if missing else ""))
+        # Raw contents belong, in request order, to the inputs that are not in shared memory.
         raw = list(request.raw_input_contents)
-        if raw and len(raw) != len(request.inputs):
+        not_shm = [t.name for t in request.inputs if "shared_memory_region" not in t.parameters]
+        if raw and len(raw) != len(not_shm):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
-        return [self._input(spec, *given[spec["name"]], raw) for spec in specs]
+                          f"{len(raw)} raw_input_contents for {len(not_shm)} inputs not in "
+                          "shared memory")
+        data = dict(zip(not_shm, raw, strict=False))
+        return [self._input(spec, given[spec["name"]][1], data.get(spec["name"]))
+                for spec in specs]
 
-    def _input(self, spec: dict[str, Any], index: int, tensor: Any, raw: list[bytes]) -> Any:
+    def _input(self, spec: dict[str, Any], tensor: Any, data: bytes | None) -> Any:
         import torch
 
         name = spec["name"]
@@ -200,8 +209,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             offset = _param(tensor.parameters, "shared_memory_offset") or 0
             reg, absolute = self.regions.locate(region, offset, nbytes)
             return TensorRef(reg.object_name, absolute, dtype, shape)
-        if raw:
-            data = raw[index]
+        if data is not None:
             if len(data) != nbytes:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"input {name!r}: {len(data)} raw bytes, expected {nbytes} for "

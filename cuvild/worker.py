@@ -53,11 +53,19 @@ class _Worker:
     def tensor(self, ref: TensorRef) -> Any:
         import torch
 
-        from runtimes.arena import Segment
+        from runtimes.arena import SHM_DIR, Segment
 
-        seg = self.segments.get(ref.segment)
-        if seg is None:
-            seg = self.segments[ref.segment] = Segment(ref.segment, 0, create=False, lock=False)
+        # A client may destroy a region and make a new one under the same name: the inode
+        # tells them apart, and the stale mapping is dropped.
+        inode = os.stat(SHM_DIR / ref.segment).st_ino
+        cached = self.segments.get(ref.segment)
+        if cached is not None and cached[0] != inode:
+            cached[1].close()
+            cached = None
+        if cached is None:
+            cached = self.segments[ref.segment] = (
+                inode, Segment(ref.segment, 0, create=False, lock=False))
+        seg = cached[1]
         dtype = getattr(torch, ref.dtype)
         count = 1
         for d in ref.shape:
