@@ -131,6 +131,29 @@ class Engine:
         self.build_timeout_s = build_timeout_s
         self.compile_timeout_s = compile_timeout_s
 
+    def support(self) -> dict[str, Any]:
+        """Per device, whether one of its runtimes can run a node: ops no runtime of a device
+        supports cost infinity there, so the planner places them elsewhere and says why."""
+        from runtimes import registry
+        from runtimes.base import RuntimeUnavailable
+        from runtimes.select import candidates_for
+
+        out: dict[str, Any] = {}
+        for dev in self.devices.values():
+            usable = []
+            for name in candidates_for(dev, "fp32", "auto"):
+                try:
+                    usable.append(registry.get(name))
+                except RuntimeUnavailable:
+                    continue
+
+            def supported(cnode: Any, runtimes: list[Any] = usable) -> bool:
+                node = getattr(cnode, "fx_node", None)
+                return node is None or any(rt.supports(node) for rt in runtimes)
+
+            out[dev.id] = supported
+        return out
+
     def worker(self, device_id: str) -> WorkerHandle:
         if device_id not in self.workers:
             self._usable[device_id] = threading.Event()
@@ -150,7 +173,8 @@ class Engine:
 
         ep = load_exported_program(archive)
         if plan is None:
-            plan = plan_model(ep, list(self.devices.values()), objective=objective)
+            plan = plan_model(ep, list(self.devices.values()), objective=objective,
+                              support=self.support())
         assignment = [(p.id, p.nodes) for p in plan.parts]
         split = split_program(ep, assignment)
         slots, footprint, total = layout(ep, split)
