@@ -17,5 +17,9 @@ if __name__ == "__main__":
             continue
         print(f"== {name} ==", flush=True)
         sys.argv = [str(path), *sys.argv[1:]]
-        runpy.run_path(str(path), run_name="__main__")
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as e:  # a section may end with sys.exit(); go on to the next
+            if e.code not in (None, 0):
+                print(f"{name} exited with {e.code}", flush=True)
         print(flush=True)
