@@ -12,63 +12,8 @@ import warnings
 import torch
 from torch import nn
 
+from cuvild.samples import EncoderLayer, ResNet18
 from partitioner.costgraph import CostGraph, from_exported_program
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                      nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        return torch.relu(y + (x if self.down is None else self.down(x)))
-
-
-class ResNetLike(nn.Module):
-    """ResNet-18's layout (stem, 4 stages of 2 basic blocks, pooled classifier)."""
-
-    def __init__(self, width: int = 64, classes: int = 1000) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width),
-                                  nn.ReLU(), nn.MaxPool2d(3, 2, 1))
-        blocks, cin = [], width
-        for i, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
-            blocks += [BasicBlock(cin, cout, 1 if i == 0 else 2), BasicBlock(cout, cout, 1)]
-            cin = cout
-        self.blocks = nn.Sequential(*blocks)
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.blocks(self.stem(x))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(y, 1), 1))
-
-
-class EncoderLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.out = nn.Linear(hidden, hidden)
-        self.ln1 = nn.LayerNorm(hidden)
-        self.ff1 = nn.Linear(hidden, 4 * hidden)
-        self.ff2 = nn.Linear(4 * hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        a = nn.functional.scaled_dot_product_attention(q, k, v)
-        x = self.ln1(x + self.out(a.transpose(1, 2).reshape(b, s, h)))
-        return self.ln2(x + self.ff2(nn.functional.gelu(self.ff1(x))))
 
 
 class BertLike(nn.Module):
@@ -96,7 +41,7 @@ def mlp() -> tuple[nn.Module, tuple]:
 
 
 def resnet() -> tuple[nn.Module, tuple]:
-    return ResNetLike(), (torch.randn(1, 3, 224, 224),)
+    return ResNet18(), (torch.randn(1, 3, 224, 224),)
 
 
 def bert() -> tuple[nn.Module, tuple]:
