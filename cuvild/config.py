@@ -51,6 +51,9 @@ class Config:
     max_model_bytes: int = 2 << 30
     max_concurrent_uploads: int = 2
     token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
     insecure_loopback: bool = False
     shm_allowed_uids: list[int] = field(default_factory=list)
     shm_allow_tcp_clients: bool = False
@@ -71,7 +74,9 @@ class Config:
 # key -> (type or tuple of types, default). Nested dicts are their own schema.
 _SCHEMA: dict[str, Any] = {
     "listen": {"unix": ((str, type(None)), None), "tcp": ((str, type(None)), None),
-               "token": ((str, type(None)), None), "insecure_loopback": (bool, False)},
+               "token": ((str, type(None)), None), "insecure_loopback": (bool, False),
+               "tls": {"cert": ((str, type(None)), None), "key": ((str, type(None)), None),
+                       "client_ca": ((str, type(None)), None)}},
     "state_dir": ((str, type(None)), None),
     "cache_dir": ((str, type(None)), None),
     "log_level": (str, "info"),
@@ -249,11 +254,20 @@ def parse(data: Any, path: str = "<memory>") -> Config:
     tcp = raw["listen"]["tcp"]
     if tcp is not None and (":" not in tcp or not tcp.rsplit(":", 1)[1].isdigit()):
         raise ConfigError("listen.tcp", f"expected HOST:PORT, got {tcp!r}")
-    if tcp is not None and not raw["listen"]["token"]:
+    tls = raw["listen"]["tls"]
+    if bool(tls["cert"]) != bool(tls["key"]):
+        raise ConfigError("listen.tls", "cert and key go together")
+    if tls["client_ca"] and not tls["cert"]:
+        raise ConfigError("listen.tls.client_ca", "mutual TLS needs the server's cert and key")
+    for key in ("cert", "key", "client_ca"):
+        if tls[key] and not os.access(tls[key], os.R_OK):
+            raise ConfigError(f"listen.tls.{key}", f"cannot read {tls[key]}")
+    if tcp is not None and not raw["listen"]["token"] and not tls["client_ca"]:
         host = tcp.rsplit(":", 1)[0].strip("[]")
         if not (raw["listen"]["insecure_loopback"] and _is_loopback(host)):
-            raise ConfigError("listen.token", "a TCP listener needs a bearer token (or "
-                              "listen.insecure_loopback: true with a loopback host)")
+            raise ConfigError("listen.token", "a TCP listener needs a bearer token or mutual "
+                              "TLS (listen.tls.client_ca), or listen.insecure_loopback: true "
+                              "with a loopback host")
     uids = raw["shm"]["allowed_uids"]
     if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in uids):
         raise ConfigError("shm.allowed_uids", f"expected a list of user ids, got {uids!r}")
@@ -285,6 +299,9 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         max_model_bytes=raw["limits"]["max_model_bytes"],
         max_concurrent_uploads=raw["limits"]["max_concurrent_uploads"],
         token=raw["listen"]["token"],
+        tls_cert=tls["cert"],
+        tls_key=tls["key"],
+        tls_client_ca=tls["client_ca"],
         insecure_loopback=raw["listen"]["insecure_loopback"],
         shm_allowed_uids=list(uids),
         shm_allow_tcp_clients=raw["shm"]["allow_tcp_clients"],

@@ -140,11 +140,23 @@ class Daemon:
             (CONTROL_SERVICE, INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
             server, pool=reflection_pool())
         if tcp:
-            if server.add_insecure_port(self.cfg.tcp) == 0:
+            creds = self._tls_credentials()
+            bound = (server.add_secure_port(self.cfg.tcp, creds) if creds
+                     else server.add_insecure_port(self.cfg.tcp))
+            if bound == 0:
                 raise StartupError(f"cannot listen on TCP {self.cfg.tcp} (listen.tcp)")
         else:
             self._bind_unix(server)
         return server
+
+    def _tls_credentials(self) -> grpc.ServerCredentials | None:
+        if not self.cfg.tls_cert:
+            return None
+        key = Path(self.cfg.tls_key).read_bytes()
+        cert = Path(self.cfg.tls_cert).read_bytes()
+        ca = Path(self.cfg.tls_client_ca).read_bytes() if self.cfg.tls_client_ca else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=ca is not None)
 
     def _start_engine(self) -> None:
         from cuvild.engine import Engine
@@ -189,8 +201,10 @@ class Daemon:
         self.servers = [self._build_server(tcp=False)]
         if self.cfg.tcp:
             self.servers.append(self._build_server(tcp=True))
+            auth = [a for a, on in (("TLS", self.cfg.tls_cert), ("mutual TLS",
+                    self.cfg.tls_client_ca), ("bearer token", self.cfg.token)) if on]
             log.info("also listening on TCP %s (%s)", self.cfg.tcp,
-                     "bearer token" if self.cfg.token else "insecure loopback")
+                     ", ".join(auth) or "insecure loopback")
         for server in self.servers:
             server.start()
         for name in ("", CONTROL_SERVICE, INFERENCE_SERVICE):

@@ -129,7 +129,11 @@ def daemon_config(workdir: Path, state_dir: Path, sock_dir: Path,
         "log_level": "debug",
         "devices": two_core_layout(),
     }
-    config.update(extra)
+    for key, value in extra.items():  # sections merge, so listen={"tcp": ...} keeps the socket
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
     return config
 
 

@@ -32,6 +32,9 @@ def run_cuvild(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
     ("devices: {emulated: [{id: npu0, kind: tpu, cores: [0]}]}\n", "devices.emulated[0].kind"),
     ("devices: {overrides: {cpu0: {mem_bw: 3}}}\n", "devices.overrides.cpu0.mem_bw"),
     ("listen: {tcp: 'nohostport'}\n", "listen.tcp"),
+    ("listen: {tcp: '0.0.0.0:9000'}\n", "listen.token"),
+    ("listen: {tcp: '0.0.0.0:9000', insecure_loopback: true}\n", "listen.token"),
+    ("listen: {tls: {cert: /etc/hostname}}\n", "listen.tls"),
 ])
 def test_bad_config_exits_2_naming_key(tmp_path, text, key):
     result = run_cuvild(tmp_path, text)
