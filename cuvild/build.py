@@ -50,7 +50,7 @@ def forget(model: str) -> None:
 
 def build_model_part(msg: dict[str, Any], device: DeviceProfile,
                      cache: CompileCache) -> BuiltPart:
-    split = load_split(msg["model"], msg["archive"], msg["parts"])
+    split = load_split(msg.get("split_key", msg["model"]), msg["archive"], msg["parts"])
     part = next(p for p in split.parts if p.id == msg["part"])
 
     def samples() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -61,4 +61,4 @@ def build_model_part(msg: dict[str, Any], device: DeviceProfile,
 
     return build_part(part.module, device, msg["precision"], samples, cache,
                       runtime=msg.get("runtime", "auto"), timeout_s=msg.get("timeout_s", 300.0),
-                      threads=msg.get("threads"))
+                      threads=msg.get("threads"), input_shapes=msg.get("input_shapes"))

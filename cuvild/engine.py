@@ -81,6 +81,13 @@ class LoadedModel:
     archive: str = ""
     input_specs: list[dict[str, Any]] = field(default_factory=list)
     parts_by_device: dict[str, list[str]] = field(default_factory=dict)
+    # Dynamic shapes: (input index, dim, low, high) per symbolic input dim; the split is kept
+    # to lay out and build one variant per concrete shape (bucket) on first use.
+    dynamic: list[tuple[int, int, int, int]] = field(default_factory=list)
+    split: Any = None
+    variants: dict[tuple, LoadedModel] = field(default_factory=dict)
+    base_key: str = ""
+    part_input_shapes: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
 def _slot(val: Any) -> Slot:
@@ -93,9 +100,26 @@ def _slot(val: Any) -> Slot:
     return Slot(str(val.dtype).removeprefix("torch."), tuple(int(d) for d in val.shape))
 
 
-def layout(ep: Any, split: Any) -> tuple[dict[str, Slot], int, int]:
-    """Offsets for every tensor crossing a part boundary, from their lifetimes."""
-    meta = {n.name: n.meta.get("val") for n in ep.graph.nodes}
+def dynamic_dims(ep: Any) -> list[tuple[int, int, int, int]]:
+    """(input index, dim, low, high) for every symbolic dimension of the user inputs."""
+    nodes = {n.name: n for n in ep.graph.nodes}
+    ranges = {str(sym): r for sym, r in ep.range_constraints.items()}
+    out = []
+    for i, name in enumerate(ep.graph_signature.user_inputs):
+        val = nodes[name].meta.get("val")
+        for d, size in enumerate(getattr(val, "shape", ())):
+            if isinstance(size, int):
+                continue
+            r = ranges.get(str(size.node.expr))
+            low = int(r.lower) if r is not None and r.lower.is_finite else 0
+            high = int(r.upper) if r is not None and r.upper.is_finite else 2**62
+            out.append((i, d, low, high))
+    return out
+
+
+def layout(meta: dict[str, Any], split: Any) -> tuple[dict[str, Slot], int, int]:
+    """Offsets for every tensor crossing a part boundary, from their lifetimes. `meta` maps
+    value names to tensors (or fake tensors) with concrete shapes."""
     slots: dict[str, Slot] = {}
     first: dict[str, int] = {}
     last: dict[str, int] = {}
@@ -177,23 +201,91 @@ class Engine:
                               support=self.support())
         assignment = [(p.id, p.nodes) for p in plan.parts]
         split = split_program(ep, assignment)
-        slots, footprint, total = layout(ep, split)
-        by_id = {p.id: p for p in plan.parts}
-        routes = [Route(p.id, by_id[p.id].device, by_id[p.id].precision, p.inputs, p.outputs)
-                  for p in split.parts]
-        model = LoadedModel(key, name, version, plan, routes, list(split.inputs),
-                            list(split.outputs), slots, footprint, total, str(archive),
-                            input_specs)
-        for route in routes:
+        dynamic = dynamic_dims(ep)
+        if dynamic:  # laid out and built per concrete shape, on first use
+            slots, footprint, total = {}, 0, 0
+        else:
+            slots, footprint, total = layout({n.name: n.meta.get("val") for n in ep.graph.nodes},
+                                             split)
+        model = LoadedModel(key, name, version, plan, self._routes(plan, split),
+                            list(split.inputs), list(split.outputs), slots, footprint, total,
+                            str(archive), input_specs, dynamic=dynamic,
+                            split=split if dynamic else None)
+        for route in model.routes:
             model.parts_by_device.setdefault(route.device, []).append(route.id)
         del ep, split  # workers hold the parts; the daemon keeps only the wiring
+        if dynamic:
+            self.models[key] = model
+            return model
         self._build(model)
+        routes = model.routes
         for part in plan.parts:  # the plan records what each part really runs on
             route = next((r for r in routes if r.id == part.id), None)
             if route is not None:
                 part.runtime = route.runtime
         self.models[key] = model
         return model
+
+    @staticmethod
+    def _routes(plan: Any, split: Any) -> list[Route]:
+        by_id = {p.id: p for p in plan.parts}
+        return [Route(p.id, by_id[p.id].device, by_id[p.id].precision, p.inputs, p.outputs)
+                for p in split.parts]
+
+    def _variant(self, model: LoadedModel, shapes: tuple) -> LoadedModel:
+        """The model laid out and built for one concrete input shape (a bucket)."""
+        import torch
+
+        with self._restart_lock:
+            variant = model.variants.get(shapes)
+            if variant is not None:
+                return variant
+            dtypes = [getattr(torch, s["dtype"]) for s in model.input_specs]
+            with torch.no_grad():
+                values = model.split.trace(*[torch.zeros(shape, dtype=dt)
+                                             for shape, dt in zip(shapes, dtypes, strict=True)])
+            slots, footprint, total = layout(values, model.split)
+            tag = "x".join("-".join(map(str, shape)) for shape in shapes)
+            specs = [{**s, "shape": list(shape)}
+                     for s, shape in zip(model.input_specs, shapes, strict=True)]
+            variant = LoadedModel(f"{model.key}@{tag}", model.name, model.version, model.plan,
+                                  self._routes(model.plan, model.split), model.inputs,
+                                  model.outputs, slots, footprint, total, model.archive, specs,
+                                  parts_by_device=model.parts_by_device, base_key=model.key)
+            variant.part_input_shapes = {
+                p.id: [list(values[n].shape) for n in p.inputs] for p in model.split.parts}
+            log.info("building %s for input shapes %s", model.key, [list(s) for s in shapes])
+            self._build(variant)
+            model.variants[shapes] = variant
+            self.models[variant.key] = variant
+            return variant
+
+    def resolve(self, key: str, inputs: Sequence[Any]) -> LoadedModel:
+        """The model, or for a dynamic-shape model its variant for these inputs' shapes."""
+        model = self.models[key]
+        if model.dynamic:
+            model = self._variant(model, self.check_ranges(model, inputs))
+        return model
+
+    def check_ranges(self, model: LoadedModel, inputs: Sequence[Any]) -> tuple:
+        """Concrete input shapes, after checking every dynamic dim against its range."""
+        if len(inputs) != len(model.inputs):
+            raise BadInput(f"model {model.name} takes {len(model.inputs)} inputs "
+                           f"({', '.join(model.inputs)}), got {len(inputs)}")
+        shapes = tuple(tuple(int(d) for d in t.shape) for t in inputs)
+        for i, spec in enumerate(model.input_specs):
+            if len(shapes[i]) != len(spec["shape"]):
+                raise BadInput(f"input {model.inputs[i]}: expected {len(spec['shape'])} dims, "
+                               f"got {len(shapes[i])}")
+            for d, want in enumerate(spec["shape"]):
+                if want >= 0 and shapes[i][d] != want:
+                    raise BadInput(f"input {model.inputs[i]}: dim {d} must be {want}, got "
+                                   f"{shapes[i][d]}")
+        for i, d, low, high in model.dynamic:
+            if not low <= shapes[i][d] <= high:
+                raise BadInput(f"input {model.inputs[i]}: dim {d} is {shapes[i][d]}, outside "
+                               f"the exported range [{low}, {high}]")
+        return shapes
 
     def _build(self, model: LoadedModel, only_device: str | None = None) -> None:
         assignment = [(p.id, p.nodes) for p in model.plan.parts]
@@ -206,7 +298,9 @@ class Engine:
                 futures.append((route, self.worker(device).call(
                     "build", model=model.key, archive=model.archive, parts=assignment,
                     part=pid, precision=route.precision, input_specs=model.input_specs,
-                    timeout_s=self.compile_timeout_s, last=i == len(part_ids) - 1)))
+                    timeout_s=self.compile_timeout_s, split_key=model.base_key or model.key,
+                    input_shapes=model.part_input_shapes.get(pid),
+                    last=not model.base_key and i == len(part_ids) - 1)))
         for route, future in futures:
             reply = future.result(timeout=self.build_timeout_s)
             if not reply["ok"]:
@@ -218,6 +312,8 @@ class Engine:
         model = self.models.pop(key, None)
         if model is None:
             return
+        for variant in model.variants.values():
+            self.unload(variant.key)
         for device in model.parts_by_device:
             if device in self.workers:
                 self.workers[device].call("unload", model=key)
@@ -259,7 +355,7 @@ class Engine:
         shared memory (read in place by the first part); outputs named in output_refs are
         written in place there (None is returned for them), the rest come back as fresh
         host tensors (the block is reused at once)."""
-        model = self.models[key]
+        model = self.resolve(key, inputs)
         self.check_inputs(model, inputs)
         output_refs = output_refs or {}
         with self._in_flight:

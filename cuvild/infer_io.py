@@ -102,13 +102,14 @@ def _infer_shm(stub: Any, request: Any, blobs: list[bytes], metadata: dict[str, 
                region: ClientRegion, timeout: float) -> dict[str, Any]:
     from runtimes.arena import align
 
-    out_sizes = []
+    out_sizes: list[int | None] = []  # None: a dynamic shape, not known before the reply
     for spec in metadata["outputs"]:
         item = 2 if spec["datatype"] in ("BF16", "FP16") else np.dtype(
             DTYPES[spec["datatype"]]).itemsize
-        out_sizes.append(int(np.prod(spec["shape"])) * item)
+        known = all(d >= 0 for d in spec["shape"])
+        out_sizes.append(int(np.prod(spec["shape"])) * item if known else None)
     offsets, total = [], 0
-    for n in [len(b) for b in blobs] + out_sizes:
+    for n in [len(b) for b in blobs] + [n or 0 for n in out_sizes]:
         offsets.append(total)
         total += align(n)
     seg = region.ensure(total)
@@ -117,11 +118,17 @@ def _infer_shm(stub: Any, request: Any, blobs: list[bytes], metadata: dict[str, 
         _shm_params(tensor.parameters, region.name, offsets[i], len(blob))
     for j, spec in enumerate(metadata["outputs"]):
         out = request.outputs.add(name=spec["name"])
-        _shm_params(out.parameters, region.name, offsets[len(blobs) + j], out_sizes[j])
+        if out_sizes[j] is not None:  # dynamic outputs come back as raw contents
+            _shm_params(out.parameters, region.name, offsets[len(blobs) + j], out_sizes[j])
     reply = stub.ModelInfer(request, timeout=timeout)
-    return {o.name: _tensor(seg.view(offsets[len(blobs) + j], out_sizes[j]), o.datatype,
-                            list(o.shape))
-            for j, o in enumerate(reply.outputs)}
+    results = {}
+    for j, o in enumerate(reply.outputs):
+        if out_sizes[j] is None:
+            results[o.name] = _tensor(reply.raw_output_contents[j], o.datatype, list(o.shape))
+        else:
+            results[o.name] = _tensor(seg.view(offsets[len(blobs) + j], out_sizes[j]),
+                                      o.datatype, list(o.shape))
+    return results
 
 
 def _shm_params(params: Any, region: str, offset: int, size: int) -> None:

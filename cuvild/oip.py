@@ -116,12 +116,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         served = self._served(request.model_name, request.model_version, context)
         try:
             inputs = self._inputs(served, request)
-            wanted, output_refs = self._outputs(served, request)
+            loaded = self.models.engine.resolve(served.key, inputs)  # per shape if dynamic
             # The engine names values as in the graph; the protocol by position ("output0").
-            graph_names = dict(zip([t["name"] for t in served.record.outputs],
-                                   served.loaded.outputs, strict=True))
+            graph_names = dict(zip([t["name"] for t in served.record.outputs], loaded.outputs,
+                                   strict=True))
+            shapes = {n: loaded.slots[g].shape for n, g in graph_names.items()}
+            wanted, output_refs = self._outputs(served, request, shapes)
             results = self.models.engine.infer(
-                served.key, inputs, {graph_names[n]: ref for n, ref in output_refs.items()})
+                loaded.key, inputs, {graph_names[n]: ref for n, ref in output_refs.items()})
         except Refused as e:
             context.abort(e.code, str(e))
         except RegionError as e:
@@ -138,7 +140,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             if name not in wanted:
                 continue
             spec = specs[name]
-            out = response.outputs.add(name=name, shape=spec["shape"],
+            out = response.outputs.add(name=name, shape=shapes[name],
                                        datatype=TORCH_TO_OIP[spec["dtype"]])
             if value is None:  # written into the client's region
                 for key, param in wanted[name].items():
@@ -225,7 +227,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                           f"input {name!r}: {len(values)} values in contents, expected {count}")
         return torch.tensor(list(values), dtype=getattr(torch, dtype)).view(shape)
 
-    def _outputs(self, served: ServedModel, request: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _outputs(self, served: ServedModel, request: Any,
+                 shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, Any], dict[str, Any]]:
         specs = {t["name"]: t for t in served.record.outputs}
         if not request.outputs:
             return {n: {} for n in specs}, {}
@@ -243,7 +246,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                               "shared memory is off for this listener (shm.allow_tcp_clients)")
             spec = specs[out.name]
-            nbytes = _nbytes(spec["dtype"], tuple(spec["shape"]))
+            nbytes = _nbytes(spec["dtype"], shapes[out.name])
             size = _param(out.parameters, "shared_memory_byte_size")
             if size is not None and size < nbytes:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -252,7 +255,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             offset = _param(out.parameters, "shared_memory_offset") or 0
             reg, absolute = self.regions.locate(region, offset, nbytes)
             refs[out.name] = TensorRef(reg.object_name, absolute, spec["dtype"],
-                                       tuple(spec["shape"]))
+                                       shapes[out.name])
             wanted[out.name] = dict(out.parameters)
         return wanted, refs
 

@@ -82,7 +82,7 @@ class _Worker:
             built = build_model_part(msg, self.device, self.cache)
         finally:
             if msg.get("last"):  # the model's other parts are not needed here any more
-                forget(msg["model"])
+                forget(msg.get("split_key", msg["model"]))
         self.parts[(msg["model"], msg["part"])] = built.executable
         return built.report()
 

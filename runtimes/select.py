@@ -112,16 +112,19 @@ def candidates_for(device: DeviceProfile, precision: str, wanted: str) -> list[s
     return names
 
 
-def placeholder_tensors(part: fx.GraphModule) -> list[torch.Tensor]:
-    """Zero tensors shaped like the part's inputs (from the graph's metadata): enough to key
-    the cache and to rebuild a cached executable, without running the model."""
+def placeholder_tensors(part: fx.GraphModule,
+                        shapes: list[list[int]] | None = None) -> list[torch.Tensor]:
+    """Zero tensors shaped like the part's inputs (from the graph's metadata, or `shapes` for
+    a dynamic-shape part built for one bucket): enough to key the cache and to rebuild a
+    cached executable, without running the model."""
     out = []
-    for node in part.graph.nodes:
-        if node.op == "placeholder":
-            val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                raise CompileError(f"input {node.name} of the part has no tensor metadata")
-            out.append(torch.zeros([int(d) for d in val.shape], dtype=val.dtype))
+    placeholders = [n for n in part.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise CompileError(f"input {node.name} of the part has no tensor metadata")
+        shape = shapes[i] if shapes is not None else [int(d) for d in val.shape]
+        out.append(torch.zeros(shape, dtype=val.dtype))
     return out
 
 
@@ -130,14 +133,15 @@ Samples = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]
 
 def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samples: Samples,
                cache: CompileCache, runtime: str = "auto", timeout_s: float = 300.0,
-               threads: int | None = None) -> BuiltPart:
+               threads: int | None = None,
+               input_shapes: list[list[int]] | None = None) -> BuiltPart:
     """Compile (or load from cache) `part` for `device`; raise CompileError if nothing works.
 
     `samples()` returns real inputs for the part and torch eager's outputs for them; it is
     called only when something must be compiled (a cache hit runs nothing).
     """
     spec = CompileSpec(device=device, precision=precision,
-                       example_inputs=placeholder_tensors(part),
+                       example_inputs=placeholder_tensors(part, input_shapes),
                        threads=threads or max(len(device.cores), 1))
     part_key = cache.part_key(graph_digest(part), device, precision, spec.shapes())
     names = candidates_for(device, precision, runtime)

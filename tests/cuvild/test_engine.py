@@ -145,3 +145,27 @@ def test_killed_worker_fails_request_then_recovers(engine, tmp_path):
         torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
     assert engine.workers["npu0"].restarts == 1
     assert engine.arena.in_use() == 0
+
+
+def test_dynamic_batch_builds_per_shape_and_checks_the_range(engine, tmp_path):
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=2).eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    ep = cuvild.export(model, (torch.randn(2, 32),), dynamic_shapes=({0: batch},))
+    path = tmp_path / "dyn.pt2"
+    torch.export.save(ep, path)
+    specs = summarize(ep)["inputs"]
+    assert specs[0]["shape"] == [-1, 32]
+    loaded = engine.prepare("dyn", "dyn", "1", path, specs, plan=chunked_plan(ep, ["cpu0", "npu0"]))
+    assert loaded.dynamic == [(0, 0, 1, 8)]
+    for n in (1, 5, 5, 8):
+        x = torch.randn(n, 32)
+        (out,) = engine.infer("dyn", (x,))
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+    assert sorted(s[0][0] for s in loaded.variants) == [1, 5, 8]  # one build per bucket
+    with pytest.raises(BadInput, match=r"dim 0 is 9, outside the exported range \[1, 8\]"):
+        engine.infer("dyn", (torch.randn(9, 32),))
+    with pytest.raises(BadInput, match="dim 1 must be 32"):
+        engine.infer("dyn", (torch.randn(2, 31),))
+    assert engine.arena.in_use() == 0

@@ -222,3 +222,30 @@ def test_cuvilctl_load_models_unload(make_daemon, tmp_path):
     assert "Traceback" not in refused.stderr
     assert ctl("unload", "net").returncode == 0
     assert json.loads(ctl("models", "--json").stdout) == []
+
+
+def test_dynamic_batch_through_the_protocol(make_daemon):
+    from cuvild.samples import MLP
+
+    torch.manual_seed(0)
+    model = MLP(width=16, depth=1).eval()
+    batch = torch.export.Dim("batch", min=1, max=4)
+    d = make_daemon()
+    with Client(d.target) as client:
+        client.load("dyn", model, (torch.randn(2, 16),), dynamic_shapes=({0: batch},))
+        deadline = time.monotonic() + 300
+        while client.models()[0]["state"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.models()[0]["state"] == "ready"
+        assert client.metadata("dyn")["inputs"][0]["shape"] == [-1, 16]
+        for n in (1, 3):
+            x = torch.randn(n, 16)
+            for shm in (False, True):
+                out = client.infer("dyn", x, shm=shm)["output0"]
+                assert tuple(out.shape) == (n, 16)
+                with torch.no_grad():
+                    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+        with pytest.raises(grpc.RpcError) as err:
+            client.infer("dyn", torch.randn(5, 16))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "dim 0 is 5, outside the exported range [1, 4]" in err.value.details()
