@@ -58,9 +58,10 @@ def one(name: str, cache: CompileCache) -> dict[str, Any]:
 
 def main() -> dict[str, Any]:
     torch.set_num_threads(len(CPU.cores))
-    cache = CompileCache(Path(tempfile.mkdtemp(prefix="cuvil-auto-")))
-    names = [a for a in sys.argv[1:] if not a.startswith("-")] or ["resnet18", "bert4", "mlp"]
-    return {name: one(name, cache) for name in names}
+    with tempfile.TemporaryDirectory(prefix="cuvil-auto-") as tmp:
+        cache = CompileCache(Path(tmp))
+        names = [a for a in sys.argv[1:] if not a.startswith("-")] or ["resnet18", "bert4", "mlp"]
+        return {name: one(name, cache) for name in names}
 
 
 if __name__ == "__main__":

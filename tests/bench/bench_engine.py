@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -140,6 +141,7 @@ def main() -> dict[str, Any]:
     finally:
         engine.close()
         arena.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     return result
 
 
