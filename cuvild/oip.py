@@ -8,6 +8,7 @@ engine, and return outputs as raw bytes or write them into the client's regions.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import grpc
@@ -23,6 +24,8 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 
 log = logging.getLogger(__name__)
+# Raw inputs are wrapped read-only and only read (copied into the arena), never written.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 # OIP datatype <-> torch dtype name, and the typed-contents field that carries it.
 DATATYPES = {
@@ -216,7 +219,10 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"input {name!r}: {len(data)} raw bytes, expected {nbytes} for "
                               f"{tensor.datatype}{list(shape)}")
-            return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(shape)
+            if nbytes == 0:
+                return torch.empty(shape, dtype=getattr(torch, dtype))
+            # A read-only view of the request's bytes: the engine copies it once, into the arena.
+            return torch.frombuffer(data, dtype=getattr(torch, dtype)).view(shape)
         if field is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"input {name!r}: {tensor.datatype} must be sent as raw contents")

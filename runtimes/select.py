@@ -53,9 +53,12 @@ class BuiltPart:
 
 
 def relative_error(outputs: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
-    """max |a - b| / max |b| over all outputs (0 when they are equal)."""
+    """max |a - b| / max |b| over all outputs (0 when they are equal; infinite when a shape
+    or dtype differs, so a runtime that returns the wrong thing is never "accurate")."""
     worst = 0.0
     for out, ref in zip(outputs, expected, strict=True):
+        if out.shape != ref.shape or out.dtype != ref.dtype:
+            return float("inf")
         if not ref.is_floating_point():
             worst = max(worst, float((out != ref).any()))
             continue

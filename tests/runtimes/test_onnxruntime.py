@@ -18,6 +18,7 @@ from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
 from runtimes import registry
 from runtimes.base import TOLERANCE, CompileError, CompileSpec, Executable, RuntimeUnavailable
+from runtimes.select import relative_error
 
 # torch's pytree deprecation and the exporter's note that torchvision ops are not registered.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
@@ -32,14 +33,6 @@ CPU = DeviceProfile(id="cpu0", kind="cpu", cores=list(range(THREADS)),
                     runtimes=["onnxruntime"])
 
 
-def relative_error(outputs: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
-    """max |a - b| / max |b|, the worst over all outputs."""
-    worst = 0.0
-    for out, ref in zip(outputs, expected, strict=True):
-        assert out.shape == ref.shape and out.dtype == ref.dtype
-        scale = max(ref.abs().max().item(), 1e-12)
-        worst = max(worst, (out - ref).abs().max().item() / scale)
-    return worst
 
 
 def whole(ep: torch.export.ExportedProgram) -> SplitProgram:

@@ -19,6 +19,8 @@ from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
 from runtimes import registry
 from runtimes.base import TOLERANCE, CompileError, CompileSpec, Executable, RuntimeUnavailable
+from runtimes.hardware import cpuinfo
+from runtimes.select import relative_error
 
 # torch's pytree deprecation, raised inside torch.export / OpenVINO's frontend, not here.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
@@ -31,32 +33,13 @@ MODELS = ("resnet18", "bert4", "mlp")
 THREADS = min(2, len(os.sched_getaffinity(0)))
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-BF16_FLAGS = {"amx_bf16", "avx512_bf16"} & cpu_flags()
+BF16_FLAGS = {"amx_bf16", "avx512_bf16"} & set(cpuinfo()["flags"])
 CPU = DeviceProfile(id="cpu0", kind="cpu", cores=list(range(THREADS)),
                     features=sorted(BF16_FLAGS), runtimes=["openvino"])
 EMULATED_NPU = DeviceProfile(id="npu0", kind="npu", emulated=True, cores=[1],
                              runtimes=["openvino"])
 
 
-def relative_error(outputs: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
-    """max |a - b| / max |b|, the worst over all outputs."""
-    worst = 0.0
-    for out, ref in zip(outputs, expected, strict=True):
-        assert out.shape == ref.shape and out.dtype == ref.dtype
-        scale = max(ref.abs().max().item(), 1e-12)
-        worst = max(worst, (out - ref).abs().max().item() / scale)
-    return worst
 
 
 class Case:
