@@ -1,9 +1,10 @@
 """cuvild: the daemon process.
 
 Start-up, in order: read and validate the config (exit 2 on a bad one), get the device
-profiles (cached by hardware fingerprint, else measured), bind the unix socket (mode 0660;
-a stale socket from a crashed run is replaced, a live one is an error), start gRPC with the
-health and reflection services, tell systemd READY=1. SIGTERM/SIGINT drain and exit 0,
+profiles (cached by hardware fingerprint, else measured), start gRPC with the health and
+reflection services on a private socket, bind the public unix socket (mode 0660; a stale
+socket from a crashed run is replaced, a live one is an error) through the front that reads
+each caller's uid (cuvild/peers.py), tell systemd READY=1. SIGTERM/SIGINT drain and exit 0,
 removing the socket; SIGHUP reloads the config.
 """
 
@@ -29,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 import cuvild
 from cuvild import config as config_mod
 from cuvild import sdnotify
+from cuvild.peers import Front
 from cuvild.registry import Registry
 from cuvild.service import ControlService
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -91,6 +93,7 @@ class Daemon:
         self.models: Any = None  # cuvild.models.ModelManager, made once profiles are known
         self.regions: Any = None
         self.arena: Arena | None = None
+        self.front: Front | None = None
 
     # -- profiles --------------------------------------------------------------------------
     def _load_profiles(self, refresh: bool = False) -> profiles_mod.ProfileResult:
@@ -108,16 +111,11 @@ class Daemon:
 
     # -- server ----------------------------------------------------------------------------
     def _bind_unix(self, server: grpc.Server) -> None:
-        path = self.cfg.unix_socket
-        prepare_socket(path)
-        # The socket is created by bind; a umask closes the window before the chmod below.
-        old_umask = os.umask(0o117)
-        try:
-            if server.add_insecure_port(f"unix:{path}") == 0:
-                raise StartupError(f"cannot bind unix socket {path}")
-        finally:
-            os.umask(old_umask)
-        os.chmod(path, 0o660)
+        # gRPC serves a private socket; the front owns the public one (cuvild/peers.py).
+        prepare_socket(self.cfg.unix_socket)
+        assert self.front is not None
+        if server.add_insecure_port(f"unix:{self.front.inner_path}") == 0:
+            raise StartupError(f"cannot bind unix socket {self.front.inner_path}")
 
     def _build_server(self, tcp: bool) -> grpc.Server:
         from cuvild.auth import TokenAuth
@@ -132,9 +130,11 @@ class Daemon:
                                  self.cfg.path, self.registry, self.cfg.max_concurrent_uploads,
                                  self.models)
         shm = not tcp or self.cfg.shm_allow_tcp_clients
+        peer_uid = self.front.uid_of if not tcp and self.front else (lambda peer: None)
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceService(self.models, self.regions, shm_enabled=shm), server)
+            InferenceService(self.models, self.regions, shm_enabled=shm, peer_uid=peer_uid),
+            server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (CONTROL_SERVICE, INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -198,15 +198,22 @@ class Daemon:
         self._load_profiles()
         self.registry = Registry(self.cfg.state_dir, self.cfg.max_model_bytes)
         self._start_engine()
-        self.servers = [self._build_server(tcp=False)]
+        self.front = Front(self.cfg.unix_socket)
+        try:
+            self.servers = [self._build_server(tcp=False)]
+            if self.cfg.tcp:
+                self.servers.append(self._build_server(tcp=True))
+            for server in self.servers:
+                server.start()
+            self.front.start()
+        except BaseException:
+            self.front.close()
+            raise
         if self.cfg.tcp:
-            self.servers.append(self._build_server(tcp=True))
             auth = [a for a, on in (("TLS", self.cfg.tls_cert), ("mutual TLS",
                     self.cfg.tls_client_ca), ("bearer token", self.cfg.token)) if on]
             log.info("also listening on TCP %s (%s)", self.cfg.tcp,
                      ", ".join(auth) or "insecure loopback")
-        for server in self.servers:
-            server.start()
         for name in ("", CONTROL_SERVICE, INFERENCE_SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.alive.set()
@@ -229,13 +236,13 @@ class Daemon:
         sdnotify.notify("STOPPING=1\nSTATUS=draining")
         log.info("stopping: draining requests (up to %.0f s)", DRAIN_GRACE_S)
         self.health.enter_graceful_shutdown()
+        if self.front is not None:
+            self.front.stop_accepting()
         stops = [server.stop(grace=DRAIN_GRACE_S) for server in self.servers]
         for stopped in stops:
             stopped.wait()
-        try:
-            os.unlink(self.cfg.unix_socket)
-        except FileNotFoundError:
-            pass
+        if self.front is not None:
+            self.front.close()
         if self.models is not None:
             self.models.close()
             self.models.engine.close()

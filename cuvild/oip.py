@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -64,10 +65,12 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, models: ModelManager, regions: Regions, shm_enabled: bool = True) -> None:
+    def __init__(self, models: ModelManager, regions: Regions, shm_enabled: bool = True,
+                 peer_uid: Callable[[str], int | None] = lambda peer: None) -> None:
         self.models = models
         self.regions = regions
         self.shm_enabled = shm_enabled
+        self.peer_uid = peer_uid  # the caller's uid from context.peer() (cuvild/peers.py)
 
     # -- health and metadata ---------------------------------------------------------------
     def ServerLive(self, request, context):  # noqa: N802
@@ -118,13 +121,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
         served = self._served(request.model_name, request.model_version, context)
         try:
-            inputs = self._inputs(served, request)
+            caller = self.peer_uid(context.peer())
+            inputs = self._inputs(served, request, caller)
             loaded = self.models.engine.resolve(served.key, inputs)  # per shape if dynamic
             # The engine names values as in the graph; the protocol by position ("output0").
             graph_names = dict(zip([t["name"] for t in served.record.outputs], loaded.outputs,
                                    strict=True))
             shapes = {n: loaded.slots[g].shape for n, g in graph_names.items()}
-            wanted, output_refs = self._outputs(served, request, shapes)
+            wanted, output_refs = self._outputs(served, request, shapes, caller)
             results = self.models.engine.infer(
                 loaded.key, inputs, {graph_names[n]: ref for n, ref in output_refs.items()})
         except Refused as e:
@@ -156,7 +160,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             response.raw_output_contents.extend(r or b"" for r in raws)
         return response
 
-    def _inputs(self, served: ServedModel, request: Any) -> list[Any]:
+    def _inputs(self, served: ServedModel, request: Any, caller: int | None) -> list[Any]:
         specs = served.record.inputs
         given = {}
         for i, tensor in enumerate(request.inputs):
@@ -180,10 +184,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                           f"{len(raw)} raw_input_contents for {len(not_shm)} inputs not in "
                           "shared memory")
         data = dict(zip(not_shm, raw, strict=False))
-        return [self._input(spec, given[spec["name"]][1], data.get(spec["name"]))
+        return [self._input(spec, given[spec["name"]][1], data.get(spec["name"]), caller)
                 for spec in specs]
 
-    def _input(self, spec: dict[str, Any], tensor: Any, data: bytes | None) -> Any:
+    def _input(self, spec: dict[str, Any], tensor: Any, data: bytes | None,
+               caller: int | None) -> Any:
         import torch
 
         name = spec["name"]
@@ -212,8 +217,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                               f"input {name!r}: shared_memory_byte_size {size} != {nbytes} "
                               f"bytes of {tensor.datatype}{list(shape)}")
             offset = _param(tensor.parameters, "shared_memory_offset") or 0
-            reg, absolute = self.regions.locate(region, offset, nbytes)
-            return TensorRef(reg.object_name, absolute, dtype, shape)
+            reg, absolute = self.regions.locate(caller, region, offset, nbytes)
+            return TensorRef(reg.object_name, absolute, dtype, shape, reg.inode)
         if data is not None:
             if len(data) != nbytes:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -233,8 +238,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                           f"input {name!r}: {len(values)} values in contents, expected {count}")
         return torch.tensor(list(values), dtype=getattr(torch, dtype)).view(shape)
 
-    def _outputs(self, served: ServedModel, request: Any,
-                 shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _outputs(self, served: ServedModel, request: Any, shapes: dict[str, tuple[int, ...]],
+                 caller: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
         specs = {t["name"]: t for t in served.record.outputs}
         if not request.outputs:
             return {n: {} for n in specs}, {}
@@ -259,9 +264,9 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                               f"output {out.name!r}: shared_memory_byte_size {size} < {nbytes} "
                               "bytes needed")
             offset = _param(out.parameters, "shared_memory_offset") or 0
-            reg, absolute = self.regions.locate(region, offset, nbytes)
+            reg, absolute = self.regions.locate(caller, region, offset, nbytes)
             refs[out.name] = TensorRef(reg.object_name, absolute, spec["dtype"],
-                                       shapes[out.name])
+                                       shapes[out.name], reg.inode)
             wanted[out.name] = dict(out.parameters)
         return wanted, refs
 
@@ -298,31 +303,33 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
     # -- shared memory ---------------------------------------------------------------------
-    def _shm_allowed(self, context: grpc.ServicerContext) -> None:
+    def _caller(self, context: grpc.ServicerContext) -> int | None:
         if not self.shm_enabled:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           "shared memory is off for this listener (shm.allow_tcp_clients)")
+        return self.peer_uid(context.peer())
 
     def SystemSharedMemoryRegister(self, request, context):  # noqa: N802
-        self._shm_allowed(context)
+        caller = self._caller(context)
         try:
-            self.regions.register(request.name, request.key, request.offset, request.byte_size)
+            self.regions.register(caller, request.name, request.key, request.offset,
+                                  request.byte_size)
         except RegionError as e:
             context.abort(CODES[e.kind], str(e))
         return pb.SystemSharedMemoryRegisterResponse()
 
     def SystemSharedMemoryUnregister(self, request, context):  # noqa: N802
-        self._shm_allowed(context)
+        caller = self._caller(context)
         try:
-            self.regions.unregister(request.name)
+            self.regions.unregister(caller, request.name)
         except RegionError as e:
             context.abort(CODES[e.kind], str(e))
         return pb.SystemSharedMemoryUnregisterResponse()
 
     def SystemSharedMemoryStatus(self, request, context):  # noqa: N802
-        self._shm_allowed(context)
+        caller = self._caller(context)
         try:
-            regions = self.regions.status(request.name)
+            regions = self.regions.status(caller, request.name)
         except RegionError as e:
             context.abort(CODES[e.kind], str(e))
         response = pb.SystemSharedMemoryStatusResponse()

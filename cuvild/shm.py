@@ -4,15 +4,19 @@ A client creates a POSIX shared-memory object, registers (name, key, offset, byt
 then names the region in its inputs and outputs; the device workers read and write those
 bytes in place. Every use is bounds-checked against the registered region.
 
-Ownership: grpcio does not expose the peer's credentials (SO_PEERCRED) to a servicer, so a
-region is accepted only when its object is owned by the daemon's own user or by a uid listed
-in `shm.allowed_uids`; the socket itself is 0660, so only the daemon's user and group connect.
+Ownership: over the unix socket the caller's uid is known (SO_PEERCRED, read by the front in
+cuvild/peers.py), and a caller may register only objects it owns (root may register any).
+A TCP caller has no uid; when `shm.allow_tcp_clients` lets it share memory at all, the
+object must be owned by the daemon's user or by a uid in `shm.allowed_uids`.
+
+Regions are per caller: a name registered by one uid is invisible to every other uid (and
+TCP callers share one namespace of their own), so nobody can read or overwrite a region by
+guessing its name.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from dataclasses import dataclass
 
@@ -37,6 +41,11 @@ class Region:
     def object_name(self) -> str:
         return self.segment.name
 
+    @property
+    def inode(self) -> int:
+        """Workers open the object by name and check it is still this one."""
+        return self.segment.stat.st_ino
+
 
 def _object_name(key: str) -> str:
     name = key[1:] if key.startswith("/") else key
@@ -46,64 +55,104 @@ def _object_name(key: str) -> str:
     return name
 
 
+Caller = int | None  # the caller's uid over the unix socket; None over TCP
+
+
 class Regions:
     def __init__(self, allowed_uids: list[int] | None = None) -> None:
-        self.allowed_uids = {os.getuid(), *(allowed_uids or [])}
-        self._regions: dict[str, Region] = {}
+        self.tcp_owners = {os.getuid(), *(allowed_uids or [])}
+        self._regions: dict[tuple[Caller, str], Region] = {}
         self._lock = threading.Lock()
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> Region:
+    def _check_owner(self, caller: Caller, key: str, owner: int) -> None:
+        if caller is None:
+            if owner not in self.tcp_owners:
+                raise RegionError("denied", f"shared-memory object {key!r} is owned by uid "
+                                            f"{owner}; TCP clients may share only objects of "
+                                            "the daemon's user or of shm.allowed_uids")
+        elif caller not in (0, owner):
+            raise RegionError("denied", f"shared-memory object {key!r} is owned by uid {owner}, "
+                                        f"not by the caller (uid {caller}); register only "
+                                        "objects you created")
+
+    def register(self, caller: Caller, name: str, key: str, offset: int,
+                 byte_size: int) -> Region:
         if not name:
             raise RegionError("invalid", "region name is empty")
         obj = _object_name(key)
         with self._lock:
-            if name in self._regions:
+            if (caller, name) in self._regions:
                 raise RegionError("exists", f"shared-memory region {name!r} is already "
                                             "registered")
         try:
-            st = os.stat(SHM_DIR / obj)
+            segment = Segment(obj, 0, create=False, lock=False)  # never follows a symlink
         except FileNotFoundError:
             raise RegionError("invalid", f"shared-memory object {key!r} does not exist") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise RegionError("invalid", f"{key!r} is not a shared-memory object")
-        if st.st_uid not in self.allowed_uids:
-            raise RegionError("denied", f"shared-memory object {key!r} is owned by uid "
-                                        f"{st.st_uid}, not by a user allowed to share memory "
-                                        "with cuvild (shm.allowed_uids)")
-        if byte_size <= 0 or offset < 0 or offset + byte_size > st.st_size:
-            raise RegionError("invalid", f"region {name!r}: offset {offset} + byte_size "
-                                         f"{byte_size} is outside {key!r} of {st.st_size} bytes")
-        region = Region(name, key, offset, byte_size, Segment(obj, 0, create=False, lock=False))
+        except PermissionError:
+            raise RegionError("denied", f"cuvild (uid {os.getuid()}) may not open shared-memory "
+                                        f"object {key!r}: give the daemon's user or group read "
+                                        "and write access (e.g. mode 0660)") from None
+        except (OSError, ValueError) as e:
+            raise RegionError("invalid", f"{key!r} is not a usable shared-memory object: "
+                                         f"{e}") from None
+        try:
+            self._check_owner(caller, key, segment.stat.st_uid)
+            if byte_size <= 0 or offset < 0 or offset + byte_size > segment.size:
+                raise RegionError("invalid", f"region {name!r}: offset {offset} + byte_size "
+                                             f"{byte_size} is outside {key!r} of "
+                                             f"{segment.size} bytes")
+        except RegionError:
+            segment.close()
+            raise
+        region = Region(name, key, offset, byte_size, segment)
         with self._lock:
-            self._regions[name] = region
+            if (caller, name) in self._regions:  # a concurrent register of the same name won
+                region.segment.close()
+                raise RegionError("exists", f"shared-memory region {name!r} is already "
+                                            "registered")
+            self._regions[(caller, name)] = region
         return region
 
-    def unregister(self, name: str = "") -> None:
+    def _keys(self, caller: Caller, name: str) -> list[tuple[Caller, str]]:
+        if not name:
+            return [k for k in self._regions if k[0] == caller]
+        if (caller, name) not in self._regions:
+            raise RegionError("not_found", f"no shared-memory region {name!r} is registered")
+        return [(caller, name)]
+
+    def unregister(self, caller: Caller, name: str = "") -> None:
         with self._lock:
-            names = [name] if name else list(self._regions)
-            if name and name not in self._regions:
-                raise RegionError("not_found", f"no shared-memory region {name!r} is registered")
-            regions = [self._regions.pop(n) for n in names]
+            regions = [self._regions.pop(k) for k in self._keys(caller, name)]
         for region in regions:
             region.segment.close()
 
-    def status(self, name: str = "") -> list[Region]:
+    def status(self, caller: Caller, name: str = "") -> list[Region]:
         with self._lock:
-            if name and name not in self._regions:
-                raise RegionError("not_found", f"no shared-memory region {name!r} is registered")
-            return [self._regions[name]] if name else list(self._regions.values())
+            return [self._regions[k] for k in self._keys(caller, name)]
 
-    def locate(self, name: str, offset: int, nbytes: int) -> tuple[Region, int]:
+    def locate(self, caller: Caller, name: str, offset: int, nbytes: int) -> tuple[Region, int]:
         """The region and the absolute offset in its object of [offset, offset + nbytes)."""
         with self._lock:
-            region = self._regions.get(name)
+            region = self._regions.get((caller, name))
         if region is None:
             raise RegionError("invalid", f"unknown shared-memory region {name!r}")
         if offset < 0 or offset + nbytes > region.byte_size:
             raise RegionError("invalid", f"shared-memory region {name!r}: offset {offset} + "
                                          f"{nbytes} bytes is outside its {region.byte_size} "
                                          "bytes")
+        # Workers open the object by name: it must still be the one registered.
+        try:
+            inode = os.stat(SHM_DIR / region.object_name, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            inode = 0
+        if inode != region.inode:
+            raise RegionError("invalid", f"shared-memory region {name!r}: object {region.key!r} "
+                                         "was removed or replaced since it was registered; "
+                                         "unregister and register it again")
         return region, region.offset + offset
 
     def close(self) -> None:
-        self.unregister()
+        with self._lock:
+            regions, self._regions = list(self._regions.values()), {}
+        for region in regions:
+            region.segment.close()

@@ -23,6 +23,7 @@ from typing import Any
 from partitioner.profile import DeviceProfile
 
 log = logging.getLogger(__name__)
+MAX_MAPPED = 256  # client objects a worker keeps mapped; past it they are re-opened
 
 
 @dataclass
@@ -33,6 +34,7 @@ class TensorRef:
     offset: int
     dtype: str  # torch dtype name, e.g. "float32"
     shape: tuple[int, ...]
+    inode: int = 0  # a client's region: the object registered (0: the daemon's arena)
 
 
 class WorkerDied(RuntimeError):
@@ -48,24 +50,22 @@ class _Worker:
         self.device = device
         self.cache = CompileCache(Path(cache_dir))
         self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable
-        self.segments: dict[str, Any] = {}
+        self.segments: dict[tuple[str, int], Any] = {}  # (name, inode) -> Segment
 
     def tensor(self, ref: TensorRef) -> Any:
         import torch
 
-        from runtimes.arena import SHM_DIR, Segment
+        from runtimes.arena import Segment
 
-        # A client may destroy a region and make a new one under the same name: the inode
-        # tells them apart, and the stale mapping is dropped.
-        inode = os.stat(SHM_DIR / ref.segment).st_ino
-        cached = self.segments.get(ref.segment)
-        if cached is not None and cached[0] != inode:
-            cached[1].close()
-            cached = None
-        if cached is None:
-            cached = self.segments[ref.segment] = (
-                inode, Segment(ref.segment, 0, create=False, lock=False))
-        seg = cached[1]
+        # The arena's segment names are never reused. A client's object is pinned by the
+        # inode it was registered with: a replacement under the same name is refused.
+        key = (ref.segment, ref.inode)
+        seg = self.segments.get(key)
+        if seg is None:
+            if ref.inode and len(self.segments) >= MAX_MAPPED:
+                self._forget_client_segments()
+            seg = self.segments[key] = Segment(ref.segment, 0, create=False, lock=False,
+                                               inode=ref.inode)
         dtype = getattr(torch, ref.dtype)
         count = 1
         for d in ref.shape:
@@ -74,6 +74,10 @@ class _Worker:
         if nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
         return torch.frombuffer(seg.view(ref.offset, nbytes), dtype=dtype).view(ref.shape)
+
+    def _forget_client_segments(self) -> None:
+        for key in [k for k in self.segments if k[1]]:
+            self.segments.pop(key).close()
 
     def build(self, msg: dict[str, Any]) -> dict[str, Any]:
         from cuvild.build import build_model_part, forget

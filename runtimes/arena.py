@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,15 +40,24 @@ def _address(mm: mmap.mmap) -> int:
 class Segment:
     """One named shared-memory segment mapped into this process."""
 
-    def __init__(self, name: str, size: int, create: bool, lock: bool = True) -> None:
+    def __init__(self, name: str, size: int, create: bool, lock: bool = True,
+                 inode: int = 0) -> None:
+        """Create `name` of `size` bytes, or open an existing one (its own size). Opening
+        never follows a symlink; with `inode` it fails unless the object is that one."""
         self.name, self.size, self.owner = name, size, create
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(SHM_DIR / name, flags, 0o600)
         try:
+            self.stat = os.fstat(fd)
+            if inode and self.stat.st_ino != inode:
+                raise FileNotFoundError(f"shared-memory object {name!r} was replaced since it "
+                                        "was registered; register the region again")
             if create:
                 os.ftruncate(fd, size)
             else:
-                self.size = size = os.fstat(fd).st_size
+                if not stat.S_ISREG(self.stat.st_mode):
+                    raise ValueError(f"{name!r} is not a shared-memory object")
+                self.size = size = self.stat.st_size
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

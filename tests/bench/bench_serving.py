@@ -5,7 +5,8 @@
     in-process runner at the same precision (torch eager, OpenVINO fp32 compiled in this
     process on the whole model as one part): p50/p99 and the ratios to that.
 (b) Per-request overhead on a tiny MLP (16 wide, one layer, input (1, 16)): tritonclient raw
-    against a bare grpcio unary echo (a separate process on a unix socket) of the same bytes.
+    against a bare grpcio unary echo (a separate process on a unix socket) of the same bytes;
+    the same echo through cuvild's unix-socket front (cuvild/peers.py) prices the relay.
 
 The daemon runs with `devices: {cpu: {cores: null}}`: one CPU device on every core, so each
 model is one part. `python tests/bench/bench_serving.py [--json] [--rounds N]`. On a shared
@@ -41,17 +42,26 @@ READY_TIMEOUT_S = 300.0
 
 # -- the echo server (run as a separate process: `--echo-server PATH`) -----------------------
 def echo_server(path: str) -> None:
+    """A bare echo on `path`, and the same server behind cuvild's front on `path`.front."""
     from concurrent import futures
 
     import grpc
+
+    from cuvild.peers import Front
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)  # bytes
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("echo.Echo",
                                                                           {"Echo": echo}),))
     server.add_insecure_port(f"unix:{path}")
+    front = Front(f"{path}.front")
+    server.add_insecure_port(f"unix:{front.inner_path}")
     server.start()
-    server.wait_for_termination()
+    front.start()
+    try:
+        server.wait_for_termination()
+    finally:
+        front.close()
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -224,6 +234,9 @@ def bench_tiny(client: Any, echo_target: str, rounds: int) -> dict[str, Any]:
     channel = grpc.insecure_channel(echo_target)
     echo_call = channel.unary_unary("/echo.Echo/Echo")
     grpc.channel_ready_future(channel).result(timeout=30)
+    front_channel = grpc.insecure_channel(f"{echo_target}.front")
+    front_call = front_channel.unary_unary("/echo.Echo/Echo")
+    grpc.channel_ready_future(front_channel).result(timeout=30)
 
     def infer() -> Any:
         inp = grpcclient.InferInput(in_name, list(xn.shape), "FP32")
@@ -233,17 +246,21 @@ def bench_tiny(client: Any, echo_target: str, rounds: int) -> dict[str, Any]:
     def echo() -> Any:
         return echo_call(payload, timeout=10)
 
+    def echo_front() -> Any:
+        return front_call(payload, timeout=10)
+
     def live() -> Any:
         return client.is_server_live()
 
     error = rel_error(infer(), expected)
-    assert echo() == payload
+    assert echo() == payload and echo_front() == payload
     runners = {"tritonclient raw infer": infer, "tritonclient ServerLive": live,
-               "grpcio echo (same bytes)": echo}
+               "grpcio echo (same bytes)": echo, "grpcio echo via cuvild front": echo_front}
     try:
         samples = interleaved(runners, rounds)
     finally:
         channel.close()
+        front_channel.close()
 
     def eager() -> Any:  # timed after the others: torch's spinning pool would slow them
         with torch.inference_mode():

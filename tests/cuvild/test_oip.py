@@ -12,10 +12,14 @@ two-input model (for requests that mix shared memory and raw inputs).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import re
 import shutil
+import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -539,6 +543,134 @@ def test_reflection_lists_and_describes_both_services(env):
                         for f in files for svc in f.service})
     assert {"ModelInfer", "SystemSharedMemoryRegister"} <= methods[services[0]]
     assert {"LoadModel", "GetStatus"} <= methods[services[1]]
+
+
+# -- 6b. whose shared memory: the caller's uid over the unix socket -------------------------
+def test_a_replaced_object_is_refused_until_registered_again(env, triton, regions):
+    """Workers open a region's object by name; a new object under that name is not the one
+    whose owner was checked, so it is refused (Triton keeps mapping the old one)."""
+    served = env.models["mlp"]
+    x = served.inputs[0]
+    name, key, handle = regions(x.nbytes)
+    shm.set_shared_memory_region(handle, [x])
+    inp = grpcclient.InferInput(served.input_names[0], list(x.shape), "FP32")
+    inp.set_shared_memory(name, x.nbytes)
+    triton.infer("mlp", [inp])
+    (SHM_DIR / key[1:]).unlink()
+    fresh = shm.create_shared_memory_region(name + "-new", key, x.nbytes)
+    try:
+        shm.set_shared_memory_region(fresh, [x])
+        err = refused(lambda: triton.infer("mlp", [inp]))
+        assert status_of(err) == grpc.StatusCode.INVALID_ARGUMENT
+        assert "replaced since it was registered" in err.message()
+        triton.unregister_system_shared_memory(name)
+        triton.register_system_shared_memory(name, key, x.nbytes)
+        got = triton.infer("mlp", [inp]).as_numpy(served.output_name)
+        assert rel_error(got, served.expected) < 1e-4
+    finally:
+        shm.destroy_shared_memory_region(fresh)
+
+
+NOBODY = 65534
+# Per-thread credential syscalls (glibc's wrappers would change every thread of the process).
+SYSCALLS = {"x86_64": (117, 122), "aarch64": (147, 151)}  # setresuid, setfsuid
+
+
+def connect_as(uid: int, path: str) -> socket.socket:
+    """A unix connection whose SO_PEERCRED says `uid`: connect from a thread whose effective
+    uid is `uid` (its file-system uid stays root, to reach the socket's private directory)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    setresuid, setfsuid = SYSCALLS[os.uname().machine]
+    result: dict[str, Any] = {}
+
+    def connect() -> None:
+        if libc.syscall(setresuid, -1, uid, -1) != 0:
+            result["error"] = OSError(ctypes.get_errno(), "setresuid")
+            return
+        try:
+            libc.syscall(setfsuid, 0)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            result["sock"] = sock
+        except OSError as e:
+            result["error"] = e
+        finally:
+            assert libc.syscall(setresuid, -1, 0, -1) == 0
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["sock"]
+
+
+def relay(conn: socket.socket, tmp_path: Path) -> str:
+    """A gRPC target whose first connection is relayed over `conn`."""
+    path = str(tmp_path / "as-other-user.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def serve() -> None:
+        client, _ = listener.accept()
+        listener.close()
+        threading.Thread(target=pump, args=(client, conn), daemon=True).start()
+        pump(conn, client)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"unix:{path}"
+
+
+@pytest.mark.skipif(os.getuid() != 0 or os.uname().machine not in SYSCALLS,
+                    reason="needs root on x86-64 or aarch64 to connect as another user")
+def test_another_user_cannot_use_objects_or_regions_it_does_not_own(env, triton, regions,
+                                                                    tmp_path):
+    """Over the unix socket the caller's uid comes from SO_PEERCRED: a client connected as
+    `nobody` may not register root's object nor name root's region, but may use its own."""
+    served = env.models["mlp"]
+    x = served.inputs[0]
+    root_region, root_key, handle = regions(x.nbytes)
+    shm.set_shared_memory_region(handle, [x])
+    socket_path = env.daemon.target.removeprefix("unix:")
+    os.chmod(socket_path, 0o666)  # let `nobody` connect, for this test only
+    try:
+        conn = connect_as(NOBODY, socket_path)
+    finally:
+        os.chmod(socket_path, 0o660)
+    other = grpcclient.InferenceServerClient(url=relay(conn, tmp_path))
+    mine_name, mine_key, mine = regions(x.nbytes, register=False)
+    os.chown(SHM_DIR / mine_key[1:], NOBODY, NOBODY)
+    shm.set_shared_memory_region(mine, [x])
+    try:
+        err = refused(lambda: other.register_system_shared_memory("t", root_key, x.nbytes))
+        assert status_of(err) == grpc.StatusCode.PERMISSION_DENIED
+        assert f"owned by uid 0, not by the caller (uid {NOBODY})" in err.message()
+        inp = grpcclient.InferInput(served.input_names[0], list(x.shape), "FP32")
+        inp.set_shared_memory(root_region, x.nbytes)
+        err = refused(lambda: other.infer("mlp", [inp]))
+        assert status_of(err) == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"unknown shared-memory region {root_region!r}" in err.message()
+        assert other.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
+        other.register_system_shared_memory(mine_name, mine_key, x.nbytes)
+        inp.set_shared_memory(mine_name, x.nbytes)
+        got = other.infer("mlp", [inp]).as_numpy(served.output_name)
+        assert rel_error(got, served.expected) < 1e-4
+        # ...and root's own view is untouched by nobody's region of the same name.
+        assert root_region in triton.get_system_shared_memory_status(as_json=True)["regions"]
+        other.unregister_system_shared_memory(mine_name)
+    finally:
+        other.close()
 
 
 # -- 7. shared memory left behind (keep last: it stops the module's daemon) ------------------
