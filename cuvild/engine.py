@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cuvild.worker import TensorRef, WorkerDied, WorkerHandle
+from cuvild.worker import RawTensor, TensorRef, WorkerDied, WorkerHandle, nbytes
 from partitioner.profile import DeviceProfile
 from runtimes.arena import Arena, Block, plan_offsets
 
@@ -46,12 +46,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        import torch
-
-        n = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes(self.dtype, self.shape)
 
 
 @dataclass
@@ -342,19 +337,23 @@ class Engine:
                            f"({', '.join(model.inputs)}), got {len(inputs)}")
         for name, t in zip(model.inputs, inputs, strict=True):
             slot = model.slots[name]
-            dtype = t.dtype if isinstance(t, TensorRef) else str(t.dtype).removeprefix("torch.")
+            dtype = (t.dtype if isinstance(t, (TensorRef, RawTensor))
+                     else str(t.dtype).removeprefix("torch."))
             if dtype != slot.dtype:
                 raise BadInput(f"input {name}: expected dtype {slot.dtype}, got {dtype}")
             if tuple(t.shape) != slot.shape:
                 raise BadInput(f"input {name}: expected shape {list(slot.shape)}, got "
                                f"{list(t.shape)}")
+            if isinstance(t, RawTensor) and len(t.data) != slot.nbytes:
+                raise BadInput(f"input {name}: {len(t.data)} bytes, expected {slot.nbytes}")
 
-    def infer(self, key: str, inputs: Sequence[torch.Tensor | TensorRef],
-              output_refs: dict[str, TensorRef] | None = None) -> list[torch.Tensor | None]:
-        """Run one request. Inputs are tensors (copied into the arena) or references into
-        shared memory (read in place by the first part); outputs named in output_refs are
-        written in place there (None is returned for them), the rest come back as fresh
-        host tensors (the block is reused at once)."""
+    def infer(self, key: str, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
+              output_refs: dict[str, TensorRef] | None = None,
+              raw: bool = False) -> list[torch.Tensor | bytes | None]:
+        """Run one request. Inputs are tensors or raw bytes (copied into the arena) or
+        references into shared memory (read in place by the first part); outputs named in
+        output_refs are written in place there (None is returned for them), the rest come
+        back as fresh host tensors, or with raw=True as bytes (the block is reused at once)."""
         model = self.resolve(key, inputs)
         self.check_inputs(model, inputs)
         output_refs = output_refs or {}
@@ -365,13 +364,21 @@ class Engine:
                 for name, value in zip(model.inputs, inputs, strict=True):
                     if isinstance(value, TensorRef):
                         refs[name] = value
+                    elif isinstance(value, RawTensor):
+                        self._bytes(block, model.slots[name])[:] = value.data
                     else:
                         self._view(block, model.slots[name]).copy_(value)
                 self._run_parts(model, block, refs)
+                if raw:
+                    return [None if n in output_refs else bytes(self._bytes(block, model.slots[n]))
+                            for n in model.outputs]
                 return [None if n in output_refs else self._view(block, model.slots[n]).clone()
                         for n in model.outputs]
             finally:
                 self.arena.free(block)
+
+    def _bytes(self, block: Block, slot: Slot) -> memoryview:
+        return self.arena.segments[block.segment].view(block.offset + slot.offset, slot.nbytes)
 
     def _run_parts(self, model: LoadedModel, block: Block, refs: dict[str, TensorRef]) -> None:
         def ref(name: str) -> TensorRef:

@@ -8,25 +8,21 @@ engine, and return outputs as raw bytes or write them into the client's regions.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import grpc
-import numpy as np
 
 import cuvild
 from cuvild.engine import BadInput, InferError
 from cuvild.models import ModelManager, ServedModel
 from cuvild.registry import RegistryError
 from cuvild.shm import RegionError, Regions
-from cuvild.worker import TensorRef
+from cuvild.worker import RawTensor, TensorRef, itemsize, nbytes
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 
 log = logging.getLogger(__name__)
-# Raw inputs are wrapped read-only and only read (copied into the arena), never written.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 # OIP datatype <-> torch dtype name, and the typed-contents field that carries it.
 DATATYPES = {
@@ -52,16 +48,6 @@ def _param(params: Any, key: str) -> Any:
         return None
     p = params[key]
     return getattr(p, p.WhichOneof("parameter_choice"))
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype) if shape else _itemsize(dtype)
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
@@ -117,7 +103,6 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference -------------------------------------------------------------------------
     def ModelInfer(self, request, context):  # noqa: N802
-        import torch
 
         served = self._served(request.model_name, request.model_version, context)
         try:
@@ -130,7 +115,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             shapes = {n: loaded.slots[g].shape for n, g in graph_names.items()}
             wanted, output_refs = self._outputs(served, request, shapes, caller)
             results = self.models.engine.infer(
-                loaded.key, inputs, {graph_names[n]: ref for n, ref in output_refs.items()})
+                loaded.key, inputs, {graph_names[n]: ref for n, ref in output_refs.items()},
+                raw=True)
         except Refused as e:
             context.abort(e.code, str(e))
         except RegionError as e:
@@ -154,7 +140,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                     out.parameters[key].CopyFrom(param)
                 raws.append(None)
             else:
-                raws.append(value.contiguous().view(torch.uint8).numpy().tobytes())
+                raws.append(value)
         if any(r is not None for r in raws):
             # Clients index raw contents by output position: shm outputs get empty entries.
             response.raw_output_contents.extend(r or b"" for r in raws)
@@ -205,34 +191,31 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 want not in (-1, got) for want, got in zip(spec["shape"], shape, strict=True)):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"input {name!r}: expected shape {spec['shape']}, got {list(shape)}")
-        nbytes = _nbytes(dtype, shape)
+        size = nbytes(dtype, shape)
         region = _param(tensor.parameters, "shared_memory_region")
         if region is not None:
             if not self.shm_enabled:
                 raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                               "shared memory is off for this listener (shm.allow_tcp_clients)")
-            size = _param(tensor.parameters, "shared_memory_byte_size")
-            if size is not None and size != nbytes:
+            given = _param(tensor.parameters, "shared_memory_byte_size")
+            if given is not None and given != size:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"input {name!r}: shared_memory_byte_size {size} != {nbytes} "
+                              f"input {name!r}: shared_memory_byte_size {given} != {size} "
                               f"bytes of {tensor.datatype}{list(shape)}")
             offset = _param(tensor.parameters, "shared_memory_offset") or 0
-            reg, absolute = self.regions.locate(caller, region, offset, nbytes)
+            reg, absolute = self.regions.locate(caller, region, offset, size)
             return TensorRef(reg.object_name, absolute, dtype, shape, reg.inode)
         if data is not None:
-            if len(data) != nbytes:
+            if len(data) != size:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"input {name!r}: {len(data)} raw bytes, expected {nbytes} for "
+                              f"input {name!r}: {len(data)} raw bytes, expected {size} for "
                               f"{tensor.datatype}{list(shape)}")
-            if nbytes == 0:
-                return torch.empty(shape, dtype=getattr(torch, dtype))
-            # A read-only view of the request's bytes: the engine copies it once, into the arena.
-            return torch.frombuffer(data, dtype=getattr(torch, dtype)).view(shape)
+            return RawTensor(data, dtype, shape)  # the engine copies it once, into the arena
         if field is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"input {name!r}: {tensor.datatype} must be sent as raw contents")
         values = getattr(tensor.contents, field)
-        count = nbytes // _itemsize(dtype)
+        count = size // itemsize(dtype)
         if len(values) != count:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"input {name!r}: {len(values)} values in contents, expected {count}")
@@ -257,14 +240,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                               "shared memory is off for this listener (shm.allow_tcp_clients)")
             spec = specs[out.name]
-            nbytes = _nbytes(spec["dtype"], shapes[out.name])
-            size = _param(out.parameters, "shared_memory_byte_size")
-            if size is not None and size < nbytes:
+            size = nbytes(spec["dtype"], shapes[out.name])
+            given = _param(out.parameters, "shared_memory_byte_size")
+            if given is not None and given < size:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"output {out.name!r}: shared_memory_byte_size {size} < {nbytes} "
+                              f"output {out.name!r}: shared_memory_byte_size {given} < {size} "
                               "bytes needed")
             offset = _param(out.parameters, "shared_memory_offset") or 0
-            reg, absolute = self.regions.locate(caller, region, offset, nbytes)
+            reg, absolute = self.regions.locate(caller, region, offset, size)
             refs[out.name] = TensorRef(reg.object_name, absolute, spec["dtype"],
                                        shapes[out.name], reg.inode)
             wanted[out.name] = dict(out.parameters)

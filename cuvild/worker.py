@@ -16,18 +16,39 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from partitioner.profile import DeviceProfile
 
 log = logging.getLogger(__name__)
 MAX_MAPPED = 256  # client objects a worker keeps mapped; past it they are re-opened
+MAX_VIEWS = 4096  # tensor views kept per worker (arena blocks recur request after request)
 
 
-@dataclass
-class TensorRef:
+ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4,
+            "uint32": 4, "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4,
+            "float64": 8, "complex64": 8, "complex128": 16}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a torch dtype name (a table: no tensor is made per call)."""
+    size = ITEMSIZE.get(dtype)
+    if size is None:
+        import torch
+
+        size = ITEMSIZE[dtype] = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return size
+
+
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    n = itemsize(dtype)
+    for d in shape:
+        n *= d
+    return n
+
+
+class TensorRef(NamedTuple):
     """Where a tensor lives: a named shared-memory segment and a place in it."""
 
     segment: str
@@ -35,6 +56,15 @@ class TensorRef:
     dtype: str  # torch dtype name, e.g. "float32"
     shape: tuple[int, ...]
     inode: int = 0  # a client's region: the object registered (0: the daemon's arena)
+
+
+class RawTensor(NamedTuple):
+    """An input as a request's bytes (C order, native byte order), copied once, into the
+    arena."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
 
 
 class WorkerDied(RuntimeError):
@@ -51,8 +81,18 @@ class _Worker:
         self.cache = CompileCache(Path(cache_dir))
         self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable
         self.segments: dict[tuple[str, int], Any] = {}  # (name, inode) -> Segment
+        self.views: dict[TensorRef, Any] = {}
 
     def tensor(self, ref: TensorRef) -> Any:
+        """A tensor aliasing `ref`'s bytes; made once per place, then reused."""
+        view = self.views.get(ref)
+        if view is None:
+            if len(self.views) >= MAX_VIEWS:
+                self.views.clear()
+            view = self.views[ref] = self._view(ref)
+        return view
+
+    def _view(self, ref: TensorRef) -> Any:
         import torch
 
         from runtimes.arena import Segment
@@ -67,15 +107,13 @@ class _Worker:
             seg = self.segments[key] = Segment(ref.segment, 0, create=False, lock=False,
                                                inode=ref.inode)
         dtype = getattr(torch, ref.dtype)
-        count = 1
-        for d in ref.shape:
-            count *= d
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        if nbytes == 0:
+        size = nbytes(ref.dtype, ref.shape)
+        if size == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        return torch.frombuffer(seg.view(ref.offset, nbytes), dtype=dtype).view(ref.shape)
+        return torch.frombuffer(seg.view(ref.offset, size), dtype=dtype).view(ref.shape)
 
     def _forget_client_segments(self) -> None:
+        self.views.clear()  # they alias the mappings about to close
         for key in [k for k in self.segments if k[1]]:
             self.segments.pop(key).close()
 
