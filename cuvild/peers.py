@@ -36,7 +36,9 @@ class Front:
         self.public_path = public_path
         self.tag = secrets.token_hex(6)
         self._peer = re.compile(rf"unix-abstract:cuvild-{self.tag}-u(\d+)-p\d+-\d+")
-        self._dir = tempfile.mkdtemp(prefix="cuvild-", dir=os.environ.get("RUNTIME_DIRECTORY"))
+        base = os.environ.get("RUNTIME_DIRECTORY") or tempfile.gettempdir()
+        reclaim_stale(base)
+        self._dir = tempfile.mkdtemp(prefix=f"cuvild-{os.getpid()}-", dir=base)
         self.inner_path = os.path.join(self._dir, "grpc.sock")  # mkdtemp made the dir 0700
         self._listener: socket.socket | None = None
         self._count = 0
@@ -131,6 +133,23 @@ class Front:
             inner.close()
         else:
             done.release()
+
+
+def reclaim_stale(base: str) -> None:
+    """Remove the private directories of daemons that died without cleaning up (SIGKILL)."""
+    for entry in os.scandir(base):
+        match = re.fullmatch(r"cuvild-(\d+)-\w+", entry.name)
+        if not match or not entry.is_dir(follow_symlinks=False):
+            continue
+        if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            log.info("removing %s left by a stopped daemon", entry.path)
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
 
 
 def _shutdown(s: socket.socket, how: int) -> None:

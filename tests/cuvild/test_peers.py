@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
 import uuid
 from collections.abc import Iterator
 from concurrent import futures
@@ -157,3 +158,20 @@ def test_symlinks_are_not_followed(obj, tmp_path):
     finally:
         link.unlink()
         regions.close()
+
+
+def test_a_killed_daemons_private_directory_is_reclaimed(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"cuvild-{dead.pid}-abc123"
+    stale.mkdir()
+    (stale / "grpc.sock").write_text("")
+    alive = tmp_path / f"cuvild-{os.getpid()}-def456"  # a live daemon's: kept
+    alive.mkdir()
+    fr = Front(str(tmp_path / "p.sock"))
+    try:
+        assert not stale.exists() and alive.exists()
+        assert os.path.dirname(fr.inner_path).startswith(str(tmp_path / f"cuvild-{os.getpid()}-"))
+    finally:
+        fr.close()
