@@ -60,6 +60,7 @@ class Config:
     max_in_flight: int = 4
     objective: str = "latency"
     compile_timeout_s: float = 300.0
+    workers: str = "process"
 
     def device_settings(self) -> dict[str, Any]:
         """The settings that change what the profiler measures (part of the cache key)."""
@@ -93,7 +94,7 @@ _SCHEMA: dict[str, Any] = {
     },
     "shm": {"allowed_uids": (list, []), "allow_tcp_clients": (bool, False)},
     "engine": {"max_in_flight": (int, 4), "objective": (str, "latency"),
-               "compile_timeout_s": ((int, float), 300)},
+               "compile_timeout_s": ((int, float), 300), "workers": (str, "process")},
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -275,6 +276,9 @@ def parse(data: Any, path: str = "<memory>") -> Config:
     if eng["objective"] not in ("latency", "throughput"):
         raise ConfigError("engine.objective", f"expected latency or throughput, got "
                           f"{eng['objective']!r}")
+    if eng["workers"] not in ("process", "thread"):
+        raise ConfigError("engine.workers", f"expected process or thread, got "
+                          f"{eng['workers']!r}")
     if eng["max_in_flight"] <= 0 or eng["compile_timeout_s"] <= 0:
         raise ConfigError("engine", "max_in_flight and compile_timeout_s must be positive")
     for key in ("max_model_bytes", "max_concurrent_uploads"):
@@ -308,6 +312,7 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         max_in_flight=eng["max_in_flight"],
         objective=eng["objective"],
         compile_timeout_s=float(eng["compile_timeout_s"]),
+        workers=eng["workers"],
     )
 
 

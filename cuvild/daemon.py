@@ -168,6 +168,7 @@ class Daemon:
         self.arena = Arena(str(os.getpid()))
         engine = Engine(self.current_profiles().devices, self.cfg.cache_dir, self.arena,
                         max_in_flight=self.cfg.max_in_flight,
+                        in_process=self.cfg.workers == "thread",
                         build_timeout_s=max(600.0, 4 * self.cfg.compile_timeout_s),
                         compile_timeout_s=self.cfg.compile_timeout_s)
         self.models = ModelManager(self.registry, engine, self.cfg.objective)
@@ -185,6 +186,8 @@ class Daemon:
             new.unix_socket, new.tcp = self.cfg.unix_socket, self.cfg.tcp
         if new.max_concurrent_uploads != self.cfg.max_concurrent_uploads:
             log.warning("reload: limits.max_concurrent_uploads takes effect on restart")
+        if new.workers != self.cfg.workers:
+            log.warning("reload: engine.workers takes effect on restart")
         self.cfg = new
         if self.registry is not None:
             self.registry.max_model_bytes = new.max_model_bytes

@@ -389,16 +389,41 @@ class Engine:
         running: dict[Future[dict[str, Any]], Route] = {}
         failure: str | None = None
         dead: set[str] = set()
+
+        def finish(route: Route, reply: dict[str, Any] | WorkerDied) -> str | None:
+            if isinstance(reply, WorkerDied):
+                dead.add(route.device)
+                return f"part {route.id} on {route.device} ({route.runtime}) failed: {reply}"
+            if not reply["ok"]:
+                return (f"part {route.id} on {route.device} ({route.runtime}) failed: "
+                        f"{reply['error']}")
+            route.measured_ms.append(reply["run_ms"])
+            del route.measured_ms[:-100]
+            ready.update(route.outputs)
+            return None
+
+        def start(route: Route) -> tuple[WorkerHandle, dict[str, Any]]:
+            waiting.remove(route)
+            self._usable[route.device].wait(self.build_timeout_s)
+            return self.worker(route.device), dict(
+                model=model.key, part=route.id, inputs=[ref(n) for n in route.inputs],
+                outputs=[ref(n) for n in route.outputs])
+
         while waiting or running:
-            if failure is None:
-                for route in [r for r in waiting if all(i in ready for i in r.inputs)]:
-                    waiting.remove(route)
-                    self._usable[route.device].wait(self.build_timeout_s)
-                    future = self.worker(route.device).call(
-                        "run", model=model.key, part=route.id,
-                        inputs=[ref(n) for n in route.inputs],
-                        outputs=[ref(n) for n in route.outputs])
-                    running[future] = route
+            startable = ([r for r in waiting if all(i in ready for i in r.inputs)]
+                         if failure is None else [])
+            if len(startable) == 1 and not running:
+                # Nothing to overlap with: call and read the reply in this thread.
+                worker, fields = start(startable[0])
+                try:
+                    reply: dict[str, Any] | WorkerDied = worker.run(**fields)
+                except WorkerDied as e:
+                    reply = e
+                failure = finish(startable[0], reply)
+                continue
+            for route in startable:
+                worker, fields = start(route)
+                running[worker.call("run", **fields)] = route
             if not running:
                 break
             done, _ = wait(list(running), return_when=FIRST_COMPLETED)
@@ -407,17 +432,8 @@ class Engine:
                 try:
                     reply = future.result()
                 except WorkerDied as e:
-                    dead.add(route.device)
-                    failure = failure or (f"part {route.id} on {route.device} "
-                                          f"({route.runtime}) failed: {e}")
-                    continue
-                if not reply["ok"]:
-                    failure = failure or (f"part {route.id} on {route.device} "
-                                          f"({route.runtime}) failed: {reply['error']}")
-                    continue
-                route.measured_ms.append(reply["run_ms"])
-                del route.measured_ms[:-100]
-                ready.update(route.outputs)
+                    reply = e
+                failure = failure or finish(route, reply)
         for device in dead:
             threading.Thread(target=self._revive, args=(device,), daemon=True).start()
         if failure:

@@ -35,6 +35,7 @@ def run_cuvild(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
     ("listen: {tcp: '0.0.0.0:9000'}\n", "listen.token"),
     ("listen: {tcp: '0.0.0.0:9000', insecure_loopback: true}\n", "listen.token"),
     ("listen: {tls: {cert: /etc/hostname}}\n", "listen.tls"),
+    ("engine: {workers: fork}\n", "engine.workers"),
 ])
 def test_bad_config_exits_2_naming_key(tmp_path, text, key):
     result = run_cuvild(tmp_path, text)

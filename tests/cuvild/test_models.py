@@ -249,3 +249,41 @@ def test_dynamic_batch_through_the_protocol(make_daemon):
             client.infer("dyn", torch.randn(5, 16))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "dim 0 is 5, outside the exported range [1, 4]" in err.value.details()
+
+
+def test_thread_workers_serve_the_two_device_demo(make_daemon):
+    """engine.workers: thread runs parts in the daemon's own threads (no worker processes);
+    the demo layout's two devices still split the model and answer like eager."""
+    from cuvild.samples import reference
+
+    model, inputs = reference("demo")
+    d = make_daemon(engine={"workers": "thread"})
+    with Client(d.target) as client:
+        client.load("demo", model, inputs)
+        deadline = time.monotonic() + 300
+        while client.models()[0]["state"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.models()[0]["state"] == "ready", d.log()[-2000:]
+        devices = {p["device"] for p in client.plan("demo")["plan"]["parts"]}
+        with torch.no_grad():
+            expected = model(*inputs)
+        for shm in (False, True):
+            out = client.infer("demo", *inputs, shm=shm)["output0"]
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    workers = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == d.proc.pid
+               and "spawn_main" in _cmdline(p)]
+    assert len(devices) == 2 and workers == []
+
+
+def _parent(pid: str) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
