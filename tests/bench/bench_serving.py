@@ -8,9 +8,11 @@
     against a bare grpcio unary echo (a separate process on a unix socket) of the same bytes;
     the same echo through cuvild's unix-socket front (cuvild/peers.py) prices the relay.
 
-The daemon runs with `devices: {cpu: {cores: null}}`: one CPU device on every core, so each
-model is one part. `python tests/bench/bench_serving.py [--json] [--rounds N]`. On a shared
-host, run it alone: the in-process runners (torch's OpenMP pool above all) suffer most.
+Two daemons run side by side with `devices: {cpu: {cores: null}}` (one CPU device on every
+core, so each model is one part): one with the default `engine.workers: process` (a pinned
+worker process per device) and one with `engine.workers: thread` (parts run in the daemon).
+`python tests/bench/bench_serving.py [--json] [--rounds N]`. On a shared host, run it alone:
+the in-process runners (torch's OpenMP pool above all) suffer most.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def served_parts(control: Any, name: str) -> list[dict[str, Any]]:
 
 
 # -- (a) resnet18 ----------------------------------------------------------------------------
-def bench_resnet(client: Any, rounds: int, threads: int,
+def bench_resnet(clients: dict[str, Any], rounds: int, threads: int,
                  daemon_runtimes: list[str]) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -136,7 +138,7 @@ def bench_resnet(client: Any, rounds: int, threads: int,
     with torch.inference_mode():
         expected = model(x).numpy()
     xn = x.numpy()
-    meta = client.get_model_metadata("resnet18")
+    meta = next(iter(clients.values())).get_model_metadata("resnet18")
     in_name, out_name = meta.inputs[0].name, meta.outputs[0].name
     out_shape = list(meta.outputs[0].shape)
     out_bytes = int(np.prod(out_shape)) * 4
@@ -163,7 +165,7 @@ def bench_resnet(client: Any, rounds: int, threads: int,
         compile_s[name] = time.perf_counter() - t0
         local[f"{name} fp32 (in-process)"] = lambda exe=exe: exe.run([x])[0]
 
-    def raw() -> Any:
+    def raw(client: Any) -> Any:
         inp = grpcclient.InferInput(in_name, list(xn.shape), "FP32")
         inp.set_data_from_numpy(xn)
         result = client.infer("resnet18", [inp],
@@ -171,32 +173,39 @@ def bench_resnet(client: Any, rounds: int, threads: int,
         return result.as_numpy(out_name)
 
     key = f"/cuvil-bench-{os.getpid()}"
-    in_h = shm.create_shared_memory_region("bench_in", f"{key}-in", xn.nbytes)
-    out_h = shm.create_shared_memory_region("bench_out", f"{key}-out", out_bytes)
+    handles = {n: (shm.create_shared_memory_region("bench_in", f"{key}-{n}-in", xn.nbytes),
+                   shm.create_shared_memory_region("bench_out", f"{key}-{n}-out", out_bytes))
+               for n in clients}
+
+    def shared(client: Any, in_h: Any, out_h: Any) -> Any:
+        shm.set_shared_memory_region(in_h, [xn])  # the client puts its input there
+        inp = grpcclient.InferInput(in_name, list(xn.shape), "FP32")
+        inp.set_shared_memory("bench_in", xn.nbytes)
+        out = grpcclient.InferRequestedOutput(out_name)
+        out.set_shared_memory("bench_out", out_bytes)
+        client.infer("resnet18", [inp], outputs=[out])
+        return shm.get_contents_as_numpy(out_h, np.float32, out_shape).copy()
+
     try:
-        client.register_system_shared_memory("bench_in", f"{key}-in", xn.nbytes)
-        client.register_system_shared_memory("bench_out", f"{key}-out", out_bytes)
-
-        def shared() -> Any:
-            shm.set_shared_memory_region(in_h, [xn])  # the client puts its input there
-            inp = grpcclient.InferInput(in_name, list(xn.shape), "FP32")
-            inp.set_shared_memory("bench_in", xn.nbytes)
-            out = grpcclient.InferRequestedOutput(out_name)
-            out.set_shared_memory("bench_out", out_bytes)
-            client.infer("resnet18", [inp], outputs=[out])
-            return shm.get_contents_as_numpy(out_h, np.float32, out_shape).copy()
-
-        runners = {"tritonclient shm": shared, "tritonclient raw": raw, **local}
+        runners: dict[str, Callable[[], Any]] = {}
+        for n, client in clients.items():
+            client.register_system_shared_memory("bench_in", f"{key}-{n}-in", xn.nbytes)
+            client.register_system_shared_memory("bench_out", f"{key}-{n}-out", out_bytes)
+            runners[f"tritonclient shm ({n})"] = (
+                lambda c=client, h=handles[n]: shared(c, *h))
+            runners[f"tritonclient raw ({n})"] = lambda c=client: raw(c)
+        runners.update(local)
         errors = {name: rel_error(np.asarray(run()), expected) for name, run in runners.items()}
         samples = interleaved(runners, rounds)
     finally:
-        for name in ("bench_in", "bench_out"):
+        for client in clients.values():
             try:
-                client.unregister_system_shared_memory(name)
+                client.unregister_system_shared_memory()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
-        shm.destroy_shared_memory_region(in_h)
-        shm.destroy_shared_memory_region(out_h)
+        for in_h, out_h in handles.values():
+            shm.destroy_shared_memory_region(in_h)
+            shm.destroy_shared_memory_region(out_h)
     results = {name: stats(values) for name, values in samples.items()}
     best = min(local, key=lambda n: results[n]["p50_ms"])
     for name, r in results.items():
@@ -208,7 +217,7 @@ def bench_resnet(client: Any, rounds: int, threads: int,
 
 
 # -- (b) per-request overhead ----------------------------------------------------------------
-def bench_tiny(client: Any, echo_target: str, rounds: int) -> dict[str, Any]:
+def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int) -> dict[str, Any]:
     import grpc
     import torch
     import tritonclient.grpc as grpcclient
@@ -222,6 +231,7 @@ def bench_tiny(client: Any, echo_target: str, rounds: int) -> dict[str, Any]:
     with torch.inference_mode():
         expected = model(x).numpy()
     xn = x.numpy()
+    client = clients["process workers"]
     meta = client.get_model_metadata("tiny")
     in_name, out_name = meta.inputs[0].name, meta.outputs[0].name
 
@@ -238,7 +248,7 @@ def bench_tiny(client: Any, echo_target: str, rounds: int) -> dict[str, Any]:
     front_call = front_channel.unary_unary("/echo.Echo/Echo")
     grpc.channel_ready_future(front_channel).result(timeout=30)
 
-    def infer() -> Any:
+    def infer(client: Any) -> Any:
         inp = grpcclient.InferInput(in_name, list(xn.shape), "FP32")
         inp.set_data_from_numpy(xn)
         return client.infer("tiny", [inp]).as_numpy(out_name)
@@ -252,10 +262,12 @@ def bench_tiny(client: Any, echo_target: str, rounds: int) -> dict[str, Any]:
     def live() -> Any:
         return client.is_server_live()
 
-    error = rel_error(infer(), expected)
+    error = max(rel_error(infer(c), expected) for c in clients.values())
     assert echo() == payload and echo_front() == payload
-    runners = {"tritonclient raw infer": infer, "tritonclient ServerLive": live,
-               "grpcio echo (same bytes)": echo, "grpcio echo via cuvild front": echo_front}
+    runners: dict[str, Callable[[], Any]] = {
+        f"infer ({n})": lambda c=c: infer(c) for n, c in clients.items()}
+    runners.update({"tritonclient ServerLive": live, "grpcio echo (same bytes)": echo,
+                    "grpcio echo via cuvild front": echo_front})
     try:
         samples = interleaved(runners, rounds)
     finally:
@@ -293,37 +305,43 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
         root = Path(tmp)
         echo_path = root / "echo.sock"
         echo = subprocess.Popen([sys.executable, __file__, "--echo-server", str(echo_path)])
-        config = daemon_config(root, root / "state", root)
-        config["devices"] = {"cpu": {"cores": None}}  # one CPU device on every core
-        config["log_level"] = "info"
-        daemon = DaemonProcess(root, config)
-        client = control = None
+        daemons, clients, controls = {}, {}, {}
         try:
-            daemon.start()
-            control = Client(daemon.target, timeout=120)
-            model, inputs = reference("resnet18", 1)
-            control.load("resnet18", model, inputs)
-            torch.manual_seed(0)
-            control.load("tiny", MLP(width=16, depth=1).eval(), (torch.randn(1, 16),))
+            for label, workers in (("process workers", "process"), ("thread workers", "thread")):
+                home = root / workers
+                home.mkdir()
+                config = daemon_config(home, home / "state", home)
+                config["devices"] = {"cpu": {"cores": None}}  # one CPU device on every core
+                config["engine"] = {"workers": workers}
+                config["log_level"] = "info"
+                daemons[label] = daemon = DaemonProcess(home, config)
+                daemon.start()
+                controls[label] = control = Client(daemon.target, timeout=120)
+                model, inputs = reference("resnet18", 1)
+                control.load("resnet18", model, inputs)
+                torch.manual_seed(0)
+                control.load("tiny", MLP(width=16, depth=1).eval(), (torch.randn(1, 16),))
             t0 = time.perf_counter()
-            wait_ready(control, {"resnet18", "tiny"}, daemon)
+            for label, control in controls.items():
+                wait_ready(control, {"resnet18", "tiny"}, daemons[label])
+                clients[label] = grpcclient.InferenceServerClient(url=daemons[label].target)
             prepare_s = time.perf_counter() - t0
-            client = grpcclient.InferenceServerClient(url=daemon.target)
+            control = controls["process workers"]
             layout = {"devices": config["devices"], "cores": sorted(os.sched_getaffinity(0)),
                       "resnet18_parts": served_parts(control, "resnet18"),
                       "tiny_parts": served_parts(control, "tiny"), "prepare_s": prepare_s}
-            a = bench_resnet(client, rounds, threads,
+            a = bench_resnet(clients, rounds, threads,
                              [p["runtime"] for p in layout["resnet18_parts"]])
-            b = bench_tiny(client, f"unix://{echo_path}", tiny_rounds)
+            b = bench_tiny(clients, f"unix://{echo_path}", tiny_rounds)
             for name in ("resnet18", "tiny"):  # now with the worker's measured run times
                 layout[f"{name}_parts"] = served_parts(control, name)
         finally:
-            for c in (client, control):
-                if c is not None:
-                    c.close()
-            if daemon.proc is not None:
-                daemon.stop()
-            daemon.close()
+            for c in (*clients.values(), *controls.values()):
+                c.close()
+            for daemon in daemons.values():
+                if daemon.proc is not None:
+                    daemon.stop()
+                daemon.close()
             echo.terminate()
             echo.wait(10)
     return {"layout": layout, "resnet18": a, "tiny": b, "threads": threads,
@@ -338,22 +356,23 @@ def print_table(result: dict[str, Any]) -> None:
                             if p.get("measured_ms") is not None else "")
                          for p in lay[key])
 
-    print(f"layout: devices {lay['devices']} (cores {lay['cores']}): one CPU device; "
-          f"models ready in {lay['prepare_s']:.1f} s")
+    print(f"layout: devices {lay['devices']} (cores {lay['cores']}): one CPU device; two "
+          f"daemons (engine.workers process | thread); models ready in "
+          f"{lay['prepare_s']:.1f} s")
     print(f"  resnet18 -> {parts('resnet18_parts')}")
     print(f"  tiny     -> {parts('tiny_parts')}")
     a = result["resnet18"]
     print(f"\n(a) resnet18 b1 fp32, end to end; ratios vs {a['baseline']}")
-    print(f"{'runner':<30} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} {'rel err':>9}")
+    print(f"{'runner':<36} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} {'rel err':>9}")
     for name, r in a["results"].items():
-        print(f"{name:<30} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['p50_ratio']:7.2f} "
+        print(f"{name:<36} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['p50_ratio']:7.2f} "
               f"{r['p99_ratio']:7.2f} {r['rel_error']:9.1e}")
     b = result["tiny"]
     print(f"\n(b) per-request overhead, {b['model']} input {b['input']} "
           f"({b['payload_bytes']} request bytes); ratios vs {b['baseline']}")
-    print(f"{'call':<30} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7}")
+    print(f"{'call':<36} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7}")
     for name, r in b["results"].items():
-        print(f"{name:<30} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ratio']:7.2f}")
+        print(f"{name:<36} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ratio']:7.2f}")
     print(f"\n{result['threads']} threads; whole run {result['total_s']:.0f} s")
 
 
