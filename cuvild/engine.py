@@ -11,10 +11,11 @@ across devices), read the outputs, give the block back. No planning, compiling o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,8 @@ class Engine:
         self.workers: dict[str, WorkerHandle] = {}
         self.models: dict[str, LoadedModel] = {}
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
+        self._active = 0  # requests inside infer(): alone, a part's reply is read directly
+        self._active_lock = threading.Lock()
         self._restart_lock = threading.Lock()
         self._usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
         self.build_timeout_s = build_timeout_s
@@ -357,7 +360,7 @@ class Engine:
         model = self.resolve(key, inputs)
         self.check_inputs(model, inputs)
         output_refs = output_refs or {}
-        with self._in_flight:
+        with self._in_flight, self._counted():
             block = self.arena.alloc(model.footprint)
             try:
                 refs = dict(output_refs)
@@ -376,6 +379,16 @@ class Engine:
                         for n in model.outputs]
             finally:
                 self.arena.free(block)
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        with self._active_lock:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._active_lock:
+                self._active -= 1
 
     def _bytes(self, block: Block, slot: Slot) -> memoryview:
         return self.arena.segments[block.segment].view(block.offset + slot.offset, slot.nbytes)
@@ -412,8 +425,9 @@ class Engine:
         while waiting or running:
             startable = ([r for r in waiting if all(i in ready for i in r.inputs)]
                          if failure is None else [])
-            if len(startable) == 1 and not running:
-                # Nothing to overlap with: call and read the reply in this thread.
+            if len(startable) == 1 and not running and self._active == 1:
+                # Nothing to overlap with: call and read the reply in this thread. (With
+                # other requests in flight, queueing in the worker's pipe keeps it busy.)
                 worker, fields = start(startable[0])
                 try:
                     reply: dict[str, Any] | WorkerDied = worker.run(**fields)
