@@ -2,11 +2,14 @@
 
 (a) ResNet-18 (batch 1, fp32) end to end through tritonclient on the unix socket, with
     inputs and outputs in system shared memory and with raw contents, against the fastest
-    in-process runner at the same precision (torch eager, OpenVINO fp32 compiled in this
-    process on the whole model as one part): p50/p99 and the ratios to that.
+    in-process runner at the same precision (torch eager; OpenVINO, ONNX Runtime and any
+    other runtime a daemon chose, compiled in this process on the whole model as one
+    part): p50/p99 and the ratios to that.
 (b) Per-request overhead on a tiny MLP (16 wide, one layer, input (1, 16)): tritonclient raw
     against a bare grpcio unary echo (a separate process on a unix socket) of the same bytes;
     the same echo through cuvild's unix-socket front (cuvild/peers.py) prices the relay.
+    Timed back to back (how BASELINES.md measured the echo) and after 5 ms idle per call
+    (every thread and process hop then pays a wake-up: more hops, more cost).
 
 Two daemons run side by side with `devices: {cpu: {cores: null}}` (one CPU device on every
 core, so each model is one part): one with the default `engine.workers: process` (a pinned
@@ -158,8 +161,9 @@ def bench_resnet(clients: dict[str, Any], rounds: int, threads: int,
             return model(x)
 
     local["torch eager (in-process)"] = eager
-    # OpenVINO, and the runtime the daemon chose for its part when it is another one.
-    for name in ["openvino", *(r for r in daemon_runtimes if r not in ("openvino", "torch"))]:
+    # OpenVINO and ONNX Runtime, and the runtime a daemon chose when it is another one.
+    for name in ["openvino", "onnxruntime",
+                 *(r for r in daemon_runtimes if r not in ("openvino", "onnxruntime", "torch"))]:
         t0 = time.perf_counter()
         exe = registry.get(name).compile(part, spec)
         compile_s[name] = time.perf_counter() - t0
@@ -268,8 +272,9 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int) -> dict[s
         f"infer ({n})": lambda c=c: infer(c) for n, c in clients.items()}
     runners.update({"tritonclient ServerLive": live, "grpcio echo (same bytes)": echo,
                     "grpcio echo via cuvild front": echo_front})
-    try:
-        samples = interleaved(runners, rounds)
+    try:  # back to back (as the echo baseline in BASELINES.md), then after 5 ms idle each
+        samples = interleaved(runners, rounds, gap_s=0)
+        idle = interleaved(runners, rounds)
     finally:
         channel.close()
         front_channel.close()
@@ -278,13 +283,17 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int) -> dict[s
         with torch.inference_mode():
             return model(x)
 
-    samples.update(interleaved({"torch eager (in-process)": eager}, rounds))
+    samples.update(interleaved({"torch eager (in-process)": eager}, rounds, gap_s=0))
+    idle.update(interleaved({"torch eager (in-process)": eager}, rounds))
     results = {name: stats(values) for name, values in samples.items()}
-    base = results["grpcio echo (same bytes)"]["p50_ms"]
-    for r in results.values():
-        r["p50_ratio"] = r["p50_ms"] / base
+    results_idle = {name: stats(values) for name, values in idle.items()}
+    for res in (results, results_idle):
+        base = res["grpcio echo (same bytes)"]["p50_ms"]
+        for r in res.values():
+            r["p50_ratio"] = r["p50_ms"] / base
     return {"model": "MLP(width=16, depth=1)", "input": [1, 16], "payload_bytes": len(payload),
-            "rel_error": error, "baseline": "grpcio echo (same bytes)", "results": results}
+            "rel_error": error, "baseline": "grpcio echo (same bytes)", "results": results,
+            "results_after_idle": results_idle}
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -305,7 +314,7 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
         root = Path(tmp)
         echo_path = root / "echo.sock"
         echo = subprocess.Popen([sys.executable, __file__, "--echo-server", str(echo_path)])
-        daemons, clients, controls = {}, {}, {}
+        daemons, clients, controls, prepare_s = {}, {}, {}, {}
         try:
             for label, workers in (("process workers", "process"), ("thread workers", "thread")):
                 home = root / workers
@@ -321,20 +330,20 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
                 control.load("resnet18", model, inputs)
                 torch.manual_seed(0)
                 control.load("tiny", MLP(width=16, depth=1).eval(), (torch.randn(1, 16),))
-            t0 = time.perf_counter()
-            for label, control in controls.items():
-                wait_ready(control, {"resnet18", "tiny"}, daemons[label])
-                clients[label] = grpcclient.InferenceServerClient(url=daemons[label].target)
-            prepare_s = time.perf_counter() - t0
-            control = controls["process workers"]
+                # One daemon at a time: runtimes are chosen by timing them, on a quiet host.
+                t0 = time.perf_counter()
+                wait_ready(control, {"resnet18", "tiny"}, daemon)
+                prepare_s[label] = time.perf_counter() - t0
+                clients[label] = grpcclient.InferenceServerClient(url=daemon.target)
             layout = {"devices": config["devices"], "cores": sorted(os.sched_getaffinity(0)),
-                      "resnet18_parts": served_parts(control, "resnet18"),
-                      "tiny_parts": served_parts(control, "tiny"), "prepare_s": prepare_s}
+                      "prepare_s": prepare_s}
             a = bench_resnet(clients, rounds, threads,
-                             [p["runtime"] for p in layout["resnet18_parts"]])
+                             sorted({p["runtime"] for c in controls.values()
+                                     for p in served_parts(c, "resnet18")}))
             b = bench_tiny(clients, f"unix://{echo_path}", tiny_rounds)
-            for name in ("resnet18", "tiny"):  # now with the worker's measured run times
-                layout[f"{name}_parts"] = served_parts(control, name)
+            for label, control in controls.items():  # with the measured run times
+                layout[label] = {name: served_parts(control, name)
+                                 for name in ("resnet18", "tiny")}
         finally:
             for c in (*clients.values(), *controls.values()):
                 c.close()
@@ -350,17 +359,14 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
 
 def print_table(result: dict[str, Any]) -> None:
     lay = result["layout"]
-    def parts(key: str) -> str:
-        return ", ".join(f"{p['id']}@{p['device']}/{p['runtime']} {p['precision']}"
-                         + (f" (worker run p50 {p['measured_ms']:.3f} ms)"
-                            if p.get("measured_ms") is not None else "")
-                         for p in lay[key])
-
-    print(f"layout: devices {lay['devices']} (cores {lay['cores']}): one CPU device; two "
-          f"daemons (engine.workers process | thread); models ready in "
-          f"{lay['prepare_s']:.1f} s")
-    print(f"  resnet18 -> {parts('resnet18_parts')}")
-    print(f"  tiny     -> {parts('tiny_parts')}")
+    print(f"layout: devices {lay['devices']} (cores {lay['cores']}): one CPU device")
+    for label in ("process workers", "thread workers"):
+        print(f"  daemon with {label}, models ready in {lay['prepare_s'][label]:.1f} s:")
+        for name, parts in lay[label].items():
+            print(f"    {name:<9}-> " + ", ".join(
+                f"{p['id']}@{p['device']}/{p['runtime']} {p['precision']}"
+                + (f" (run p50 {p['measured_ms']:.3f} ms)" if p.get("measured_ms") is not None
+                   else "") for p in parts))
     a = result["resnet18"]
     print(f"\n(a) resnet18 b1 fp32, end to end; ratios vs {a['baseline']}")
     print(f"{'runner':<36} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} {'rel err':>9}")
@@ -370,9 +376,13 @@ def print_table(result: dict[str, Any]) -> None:
     b = result["tiny"]
     print(f"\n(b) per-request overhead, {b['model']} input {b['input']} "
           f"({b['payload_bytes']} request bytes); ratios vs {b['baseline']}")
-    print(f"{'call':<36} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7}")
+    print(f"{'':<36} {'back to back':^25} {'after 5 ms idle':^25}")
+    print(f"{'call':<36} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} "
+          f"{'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7}")
     for name, r in b["results"].items():
-        print(f"{name:<36} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ratio']:7.2f}")
+        i = b["results_after_idle"][name]
+        print(f"{name:<36} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ratio']:7.2f} "
+              f"{i['p50_ms']:8.3f} {i['p99_ms']:8.3f} {i['p50_ratio']:7.2f}")
     print(f"\n{result['threads']} threads; whole run {result['total_s']:.0f} s")
 
 
