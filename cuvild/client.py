@@ -188,7 +188,9 @@ class Client:
         if name not in self._metadata:
             self._metadata[name] = self.metadata(name)
         if shm and self._region is None:
-            self._region = ClientRegion(self._infer, self.timeout)
+            unix = self.target.removeprefix("unix://").removeprefix("unix:")
+            self._region = ClientRegion(self._infer, self.timeout,
+                                        unix if self.target.startswith("unix") else None)
         return run_infer(self._infer, name, inputs, self._region if shm else None,
                          version=version or "", metadata=self._metadata[name],
                          timeout=self.timeout)

@@ -130,7 +130,7 @@ class Daemon:
                                  self.cfg.path, self.registry, self.cfg.max_concurrent_uploads,
                                  self.models)
         shm = not tcp or self.cfg.shm_allow_tcp_clients
-        peer_uid = self.front.uid_of if not tcp and self.front else (lambda peer: None)
+        peer_uid = self.front.caller if not tcp and self.front else (lambda peer: None)
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceService(self.models, self.regions, shm_enabled=shm, peer_uid=peer_uid),
@@ -201,7 +201,12 @@ class Daemon:
         self._load_profiles()
         self.registry = Registry(self.cfg.state_dir, self.cfg.max_model_bytes)
         self._start_engine()
-        self.front = Front(self.cfg.unix_socket)
+        try:
+            self.front = Front(self.cfg.unix_socket)
+        except OSError as e:
+            self.models.engine.close()
+            self.arena.close()
+            raise StartupError(f"cannot make the private socket directory: {e}") from None
         try:
             self.servers = [self._build_server(tcp=False)]
             if self.cfg.tcp:
@@ -211,6 +216,10 @@ class Daemon:
             self.front.start()
         except BaseException:
             self.front.close()
+            for server in self.servers:
+                server.stop(None)
+            self.models.engine.close()
+            self.arena.close()
             raise
         if self.cfg.tcp:
             auth = [a for a, on in (("TLS", self.cfg.tls_cert), ("mutual TLS",

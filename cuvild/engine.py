@@ -316,6 +316,12 @@ class Engine:
             if device in self.workers:
                 self.workers[device].call("unload", model=key)
 
+    def forget_segments(self, segments: list[tuple[str, int]]) -> None:
+        """Have every worker unmap these client objects (name, inode); no reply awaited."""
+        if segments:
+            for worker in list(self.workers.values()):
+                worker.call("forget", segments=segments)
+
     def close(self) -> None:
         for worker in self.workers.values():
             worker.stop()

@@ -45,14 +45,30 @@ def _tensor(data: bytes | memoryview, datatype: str, shape: list[int]) -> Any:
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape).clone()
 
 
+def _daemon_group(socket_path: str | None) -> int | None:
+    """The group to share regions with: the daemon's socket's group, when the daemon runs as
+    another user and this process is in that group (as it must be to connect); None means
+    0600 will do (the daemon is this user, or root)."""
+    if not socket_path:
+        return None
+    try:
+        st = os.stat(socket_path)
+    except OSError:
+        return None
+    if st.st_uid in (os.getuid(), 0) or st.st_gid not in {os.getgid(), *os.getgroups()}:
+        return None
+    return st.st_gid
+
+
 class ClientRegion:
     """A shared-memory region this client owns and keeps registered between requests, so a
     request costs one ModelInfer call and no copies through the gRPC message."""
 
-    def __init__(self, stub: Any, timeout: float) -> None:
+    def __init__(self, stub: Any, timeout: float, socket_path: str | None = None) -> None:
         self.stub, self.timeout = stub, timeout
         self.segment: Any = None
         self.name = ""
+        self.share_gid = _daemon_group(socket_path)
 
     def ensure(self, nbytes: int) -> Any:
         from runtimes.arena import Segment
@@ -62,6 +78,10 @@ class ClientRegion:
         self.close()
         self.name = f"cuvil-client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.segment = Segment(self.name, max(nbytes, 1 << 16), create=True, lock=False)
+        if self.share_gid is not None:  # a daemon of another user opens it through its group
+            path = f"/dev/shm/{self.name}"
+            os.chown(path, -1, self.share_gid)
+            os.chmod(path, 0o660)
         self.stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
             name=self.name, key=f"/{self.name}", offset=0, byte_size=self.segment.size),
             timeout=self.timeout)

@@ -304,9 +304,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def SystemSharedMemoryUnregister(self, request, context):  # noqa: N802
         caller = self._caller(context)
         try:
-            self.regions.unregister(caller, request.name)
+            gone = self.regions.unregister(caller, request.name)
         except RegionError as e:
             context.abort(CODES[e.kind], str(e))
+        # The workers unmap them too: an unlinked object lives as long as a mapping does.
+        self.models.engine.forget_segments([(r.object_name, r.inode) for r in gone])
         return pb.SystemSharedMemoryUnregisterResponse()
 
     def SystemSharedMemoryStatus(self, request, context):  # noqa: N802

@@ -7,7 +7,8 @@ bytes in place. Every use is bounds-checked against the registered region.
 Ownership: over the unix socket the caller's uid is known (SO_PEERCRED, read by the front in
 cuvild/peers.py), and a caller may register only objects it owns (root may register any).
 A TCP caller has no uid; when `shm.allow_tcp_clients` lets it share memory at all, the
-object must be owned by the daemon's user or by a uid in `shm.allowed_uids`.
+object must be owned by a uid in `shm.allowed_uids`. Nobody may register cuvild's own
+segments (`cuvil-<pid>-...`, the arenas in which requests' tensors live).
 
 Regions are per caller: a name registered by one uid is invisible to every other uid (and
 TCP callers share one namespace of their own), so nobody can read or overwrite a region by
@@ -17,6 +18,7 @@ guessing its name.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass
 
@@ -55,12 +57,13 @@ def _object_name(key: str) -> str:
     return name
 
 
-Caller = int | None  # the caller's uid over the unix socket; None over TCP
+ARENA = re.compile(r"cuvil-\d+-")  # runtimes.arena.Arena's segment names
+Caller = int | None  # the caller's uid over the unix socket (-1: unknown); None over TCP
 
 
 class Regions:
     def __init__(self, allowed_uids: list[int] | None = None) -> None:
-        self.tcp_owners = {os.getuid(), *(allowed_uids or [])}
+        self.tcp_owners = set(allowed_uids or [])
         self._regions: dict[tuple[Caller, str], Region] = {}
         self._lock = threading.Lock()
 
@@ -69,7 +72,7 @@ class Regions:
             if owner not in self.tcp_owners:
                 raise RegionError("denied", f"shared-memory object {key!r} is owned by uid "
                                             f"{owner}; TCP clients may share only objects of "
-                                            "the daemon's user or of shm.allowed_uids")
+                                            "the uids in shm.allowed_uids")
         elif caller not in (0, owner):
             raise RegionError("denied", f"shared-memory object {key!r} is owned by uid {owner}, "
                                         f"not by the caller (uid {caller}); register only "
@@ -80,6 +83,8 @@ class Regions:
         if not name:
             raise RegionError("invalid", "region name is empty")
         obj = _object_name(key)
+        if ARENA.match(obj):
+            raise RegionError("denied", f"{key!r} is cuvild's own memory, not a client's")
         with self._lock:
             if (caller, name) in self._regions:
                 raise RegionError("exists", f"shared-memory region {name!r} is already "
@@ -120,11 +125,13 @@ class Regions:
             raise RegionError("not_found", f"no shared-memory region {name!r} is registered")
         return [(caller, name)]
 
-    def unregister(self, caller: Caller, name: str = "") -> None:
+    def unregister(self, caller: Caller, name: str = "") -> list[Region]:
+        """Drop the caller's region `name` (all of the caller's when empty); returns them."""
         with self._lock:
             regions = [self._regions.pop(k) for k in self._keys(caller, name)]
         for region in regions:
             region.segment.close()
+        return regions
 
     def status(self, caller: Caller, name: str = "") -> list[Region]:
         with self._lock:

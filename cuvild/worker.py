@@ -5,9 +5,10 @@ The daemon talks to a worker with one small verb set over a pipe (`build`, `run`
 (segment name, offset, dtype, shape). Replies come back through a reader thread that
 completes Futures, except for a `run` sent with `WorkerHandle.run`: its reply comes on a
 second pipe that the calling thread reads itself, which saves a thread wake-up per call
-(about 0.1 ms on the 2-core dev host) when nothing else is in flight to overlap with.
-The same `serve` loop runs in a thread for tests (in_process=True) and in a process in
-production, where a crashing compiler or driver takes down its worker and not the daemon.
+(about 0.1 ms on the 2-core dev host) when its request is alone in the engine.
+The same `serve` loop runs in a process (the default: a crashing compiler or driver takes
+down its worker and not the daemon) or in a thread of the daemon (in_process=True, i.e.
+`engine.workers: thread`, and in tests), where direct runs execute in the calling thread.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class _Worker:
         self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable
         self.segments: dict[tuple[str, int], Any] = {}  # (name, inode) -> Segment
         self.views: dict[TensorRef, Any] = {}
+        self.closing: list[Any] = []  # unregistered client segments a runtime still views
 
     def tensor(self, ref: TensorRef) -> Any:
         """A tensor aliasing `ref`'s bytes; made once per place, then reused."""
@@ -119,8 +121,21 @@ class _Worker:
 
     def _forget_client_segments(self) -> None:
         self.views.clear()  # they alias the mappings about to close
-        for key in [k for k in self.segments if k[1]]:
-            self.segments.pop(key).close()
+        self.closing += [self.segments.pop(key) for key in [k for k in self.segments if k[1]]]
+        self._close_pending()
+
+    def forget(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Unmap client objects whose regions were unregistered. A runtime may still hold
+        its last input (OpenVINO's infer request does): those close after the next run."""
+        gone = {tuple(k) for k in msg["segments"]}
+        for ref in [r for r in self.views if (r.segment, r.inode) in gone]:
+            del self.views[ref]
+        self.closing += [self.segments.pop(key) for key in gone & set(self.segments)]
+        self._close_pending()
+        return {}
+
+    def _close_pending(self) -> None:
+        self.closing = [seg for seg in self.closing if not seg.close()]
 
     def build(self, msg: dict[str, Any]) -> dict[str, Any]:
         from cuvild.build import build_model_part, forget
@@ -147,6 +162,8 @@ class _Worker:
                 raise ValueError(f"output shape {tuple(out.shape)} != planned {ref.shape}")
             if dst.data_ptr() != out.data_ptr():  # the runtime did not write in place
                 dst.copy_(out)
+        if self.closing:
+            self._close_pending()
         return {"run_ms": run_ms}
 
     def unload(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -169,12 +186,8 @@ def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,
         worker, lock = _Worker(device, cache_dir), contextlib.nullcontext()
     else:
         worker, lock = inline
-    build = worker.build
-    if inline is not None:  # torch.export keeps global state: one build at a time per process
-        def build(msg: dict[str, Any]) -> dict[str, Any]:
-            with _BUILDS_IN_PROCESS:
-                return worker.build(msg)
-    handlers = {"build": build, "run": worker.run, "unload": worker.unload,
+    handlers = {"build": worker.build, "run": worker.run, "unload": worker.unload,
+                "forget": worker.forget,
                 "ping": lambda msg: {"pid": os.getpid()}}
     while True:
         try:
@@ -183,7 +196,10 @@ def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,
             return
         if msg is None:
             return
-        with lock:
+        # torch.export keeps global state: in the daemon, one build at a time (taken before
+        # this device's lock, so a build waiting on another device's does not stall runs).
+        one_build = _BUILDS_IN_PROCESS if inline and msg.get("op") == "build" else None
+        with one_build or contextlib.nullcontext(), lock:
             reply = _handle(handlers, msg)
         (direct if msg.get("direct") else conn).send(reply)
 
@@ -314,9 +330,10 @@ class WorkerHandle:
         return self.process.is_alive()
 
     def restart(self) -> None:
-        self.stop()
-        self.restarts += 1
-        self._start()
+        with self._direct_lock:  # no direct run reads a pipe while it is replaced
+            self.stop()
+            self.restarts += 1
+            self._start()
 
     def stop(self, timeout: float = 10.0) -> None:
         try:

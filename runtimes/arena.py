@@ -96,18 +96,22 @@ class Segment:
         count = int(np.prod(shape)) if shape else 1
         return np.frombuffer(self.view(offset, count * dtype.itemsize), dtype=dtype).reshape(shape)
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Unmap (and unlink, if this process made it); False if a view of it is still alive
+        somewhere (the mapping then stays until a later close, or the process's exit)."""
         if self.cuda_registered:
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(_address(self.mm))
             self.cuda_registered = False
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still alive somewhere; the OS unmaps at exit
-            log.debug("segment %s still has exported views", self.name)
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
+        try:
+            self.mm.close()
+        except BufferError:
+            log.debug("segment %s still has exported views", self.name)
+            return False
+        return True
 
 
 @dataclass

@@ -571,6 +571,45 @@ def test_a_replaced_object_is_refused_until_registered_again(env, triton, region
         shm.destroy_shared_memory_region(fresh)
 
 
+def test_workers_unmap_a_region_once_it_is_unregistered(env, triton, regions):
+    """An unlinked object lives as long as somebody maps it: unregistering must unmap it in
+    the workers too, or a client could pin /dev/shm memory through cuvild."""
+    served = env.models["demo"]  # two parts on two workers
+    x = served.inputs[0]
+    name, key, handle = regions(x.nbytes)
+    shm.set_shared_memory_region(handle, [x])
+    inp = grpcclient.InferInput(served.input_names[0], list(x.shape), "FP32")
+    inp.set_shared_memory(name, x.nbytes)
+    triton.infer("demo", [inp])
+    workers = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+               and _ppid(p) == env.daemon.proc.pid and "spawn_main" in _read(p / "cmdline")]
+
+    def mapped() -> list[str]:
+        return [w.name for w in workers if f"/dev/shm/{key[1:]}" in _read(w / "maps")]
+
+    assert mapped(), "a worker should map the region it read"
+    triton.unregister_system_shared_memory(name)
+    raw_infer(triton, served)  # OpenVINO lets go of its last input on its next run
+    deadline = time.monotonic() + 10
+    while mapped():
+        assert time.monotonic() < deadline, f"still mapped by workers {mapped()}"
+        time.sleep(0.1)
+
+
+def _ppid(proc: Path) -> int:
+    try:
+        return int(_read(proc / "stat").rsplit(")", 1)[1].split()[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 NOBODY = 65534
 # Per-thread credential syscalls (glibc's wrappers would change every thread of the process).
 SYSCALLS = {"x86_64": (117, 122), "aarch64": (147, 151)}  # setresuid, setfsuid

@@ -6,6 +6,7 @@ import os
 import socket
 import stat
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent import futures
@@ -16,7 +17,7 @@ import pytest
 
 from cuvild.peers import Front
 from cuvild.shm import RegionError, Regions
-from runtimes.arena import SHM_DIR
+from runtimes.arena import SHM_DIR, Arena
 
 ME = os.getuid()
 OTHER = ME + 4242  # a uid that owns nothing here
@@ -63,12 +64,63 @@ def test_only_the_front_can_name_a_caller(front):
     assert call(f"unix:{fr.inner_path}")[0] == "None"
     assert fr.uid_of("ipv4:127.0.0.1:5555") is None
     assert fr.uid_of("unix:") is None
-    other = Front(fr.public_path + ".other")  # another daemon's tag is not ours
+    assert fr.uid_of(f"unix-abstract:cuvild-{fr.tag}-0123456789abcdef01234567") is None
+    assert fr.caller("unix:") == -1  # the unix listener's servicers: nobody's uid
+
+
+def test_names_carry_a_nonce_not_the_uid_and_are_forgotten_on_close(front):
+    fr, _ = front
+    peers: list[str] = []
+
+    def remember(payload: bytes, context: grpc.ServicerContext) -> bytes:
+        peers.append(context.peer())
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.T", {"Who": grpc.unary_unary_rpc_method_handler(remember)})])
+    inner = fr.inner_path + ".2"
+    server.add_insecure_port(f"unix:{inner}")
+    server.start()
+    fr.inner_path, original = inner, fr.inner_path
     try:
-        assert fr.uid_of(f"unix-abstract:cuvild-{other.tag}-u0-p1-1") is None
-        assert fr.uid_of(f"unix-abstract:cuvild-{fr.tag}-u0-p1-1") == 0
+        call(f"unix:{fr.public_path}")
     finally:
-        other.close()
+        fr.inner_path = original
+        server.stop(None).wait()
+    (peer,) = peers
+    assert peer.startswith(f"unix-abstract:cuvild-{fr.tag}-") and f"-u{ME}" not in peer
+    deadline = time.monotonic() + 10
+    while fr.uid_of(peer) is not None:  # the channel closed: the relay drops its nonce
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert fr.caller(peer) == -1
+
+
+def test_connections_past_the_cap_are_dropped_and_the_front_keeps_serving(front, monkeypatch):
+    import cuvild.peers
+
+    fr, _ = front
+    monkeypatch.setattr(cuvild.peers, "MAX_CONNECTIONS", 2)
+    held = [socket.socket(socket.AF_UNIX) for _ in range(2)]
+    for s in held:
+        s.connect(fr.public_path)
+    deadline = time.monotonic() + 10
+    while len(fr._open) < 4:  # both relayed (two sockets each)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    extra = socket.socket(socket.AF_UNIX)
+    extra.connect(fr.public_path)
+    extra.settimeout(10)
+    assert extra.recv(1) == b""  # closed by the front
+    extra.close()
+    held.pop().close()
+    while len(fr._open) > 2:  # the relay sees the close
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert call(f"unix:{fr.public_path}")[0] == str(ME)  # room again
+    for s in held:
+        s.close()
 
 
 def test_sockets_and_directory_are_private(front):
@@ -117,15 +169,26 @@ def test_a_caller_registers_only_objects_it_owns(obj):
 
 
 def test_tcp_callers_share_only_allowed_owners(obj):
-    regions = Regions(allowed_uids=[])
+    with pytest.raises(RegionError, match="TCP clients may share only"):
+        Regions().register(None, "r", obj, 0, 4096)  # not even the daemon's own user
+    regions = Regions(allowed_uids=[ME])
     try:
-        regions.register(None, "r", obj, 0, 4096)  # owned by the daemon's user: allowed
-        strict = Regions()
-        strict.tcp_owners = {OTHER}
-        with pytest.raises(RegionError, match="TCP clients may share only"):
-            strict.register(None, "r", obj, 0, 4096)
+        regions.register(None, "r", obj, 0, 4096)
     finally:
         regions.close()
+
+
+@pytest.mark.parametrize("caller", [ME, 0, None])
+def test_nobody_registers_cuvilds_own_arena(caller):
+    arena = Arena(f"{os.getpid()}-peers")
+    try:
+        block = arena.alloc(4096)
+        regions = Regions(allowed_uids=[ME])
+        with pytest.raises(RegionError, match="cuvild's own memory") as err:
+            regions.register(caller, "a", f"/{block.segment}", 0, 4096)
+        assert err.value.kind == "denied"
+    finally:
+        arena.close()
 
 
 def test_regions_are_invisible_to_other_callers(obj):

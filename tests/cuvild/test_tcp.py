@@ -85,3 +85,37 @@ def test_mutual_tls_without_token(make_daemon, tmp_path):
         with pytest.raises(grpc.RpcError) as err:
             status(channel)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake is refused
+
+
+def test_tcp_shared_memory_only_for_allowed_owners_and_never_the_arena(make_daemon, tmp_path):
+    """With shm.allow_tcp_clients, a TCP caller (no uid) may register objects owned by
+    shm.allowed_uids, and never cuvild's arena; unix callers' regions stay invisible to it."""
+    import os
+    import uuid
+
+    port = free_port()
+    key = f"/cuvil-tcptest-{uuid.uuid4().hex[:8]}"
+    shm_path = Path("/dev/shm") / key[1:]
+    shm_path.write_bytes(b"\0" * 4096)
+    try:
+        d = make_daemon(listen={"tcp": f"127.0.0.1:{port}", "insecure_loopback": True},
+                        shm={"allow_tcp_clients": True, "allowed_uids": [os.getuid()]})
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as tcp, \
+                grpc.insecure_channel(d.target) as unix:
+            over_tcp = inference_pb2_grpc.GRPCInferenceServiceStub(tcp)
+            over_unix = inference_pb2_grpc.GRPCInferenceServiceStub(unix)
+            over_unix.SystemSharedMemoryRegister(inference_pb2.SystemSharedMemoryRegisterRequest(
+                name="mine", key=key, byte_size=4096), timeout=10)
+            over_tcp.SystemSharedMemoryRegister(inference_pb2.SystemSharedMemoryRegisterRequest(
+                name="tcp", key=key, byte_size=4096), timeout=10)
+            regions = over_tcp.SystemSharedMemoryStatus(
+                inference_pb2.SystemSharedMemoryStatusRequest(), timeout=10).regions
+            assert set(regions) == {"tcp"}  # not the unix caller's "mine"
+            with pytest.raises(grpc.RpcError) as err:  # the name alone is refused
+                over_tcp.SystemSharedMemoryRegister(
+                    inference_pb2.SystemSharedMemoryRegisterRequest(
+                        name="arena", key=f"/cuvil-{d.proc.pid}-0", byte_size=64), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "cuvild's own memory" in err.value.details()
+    finally:
+        shm_path.unlink(missing_ok=True)
