@@ -270,6 +270,20 @@ def test_thread_workers_serve_the_two_device_demo(make_daemon):
         for shm in (False, True):
             out = client.infer("demo", *inputs, shm=shm)["output0"]
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    outs: list[torch.Tensor] = []
+
+    def hammer() -> None:  # concurrent requests: parts run in several request threads
+        with Client(d.target) as c:
+            outs.extend(c.infer("demo", *inputs)["output0"] for _ in range(5))
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(outs) == 20
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     workers = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == d.proc.pid
                and "spawn_main" in _cmdline(p)]
     assert len(devices) == 2 and workers == []
