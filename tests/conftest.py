@@ -33,6 +33,25 @@ def two_core_layout() -> dict[str, Any]:
     }
 
 
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def worker_processes(daemon_pid: int) -> list[Path]:
+    """/proc entries of a daemon's worker processes (multiprocessing spawns them)."""
+    def parent(proc: Path) -> int:
+        try:
+            return int(read_text(proc / "stat").rsplit(")", 1)[1].split()[1])
+        except (IndexError, ValueError):
+            return -1
+
+    return [p for p in Path("/proc").iterdir() if p.name.isdigit()
+            and parent(p) == daemon_pid and "spawn_main" in read_text(p / "cmdline")]
+
+
 class DaemonProcess:
     """One cuvild subprocess; records the sd_notify messages it sends."""
 

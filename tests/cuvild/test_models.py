@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sys
 import threading
 import time
 import zipfile
@@ -17,6 +18,9 @@ import torch
 import cuvild
 from cuvild.client import Client
 from protos import cuvil_pb2, cuvil_pb2_grpc
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's helpers
+from conftest import worker_processes  # noqa: E402
 
 
 class Head(torch.nn.Module):
@@ -284,20 +288,4 @@ def test_thread_workers_serve_the_two_device_demo(make_daemon):
     assert len(outs) == 20
     for out in outs:
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-    workers = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == d.proc.pid
-               and "spawn_main" in _cmdline(p)]
-    assert len(devices) == 2 and workers == []
-
-
-def _parent(pid: str) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return ""
+    assert len(devices) == 2 and worker_processes(d.proc.pid) == []

@@ -42,7 +42,12 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's helpers
-from conftest import DaemonProcess, daemon_config  # noqa: E402
+from conftest import (  # noqa: E402
+    DaemonProcess,
+    daemon_config,
+    read_text,
+    worker_processes,
+)
 
 READY_TIMEOUT_S = 240.0
 SHM_DIR = Path("/dev/shm")
@@ -581,11 +586,10 @@ def test_workers_unmap_a_region_once_it_is_unregistered(env, triton, regions):
     inp = grpcclient.InferInput(served.input_names[0], list(x.shape), "FP32")
     inp.set_shared_memory(name, x.nbytes)
     triton.infer("demo", [inp])
-    workers = [p for p in Path("/proc").iterdir() if p.name.isdigit()
-               and _ppid(p) == env.daemon.proc.pid and "spawn_main" in _read(p / "cmdline")]
+    workers = worker_processes(env.daemon.proc.pid)
 
     def mapped() -> list[str]:
-        return [w.name for w in workers if f"/dev/shm/{key[1:]}" in _read(w / "maps")]
+        return [w.name for w in workers if f"/dev/shm/{key[1:]}" in read_text(w / "maps")]
 
     assert mapped(), "a worker should map the region it read"
     triton.unregister_system_shared_memory(name)
@@ -594,20 +598,6 @@ def test_workers_unmap_a_region_once_it_is_unregistered(env, triton, regions):
     while mapped():
         assert time.monotonic() < deadline, f"still mapped by workers {mapped()}"
         time.sleep(0.1)
-
-
-def _ppid(proc: Path) -> int:
-    try:
-        return int(_read(proc / "stat").rsplit(")", 1)[1].split()[1])
-    except (IndexError, ValueError):
-        return -1
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
 
 
 NOBODY = 65534
