@@ -33,7 +33,7 @@ run: setup
 	$(VENV)/bin/cuvild --config $(CONFIG)
 
 demo: setup
-	$(PY) -m cuvild.demo
+	$(PY) -m cuvild.client.demo
 
 test: setup
 	$(PY) -m pytest -q

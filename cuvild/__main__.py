@@ -1,6 +1,6 @@
 import sys
 
-from cuvild.daemon import main
+from cuvild.serve.daemon import main
 
 # The guard matters: device workers are spawned processes that re-import the main module.
 if __name__ == "__main__":

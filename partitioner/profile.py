@@ -1,8 +1,8 @@
 """Device profiles: what the partitioner knows of a device, as plain numbers.
 
-The daemon measures these (runtimes/profiler.py); a YAML file can describe a machine that is
-not here. The partitioner never sees a device, only its profile, so plans can be made and
-tested for any machine.
+The daemon measures these (runtimes/profiling/measure.py); a YAML file can describe a
+machine that is not here. The partitioner never sees a device, only its profile, so plans
+can be made and tested for any machine.
 """
 
 from __future__ import annotations

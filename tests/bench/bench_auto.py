@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cuvild  # noqa: E402
-from cuvild.samples import reference  # noqa: E402
+from cuvild.client.samples import reference  # noqa: E402
 from partitioner.profile import DeviceProfile  # noqa: E402
 from partitioner.split import split_program  # noqa: E402
 from runtimes.cache import CompileCache  # noqa: E402

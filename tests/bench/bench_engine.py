@@ -20,12 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cuvild  # noqa: E402
-from cuvild.engine import Engine  # noqa: E402
-from cuvild.intake import summarize  # noqa: E402
-from cuvild.samples import reference  # noqa: E402
+from cuvild.client.samples import reference  # noqa: E402
+from cuvild.engine.arena import Arena  # noqa: E402
+from cuvild.engine.engine import Engine  # noqa: E402
+from cuvild.intake.summary import summarize  # noqa: E402
 from partitioner.plan import Part, Plan  # noqa: E402
 from partitioner.profile import DeviceProfile  # noqa: E402
-from runtimes.arena import Arena  # noqa: E402
 
 CORES = sorted(os.sched_getaffinity(0))
 CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1],

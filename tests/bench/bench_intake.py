@@ -20,9 +20,9 @@ from conftest import DaemonProcess, daemon_config  # noqa: E402
 
 import cuvild  # noqa: E402
 from cuvild.client import Client  # noqa: E402
-from cuvild.intake import inspect_archive  # noqa: E402
-from cuvild.registry import Registry  # noqa: E402
-from cuvild.samples import MLP, reference  # noqa: E402
+from cuvild.client.samples import MLP, reference  # noqa: E402
+from cuvild.intake.registry import Registry  # noqa: E402
+from cuvild.intake.summary import inspect_archive  # noqa: E402
 from protos import cuvil_pb2, cuvil_pb2_grpc  # noqa: E402
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
 
 import torch  # noqa: E402
 
-from cuvild.samples import reference  # noqa: E402
+from cuvild.client.samples import reference  # noqa: E402
 from partitioner.annotate import export  # noqa: E402
 from partitioner.profile import DeviceProfile  # noqa: E402
 from partitioner.split import split_program  # noqa: E402

@@ -7,7 +7,7 @@
     part): p50/p99 and the ratios to that.
 (b) Per-request overhead on a tiny MLP (16 wide, one layer, input (1, 16)): tritonclient raw
     against a bare grpcio unary echo (a separate process on a unix socket) of the same bytes;
-    the same echo through cuvild's unix-socket front (cuvild/peers.py) prices the relay.
+    the same echo through cuvild's unix-socket front (cuvild/serve/front.py) prices the relay.
     Timed back to back (how BASELINES.md measured the echo) and after 5 ms idle per call
     (every thread and process hop then pays a wake-up: more hops, more cost).
 
@@ -52,7 +52,7 @@ def echo_server(path: str) -> None:
 
     import grpc
 
-    from cuvild.peers import Front
+    from cuvild.serve.front import Front
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)  # bytes
@@ -130,7 +130,7 @@ def bench_resnet(clients: dict[str, Any], rounds: int, threads: int,
     import tritonclient.grpc as grpcclient
     import tritonclient.utils.shared_memory as shm
 
-    from cuvild.samples import reference
+    from cuvild.client.samples import reference
     from partitioner.annotate import export
     from partitioner.profile import DeviceProfile
     from partitioner.split import split_program
@@ -227,7 +227,7 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int) -> dict[s
     import tritonclient.grpc as grpcclient
     from tritonclient.grpc import service_pb2
 
-    from cuvild.samples import MLP
+    from cuvild.client.samples import MLP
 
     torch.manual_seed(0)
     model = MLP(width=16, depth=1).eval()
@@ -303,9 +303,9 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
     from conftest import DaemonProcess, daemon_config
 
     from cuvild.client import Client
-    from cuvild.samples import MLP, reference
+    from cuvild.client.samples import MLP, reference
 
-    # Library chatter (as cuvild/worker.py silences it in the workers).
+    # Library chatter (as cuvild/engine/worker.py silences it in the workers).
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     t_start = time.perf_counter()

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cuvilctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", "import sys; from cuvild.cli import main; "
+    return subprocess.run([sys.executable, "-c", "import sys; from cuvild.client.cli import main; "
                            "sys.exit(main())", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 

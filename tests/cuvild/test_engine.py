@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import cuvild
-from cuvild.engine import BadInput, Engine, InferError
-from cuvild.intake import summarize
-from cuvild.samples import MLP, Encoder, ResNet18
+from cuvild.client.samples import MLP, Encoder, ResNet18
+from cuvild.engine.arena import SHM_DIR, Arena
+from cuvild.engine.engine import BadInput, Engine, InferError
+from cuvild.intake.summary import summarize
 from partitioner.plan import Part, Plan
 from partitioner.profile import DeviceProfile
-from runtimes.arena import SHM_DIR, Arena
 
 CORES = sorted(os.sched_getaffinity(0))
 DEVICES = [

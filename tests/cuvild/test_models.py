@@ -206,8 +206,8 @@ def test_cuvilctl_load_models_unload(make_daemon, tmp_path):
     import sys
 
     def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cuvild.cli", "--target", d.target, *args],
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target", d.target,
+                               *args], capture_output=True, text=True, timeout=120)
 
     d = make_daemon()
     archive = save_archive(tmp_path / "net.pt2")
@@ -229,7 +229,7 @@ def test_cuvilctl_load_models_unload(make_daemon, tmp_path):
 
 
 def test_dynamic_batch_through_the_protocol(make_daemon):
-    from cuvild.samples import MLP
+    from cuvild.client.samples import MLP
 
     torch.manual_seed(0)
     model = MLP(width=16, depth=1).eval()
@@ -258,7 +258,7 @@ def test_dynamic_batch_through_the_protocol(make_daemon):
 def test_thread_workers_serve_the_two_device_demo(make_daemon):
     """engine.workers: thread runs parts in the daemon's own threads (no worker processes);
     the demo layout's two devices still split the model and answer like eager."""
-    from cuvild.samples import reference
+    from cuvild.client.samples import reference
 
     model, inputs = reference("demo")
     d = make_daemon(engine={"workers": "thread"})

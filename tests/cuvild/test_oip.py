@@ -36,8 +36,7 @@ import tritonclient.utils.shared_memory as shm
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from cuvild import samples
-from cuvild.client import Client
+from cuvild.client import Client, samples
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cuvild.peers import Front
-from cuvild.shm import RegionError, Regions
-from runtimes.arena import SHM_DIR, Arena
+from cuvild.engine.arena import SHM_DIR, Arena
+from cuvild.serve.front import Front
+from cuvild.serve.regions import RegionError, Regions
 
 ME = os.getuid()
 OTHER = ME + 4242  # a uid that owns nothing here
@@ -98,10 +98,10 @@ def test_names_carry_a_nonce_not_the_uid_and_are_forgotten_on_close(front):
 
 
 def test_connections_past_the_cap_are_dropped_and_the_front_keeps_serving(front, monkeypatch):
-    import cuvild.peers
+    import cuvild.serve.front
 
     fr, _ = front
-    monkeypatch.setattr(cuvild.peers, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(cuvild.serve.front, "MAX_CONNECTIONS", 2)
     held = [socket.socket(socket.AF_UNIX) for _ in range(2)]
     for s in held:
         s.connect(fr.public_path)

@@ -1,4 +1,4 @@
-"""Tests for cuvild.safe_load: legit archives load, crafted ones are refused without running.
+"""Tests for cuvild.intake.safe_load: legit archives load, crafted ones are refused without running.
 
 Each attack test first runs the crafted archive through plain ``torch.export.load`` as a
 control (proving the payload really executes there), then checks that
@@ -23,7 +23,7 @@ import torch
 import torch.export.pt2_archive.constants
 from torch._export.serde import schema
 
-from cuvild.safe_load import (
+from cuvild.intake.safe_load import (
     ArchiveInfo,
     UnsafeArchive,
     load_exported_program,

@@ -14,7 +14,7 @@ ONNX Runtime). Sections, each of which reports its error and lets the next one r
    on the GPU vs the compiled part (host tensors in and out, as the engine calls it, and
    device-resident for the bare kernels);
 3. `pytest tests/gpu` on the now warm caches;
-4. `python -m runtimes.benchmarks '{"task":"host"}'`: the measured GPU profile.
+4. `python -m runtimes.profiling.benchmarks '{"task":"host"}'`: the measured GPU profile.
 
 Past the time budget, the remaining work is skipped and says so. A JSON summary goes to
 $OUT/gpu_summary.json when OUT is set (rewritten after every section, so a killed run still
@@ -213,7 +213,7 @@ def time_precision(module: Any, args: tuple[Any, ...], expected: Any, part: Any,
 def time_model(name: str, precisions: tuple[str, ...], deadline: float) -> dict[str, Any]:
     import torch
 
-    from cuvild.samples import reference
+    from cuvild.client.samples import reference
     from partitioner.split import split_program
 
     module, args = reference(name)
@@ -300,7 +300,7 @@ def pytest_suite(deadline: float) -> dict[str, Any]:
 # ---- 4. the measured GPU profile ----------------------------------------------------------
 
 def profile() -> Any:
-    command = [sys.executable, "-m", "runtimes.benchmarks", json.dumps({"task": "host"})]
+    command = [sys.executable, "-m", "runtimes.profiling.benchmarks", json.dumps({"task": "host"})]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
@@ -310,7 +310,8 @@ def profile() -> Any:
         say("psutil is not installed: measuring the GPUs in this process with a stand-in")
         profiles = _profile_without_psutil()
     else:
-        raise RuntimeError(f"runtimes.benchmarks exited {done.returncode}: {done.stderr[-3000:]}")
+        raise RuntimeError(f"runtimes.profiling.benchmarks exited {done.returncode}: "
+                           f"{done.stderr[-3000:]}")
     for p in profiles:
         print(json.dumps(p), flush=True)
     return profiles
@@ -351,7 +352,7 @@ def main() -> int:
         SUMMARY["pytest"] = {"skipped": "--skip-pytest"}
     else:
         SUMMARY["pytest"] = section("pytest tests/gpu", lambda: pytest_suite(budget - 45))
-    SUMMARY["profile"] = section("GPU profile (runtimes.benchmarks)", profile)
+    SUMMARY["profile"] = section("GPU profile (runtimes.profiling.benchmarks)", profile)
     write_summary()
     say("==== summary")
     print(json.dumps({k: v for k, v in SUMMARY.items() if k != "environment"}, indent=1,

@@ -9,17 +9,21 @@ costs seconds to a minute.
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from cuvild.samples import ResNet18, reference
+from cuvild.client.samples import ResNet18, reference
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
 from runtimes.base import TOLERANCE, CompileSpec
 from runtimes.triton import InductorExecutable, TritonRuntime
+
+# The project's own kernel lives next to its CPU-side test.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtimes"))
 
 pytestmark = [
     pytest.mark.gpu,
@@ -172,7 +176,7 @@ def test_torch_compile_fallback() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_project_kernel_on_gpu(dtype: torch.dtype) -> None:
-    from runtimes.triton_kernels import bias_gelu
+    from triton_kernels import bias_gelu
 
     torch.manual_seed(0)
     x = torch.randn(37, 1000, device="cuda", dtype=dtype)  # 37,000: a masked tail block

@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch import nn
 
-from cuvild.samples import EncoderLayer, ResNet18
+from cuvild.client.samples import EncoderLayer, ResNet18
 from partitioner.costgraph import CostGraph, from_exported_program
 
 

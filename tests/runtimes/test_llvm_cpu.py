@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cuvild import samples
+from cuvild.client import samples
 from partitioner.annotate import export
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from cuvild.samples import reference
+from cuvild.client.samples import reference
 from partitioner.annotate import export
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program

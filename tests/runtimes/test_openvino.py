@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from cuvild.samples import reference
+from cuvild.client.samples import reference
 from partitioner.annotate import export
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
 from runtimes import registry
 from runtimes.base import TOLERANCE, CompileError, CompileSpec, Executable, RuntimeUnavailable
-from runtimes.hardware import cpuinfo
+from runtimes.profiling.hardware import cpuinfo
 from runtimes.select import relative_error
 
 # torch's pytree deprecation, raised inside torch.export / OpenVINO's frontend, not here.

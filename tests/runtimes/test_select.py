@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cuvild
-from cuvild.samples import MLP
+from cuvild.client.samples import MLP
 from partitioner.profile import DeviceProfile
 from partitioner.split import split_program
 from runtimes import registry

@@ -24,7 +24,8 @@ from runtimes import registry
 from runtimes.base import TOLERANCE, CompileError, CompileSpec, RuntimeUnavailable
 from runtimes.triton import TritonRuntime, compile_part, cuda_device, load_package_dir
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent  # the project's kernel lives next to this test
+sys.path.insert(0, str(HERE))
 GPU = DeviceProfile(id="gpu0", kind="gpu", runtimes=["triton"])
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
                                    reason="a CUDA device is present: tests/gpu covers this host")
@@ -87,7 +88,7 @@ def test_targets() -> None:
 INTERPRETED = """
 import json
 import torch
-from runtimes.triton_kernels import BLOCK, bias_gelu
+from triton_kernels import BLOCK, bias_gelu
 
 torch.manual_seed(0)
 errors = {}
@@ -105,7 +106,7 @@ print(json.dumps(errors))
 def test_kernel_matches_torch_under_interpreter() -> None:
     # TRITON_INTERPRET must be set before triton is imported: a fresh interpreter it is.
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=HERE, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
@@ -114,7 +115,7 @@ def test_kernel_matches_torch_under_interpreter() -> None:
 
 
 def test_kernel_rejects_mismatched_bias() -> None:
-    from runtimes.triton_kernels import bias_gelu
+    from triton_kernels import bias_gelu
 
     with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
         bias_gelu(torch.zeros(2, 8), torch.zeros(4))
@@ -122,7 +123,7 @@ def test_kernel_rejects_mismatched_bias() -> None:
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernel_compiles_ahead_to_ptx(arch: int) -> None:
-    from runtimes.triton_kernels import compile_ahead
+    from triton_kernels import compile_ahead
 
     stages = compile_ahead(arch)
     ptx = stages["ptx"]
@@ -135,7 +136,7 @@ def test_kernel_compiles_ahead_to_ptx(arch: int) -> None:
 
 
 def test_kernel_compiles_ahead_in_bf16() -> None:
-    from runtimes.triton_kernels import compile_ahead
+    from triton_kernels import compile_ahead
 
     assert ".target sm_90" in compile_ahead(90, torch.bfloat16)["ptx"]
 

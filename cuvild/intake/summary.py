@@ -1,6 +1,6 @@
 """Model intake: turn an uploaded archive into a registry summary, never running its code.
 
-The archive is opened by cuvild/safe_load.py (allow-listed entries, no pickle, built-in op
+The archive is opened by cuvild/intake/safe_load.py (allow-listed entries, no pickle, built-in op
 namespaces only); anything it refuses becomes INVALID_ARGUMENT naming the entry.
 """
 
@@ -38,6 +38,6 @@ def summarize(ep: Any) -> dict[str, Any]:
 
 def inspect_archive(path: Path, max_bytes: int) -> dict[str, Any]:
     """Load the archive safely and summarise it. Raises ValueError (UnsafeArchive) if refused."""
-    from cuvild.safe_load import load_exported_program
+    from cuvild.intake.safe_load import load_exported_program
 
     return summarize(load_exported_program(path, max_bytes=max_bytes))

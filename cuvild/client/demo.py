@@ -22,10 +22,10 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cuvild.cli import devices_table, format_table
 from cuvild.client import Client
+from cuvild.client.cli import devices_table, format_table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 180
 MODEL_TIMEOUT_S = 900
 ROUNDS = 20
@@ -73,7 +73,7 @@ def median_ms(fn, rounds: int = ROUNDS) -> float:
 def run(client: Client) -> int:
     import torch
 
-    from cuvild.samples import reference
+    from cuvild.client.samples import reference
 
     status = client.status()
     print(devices_table(status["devices"]), "\n")

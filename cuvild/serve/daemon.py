@@ -4,7 +4,7 @@ Start-up, in order: read and validate the config (exit 2 on a bad one), get the 
 profiles (cached by hardware fingerprint, else measured), start gRPC with the health and
 reflection services on a private socket, bind the public unix socket (mode 0660; a stale
 socket from a crashed run is replaced, a live one is an error) through the front that reads
-each caller's uid (cuvild/peers.py), tell systemd READY=1. SIGTERM/SIGINT drain and exit 0,
+each caller's uid (cuvild/serve/front.py), tell systemd READY=1. SIGTERM/SIGINT drain and exit 0,
 removing the socket; SIGHUP reloads the config.
 """
 
@@ -29,13 +29,13 @@ from grpc_reflection.v1alpha import reflection
 
 import cuvild
 from cuvild import config as config_mod
-from cuvild import sdnotify
-from cuvild.peers import Front
-from cuvild.registry import Registry
-from cuvild.service import ControlService
+from cuvild.engine.arena import Arena, reclaim_stale
+from cuvild.intake.registry import Registry
+from cuvild.serve import sdnotify
+from cuvild.serve.control import ControlService
+from cuvild.serve.front import Front
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
-from runtimes import profiles as profiles_mod
-from runtimes.arena import Arena, reclaim_stale
+from runtimes.profiling import measure as profiles_mod
 
 log = logging.getLogger("cuvild")
 STARTED = time.monotonic()
@@ -90,7 +90,7 @@ class Daemon:
         self.health = health.HealthServicer()
         self.servers: list[grpc.Server] = []
         self.registry: Registry | None = None
-        self.models: Any = None  # cuvild.models.ModelManager, made once profiles are known
+        self.models: Any = None  # cuvild.engine.models.ModelManager, made once profiles are known
         self.regions: Any = None
         self.arena: Arena | None = None
         self.front: Front | None = None
@@ -111,15 +111,15 @@ class Daemon:
 
     # -- server ----------------------------------------------------------------------------
     def _bind_unix(self, server: grpc.Server) -> None:
-        # gRPC serves a private socket; the front owns the public one (cuvild/peers.py).
+        # gRPC serves a private socket; the front owns the public one (cuvild/serve/front.py).
         prepare_socket(self.cfg.unix_socket)
         assert self.front is not None
         if server.add_insecure_port(f"unix:{self.front.inner_path}") == 0:
             raise StartupError(f"cannot bind unix socket {self.front.inner_path}")
 
     def _build_server(self, tcp: bool) -> grpc.Server:
-        from cuvild.auth import TokenAuth
-        from cuvild.oip import InferenceService
+        from cuvild.serve.auth import TokenAuth
+        from cuvild.serve.oip import InferenceService
 
         interceptors = [TokenAuth(self.cfg.token)] if tcp and self.cfg.token else []
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
@@ -159,9 +159,9 @@ class Daemon:
                                            require_client_auth=ca is not None)
 
     def _start_engine(self) -> None:
-        from cuvild.engine import Engine
-        from cuvild.models import ModelManager
-        from cuvild.shm import Regions
+        from cuvild.engine.engine import Engine
+        from cuvild.engine.models import ModelManager
+        from cuvild.serve.regions import Regions
 
         for name in reclaim_stale():
             log.info("reclaimed shared memory %s left by a stopped daemon", name)

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cuvild.worker import RawTensor, TensorRef, WorkerDied, WorkerHandle, nbytes
+from cuvild.engine.arena import Arena, Block, plan_offsets
+from cuvild.engine.worker import RawTensor, TensorRef, WorkerDied, WorkerHandle, nbytes
 from partitioner.profile import DeviceProfile
-from runtimes.arena import Arena, Block, plan_offsets
 
 if TYPE_CHECKING:
     import torch
@@ -189,7 +189,7 @@ class Engine:
                 input_specs: list[dict[str, Any]], objective: str = "latency",
                 plan: Any = None) -> LoadedModel:
         """Plan, split, lay out and build a registered model; returns it ready to serve."""
-        from cuvild.safe_load import load_exported_program
+        from cuvild.intake.safe_load import load_exported_program
         from partitioner.plan import plan_model
         from partitioner.split import split_program
 

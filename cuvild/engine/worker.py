@@ -102,7 +102,7 @@ class _Worker:
     def _view(self, ref: TensorRef) -> Any:
         import torch
 
-        from runtimes.arena import Segment
+        from cuvild.engine.arena import Segment
 
         # The arena's segment names are never reused. A client's object is pinned by the
         # inode it was registered with: a replacement under the same name is refused.
@@ -138,7 +138,7 @@ class _Worker:
         self.closing = [seg for seg in self.closing if not seg.close()]
 
     def build(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from cuvild.build import build_model_part, forget
+        from cuvild.engine.build import build_model_part, forget
 
         try:
             built = build_model_part(msg, self.device, self.cache)
@@ -167,7 +167,7 @@ class _Worker:
         return {"run_ms": run_ms}
 
     def unload(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from cuvild.build import forget
+        from cuvild.engine.build import forget
 
         forget(msg["model"])
         for key in [k for k in self.parts if k[0] == msg["model"]]:

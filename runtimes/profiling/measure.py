@@ -1,8 +1,9 @@
 """Device profiles for this host: measured once, cached under state_dir by fingerprint.
 
 Each measurement runs in a subprocess pinned to the cores its device's worker will own
-(runtimes/benchmarks.py). Subprocesses whose core sets are disjoint run at the same time, as
-their workers will; overlapping ones run one after another so they do not disturb each other.
+(runtimes/profiling/benchmarks.py). Subprocesses whose core sets are disjoint run at the same
+time, as their workers will; overlapping ones run one after another so they do not disturb
+each other.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.profile import DeviceProfile
-from runtimes import hardware
+from runtimes.profiling import hardware
 
 log = logging.getLogger(__name__)
 MEASURE_TIMEOUT_S = 300
@@ -54,11 +55,11 @@ def _specs(settings: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _measure_one(spec: dict[str, Any]) -> list[dict[str, Any]]:
     # The subprocess must find our packages however the daemon was started (venv or checkout).
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run(
-        [sys.executable, "-m", "runtimes.benchmarks", json.dumps(spec)],
+        [sys.executable, "-m", "runtimes.profiling.benchmarks", json.dumps(spec)],
         capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, env=env,
     )
     if proc.returncode != 0:

@@ -66,7 +66,7 @@ class Client:
         self._channel = grpc.insecure_channel(self.target)
         self._control = cuvil_pb2_grpc.ControlStub(self._channel)
         self._infer = inference_pb2_grpc.GRPCInferenceServiceStub(self._channel)
-        self._region: Any = None  # cuvild.infer_io.ClientRegion, made on first shm request
+        self._region: Any = None  # cuvild.client.infer_io.ClientRegion, made on first shm request
         self._metadata: dict[str, dict[str, Any]] = {}
 
     def close(self) -> None:
@@ -183,7 +183,7 @@ class Client:
         """Run a model. `inputs`: a tensor, a sequence in the model's order, or a dict by
         input name. Returns {output name: torch tensor}. shm=True passes inputs and outputs
         through a shared-memory region instead of the gRPC message."""
-        from cuvild.infer_io import ClientRegion, run_infer
+        from cuvild.client.infer_io import ClientRegion, run_infer
 
         if name not in self._metadata:
             self._metadata[name] = self.metadata(name)

@@ -37,7 +37,7 @@ def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tens
 def load_split(model: str, archive: str, parts: list[tuple[str, list[str]]]) -> SplitProgram:
     split = _splits.get(model)
     if split is None:
-        from cuvild.safe_load import load_exported_program
+        from cuvild.intake.safe_load import load_exported_program
 
         ep = load_exported_program(archive)
         split = _splits[model] = split_program(ep, parts)

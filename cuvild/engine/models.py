@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from cuvild.engine import Engine, LoadedModel
-from cuvild.registry import ModelRecord, Registry
+from cuvild.engine.engine import Engine, LoadedModel
+from cuvild.intake.registry import ModelRecord, Registry
 
 log = logging.getLogger(__name__)
 

@@ -131,7 +131,7 @@ def cmd_unload(client: Client, args: argparse.Namespace) -> int:
 
 
 def _plan_offline(args: argparse.Namespace, client: Client) -> dict[str, Any]:
-    from cuvild.safe_load import load_exported_program
+    from cuvild.intake.safe_load import load_exported_program
     from partitioner.plan import plan_model
     from partitioner.profile import DeviceProfile
     from partitioner.profiles import load_profiles

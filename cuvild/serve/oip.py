@@ -14,11 +14,11 @@ from typing import Any
 import grpc
 
 import cuvild
-from cuvild.engine import BadInput, InferError
-from cuvild.models import ModelManager, ServedModel
-from cuvild.registry import RegistryError
-from cuvild.shm import RegionError, Regions
-from cuvild.worker import RawTensor, TensorRef, itemsize, nbytes
+from cuvild.engine.engine import BadInput, InferError
+from cuvild.engine.models import ModelManager, ServedModel
+from cuvild.engine.worker import RawTensor, TensorRef, itemsize, nbytes
+from cuvild.intake.registry import RegistryError
+from cuvild.serve.regions import RegionError, Regions
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 
@@ -56,7 +56,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self.models = models
         self.regions = regions
         self.shm_enabled = shm_enabled
-        self.peer_uid = peer_uid  # the caller's uid from context.peer() (cuvild/peers.py)
+        self.peer_uid = peer_uid  # the caller's uid from context.peer() (cuvild/serve/front.py)
 
     # -- health and metadata ---------------------------------------------------------------
     def ServerLive(self, request, context):  # noqa: N802

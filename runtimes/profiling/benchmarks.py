@@ -1,7 +1,7 @@
 """Micro-benchmarks that measure a device: peak matmul GFLOP/s per dtype, memory bandwidth,
 host<->device copy bandwidth and latency, per-call launch overhead.
 
-Run as a subprocess (`python -m runtimes.benchmarks SPEC_JSON`), pinned to the cores the
+Run as a subprocess (`python -m runtimes.profiling.benchmarks SPEC_JSON`), pinned to the cores the
 device's worker will own, so the numbers are those the worker will see and the daemon never
 imports torch or OpenVINO just to start. Prints one JSON list of DeviceProfile dicts.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from runtimes import hardware
+from runtimes.profiling import hardware
 
 MATMUL_TARGET_S = 0.03  # grow the matmul until one call takes this long (or the size cap)
 BANDWIDTH_BYTES = 128 << 20
@@ -275,7 +275,7 @@ def _openvino_devices() -> list[tuple[str, str]]:
 # ---- entry --------------------------------------------------------------------------------
 
 def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Measure what `spec` asks for; see runtimes/profiles.py for the spec's shape."""
+    """Measure what `spec` asks for; see runtimes/profiling/measure.py for the spec's shape."""
     cores = spec.get("cores") or hardware.usable_cores()
     os.sched_setaffinity(0, cores)
     if spec["task"] == "emulated":

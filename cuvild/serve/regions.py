@@ -5,7 +5,7 @@ then names the region in its inputs and outputs; the device workers read and wri
 bytes in place. Every use is bounds-checked against the registered region.
 
 Ownership: over the unix socket the caller's uid is known (SO_PEERCRED, read by the front in
-cuvild/peers.py), and a caller may register only objects it owns (root may register any).
+cuvild/serve/front.py), and a caller may register only objects it owns (root may register any).
 A TCP caller has no uid; when `shm.allow_tcp_clients` lets it share memory at all, the
 object must be owned by a uid in `shm.allowed_uids`. Nobody may register cuvild's own
 segments (`cuvil-<pid>-...`, the arenas in which requests' tensors live).
@@ -22,7 +22,7 @@ import re
 import threading
 from dataclasses import dataclass
 
-from runtimes.arena import SHM_DIR, Segment
+from cuvild.engine.arena import SHM_DIR, Segment
 
 
 class RegionError(ValueError):
@@ -57,7 +57,7 @@ def _object_name(key: str) -> str:
     return name
 
 
-ARENA = re.compile(r"cuvil-\d+-")  # runtimes.arena.Arena's segment names
+ARENA = re.compile(r"cuvil-\d+-")  # cuvild.engine.arena.Arena's segment names
 Caller = int | None  # the caller's uid over the unix socket (-1: unknown); None over TCP
 
 

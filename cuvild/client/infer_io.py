@@ -71,7 +71,7 @@ class ClientRegion:
         self.share_gid = _daemon_group(socket_path)
 
     def ensure(self, nbytes: int) -> Any:
-        from runtimes.arena import Segment
+        from cuvild.engine.arena import Segment
 
         if self.segment is not None and self.segment.size >= nbytes:
             return self.segment
@@ -120,7 +120,7 @@ def run_infer(stub: Any, name: str, inputs: Any, region: ClientRegion | None, ve
 
 def _infer_shm(stub: Any, request: Any, blobs: list[bytes], metadata: dict[str, Any],
                region: ClientRegion, timeout: float) -> dict[str, Any]:
-    from runtimes.arena import align
+    from cuvild.engine.arena import align
 
     out_sizes: list[int | None] = []  # None: a dynamic shape, not known before the reply
     for spec in metadata["outputs"]:

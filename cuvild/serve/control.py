@@ -13,11 +13,11 @@ from typing import Any
 import grpc
 
 import cuvild
-from cuvild import intake
-from cuvild.registry import ModelRecord, Registry, RegistryError
+from cuvild.intake import summary as intake
+from cuvild.intake.registry import ModelRecord, Registry, RegistryError
 from partitioner.profile import DeviceProfile
 from protos import cuvil_pb2, cuvil_pb2_grpc
-from runtimes.profiles import ProfileResult, ProfilingError
+from runtimes.profiling.measure import ProfileResult, ProfilingError
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         self._reprofile = reprofile
         self._config_path = config_path
         self._registry = registry
-        self._models = models  # cuvild.models.ModelManager
+        self._models = models  # cuvild.engine.models.ModelManager
         self._started = time.monotonic()
         self._refresh_lock = threading.Lock()
         self._max_uploads = max_uploads
@@ -205,7 +205,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                                          dot=plan.to_dot())
 
     def _replan(self, served, objective: str):  # noqa: ANN001, ANN202
-        from cuvild.safe_load import load_exported_program
+        from cuvild.intake.safe_load import load_exported_program
         from partitioner.plan import plan_model
 
         ep = load_exported_program(self._registry.archive_path(served.record.sha256))
