@@ -132,17 +132,17 @@ def cmd_unload(client: Client, args: argparse.Namespace) -> int:
 
 def _plan_offline(args: argparse.Namespace, client: Client) -> dict[str, Any]:
     from cuvild.intake.safe_load import load_exported_program
+    from partitioner import report
     from partitioner.plan import plan_model
-    from partitioner.profile import DeviceProfile
-    from partitioner.profiles import load_profiles
+    from partitioner.profile import DeviceProfile, load_profiles
 
     if args.profile:
         devices = load_profiles(args.profile)
     else:  # the host's measured devices, from the daemon
         devices = [DeviceProfile.from_dict(d) for d in client.profile()["devices"]]
     plan = plan_model(load_exported_program(args.model), devices, objective=args.objective)
-    return {"plan": plan.to_dict(), "explain": plan.explain(), "measured": {},
-            "dot": plan.to_dot()}
+    return {"plan": plan.to_dict(), "explain": report.explain(plan), "measured": {},
+            "dot": report.to_dot(plan)}
 
 
 def cmd_partition(client: Client, args: argparse.Namespace) -> int:

@@ -9,11 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from cuvild.engine.dtypes import BY_OIP
 from protos import inference_pb2 as pb
-
-DTYPES = {"BOOL": "bool", "UINT8": "uint8", "INT8": "int8", "INT16": "int16", "INT32": "int32",
-          "INT64": "int64", "FP16": "float16", "BF16": "bfloat16", "FP32": "float32",
-          "FP64": "float64"}
 
 
 def _by_name(inputs: Any, specs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -41,7 +38,7 @@ def _raw(value: Any) -> tuple[bytes, list[int]]:
 def _tensor(data: bytes | memoryview, datatype: str, shape: list[int]) -> Any:
     import torch
 
-    dtype = getattr(torch, DTYPES[datatype])
+    dtype = getattr(torch, BY_OIP[datatype].name)
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape).clone()
 
 
@@ -124,8 +121,7 @@ def _infer_shm(stub: Any, request: Any, blobs: list[bytes], metadata: dict[str, 
 
     out_sizes: list[int | None] = []  # None: a dynamic shape, not known before the reply
     for spec in metadata["outputs"]:
-        item = 2 if spec["datatype"] in ("BF16", "FP16") else np.dtype(
-            DTYPES[spec["datatype"]]).itemsize
+        item = BY_OIP[spec["datatype"]].itemsize
         known = all(d >= 0 for d in spec["shape"])
         out_sizes.append(int(np.prod(spec["shape"])) * item if known else None)
     offsets, total = [], 0

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from cuvild.engine.orders import Build
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
 from runtimes.cache import CompileCache
@@ -48,17 +49,15 @@ def forget(model: str) -> None:
     _splits.pop(model, None)
 
 
-def build_model_part(msg: dict[str, Any], device: DeviceProfile,
-                     cache: CompileCache) -> BuiltPart:
-    split = load_split(msg.get("split_key", msg["model"]), msg["archive"], msg["parts"])
-    part = next(p for p in split.parts if p.id == msg["part"])
+def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache) -> BuiltPart:
+    split = load_split(order.split_key, order.archive, order.assignment)
+    part = next(p for p in split.parts if p.id == order.part)
 
     def samples() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # no_grad, not inference_mode: runtimes re-export the part with these tensors.
         with torch.no_grad():
-            values = split.trace(*sample_inputs(msg["input_specs"]))
+            values = split.trace(*sample_inputs(order.input_specs))
         return [values[n] for n in part.inputs], [values[n] for n in part.outputs]
 
-    return build_part(part.module, device, msg["precision"], samples, cache,
-                      runtime=msg.get("runtime", "auto"), timeout_s=msg.get("timeout_s", 300.0),
-                      threads=msg.get("threads"), input_shapes=msg.get("input_shapes"))
+    return build_part(part.module, device, order.precision, samples, cache,
+                      timeout_s=order.timeout_s, input_shapes=order.input_shapes)

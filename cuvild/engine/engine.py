@@ -4,9 +4,12 @@ Control path (`prepare`, once per model): load the archive safely, plan it on th
 devices, split it, lay out every crossing tensor in one arena block per request (tensors whose
 lifetimes do not overlap share bytes), and have each device's worker build its parts.
 
-Data path (`infer`): take a block, put the inputs in it, dispatch each part to its worker as
-soon as its inputs are ready (independent parts run at once; requests in flight pipeline
-across devices), read the outputs, give the block back. No planning, compiling or file I/O.
+Data path: `resolve` checks a request's inputs against the model's input table (once) and,
+for a dynamic-shape model, picks the bucket for its shapes; `run` takes a block, puts the
+inputs in it, dispatches each part to its worker as soon as its inputs are ready (independent
+parts run at once; requests in flight pipeline across devices), reads the outputs and gives
+the block back. No planning, compiling or file I/O, and no lock but the arena's and a count
+of requests in flight (a bucket's first request builds it under that model's own lock).
 """
 
 from __future__ import annotations
@@ -21,33 +24,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.arena import Arena, Block, plan_offsets
-from cuvild.engine.worker import RawTensor, TensorRef, WorkerDied, WorkerHandle, nbytes
+from cuvild.engine.arena import Arena, Block
+from cuvild.engine.handle import WorkerDied, WorkerHandle
+from cuvild.engine.layout import (
+    BadInput,
+    InputSpec,
+    Slot,
+    check_inputs,
+    dynamic_dims,
+    input_table,
+    layout,
+)
+from cuvild.engine.orders import Build, Built, Forget, RawTensor, Reply, Run, TensorRef, Unload
 from partitioner.profile import DeviceProfile
 
 if TYPE_CHECKING:
     import torch
 
+    from partitioner.plan import Plan
+    from partitioner.split import SplitProgram
+
 log = logging.getLogger(__name__)
+__all__ = ["BadInput", "Engine", "InferError", "LoadedModel", "Route"]
 
 
 class InferError(RuntimeError):
     """A request failed; the message names the part, the device and the cause."""
-
-
-class BadInput(ValueError):
-    """A request's inputs do not match the model (name, count, dtype or shape)."""
-
-
-@dataclass
-class Slot:
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.dtype, self.shape)
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Route:
     inputs: list[str]
     outputs: list[str]
     runtime: str = ""
-    build: dict[str, Any] = field(default_factory=dict)
+    built: Built | None = None
     measured_ms: list[float] = field(default_factory=list)
 
 
@@ -67,10 +69,11 @@ class LoadedModel:
     key: str
     name: str
     version: str
-    plan: Any  # partitioner.plan.Plan
+    plan: Plan
     routes: list[Route]
-    inputs: list[str]
+    inputs: list[str]  # graph value names, in the model's order
     outputs: list[str]
+    table: list[InputSpec]  # what a request is checked against, once
     slots: dict[str, Slot]
     footprint: int  # bytes per request: the peak of live tensors
     total_bytes: int  # what the same tensors would take without sharing
@@ -80,59 +83,11 @@ class LoadedModel:
     # Dynamic shapes: (input index, dim, low, high) per symbolic input dim; the split is kept
     # to lay out and build one variant per concrete shape (bucket) on first use.
     dynamic: list[tuple[int, int, int, int]] = field(default_factory=list)
-    split: Any = None
-    variants: dict[tuple, LoadedModel] = field(default_factory=dict)
+    split: SplitProgram | None = None
+    variants: dict[tuple[tuple[int, ...], ...], LoadedModel] = field(default_factory=dict)
+    variant_lock: threading.Lock = field(default_factory=threading.Lock)
     base_key: str = ""
     part_input_shapes: dict[str, list[list[int]]] = field(default_factory=dict)
-
-
-def _slot(val: Any) -> Slot:
-    import torch
-
-    if not isinstance(val, torch.Tensor):
-        raise ValueError(f"a value crossing parts is not a tensor ({type(val).__name__})")
-    if any(not isinstance(d, int) for d in val.shape):
-        raise ValueError("dynamic shapes are not served yet; export with static shapes")
-    return Slot(str(val.dtype).removeprefix("torch."), tuple(int(d) for d in val.shape))
-
-
-def dynamic_dims(ep: Any) -> list[tuple[int, int, int, int]]:
-    """(input index, dim, low, high) for every symbolic dimension of the user inputs."""
-    nodes = {n.name: n for n in ep.graph.nodes}
-    ranges = {str(sym): r for sym, r in ep.range_constraints.items()}
-    out = []
-    for i, name in enumerate(ep.graph_signature.user_inputs):
-        val = nodes[name].meta.get("val")
-        for d, size in enumerate(getattr(val, "shape", ())):
-            if isinstance(size, int):
-                continue
-            r = ranges.get(str(size.node.expr))
-            low = int(r.lower) if r is not None and r.lower.is_finite else 0
-            high = int(r.upper) if r is not None and r.upper.is_finite else 2**62
-            out.append((i, d, low, high))
-    return out
-
-
-def layout(meta: dict[str, Any], split: Any) -> tuple[dict[str, Slot], int, int]:
-    """Offsets for every tensor crossing a part boundary, from their lifetimes. `meta` maps
-    value names to tensors (or fake tensors) with concrete shapes."""
-    slots: dict[str, Slot] = {}
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for name in split.inputs:
-        slots[name], first[name], last[name] = _slot(meta[name]), 0, 0
-    for step, part in enumerate(split.parts, start=1):
-        for name in part.inputs:
-            last[name] = max(last.get(name, step), step)
-        for name in part.outputs:
-            slots[name], first[name], last[name] = _slot(meta[name]), step, step
-    for name in split.outputs:
-        last[name] = len(split.parts) + 1  # read back after the last part
-    sizes = {n: s.nbytes for n, s in slots.items()}
-    offsets, footprint = plan_offsets(sizes, {n: (first[n], last[n]) for n in slots})
-    for name, off in offsets.items():
-        slots[name].offset = off
-    return slots, footprint, sum(sizes.values())
 
 
 class Engine:
@@ -146,9 +101,10 @@ class Engine:
         self.workers: dict[str, WorkerHandle] = {}
         self.models: dict[str, LoadedModel] = {}
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
-        self._active = 0  # requests inside infer(): alone, a part's reply is read directly
+        self._active = 0  # requests inside run(): alone, a part's reply is read directly
         self._active_lock = threading.Lock()
-        self._restart_lock = threading.Lock()
+        self._workers_lock = threading.Lock()  # making a worker (control path only)
+        self._revive_lock = threading.Lock()
         self._usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
         self.build_timeout_s = build_timeout_s
         self.compile_timeout_s = compile_timeout_s
@@ -177,17 +133,21 @@ class Engine:
         return out
 
     def worker(self, device_id: str) -> WorkerHandle:
-        if device_id not in self.workers:
-            self._usable[device_id] = threading.Event()
-            self._usable[device_id].set()
-            self.workers[device_id] = WorkerHandle(self.devices[device_id], self.cache_dir,
-                                                   in_process=self.in_process)
-        return self.workers[device_id]
+        worker = self.workers.get(device_id)
+        if worker is None:
+            with self._workers_lock:
+                worker = self.workers.get(device_id)
+                if worker is None:
+                    self._usable[device_id] = threading.Event()
+                    self._usable[device_id].set()
+                    worker = self.workers[device_id] = WorkerHandle(
+                        self.devices[device_id], self.cache_dir, in_process=self.in_process)
+        return worker
 
     # -- control path ----------------------------------------------------------------------
     def prepare(self, key: str, name: str, version: str, archive: Path,
                 input_specs: list[dict[str, Any]], objective: str = "latency",
-                plan: Any = None) -> LoadedModel:
+                plan: Plan | None = None) -> LoadedModel:
         """Plan, split, lay out and build a registered model; returns it ready to serve."""
         from cuvild.intake.safe_load import load_exported_program
         from partitioner.plan import plan_model
@@ -197,8 +157,7 @@ class Engine:
         if plan is None:
             plan = plan_model(ep, list(self.devices.values()), objective=objective,
                               support=self.support())
-        assignment = [(p.id, p.nodes) for p in plan.parts]
-        split = split_program(ep, assignment)
+        split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
         dynamic = dynamic_dims(ep)
         if dynamic:  # laid out and built per concrete shape, on first use
             slots, footprint, total = {}, 0, 0
@@ -206,7 +165,8 @@ class Engine:
             slots, footprint, total = layout({n.name: n.meta.get("val") for n in ep.graph.nodes},
                                              split)
         model = LoadedModel(key, name, version, plan, self._routes(plan, split),
-                            list(split.inputs), list(split.outputs), slots, footprint, total,
+                            list(split.inputs), list(split.outputs),
+                            input_table(input_specs, dynamic), slots, footprint, total,
                             str(archive), input_specs, dynamic=dynamic,
                             split=split if dynamic else None)
         for route in model.routes:
@@ -216,29 +176,30 @@ class Engine:
             self.models[key] = model
             return model
         self._build(model)
-        routes = model.routes
         for part in plan.parts:  # the plan records what each part really runs on
-            route = next((r for r in routes if r.id == part.id), None)
+            route = next((r for r in model.routes if r.id == part.id), None)
             if route is not None:
                 part.runtime = route.runtime
         self.models[key] = model
         return model
 
     @staticmethod
-    def _routes(plan: Any, split: Any) -> list[Route]:
+    def _routes(plan: Plan, split: SplitProgram) -> list[Route]:
         by_id = {p.id: p for p in plan.parts}
         return [Route(p.id, by_id[p.id].device, by_id[p.id].precision, p.inputs, p.outputs)
                 for p in split.parts]
 
-    def _variant(self, model: LoadedModel, shapes: tuple) -> LoadedModel:
-        """The model laid out and built for one concrete input shape (a bucket)."""
+    def _variant(self, model: LoadedModel, shapes: tuple[tuple[int, ...], ...]) -> LoadedModel:
+        """The model laid out and built for one concrete input shape (a bucket). Only a
+        build takes the model's own lock: buckets already built are served without it."""
         import torch
 
-        with self._restart_lock:
+        assert model.split is not None
+        with model.variant_lock:
             variant = model.variants.get(shapes)
             if variant is not None:
                 return variant
-            dtypes = [getattr(torch, s["dtype"]) for s in model.input_specs]
+            dtypes = [getattr(torch, s.dtype) for s in model.table]
             with torch.no_grad():
                 values = model.split.trace(*[torch.zeros(shape, dtype=dt)
                                              for shape, dt in zip(shapes, dtypes, strict=True)])
@@ -248,7 +209,8 @@ class Engine:
                      for s, shape in zip(model.input_specs, shapes, strict=True)]
             variant = LoadedModel(f"{model.key}@{tag}", model.name, model.version, model.plan,
                                   self._routes(model.plan, model.split), model.inputs,
-                                  model.outputs, slots, footprint, total, model.archive, specs,
+                                  model.outputs, input_table(specs, []), slots, footprint,
+                                  total, model.archive, specs,
                                   parts_by_device=model.parts_by_device, base_key=model.key)
             variant.part_input_shapes = {
                 p.id: [list(values[n].shape) for n in p.inputs] for p in model.split.parts}
@@ -258,53 +220,26 @@ class Engine:
             self.models[variant.key] = variant
             return variant
 
-    def resolve(self, key: str, inputs: Sequence[Any]) -> LoadedModel:
-        """The model, or for a dynamic-shape model its variant for these inputs' shapes."""
-        model = self.models[key]
-        if model.dynamic:
-            model = self._variant(model, self.check_ranges(model, inputs))
-        return model
-
-    def check_ranges(self, model: LoadedModel, inputs: Sequence[Any]) -> tuple:
-        """Concrete input shapes, after checking every dynamic dim against its range."""
-        if len(inputs) != len(model.inputs):
-            raise BadInput(f"model {model.name} takes {len(model.inputs)} inputs "
-                           f"({', '.join(model.inputs)}), got {len(inputs)}")
-        shapes = tuple(tuple(int(d) for d in t.shape) for t in inputs)
-        for i, spec in enumerate(model.input_specs):
-            if len(shapes[i]) != len(spec["shape"]):
-                raise BadInput(f"input {model.inputs[i]}: expected {len(spec['shape'])} dims, "
-                               f"got {len(shapes[i])}")
-            for d, want in enumerate(spec["shape"]):
-                if want >= 0 and shapes[i][d] != want:
-                    raise BadInput(f"input {model.inputs[i]}: dim {d} must be {want}, got "
-                                   f"{shapes[i][d]}")
-        for i, d, low, high in model.dynamic:
-            if not low <= shapes[i][d] <= high:
-                raise BadInput(f"input {model.inputs[i]}: dim {d} is {shapes[i][d]}, outside "
-                               f"the exported range [{low}, {high}]")
-        return shapes
-
     def _build(self, model: LoadedModel, only_device: str | None = None) -> None:
         assignment = [(p.id, p.nodes) for p in model.plan.parts]
-        futures: list[tuple[Route, Future[dict[str, Any]]]] = []
+        futures: list[tuple[Route, Future[Reply]]] = []
         for device, part_ids in model.parts_by_device.items():
             if only_device and device != only_device:
                 continue
             for i, pid in enumerate(part_ids):
                 route = next(r for r in model.routes if r.id == pid)
-                futures.append((route, self.worker(device).call(
-                    "build", model=model.key, archive=model.archive, parts=assignment,
-                    part=pid, precision=route.precision, input_specs=model.input_specs,
+                futures.append((route, self.worker(device).call(Build(
+                    model=model.key, part=pid, archive=model.archive, assignment=assignment,
+                    precision=route.precision, input_specs=model.input_specs,
                     timeout_s=self.compile_timeout_s, split_key=model.base_key or model.key,
                     input_shapes=model.part_input_shapes.get(pid),
-                    last=not model.base_key and i == len(part_ids) - 1)))
+                    last=not model.base_key and i == len(part_ids) - 1))))
         for route, future in futures:
             reply = future.result(timeout=self.build_timeout_s)
-            if not reply["ok"]:
+            if not reply.ok or not isinstance(reply.result, Built):
                 raise InferError(f"building part {route.id} for {route.device} failed: "
-                                 f"{reply['error']}")
-            route.runtime, route.build = reply["runtime"], reply
+                                 f"{reply.error}")
+            route.runtime, route.built = reply.result.runtime, reply.result
 
     def unload(self, key: str) -> None:
         model = self.models.pop(key, None)
@@ -314,13 +249,13 @@ class Engine:
             self.unload(variant.key)
         for device in model.parts_by_device:
             if device in self.workers:
-                self.workers[device].call("unload", model=key)
+                self.workers[device].call(Unload(key))
 
     def forget_segments(self, segments: list[tuple[str, int]]) -> None:
         """Have every worker unmap these client objects (name, inode); no reply awaited."""
         if segments:
             for worker in list(self.workers.values()):
-                worker.call("forget", segments=segments)
+                worker.call(Forget(segments))
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -328,43 +263,31 @@ class Engine:
         self.workers.clear()
 
     # -- data path -------------------------------------------------------------------------
-    def _ref(self, block: Block, slot: Slot) -> TensorRef:
-        return TensorRef(block.segment, block.offset + slot.offset, slot.dtype, slot.shape)
+    def resolve(self, model: LoadedModel,
+                given: Sequence[tuple[str, tuple[int, ...]]]) -> LoadedModel:
+        """Check a request's inputs, (dtype name, shape) each in the model's order, against
+        the model's input table (the one check; BadInput names what is wrong). Returns the
+        model, or for a dynamic-shape model its bucket for these shapes, built on first use."""
+        check_inputs(model.name, model.table, given)
+        if not model.dynamic:
+            return model
+        shapes = tuple(tuple(shape) for _, shape in given)
+        return model.variants.get(shapes) or self._variant(model, shapes)
 
-    def _view(self, block: Block, slot: Slot) -> torch.Tensor:
-        import torch
+    def infer(self, key: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run model `key` on host tensors, for callers in this process: resolve, then run."""
+        given = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in inputs]
+        outputs = self.run(self.resolve(self.models[key], given), inputs)
+        return outputs  # type: ignore[return-value]
 
-        seg = self.arena.segments[block.segment]
-        if slot.nbytes == 0:
-            return torch.empty(slot.shape, dtype=getattr(torch, slot.dtype))
-        raw = seg.view(block.offset + slot.offset, slot.nbytes)
-        return torch.frombuffer(raw, dtype=getattr(torch, slot.dtype)).view(slot.shape)
-
-    def check_inputs(self, model: LoadedModel, inputs: Sequence[Any]) -> None:
-        if len(inputs) != len(model.inputs):
-            raise BadInput(f"model {model.name} takes {len(model.inputs)} inputs "
-                           f"({', '.join(model.inputs)}), got {len(inputs)}")
-        for name, t in zip(model.inputs, inputs, strict=True):
-            slot = model.slots[name]
-            dtype = (t.dtype if isinstance(t, (TensorRef, RawTensor))
-                     else str(t.dtype).removeprefix("torch."))
-            if dtype != slot.dtype:
-                raise BadInput(f"input {name}: expected dtype {slot.dtype}, got {dtype}")
-            if tuple(t.shape) != slot.shape:
-                raise BadInput(f"input {name}: expected shape {list(slot.shape)}, got "
-                               f"{list(t.shape)}")
-            if isinstance(t, RawTensor) and len(t.data) != slot.nbytes:
-                raise BadInput(f"input {name}: {len(t.data)} bytes, expected {slot.nbytes}")
-
-    def infer(self, key: str, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
-              output_refs: dict[str, TensorRef] | None = None,
-              raw: bool = False) -> list[torch.Tensor | bytes | None]:
-        """Run one request. Inputs are tensors or raw bytes (copied into the arena) or
-        references into shared memory (read in place by the first part); outputs named in
-        output_refs are written in place there (None is returned for them), the rest come
-        back as fresh host tensors, or with raw=True as bytes (the block is reused at once)."""
-        model = self.resolve(key, inputs)
-        self.check_inputs(model, inputs)
+    def run(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
+            output_refs: dict[str, TensorRef] | None = None,
+            raw: bool = False) -> list[torch.Tensor | bytes | None]:
+        """Run one request of a resolved model (inputs already checked by `resolve`). Inputs
+        are tensors or raw bytes (copied into the arena) or references into shared memory
+        (read in place by the first part); outputs named in output_refs are written in place
+        there (None is returned for them), the rest come back as fresh host tensors, or with
+        raw=True as bytes (the block is reused at once)."""
         output_refs = output_refs or {}
         with self._in_flight, self._counted():
             block = self.arena.alloc(model.footprint)
@@ -396,8 +319,19 @@ class Engine:
             with self._active_lock:
                 self._active -= 1
 
+    def _ref(self, block: Block, slot: Slot) -> TensorRef:
+        return TensorRef(block.segment, block.offset + slot.offset, slot.dtype, slot.shape)
+
     def _bytes(self, block: Block, slot: Slot) -> memoryview:
         return self.arena.segments[block.segment].view(block.offset + slot.offset, slot.nbytes)
+
+    def _view(self, block: Block, slot: Slot) -> torch.Tensor:
+        import torch
+
+        if slot.nbytes == 0:
+            return torch.empty(slot.shape, dtype=getattr(torch, slot.dtype))
+        raw = self._bytes(block, slot)
+        return torch.frombuffer(raw, dtype=getattr(torch, slot.dtype)).view(slot.shape)
 
     def _run_parts(self, model: LoadedModel, block: Block, refs: dict[str, TensorRef]) -> None:
         def ref(name: str) -> TensorRef:
@@ -405,28 +339,27 @@ class Engine:
 
         ready = set(model.inputs)
         waiting = list(model.routes)
-        running: dict[Future[dict[str, Any]], Route] = {}
+        running: dict[Future[Reply], Route] = {}
         failure: str | None = None
         dead: set[str] = set()
 
-        def finish(route: Route, reply: dict[str, Any] | WorkerDied) -> str | None:
+        def finish(route: Route, reply: Reply | WorkerDied) -> str | None:
             if isinstance(reply, WorkerDied):
                 dead.add(route.device)
                 return f"part {route.id} on {route.device} ({route.runtime}) failed: {reply}"
-            if not reply["ok"]:
-                return (f"part {route.id} on {route.device} ({route.runtime}) failed: "
-                        f"{reply['error']}")
-            route.measured_ms.append(reply["run_ms"])
+            if not reply.ok or reply.result is None:
+                return f"part {route.id} on {route.device} ({route.runtime}) failed: {reply.error}"
+            route.measured_ms.append(reply.result.run_ms)  # type: ignore[union-attr]
             del route.measured_ms[:-100]
             ready.update(route.outputs)
             return None
 
-        def start(route: Route) -> tuple[WorkerHandle, dict[str, Any]]:
+        def start(route: Route) -> tuple[WorkerHandle, Run]:
             waiting.remove(route)
             self._usable[route.device].wait(self.build_timeout_s)
-            return self.worker(route.device), dict(
-                model=model.key, part=route.id, inputs=[ref(n) for n in route.inputs],
-                outputs=[ref(n) for n in route.outputs])
+            return self.worker(route.device), Run(model.key, route.id,
+                                                  [ref(n) for n in route.inputs],
+                                                  [ref(n) for n in route.outputs])
 
         while waiting or running:
             startable = ([r for r in waiting if all(i in ready for i in r.inputs)]
@@ -434,16 +367,16 @@ class Engine:
             if len(startable) == 1 and not running and self._active == 1:
                 # Nothing to overlap with: call and read the reply in this thread. (With
                 # other requests in flight, queueing in the worker's pipe keeps it busy.)
-                worker, fields = start(startable[0])
+                worker, order = start(startable[0])
                 try:
-                    reply: dict[str, Any] | WorkerDied = worker.run(**fields)
+                    reply: Reply | WorkerDied = worker.run(order)
                 except WorkerDied as e:
                     reply = e
                 failure = finish(startable[0], reply)
                 continue
             for route in startable:
-                worker, fields = start(route)
-                running[worker.call("run", **fields)] = route
+                worker, order = start(route)
+                running[worker.call(order)] = route
             if not running:
                 break
             done, _ = wait(list(running), return_when=FIRST_COMPLETED)
@@ -461,7 +394,7 @@ class Engine:
 
     def _revive(self, device: str) -> None:
         """Restart a dead worker and rebuild its parts from the compile cache."""
-        with self._restart_lock:
+        with self._revive_lock:
             worker = self.workers[device]
             if worker.alive():
                 return
@@ -487,5 +420,5 @@ class Engine:
             out[r.id] = {"device": r.device, "runtime": r.runtime,
                          "predicted_ms": predicted.get(r.id, 0.0),
                          "measured_ms": ms[len(ms) // 2] if ms else None,
-                         "candidates": r.build.get("candidates", [])}
+                         "candidates": r.built.candidates if r.built else []}
         return out

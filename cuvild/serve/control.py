@@ -8,16 +8,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 import cuvild
-from cuvild.intake import summary as intake
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
+from cuvild.intake.summary import inspect_archive
+from cuvild.serve.errors import abort
 from partitioner.profile import DeviceProfile
 from protos import cuvil_pb2, cuvil_pb2_grpc
 from runtimes.profiling.measure import ProfileResult, ProfilingError
+
+if TYPE_CHECKING:
+    from cuvild.engine.models import ModelManager
 
 log = logging.getLogger(__name__)
 
@@ -54,24 +58,18 @@ def record_to_pb(record: ModelRecord) -> cuvil_pb2.ModelSummary:
     return cuvil_pb2.ModelSummary(state="registered", **fields, **specs)
 
 
-REGISTRY_CODES = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "exists": grpc.StatusCode.ALREADY_EXISTS,
-    "not_found": grpc.StatusCode.NOT_FOUND,
-}
-
-
 class ControlService(cuvil_pb2_grpc.ControlServicer):
     """Answers status, profiling and model registry requests."""
 
     def __init__(self, profiles: Callable[[], ProfileResult],
                  reprofile: Callable[[], ProfileResult], config_path: str,
-                 registry: Registry, max_uploads: int, models: Any = None) -> None:
+                 registry: Registry, max_uploads: int,
+                 models: ModelManager | None = None) -> None:
         self._profiles = profiles
         self._reprofile = reprofile
         self._config_path = config_path
         self._registry = registry
-        self._models = models  # cuvild.engine.models.ModelManager
+        self._models = models
         self._started = time.monotonic()
         self._refresh_lock = threading.Lock()
         self._max_uploads = max_uploads
@@ -132,7 +130,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         try:
             record, present = self._receive(request_iterator)
         except RegistryError as e:
-            context.abort(REGISTRY_CODES[e.kind], str(e))
+            abort(context, e)
         except ValueError as e:  # the archive was refused by the safe loader
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model archive refused: {e}")
         finally:
@@ -162,14 +160,14 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             upload.abort()
             raise
         return upload.finish(
-            lambda path: intake.inspect_archive(path, self._registry.max_model_bytes))
+            lambda path: inspect_archive(path, self._registry.max_model_bytes))
 
     def UnloadModel(self, request: cuvil_pb2.UnloadModelRequest,
                     context: grpc.ServicerContext) -> cuvil_pb2.UnloadModelResponse:
         try:
             removed = self._registry.remove(request.name, request.version)
         except RegistryError as e:
-            context.abort(REGISTRY_CODES[e.kind], str(e))
+            abort(context, e)
         if self._models is not None:
             self._models.remove(request.name, request.version)
         return cuvil_pb2.UnloadModelResponse(removed=[record_to_pb(r) for r in removed])
@@ -182,6 +180,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
     def GetPlan(self, request: cuvil_pb2.GetPlanRequest,
                 context: grpc.ServicerContext) -> cuvil_pb2.GetPlanResponse:
         import json
+
+        from partitioner import report
 
         served = self._models.get(request.name, request.version) if self._models else None
         if served is None:
@@ -200,9 +200,9 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             plan = served.loaded.plan
             measured = self._models.engine.stats(served.key)
         return cuvil_pb2.GetPlanResponse(plan_json=json.dumps(plan.to_dict()),
-                                         explain=plan.explain(),
+                                         explain=report.explain(plan),
                                          measured_json=json.dumps(measured),
-                                         dot=plan.to_dot())
+                                         dot=report.to_dot(plan))
 
     def _replan(self, served, objective: str):  # noqa: ANN001, ANN202
         from cuvild.intake.safe_load import load_exported_program

@@ -1,8 +1,11 @@
 """The Open Inference Protocol data plane (inference.GRPCInferenceService).
 
-ModelInfer is the request path: check the request against the model's metadata, take each
-input from raw bytes, typed contents or a shared-memory region (read in place), run the
-engine, and return outputs as raw bytes or write them into the client's regions.
+ModelInfer is the request path, read top to bottom in `ModelInfer`: find the served model
+once; match the request's tensors to the model's inputs by name (the protocol's own rules);
+have the engine check every input's dtype and shape against the model's input table (the one
+check) and pick the bucket of a dynamic-shape model; take each input's bytes from the raw
+contents, typed contents or a shared-memory region (read in place); run; return outputs as raw
+bytes or write them into the client's regions.
 """
 
 from __future__ import annotations
@@ -14,27 +17,18 @@ from typing import Any
 import grpc
 
 import cuvild
-from cuvild.engine.engine import BadInput, InferError
+from cuvild.engine.dtypes import BY_OIP, nbytes, oip_name
+from cuvild.engine.engine import InferError, LoadedModel
+from cuvild.engine.layout import BadInput
 from cuvild.engine.models import ModelManager, ServedModel
-from cuvild.engine.worker import RawTensor, TensorRef, itemsize, nbytes
+from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.registry import RegistryError
+from cuvild.serve.errors import abort
 from cuvild.serve.regions import RegionError, Regions
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-# OIP datatype <-> torch dtype name, and the typed-contents field that carries it.
-DATATYPES = {
-    "BOOL": ("bool", "bool_contents"), "UINT8": ("uint8", "uint_contents"),
-    "INT8": ("int8", "int_contents"), "INT16": ("int16", "int_contents"),
-    "INT32": ("int32", "int_contents"), "INT64": ("int64", "int64_contents"),
-    "FP16": ("float16", None), "BF16": ("bfloat16", None),
-    "FP32": ("float32", "fp32_contents"), "FP64": ("float64", "fp64_contents"),
-}
-TORCH_TO_OIP = {torch_name: oip for oip, (torch_name, _) in DATATYPES.items()}
-CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "exists": grpc.StatusCode.ALREADY_EXISTS,
-         "not_found": grpc.StatusCode.NOT_FOUND, "denied": grpc.StatusCode.PERMISSION_DENIED}
 
 
 class Refused(Exception):
@@ -93,7 +87,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
         def meta(specs: list[dict[str, Any]]) -> list[Any]:
             return [pb.ModelMetadataResponse.TensorMetadata(
-                name=t["name"], datatype=TORCH_TO_OIP.get(t["dtype"], t["dtype"].upper()),
+                name=t["name"], datatype=oip_name(t["dtype"]),
                 shape=t["shape"]) for t in specs]
 
         return pb.ModelMetadataResponse(name=request.name, versions=versions,
@@ -103,57 +97,64 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference -------------------------------------------------------------------------
     def ModelInfer(self, request, context):  # noqa: N802
-
         served = self._served(request.model_name, request.model_version, context)
+        engine = self.models.engine
         try:
             caller = self.peer_uid(context.peer())
-            inputs = self._inputs(served, request, caller)
-            loaded = self.models.engine.resolve(served.key, inputs)  # per shape if dynamic
+            tensors = self._match_inputs(served, request)
+            declared = [(self._dtype(spec["name"], t), tuple(t.shape)) for spec, t in tensors]
+            assert served.loaded is not None  # READY
+            model = engine.resolve(served.loaded, declared)  # its bucket, if dynamic
+            inputs = self._inputs(request, tensors, declared, caller)
             # The engine names values as in the graph; the protocol by position ("output0").
-            graph_names = dict(zip([t["name"] for t in served.record.outputs], loaded.outputs,
+            graph_names = dict(zip([t["name"] for t in served.record.outputs], model.outputs,
                                    strict=True))
-            shapes = {n: loaded.slots[g].shape for n, g in graph_names.items()}
+            shapes = {n: model.slots[g].shape for n, g in graph_names.items()}
             wanted, output_refs = self._outputs(served, request, shapes, caller)
-            results = self.models.engine.infer(
-                loaded.key, inputs, {graph_names[n]: ref for n, ref in output_refs.items()},
-                raw=True)
+            results = engine.run(model, inputs,
+                                 {graph_names[n]: ref for n, ref in output_refs.items()},
+                                 raw=True)
         except Refused as e:
             context.abort(e.code, str(e))
         except RegionError as e:
-            context.abort(CODES[e.kind], str(e))
+            abort(context, e)
         except BadInput as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except InferError as e:
             context.abort(grpc.StatusCode.INTERNAL, str(e))
+        return self._response(served, request, model, results, shapes, wanted)
+
+    @staticmethod
+    def _response(served: ServedModel, request: Any, model: LoadedModel, results: list[Any],
+                  shapes: dict[str, tuple[int, ...]], wanted: dict[str, Any]) -> Any:
         response = pb.ModelInferResponse(model_name=served.record.name,
                                          model_version=served.record.version, id=request.id)
-        specs = {t["name"]: t for t in served.record.outputs}
         raws = []
-        for name, value in zip([t["name"] for t in served.record.outputs], results, strict=True):
+        for spec, value in zip(served.record.outputs, results, strict=True):
+            name = spec["name"]
             if name not in wanted:
                 continue
-            spec = specs[name]
             out = response.outputs.add(name=name, shape=shapes[name],
-                                       datatype=TORCH_TO_OIP[spec["dtype"]])
+                                       datatype=oip_name(spec["dtype"]))
             if value is None:  # written into the client's region
                 for key, param in wanted[name].items():
                     out.parameters[key].CopyFrom(param)
-                raws.append(None)
-            else:
-                raws.append(value)
+            raws.append(value)
         if any(r is not None for r in raws):
             # Clients index raw contents by output position: shm outputs get empty entries.
             response.raw_output_contents.extend(r or b"" for r in raws)
         return response
 
-    def _inputs(self, served: ServedModel, request: Any, caller: int | None) -> list[Any]:
-        specs = served.record.inputs
-        given = {}
-        for i, tensor in enumerate(request.inputs):
+    @staticmethod
+    def _match_inputs(served: ServedModel, request: Any) -> list[tuple[dict[str, Any], Any]]:
+        """The request's tensors in the model's input order, matched by name."""
+        given: dict[str, Any] = {}
+        for tensor in request.inputs:
             if tensor.name in given:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"input {tensor.name!r} given "
                                                                 "twice")
-            given[tensor.name] = (i, tensor)
+            given[tensor.name] = tensor
+        specs = served.record.inputs
         expected = [s["name"] for s in specs]
         unknown = sorted(set(given) - set(expected))
         missing = [n for n in expected if n not in given]
@@ -162,6 +163,19 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                           f"model {served.key} takes inputs {expected}; "
                           + (f"unknown {unknown} " if unknown else "")
                           + (f"missing {missing}" if missing else ""))
+        return [(spec, given[spec["name"]]) for spec in specs]
+
+    @staticmethod
+    def _dtype(name: str, tensor: Any) -> str:
+        dtype = BY_OIP.get(tensor.datatype)
+        if dtype is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"input {name!r}: unsupported datatype {tensor.datatype!r}")
+        return dtype.name
+
+    def _inputs(self, request: Any, tensors: list[tuple[dict[str, Any], Any]],
+                declared: list[tuple[str, tuple[int, ...]]], caller: int | None) -> list[Any]:
+        """Each input's bytes, of the dtype and shape the engine accepted."""
         # Raw contents belong, in request order, to the inputs that are not in shared memory.
         raw = list(request.raw_input_contents)
         not_shm = [t.name for t in request.inputs if "shared_memory_region" not in t.parameters]
@@ -170,27 +184,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                           f"{len(raw)} raw_input_contents for {len(not_shm)} inputs not in "
                           "shared memory")
         data = dict(zip(not_shm, raw, strict=False))
-        return [self._input(spec, given[spec["name"]][1], data.get(spec["name"]), caller)
-                for spec in specs]
+        return [self._input(spec["name"], tensor, dtype, shape, data.get(spec["name"]), caller)
+                for (spec, tensor), (dtype, shape) in zip(tensors, declared, strict=True)]
 
-    def _input(self, spec: dict[str, Any], tensor: Any, data: bytes | None,
-               caller: int | None) -> Any:
-        import torch
-
-        name = spec["name"]
-        if tensor.datatype not in DATATYPES:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"input {name!r}: unsupported datatype {tensor.datatype!r}")
-        dtype, field = DATATYPES[tensor.datatype]
-        if dtype != spec["dtype"]:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"input {name!r}: expected datatype {TORCH_TO_OIP[spec['dtype']]}, "
-                          f"got {tensor.datatype}")
-        shape = tuple(tensor.shape)
-        if len(shape) != len(spec["shape"]) or any(
-                want not in (-1, got) for want, got in zip(spec["shape"], shape, strict=True)):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"input {name!r}: expected shape {spec['shape']}, got {list(shape)}")
+    def _input(self, name: str, tensor: Any, dtype: str, shape: tuple[int, ...],
+               data: bytes | None, caller: int | None) -> Any:
         size = nbytes(dtype, shape)
         region = _param(tensor.parameters, "shared_memory_region")
         if region is not None:
@@ -211,14 +209,17 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                               f"input {name!r}: {len(data)} raw bytes, expected {size} for "
                               f"{tensor.datatype}{list(shape)}")
             return RawTensor(data, dtype, shape)  # the engine copies it once, into the arena
+        field = BY_OIP[tensor.datatype].contents
         if field is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"input {name!r}: {tensor.datatype} must be sent as raw contents")
         values = getattr(tensor.contents, field)
-        count = size // itemsize(dtype)
+        count = size // BY_OIP[tensor.datatype].itemsize
         if len(values) != count:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"input {name!r}: {len(values)} values in contents, expected {count}")
+        import torch
+
         return torch.tensor(list(values), dtype=getattr(torch, dtype)).view(shape)
 
     def _outputs(self, served: ServedModel, request: Any, shapes: dict[str, tuple[int, ...]],
@@ -298,7 +299,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             self.regions.register(caller, request.name, request.key, request.offset,
                                   request.byte_size)
         except RegionError as e:
-            context.abort(CODES[e.kind], str(e))
+            abort(context, e)
         return pb.SystemSharedMemoryRegisterResponse()
 
     def SystemSharedMemoryUnregister(self, request, context):  # noqa: N802
@@ -306,7 +307,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             gone = self.regions.unregister(caller, request.name)
         except RegionError as e:
-            context.abort(CODES[e.kind], str(e))
+            abort(context, e)
         # The workers unmap them too: an unlinked object lives as long as a mapping does.
         self.models.engine.forget_segments([(r.object_name, r.inode) for r in gone])
         return pb.SystemSharedMemoryUnregisterResponse()
@@ -316,7 +317,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             regions = self.regions.status(caller, request.name)
         except RegionError as e:
-            context.abort(CODES[e.kind], str(e))
+            abort(context, e)
         response = pb.SystemSharedMemoryStatusResponse()
         for r in regions:
             response.regions[r.name].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(

@@ -16,6 +16,7 @@ import cuvild
 from cuvild.client.samples import MLP, Encoder, ResNet18
 from cuvild.engine.arena import SHM_DIR, Arena
 from cuvild.engine.engine import BadInput, Engine, InferError
+from cuvild.engine.orders import Unload
 from cuvild.intake.summary import summarize
 from partitioner.plan import Part, Plan
 from partitioner.profile import DeviceProfile
@@ -106,7 +107,7 @@ def test_bad_inputs_are_named(engine, tmp_path):
 def test_failing_part_names_itself_and_leaks_nothing(engine, tmp_path):
     model, (x,) = reference_models()["mlp"]
     prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0", "npu0"])
-    engine.workers["npu0"].call("unload", model="mlp").result(10)  # p1 now fails
+    engine.workers["npu0"].call(Unload("mlp")).result(10)  # p1 now fails
     with pytest.raises(InferError, match=r"part p1 on npu0 .* not built here"):
         engine.infer("mlp", (x,))
     assert engine.arena.in_use() == 0

@@ -1,0 +1,104 @@
+"""What the daemon and a device worker say to each other: typed orders and replies.
+
+An order travels to the worker in an `Envelope` over a pipe (pickled) and comes back as a
+`Reply` with the same id. Tensors never travel, only `TensorRef`s: where a tensor lives in
+shared memory. The classes are slotted dataclasses: typed, and measured as cheap to pickle as
+the dicts they replace (16 µs vs 18 µs a `Run` round trip through pickle on the dev host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+
+class TensorRef(NamedTuple):
+    """Where a tensor lives: a named shared-memory segment and a place in it."""
+
+    segment: str
+    offset: int
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+    inode: int = 0  # a client's region: the object registered (0: the daemon's arena)
+
+
+class RawTensor(NamedTuple):
+    """An input as a request's bytes (C order, native byte order), copied once, into the
+    arena."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Build:
+    """Build (compile, or load from the compile cache) one part of a model."""
+
+    model: str  # the key the part is served under (a dynamic model's bucket has its own)
+    part: str
+    archive: str  # the registered .pt2, opened with the safe loader
+    assignment: list[tuple[str, list[str]]]  # the plan: part id -> node names
+    precision: str
+    input_specs: list[dict[str, Any]]  # the model's inputs: name, dtype, shape (-1: dynamic)
+    timeout_s: float  # per runtime candidate
+    split_key: str  # the split is shared by a model's buckets: kept under the base model's key
+    input_shapes: list[list[int]] | None = None  # this part's input shapes, for a bucket
+    last: bool = False  # the model's last part on this device: the split may go after it
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run one built part on tensors in shared memory, writing its outputs in place."""
+
+    model: str
+    part: str
+    inputs: list[TensorRef]
+    outputs: list[TensorRef]
+
+
+@dataclass(frozen=True, slots=True)
+class Unload:
+    """Drop every part of a model."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """Unmap client shared-memory objects (name, inode) whose regions were unregistered."""
+
+    segments: list[tuple[str, int]]
+
+
+Order = Build | Run | Unload | Forget
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    id: int
+    order: Order
+    direct: bool = False  # the reply goes on the second pipe, read by the caller's thread
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    runtime: str
+    from_cache: bool
+    candidates: list[dict[str, Any]] = field(default_factory=list)  # every runtime tried
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    run_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    id: int
+    result: Built | Ran | None = None
+    error: str = ""  # "ExceptionType: message" when the order failed
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
