@@ -14,7 +14,7 @@ _LAZY = {
     "CostGraph": ("partitioner.costgraph", "CostGraph"),
     "CostModel": ("partitioner.cost", "CostModel"),
     "PlacementError": ("partitioner.cost", "PlacementError"),
-    "load_profiles": ("partitioner.profiles", "load_profiles"),
+    "load_profiles": ("partitioner.profile", "load_profiles"),
 }
 
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Sequence
 
-from partitioner import schedule
 from partitioner.costgraph import PRECISIONS, CostGraph, CostNode
 from partitioner.profile import DeviceProfile
-from partitioner.schedule import Schedule
 
 OBJECTIVES = ("latency", "throughput")
 # A non-strict annotation costs this much when not followed: a tie-break for cheap nodes,
@@ -180,16 +178,6 @@ class CostModel:
             [(ids[x], self.graph.input_bytes[x]) for x in node.inputs] for node in self.graph.nodes
         ]
         self.out_bytes = [node.output_bytes for node in self.graph.nodes]
-
-    # ---- evaluation ---------------------------------------------------------------------------
-
-    def simulate(self, assign: Sequence[int], upto: int | None = None) -> Schedule:
-        """Predicted run of `assign` (device index per node), or of its first `upto` nodes."""
-        return schedule.simulate(self, assign, self.n if upto is None else upto)
-
-    def value(self, assign: Sequence[int]) -> float:
-        """The objective of a full assignment (what placement minimises)."""
-        return schedule.run(self, assign, self.n).value
 
     # ---- memory -------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 One CostNode per call_function node of a torch.export graph, in topological order, with its
 FLOPs, bytes, dtype and annotation; edges carry the bytes of the tensors they move. The class
 itself never touches torch, so tests and benchmarks build graphs by hand;
-`from_exported_program` is the bridge from a real model.
+`partitioner.fxgraph.build_costgraph` is the bridge from a real model.
 """
 
 from __future__ import annotations
@@ -141,9 +141,3 @@ class CostGraph:
     def total_flops(self) -> float:
         return sum(node.flops for node in self.nodes)
 
-
-def from_exported_program(ep: Any) -> CostGraph:
-    """Build the CostGraph of a torch.export ExportedProgram (imports torch lazily)."""
-    from partitioner.fxgraph import build_costgraph
-
-    return build_costgraph(ep)

@@ -1,6 +1,6 @@
 """Exact placement for small graphs: dynamic programming on chains, branch and bound on DAGs.
 
-Both minimise CostModel.value exactly (parts as partitioner.schedule forms them); `exhaustive`
+Both minimise schedule.objective exactly (parts as partitioner.schedule forms them); `exhaustive`
 is the definition they are tested against.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from partitioner import schedule
 from partitioner.cost import CostModel
-from partitioner.schedule import HOST
+from partitioner.schedule import HOST, objective
 
 EPS = 1e-12
 
@@ -161,7 +161,7 @@ def branch_and_bound(
     best = list(incumbent) if incumbent is not None else None
     best_value = math.inf
     if best is not None and not model.memory_over(best):
-        best_value = model.value(best)
+        best_value = objective(model, best)
     order = [sorted(model.allowed[v], key=lambda d, v=v: model.node_ms[v][d]) for v in range(n)]
     assign = [0] * n
     visits = 0
@@ -193,7 +193,7 @@ def exhaustive(model: CostModel) -> ExactResult:
     best, best_value, count = None, math.inf, 0
     for assign in itertools.product(*model.allowed):
         count += 1
-        value = model.value(assign)
+        value = objective(model, assign)
         if value < best_value and not model.memory_over(assign):
             best, best_value = list(assign), value
     return ExactResult(best or [], best_value, True, count)

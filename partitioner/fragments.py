@@ -13,7 +13,7 @@ import math
 
 from partitioner.cost import CostModel
 from partitioner.heuristic import EPS, common_allowed
-from partitioner.schedule import HOST, Schedule
+from partitioner.schedule import HOST, Schedule, objective, simulate
 
 BATCH_ABOVE = 3000  # nodes: above, all fragments of a round merge at once, one simulate per round
 # A fragment is one more compile unit, worker hop and copy: worth merging even when the model
@@ -44,7 +44,7 @@ def merge_fragments(
     notes: list[str] = []
     settled: set[tuple[int, ...]] = set()
     batch = model.n > BATCH_ABOVE
-    schedule = model.simulate(assign)
+    schedule = simulate(model, assign)
     for _ in range(max_rounds):
         todo = [p for p in fragments(model, schedule)
                 if tuple(schedule.parts[p].nodes) not in settled]
@@ -73,7 +73,7 @@ def merge_fragments(
             change = "" if batch else f" ({value - schedule.value:+.4f} ms)"
             notes.append(f"merged fragment of {what} from {here} into "
                          f"{model.devices[target].id}{change}")
-        merged = model.simulate(trial)
+        merged = simulate(model, trial)
         if merged.value <= schedule.value * (1 + FRAGMENT_TOLERANCE) + EPS:
             assign, schedule = trial, merged
         elif batch:
@@ -103,7 +103,7 @@ def _merge_target(model, schedule, p, assign, batch) -> tuple[int | None, float]
         trial = list(assign)
         for v in part.nodes:
             trial[v] = d
-        value = model.value(trial)
+        value = objective(model, trial)
         if value < best_value:
             best, best_value = d, value
     return best, best_value

@@ -11,7 +11,7 @@
    (work + copies + a launch per copy), each move priced from the group's own edges: the fast
    path that lets 50k-node graphs place in seconds.
 4. refine: first-improvement local search moving whole parts, groups and, on small graphs,
-   single nodes to other devices, each move priced by a full CostModel.simulate, within a
+   single nodes to other devices, each move priced by a full schedule.simulate, within a
    budget of simulated node visits; on small graphs, iterated (kick_and_refine).
 """
 
@@ -22,7 +22,7 @@ import random
 from collections.abc import Sequence
 
 from partitioner.cost import CostModel
-from partitioner.schedule import HOST
+from partitioner.schedule import HOST, objective, simulate
 
 NODE_MOVES_UP_TO = 400  # nodes; beyond this, local search moves only parts and groups
 PAIR_MOVES_UP_TO = 40  # nodes; up to this, local search also moves both ends of an edge
@@ -175,7 +175,7 @@ def refine(
     none helps, (small graphs) both ends of an edge at once, which finds swaps.
     """
     assign = list(assign)
-    best = model.value(assign)
+    best = objective(model, assign)
     check_memory = not model.memory_over(assign)
     size = model.n + len(model.graph.edges) + 1
     evals = max(1, work_budget // size)
@@ -190,7 +190,7 @@ def refine(
             trial = list(assign)
             for v, d in move:
                 trial[v] = d
-            value = model.value(trial)
+            value = objective(model, trial)
             if value < best - EPS * max(1.0, best):
                 if check_memory and model.memory_over(trial):
                     continue
@@ -205,7 +205,7 @@ def refine(
 
 
 def _unit_moves(model: CostModel, assign: list[int], groups: list[list[int]]):
-    units = [part.nodes for part in model.simulate(assign).parts]
+    units = [part.nodes for part in simulate(model, assign).parts]
     units += [g for g in groups if len(g) > 1]
     if model.n <= NODE_MOVES_UP_TO:
         units += [[v] for v in range(model.n)]

@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass, field
 
 from partitioner import heuristic
-from partitioner.cost import CostModel, PlacementError, Schedule
+from partitioner.cost import CostModel, PlacementError
 from partitioner.exact import branch_and_bound, chain_dp, is_chain
 from partitioner.fragments import merge_fragments
+from partitioner.schedule import Schedule, objective, simulate
 
 METHODS = ("auto", "chain", "exact", "scalable")
 EXACT_UP_TO = 14  # nodes: branch and bound stays well under a second up to about here
@@ -44,7 +45,7 @@ def place(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if model.n == 0:
-        return Placement([], model.simulate([]), "empty", True)
+        return Placement([], simulate(model, []), "empty", True)
     if method == "auto":
         if model.objective == "latency" and is_chain(model):
             method = "chain"
@@ -62,7 +63,7 @@ def place(
     assign, notes = merge_fragments(model, assign)
     assign, fitted = fit_memory(model, assign)
     notes += fitted
-    schedule = model.simulate(assign)
+    schedule = simulate(model, assign)
     notes += explain_moves(model, assign, schedule)
     return Placement(assign, schedule, method, proven and assign == searched, notes)
 
@@ -72,9 +73,9 @@ def scalable(model: CostModel) -> list[int]:
     groups = heuristic.coarsen(model)
     starts = [heuristic.greedy(model, groups)]
     starts += [heuristic.single_device(model, d) for d in range(model.k)]
-    best = min(starts, key=model.value)
+    best = min(starts, key=lambda assign: objective(model, assign))
     swept = heuristic.sweep(model, best, groups)
-    if model.value(swept) < model.value(best):
+    if objective(model, swept) < objective(model, best):
         best = swept
     if model.n <= KICKS_UP_TO:
         return heuristic.kick_and_refine(model, best, groups)[0]
@@ -174,7 +175,7 @@ def explain_moves(model: CostModel, assign: list[int], schedule: Schedule) -> li
         trial = list(assign)
         for v in vs:
             trial[v] = target
-        moved = model.simulate(trial)
+        moved = simulate(model, trial)
         delta = moved.value - moved.penalty_ms - base
         if delta > 0:
             notes.append(f"{prefix}: moving them to {ids[target]} makes the plan "

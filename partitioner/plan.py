@@ -1,7 +1,8 @@
 """The Plan: parts (nodes, device, runtime, precision), cuts between them, predicted times.
 
-A Plan is plain data (`to_dict` / `from_dict` round-trip through JSON); `explain()` prints it
-as tables and `to_dot()` draws it. `plan_model` is the one entry point from a model to a Plan.
+A Plan is plain data (`to_dict` / `from_dict` round-trip through JSON); partitioner/report.py
+prints it as tables (`explain`) and draws it (`to_dot`). `plan_model` is the one entry point
+from a model to a Plan.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 from partitioner.cost import CostModel, Support
 from partitioner.costgraph import CostGraph
 from partitioner.place import place
-from partitioner.profile import DeviceProfile
-from partitioner.schedule import HOST
+from partitioner.profile import DeviceProfile, load_profiles, profiles_from_data
+from partitioner.schedule import HOST, simulate
 
 IO = "host"  # the src of graph-input copies and the dst of graph-output copies
 
@@ -67,18 +68,6 @@ class Plan:
         data["cuts"] = [Cut(**c) for c in data.get("cuts", [])]
         return cls(**data)
 
-    def explain(self) -> str:
-        """A human-readable report: parts, cuts, totals and the notes on moved nodes."""
-        from partitioner.report import explain
-
-        return explain(self)
-
-    def to_dot(self, nodes: bool = False) -> str:
-        """Graphviz DOT of the parts and cuts (and, with nodes=True, each part's nodes)."""
-        from partitioner.report import to_dot
-
-        return to_dot(self, nodes)
-
 
 def plan_model(
     model: Any,
@@ -96,8 +85,6 @@ def plan_model(
     Raises PlacementError when a strict annotation cannot be honoured or no device can run
     a node, ValueError on bad profiles or arguments.
     """
-    from partitioner.profiles import load_profiles, profiles_from_data
-
     graph = model if isinstance(model, CostGraph) else _costgraph(model)
     if isinstance(devices, (str, Path)):
         devices = load_profiles(devices)
@@ -117,7 +104,7 @@ def build_plan(
     proven_optimal: bool = False,
 ) -> Plan:
     """The Plan of an assignment under a cost model."""
-    schedule = cost.simulate(assign)
+    schedule = simulate(cost, assign)
     graph, devices = cost.graph, cost.devices
     parts = []
     for p, timing in enumerate(schedule.parts):
@@ -183,6 +170,6 @@ _FLOATS = ("fp32", "bf16", "fp16", "int8")
 
 
 def _costgraph(model: Any) -> CostGraph:
-    from partitioner.costgraph import from_exported_program
+    from partitioner.fxgraph import build_costgraph  # imports torch: only for a real model
 
-    return from_exported_program(model)
+    return build_costgraph(model)

@@ -177,8 +177,15 @@ def _timeline(model: CostModel, r: Run) -> None:
     r.period = max(busy + link_in + link_out) if k else 0.0
 
 
-def simulate(model: CostModel, assign: Sequence[int], m: int) -> Schedule:
-    """`run`, dressed as a Schedule with parts, cuts and the tensors each cut moves."""
+def objective(model: CostModel, assign: Sequence[int]) -> float:
+    """The objective of a full assignment: what placement minimises."""
+    return run(model, assign, model.n).value
+
+
+def simulate(model: CostModel, assign: Sequence[int], m: int | None = None) -> Schedule:
+    """`run` of the first m nodes (all by default), dressed as a Schedule with parts, cuts and
+    the tensors each cut moves."""
+    m = model.n if m is None else m
     r = run(model, assign, m)
     parts = [
         PartTiming(r.dev[p], r.prec[p], [], r.compute[p], r.start[p], r.finish[p])

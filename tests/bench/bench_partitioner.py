@@ -32,7 +32,8 @@ from partitioner.cost import CostModel  # noqa: E402
 from partitioner.exact import branch_and_bound  # noqa: E402
 from partitioner.place import scalable  # noqa: E402
 from partitioner.plan import plan_model  # noqa: E402
-from partitioner.profiles import load_shipped, shipped_profiles  # noqa: E402
+from partitioner.profile import load_shipped, shipped_profiles  # noqa: E402
+from partitioner.schedule import objective  # noqa: E402
 from partitioner.synthetic import random_dag, sample_devices  # noqa: E402
 
 PRIORITY = ("gpu", "npu", "cpu")
@@ -69,7 +70,7 @@ def optimality_gap(count: int, max_visits: int) -> dict:
         exact = branch_and_bound(model, heuristic, max_visits)
         seconds["scalable"] += t1 - t0
         seconds["exact"] += time.perf_counter() - t1
-        gap = model.value(heuristic) / exact.value - 1
+        gap = objective(model, heuristic) / exact.value - 1
         gaps.append(gap)
         by_size["6-14" if n <= 14 else "15-22" if n <= 22 else "23-30"].append(gap)
         if exact.proven:
@@ -110,7 +111,7 @@ def reference_plans(scenario: str) -> list[dict]:
             t0 = time.perf_counter()
             plan = plan_model(graph, devices, support=support)
             seconds = time.perf_counter() - t0
-            single = {d.id: model.value([i] * model.n) for i, d in enumerate(devices)
+            single = {d.id: objective(model, [i] * model.n) for i, d in enumerate(devices)
                       if all(i in allowed for allowed in model.allowed)}
             best = min(single, key=single.__getitem__)
             rows.append({
@@ -119,7 +120,7 @@ def reference_plans(scenario: str) -> list[dict]:
                 "plan_devices": sorted({p.device for p in plan.parts}),
                 "parts": len(plan.parts),
                 "best_single": best, "best_single_ms": round(single[best], 4),
-                "ort_greedy_ms": round(model.value(ort_greedy(model)), 4),
+                "ort_greedy_ms": round(objective(model, ort_greedy(model)), 4),
                 "plan_seconds": round(seconds, 3),
             })  # fmt: skip
     return rows

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from cuvild.client.samples import EncoderLayer, ResNet18
-from partitioner.costgraph import CostGraph, from_exported_program
+from partitioner.costgraph import CostGraph
+from partitioner.fxgraph import build_costgraph
 
 
 class BertLike(nn.Module):
@@ -61,4 +62,4 @@ def exported(name: str) -> torch.export.ExportedProgram:
 
 @functools.cache
 def costgraph(name: str) -> CostGraph:
-    return from_exported_program(exported(name))
+    return build_costgraph(exported(name))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from partitioner.costgraph import ANNOTATION_KEY, Annotation, CostGraph, CostNode, Edge
-from partitioner.costgraph import from_exported_program as costgraph
+from partitioner.fxgraph import build_costgraph as costgraph
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,7 +194,7 @@ def test_costgraph_needs_topological_order() -> None:
 
 def test_planning_imports_no_torch() -> None:
     code = (
-        "import sys; import partitioner.plan, partitioner.synthetic, partitioner.profiles;"
+        "import sys; import partitioner.plan, partitioner.synthetic, partitioner.profile;"
         "from partitioner.plan import plan_model; from partitioner.synthetic import *;"
         "plan_model(random_dag(20, 0), sample_devices());"
         "assert 'torch' not in sys.modules, 'torch was imported'"

@@ -16,10 +16,13 @@ import refmodels  # noqa: E402
 
 from partitioner import plan_model  # noqa: E402
 from partitioner.cost import CostModel, PlacementError  # noqa: E402
-from partitioner.costgraph import ANNOTATION_KEY, from_exported_program  # noqa: E402
+from partitioner.costgraph import ANNOTATION_KEY  # noqa: E402
 from partitioner.fragments import fragments  # noqa: E402
+from partitioner.fxgraph import build_costgraph  # noqa: E402
 from partitioner.plan import Plan, build_plan  # noqa: E402
-from partitioner.profiles import load_profiles, load_shipped, shipped_profiles  # noqa: E402
+from partitioner.profile import load_profiles, load_shipped, shipped_profiles  # noqa: E402
+from partitioner.report import explain, to_dot  # noqa: E402
+from partitioner.schedule import objective, simulate  # noqa: E402
 from partitioner.synthetic import random_dag, sample_devices  # noqa: E402
 
 PROFILES = ["xeon-amx-h100", "laptop-soc", "ci-host"]
@@ -42,11 +45,11 @@ def test_reference_models_get_sane_plans(name: str, profile: str) -> None:
     assert sorted(listed) == sorted(compute)  # every graph node in exactly one part
     assert part_order_is_topological(plan, graph)
     model = CostModel(graph, devices)
-    single = min(model.value([d] * len(graph)) for d in range(len(devices)))
+    single = min(objective(model, [d] * len(graph)) for d in range(len(devices)))
     assert plan.predicted_ms <= single * 1.01
     assert set(plan.peak_bytes) == {d.id for d in devices}
     # no part below break-even stays without a reason
-    schedule = model.simulate([_device_index(devices, plan, n.name) for n in graph.nodes])
+    schedule = simulate(model, [_device_index(devices, plan, n.name) for n in graph.nodes])
     for p in fragments(model, schedule):
         first = graph.nodes[schedule.parts[p].nodes[0]].name
         assert any("stays on" in note and first in note for note in plan.notes)
@@ -93,7 +96,7 @@ def test_annotated_export_is_honoured_end_to_end() -> None:
         if any(n.startswith("relu") for n in p.nodes):
             assert p.device == "npu0"
     with pytest.raises(PlacementError, match="relu.*device='npu'"):
-        plan_model(from_exported_program(ep), load_shipped("xeon-amx-h100"))
+        plan_model(build_costgraph(ep), load_shipped("xeon-amx-h100"))
 
 
 # ---- the Plan as data and as reports ---------------------------------------------------------
@@ -111,14 +114,14 @@ def test_plan_round_trips_through_json() -> None:
 def test_explain_and_dot_describe_the_plan() -> None:
     graph = random_dag(60, 2)
     plan = plan_model(graph, sample_devices())
-    text = plan.explain()
+    text = explain(plan)
     for p in plan.parts:
         assert p.id in text and p.device in text
     assert "predicted latency" in text and "peak memory" in text
-    dot = plan.to_dot()
+    dot = to_dot(plan)
     assert dot.startswith("digraph plan {") and dot.rstrip().endswith("}")
     assert all(f'"{p.id}"' in dot for p in plan.parts)
-    assert plan.to_dot(nodes=True).count("cluster_") == len(plan.parts)
+    assert to_dot(plan, nodes=True).count("cluster_") == len(plan.parts)
 
 
 def test_explain_says_why_an_annotated_node_moved() -> None:
@@ -129,7 +132,7 @@ def test_explain_says_why_an_annotated_node_moved() -> None:
 
     graph.nodes[5].annotation = Annotation("cpu", None, False)
     plan = plan_model(graph, sample_devices())
-    assert "n5" in plan.explain() and "preference" in plan.explain()
+    assert "n5" in explain(plan) and "preference" in explain(plan)
 
 
 def test_build_plan_names_cut_tensors() -> None:
