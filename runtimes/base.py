@@ -1,23 +1,32 @@
-"""The one small interface every compile path implements (one file per runtime).
+"""The one small interface every compile path implements (one file per runtime), and the
+helpers the runtimes share.
 
 A Runtime turns a part (a self-contained fx.GraphModule from partitioner/split.py) into an
 Executable for one device. Executables take and return host torch tensors, without copies
 where the library allows, and can be saved to and loaded from a compile-cache directory so a
 restarted daemon does not compile again.
+
+Importing this module does not import torch, so the registry, the profiler and the daemon can
+use it (and `write_atomic`, the one way cuvild persists a file) without paying for torch.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
-
-import torch
-from torch import fx
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from partitioner.profile import DeviceProfile
+
+if TYPE_CHECKING:
+    import torch
+    from torch import fx
 
 # Relative error allowed against torch eager, by the part's precision.
 TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "int8": 5e-2}
@@ -85,3 +94,64 @@ class Runtime(ABC):
     def load(self, directory: Path, spec: CompileSpec) -> Executable:
         """Rebuild an Executable saved by `Executable.save`."""
         raise NotImplementedError(f"{self.name} has no compile cache")
+
+
+# ---- helpers the runtimes share ---------------------------------------------------------
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (a missing parent package, or
+    one set to None in sys.modules, counts as not installed)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def feed_order(model_inputs: Sequence[str], part_inputs: Sequence[str]) -> list[int]:
+    """For each input the compiled model takes, its position among the part's inputs.
+
+    Matched by name (converters keep the placeholder names and may drop unused inputs);
+    by position when the names do not match but the counts do.
+    """
+    if all(name in part_inputs for name in model_inputs):
+        return [list(part_inputs).index(name) for name in model_inputs]
+    if len(model_inputs) == len(part_inputs):
+        return list(range(len(part_inputs)))
+    raise CompileError(f"model inputs {list(model_inputs)} do not match the part's inputs "
+                       f"{list(part_inputs)}")
+
+
+def read_meta(path: Path, runtime: str, format: int) -> dict[str, Any]:
+    """A cache entry's own metadata file; RuntimeError when it was written in another format
+    (the compile cache then rebuilds the entry)."""
+    meta = json.loads(path.read_text())
+    if meta.get("format") != format:
+        raise RuntimeError(f"{runtime}: {path.parent} has cache format {meta.get('format')}, "
+                           f"expected {format}")
+    return meta
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash at any point leaves the old file or the new
+    one, never a mix: write a temp file in the same directory, fsync it, rename it over
+    `path`, fsync the directory. Leftover temp files are named `.tmp-*`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

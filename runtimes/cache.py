@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from partitioner.profile import DeviceProfile
+from runtimes.base import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class CompileCache:
                     shutil.rmtree(tmp)
                     return final
                 os.replace(tmp, final)
+                fsync_dir(self.entries)
             self.evict()
             return final
         except BaseException:
@@ -127,9 +129,4 @@ class CompileCache:
             return None
 
     def record_choice(self, part_key: str, choice: dict[str, Any]) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.choices, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(choice, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.choices / f"{part_key}.json")
+        write_atomic(self.choices / f"{part_key}.json", json.dumps(choice, indent=1).encode())

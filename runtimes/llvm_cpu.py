@@ -33,7 +33,7 @@ import torch
 from torch import fx
 from torch.utils import dlpack
 
-from runtimes.base import CompileError, CompileSpec, Executable, Runtime
+from runtimes.base import CompileError, CompileSpec, Executable, Runtime, installed
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +169,6 @@ def _wait_returned(lent: list[torch.Tensor], baseline: list[int]) -> None:
         time.sleep(0)
 
 
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # the parent package (iree) is missing
-        return False
-
-
 def _decompositions() -> dict[Any, Any]:
     """iree-turbine's default table (what its own nn.Module path applies) plus attention as
     matmul + softmax + matmul: IREE's fused CPU attention kernel ran a BERT attention 13x
@@ -213,7 +206,7 @@ class IREERuntime(Runtime):
 
     @classmethod
     def unavailable(cls) -> str | None:
-        missing = [pkg for mod, pkg in _PACKAGES.items() if not _installed(mod)]
+        missing = [pkg for mod, pkg in _PACKAGES.items() if not installed(mod)]
         if missing:
             return f"{', '.join(missing)} not installed"
         from iree.compiler.tools.binaries import find_tool

@@ -26,7 +26,6 @@ nodes sequentially), graph optimization level ALL, and no spinning
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import tempfile
@@ -38,7 +37,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from runtimes.base import CompileError, CompileSpec, Executable, Runtime
+from runtimes.base import (
+    CompileError,
+    CompileSpec,
+    Executable,
+    Runtime,
+    feed_order,
+    installed,
+    read_meta,
+)
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -79,16 +86,6 @@ def session_options(threads: int) -> ort.SessionOptions:
 def open_session(path: Path, threads: int) -> ort.InferenceSession:
     return _ort().InferenceSession(str(path), session_options(threads),
                                    providers=["CPUExecutionProvider"])
-
-
-def feed_order(model_inputs: Sequence[str], part_inputs: Sequence[str]) -> list[int]:
-    """For each session input, its position among the part's inputs (by name, else order)."""
-    if all(name in part_inputs for name in model_inputs):
-        return [list(part_inputs).index(name) for name in model_inputs]
-    if len(model_inputs) == len(part_inputs):
-        return list(range(len(part_inputs)))
-    raise CompileError(f"onnxruntime: model inputs {list(model_inputs)} do not match the "
-                       f"part's inputs {list(part_inputs)}")
 
 
 class ONNXExecutable(Executable):
@@ -149,7 +146,7 @@ class ONNXRuntime(Runtime):
             _ort()
         except ImportError as e:
             return f"onnxruntime is not installed ({e})"
-        missing = [name for name in EXPORTER_PACKAGES if not _installed(name)]
+        missing = [name for name in EXPORTER_PACKAGES if not installed(name)]
         if missing:
             return (f"{' and '.join(missing)} not installed: torch.onnx.export(dynamo=True) "
                     "needs them")
@@ -194,16 +191,7 @@ class ONNXRuntime(Runtime):
     def load(self, directory: Path, spec: CompileSpec) -> Executable:
         """Open a session on a saved .onnx file; nothing is exported."""
         directory = Path(directory)
-        meta = json.loads((directory / META).read_text())
-        if meta.get("format") != META_FORMAT:
-            raise RuntimeError(f"onnxruntime: {directory} has cache format "
-                               f"{meta.get('format')}, expected {META_FORMAT}")
+        meta = read_meta(directory / META, "onnxruntime", META_FORMAT)
         session = open_session(directory / MODEL, spec.threads)
         return ONNXExecutable(session, directory, list(meta["feed"]), meta)
 
-
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # ValueError: sys.modules[name] is None
-        return False

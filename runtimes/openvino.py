@@ -50,7 +50,7 @@ import torch
 from torch import fx
 
 from partitioner.profile import DeviceProfile
-from runtimes.base import CompileError, CompileSpec, Executable, Runtime
+from runtimes.base import CompileError, CompileSpec, Executable, Runtime, feed_order, read_meta
 
 if TYPE_CHECKING:
     import openvino as ov
@@ -137,20 +137,6 @@ def compile_config(device: str, precision: str, threads: int) -> dict[str, Any]:
     if device == "CPU":
         config["INFERENCE_NUM_THREADS"] = max(int(threads), 1)
     return config
-
-
-def feed_order(model_inputs: Sequence[str], part_inputs: Sequence[str]) -> list[int]:
-    """For each input the compiled model takes, its position among the part's inputs.
-
-    Matched by name (converters keep the placeholder names and may drop unused inputs);
-    by position when the names do not match but the counts do.
-    """
-    if all(name in part_inputs for name in model_inputs):
-        return [list(part_inputs).index(name) for name in model_inputs]
-    if len(model_inputs) == len(part_inputs):
-        return list(range(len(part_inputs)))
-    raise CompileError(f"model inputs {list(model_inputs)} do not match the part's inputs "
-                       f"{list(part_inputs)}")
 
 
 def as_array(tensor: torch.Tensor) -> Any:
@@ -270,10 +256,7 @@ class OpenVINORuntime(Runtime):
     def load(self, directory: Path, spec: CompileSpec) -> Executable:
         """Import the compiled blob, or compile the saved IR; never converts again."""
         directory = Path(directory)
-        meta = json.loads((directory / META).read_text())
-        if meta.get("format") != META_FORMAT:
-            raise RuntimeError(f"openvino: {directory} has cache format {meta.get('format')}, "
-                               f"expected {META_FORMAT}")
+        meta = read_meta(directory / META, "openvino", META_FORMAT)
         device = self._target(spec)
         config = compile_config(device, spec.precision, spec.threads)
         compiled = None

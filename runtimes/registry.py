@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+from partitioner.profile import RUNTIMES_BY_KIND
 from runtimes.base import Runtime, RuntimeUnavailable
 
 RUNTIMES = {
@@ -18,12 +19,9 @@ RUNTIMES = {
     "triton": "runtimes.triton:TritonRuntime",  # CUDA GPUs, inductor -> Triton
 }
 
-# Which runtimes may serve each device kind, best-known first (auto still measures).
-BY_KIND = {
-    "cpu": ("openvino", "onnxruntime", "llvm-cpu", "torch"),
-    "gpu": ("triton",),
-    "npu": ("openvino",),
-}
+# Which runtimes may serve each device kind: the partitioner's table, so that planning and
+# building agree on it.
+BY_KIND = RUNTIMES_BY_KIND
 
 
 def runtime_class(name: str) -> type[Runtime]:

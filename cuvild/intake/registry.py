@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtimes.base import fsync_dir, write_atomic
+
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 HEX_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -48,28 +50,6 @@ class ModelRecord:
     annotated_nodes: int = 0
     inputs: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[dict[str, Any]] = field(default_factory=list)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Upload:
@@ -199,7 +179,7 @@ class Registry:
             blob = self.archive_path(header["sha256"])
             if not blob.exists():
                 os.replace(tmp, blob)
-                _fsync_dir(self.models_dir)
+                fsync_dir(self.models_dir)
             record = ModelRecord(name=key[0], version=key[1], sha256=header["sha256"],
                                  size_bytes=header["size_bytes"], created_at=time.time(),
                                  **summary)

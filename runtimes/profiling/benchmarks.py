@@ -14,11 +14,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from importlib.util import find_spec
 from typing import Any
 
 import psutil
 
+from partitioner.profile import RUNTIMES_BY_KIND
+from runtimes.base import installed
 from runtimes.profiling import hardware
 
 MATMUL_TARGET_S = 0.03  # grow the matmul until one call takes this long (or the size cap)
@@ -63,16 +64,13 @@ def matmul_gflops(run_n: Callable[[int], Callable[[], Any]], cap: int = 4096,
 
 # ---- host CPU through torch --------------------------------------------------------------
 
-def _installed(module: str) -> bool:
-    try:
-        return find_spec(module) is not None
-    except ModuleNotFoundError:  # a dotted name whose parent package is absent
-        return False
+# The module whose presence says a CPU runtime is installed ("torch" always is, here).
+_CPU_MODULES = {"openvino": "openvino", "onnxruntime": "onnxruntime", "llvm-cpu": "iree.runtime",
+                "torch": "torch"}
 
 
 def _cpu_runtimes() -> list[str]:
-    found = {"llvm-cpu": "iree.runtime", "openvino": "openvino", "onnxruntime": "onnxruntime"}
-    return [name for name, module in found.items() if _installed(module)] + ["torch"]
+    return [name for name in RUNTIMES_BY_KIND["cpu"] if installed(_CPU_MODULES[name])]
 
 
 def profile_cpu(cores: list[int]) -> dict[str, Any]:
@@ -178,7 +176,7 @@ def profile_cuda(index: int) -> dict[str, Any]:
         "link_bw_gbs": COPY_BYTES / h2d_s / 1e9,
         "link_latency_us": median_call_us(tiny_copy, calls=200),
         "launch_us": best_time(launch_many, reps=3, sync=sync) / launches * 1e6,
-        "runtimes": ["triton"] if _installed("triton") else [],
+        "runtimes": ["triton"] if installed("triton") else [],
         "cores": [],
         "features": [f"sm_{props.major}{props.minor}"],
     }
@@ -259,7 +257,7 @@ def profile_openvino(dev_id: str, kind: str, ov_device: str, cores: list[int],
 
 def _openvino_devices() -> list[tuple[str, str]]:
     """(kind, OpenVINO device name) for the real NPUs and GPUs OpenVINO sees."""
-    if not _installed("openvino"):
+    if not installed("openvino"):
         return []
     import openvino as ov
 

@@ -13,7 +13,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.profile import DeviceProfile
+from runtimes.base import write_atomic
 from runtimes.profiling import hardware
 
 log = logging.getLogger(__name__)
@@ -99,20 +99,6 @@ def _apply_overrides(devices: list[DeviceProfile],
     return devices
 
 
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def cache_path(state_dir: Path, fingerprint: str) -> Path:
     return state_dir / "profiles" / f"{fingerprint}.json"
 
@@ -134,7 +120,7 @@ def load_or_measure(state_dir: Path, settings: dict[str, Any],
             log.warning("ignoring unreadable profile cache %s: %s", path, e)
     log.info("measuring devices (fingerprint %s)", fp)
     devices = measure(settings)
-    _write_atomic(path, {"fingerprint": fp, "measured_at": time.time(),
-                         "devices": [d.to_dict() for d in devices]})
+    write_atomic(path, json.dumps({"fingerprint": fp, "measured_at": time.time(),
+                                   "devices": [d.to_dict() for d in devices]}, indent=1).encode())
     devices = _apply_overrides(devices, overrides or {})
     return ProfileResult(devices, "measured", time.perf_counter() - t0, fp)
