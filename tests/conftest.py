@@ -1,128 +1,28 @@
-"""Shared fixtures: a real cuvild subprocess on a real unix socket, with a NOTIFY_SOCKET."""
+"""Fixtures shared by the tests: real cuvild daemons (see daemons.py), and the `daemon`
+marker put on every test that starts one, so `pytest -m "not daemon"` runs the fast tests."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 120.0
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: daemons.py
+from daemons import DaemonProcess, daemon_config  # noqa: E402
 
-
-def two_core_layout() -> dict[str, Any]:
-    """CPU worker on the first core, an emulated NPU on the second (the demo layout)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return {"cpu": {"cores": cores}}
-    return {
-        "cpu": {"cores": [cores[0]]},
-        "emulated": [{"id": "npu0", "kind": "npu", "runtime": "openvino", "cores": [cores[1]]}],
-    }
+# Fixtures that start a cuvild and serve it to a test (the `env` of tests/serve/ included).
+DAEMON_FIXTURES = {"daemon", "make_daemon", "env"}
 
 
-def read_text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def worker_processes(daemon_pid: int) -> list[Path]:
-    """/proc entries of a daemon's worker processes (multiprocessing spawns them)."""
-    def parent(proc: Path) -> int:
-        try:
-            return int(read_text(proc / "stat").rsplit(")", 1)[1].split()[1])
-        except (IndexError, ValueError):
-            return -1
-
-    return [p for p in Path("/proc").iterdir() if p.name.isdigit()
-            and parent(p) == daemon_pid and "spawn_main" in read_text(p / "cmdline")]
-
-
-class DaemonProcess:
-    """One cuvild subprocess; records the sd_notify messages it sends."""
-
-    def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
-        self.workdir = workdir
-        self.config_path = workdir / "cuvild.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.socket_path = Path(config["listen"]["unix"])
-        self.target = f"unix://{self.socket_path}"
-        self.notify_path = workdir / "notify.sock"
-        self.notify_path.unlink(missing_ok=True)
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.notify.bind(str(self.notify_path))
-        self.messages: list[str] = []
-        self.log_path = workdir / "cuvild.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.ready_s: float | None = None
-        self.state_dir = Path(config["state_dir"])
-
-    def start(self, wait: bool = True) -> DaemonProcess:
-        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path), "PYTHONUNBUFFERED": "1"}
-        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cuvild", "--config", str(self.config_path)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        if wait:
-            self.wait_for("READY=1")
-            self.ready_s = time.perf_counter() - t0
-        return self
-
-    def wait_for(self, needle: str, timeout: float = START_TIMEOUT_S) -> str:
-        deadline = time.monotonic() + timeout
-        self.notify.settimeout(0.1)
-        while time.monotonic() < deadline:
-            try:
-                self.messages.append(self.notify.recv(4096).decode())
-            except TimeoutError:
-                assert self.proc is not None
-                if self.proc.poll() is not None:  # exited and nothing left to read
-                    break
-            for message in self.messages:
-                if needle in message:
-                    return message
-        raise AssertionError(f"no {needle!r} from cuvild (exit {self.proc and self.proc.poll()})"
-                             f" within {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def signal(self, sig: signal.Signals) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.notify.close()
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if DAEMON_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.daemon)
 
 
 @pytest.fixture(scope="session")
@@ -137,23 +37,6 @@ def sock_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="cuvil-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def daemon_config(workdir: Path, state_dir: Path, sock_dir: Path,
-                  **extra: Any) -> dict[str, Any]:
-    config = {
-        "listen": {"unix": str(sock_dir / f"{uuid.uuid4().hex[:8]}.sock")},
-        "state_dir": str(state_dir),
-        "cache_dir": str(workdir / "cache"),
-        "log_level": "debug",
-        "devices": two_core_layout(),
-    }
-    for key, value in extra.items():  # sections merge, so listen={"tcp": ...} keeps the socket
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
-            config[key] = {**config[key], **value}
-        else:
-            config[key] = value
-    return config
 
 
 @pytest.fixture

@@ -110,6 +110,8 @@ def load_or_measure(state_dir: Path, settings: dict[str, Any],
     t0 = time.perf_counter()
     fp = hardware.fingerprint(settings)
     path = cache_path(state_dir, fp)
+    for leftover in path.parent.glob(".tmp-*"):  # a crash mid-write
+        leftover.unlink(missing_ok=True)
     if not refresh and path.exists():
         try:
             cached = json.loads(path.read_text())

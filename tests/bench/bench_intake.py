@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-# The repo root first (tests/cuvild must not shadow the cuvild package), tests/ for conftest.
+# The repo root first (tests/runtimes, tests/partitioner must not shadow the packages), tests/
+# for daemons.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from conftest import DaemonProcess, daemon_config  # noqa: E402
+from daemons import DaemonProcess, daemon_config  # noqa: E402
 
 import cuvild  # noqa: E402
 from cuvild.client import Client  # noqa: E402

@@ -34,7 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# The repo root first (tests/cuvild must not shadow the cuvild package), tests/ for conftest.
+# The repo root first (tests/runtimes, tests/partitioner must not shadow the packages), tests/
+# for daemons.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
@@ -300,7 +301,7 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int) -> dict[s
 def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]:
     import torch
     import tritonclient.grpc as grpcclient
-    from conftest import DaemonProcess, daemon_config
+    from daemons import DaemonProcess, daemon_config
 
     from cuvild.client import Client
     from cuvild.client.samples import MLP, reference

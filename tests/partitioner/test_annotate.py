@@ -202,7 +202,9 @@ def test_bad_arguments_raise_at_decoration_time(kwargs, named):
 
 @pytest.mark.parametrize("device", ["cpu", "gpu", "npu", "cpu0", "gpu1", "npu12", None])
 def test_good_devices_accepted(device):
-    partition(device=device)
+    lin = partition(device=device)(nn.Linear(4, 2))
+    got = annotations(export(lin, (torch.randn(3, 4),)))
+    assert got == {"linear": {"device": device, "precision": None, "strict": True}}
 
 
 def test_eager_outputs_unchanged():

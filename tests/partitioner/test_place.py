@@ -138,14 +138,16 @@ def test_placed_plans_are_acyclic_and_no_worse_than_one_device(n: int, seed: int
 
 
 def test_fragments_below_break_even_are_merged_or_explained() -> None:
-    for seed in range(3):
+    kept = 0
+    for seed in range(6):  # seeds 1, 2, 4 and 5 keep fragments the merge would make slower
         model = CostModel(random_dag(40, seed), DEVICES)
         placement = place(model)
-        names = {model.graph.nodes[v].name for v in range(model.n)}
         for p in fragments(model, placement.schedule):
             first = model.graph.nodes[placement.schedule.parts[p].nodes[0]].name
-            assert first in names
-            assert any("stays on" in note and first in note for note in placement.notes)
+            assert any("stays on" in note and first in note for note in placement.notes), \
+                (seed, first, placement.notes)
+            kept += 1
+    assert kept >= 3  # the check above really ran
 
 
 # ---- annotations --------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ import cuvild
 from cuvild.client import Client
 from protos import cuvil_pb2, cuvil_pb2_grpc
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's helpers
-from conftest import worker_processes  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
+from daemons import worker_processes  # noqa: E402
 
 
 class Head(torch.nn.Module):

@@ -71,5 +71,14 @@ def test_shipped_configs_are_valid(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    for name in ("cuvild.yaml", "demo.yaml"):
-        config.load(ROOT / "configs" / name)
+    shipped = config.load(ROOT / "configs" / "cuvild.yaml")
+    defaults = config.parse({})
+    assert shipped.unix_socket == str(tmp_path / "cuvild" / "cuvild.sock") and shipped.tcp is None
+    assert shipped.emulated == [] and shipped.cpu_enabled and shipped.cpu_cores is None
+    # the shipped config spells out the defaults; nothing in it differs from them
+    assert {k: v for k, v in vars(shipped).items() if k != "path"} == \
+        {k: v for k, v in vars(defaults).items() if k != "path"}
+    demo = config.load(ROOT / "configs" / "demo.yaml")
+    assert demo.cpu_cores == [0]
+    assert [(d.id, d.kind, d.runtime, d.cores) for d in demo.emulated] == \
+        [("npu0", "npu", "openvino", [1])]

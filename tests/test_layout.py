@@ -1,0 +1,160 @@
+"""The layout holds: imports run one way between the rooms of the code, no module is in an
+import circle, and no source file outgrows a sitting.
+
+Every import statement counts, wherever it stands: at the top, inside a function, under
+`if TYPE_CHECKING:`. A lazy import is still a dependency, and a circle through one is still a
+circle for the reader.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("cuvild", "partitioner", "runtimes", "protos")
+MAX_LINES = 600
+
+# Which rooms a room may import, besides itself. A room is a package, or for the top of
+# cuvild/ (its __init__ and config) "cuvild", and for the entry point "cuvild.__main__".
+# serve -> engine -> intake -> partitioner; engine -> runtimes; client -> protos, config,
+# the engine's arena and dtype table. Only the modules named here with a dot after a room
+# (cuvild.engine.arena) are open to rooms that may not import the whole of it.
+ALLOWED: dict[str, set[str]] = {
+    "cuvild.__main__": {"cuvild.serve"},
+    "cuvild": {"partitioner"},  # `from cuvild import partition, export`, lazily
+    "cuvild.serve": {"cuvild", "cuvild.engine", "cuvild.intake", "partitioner", "runtimes",
+                     "protos"},
+    "cuvild.engine": {"cuvild.intake", "partitioner", "runtimes"},
+    # the registry persists with runtimes.base.write_atomic, the one atomic-write helper
+    "cuvild.intake": {"partitioner", "runtimes.base"},
+    # cuvilctl plans a local .pt2 offline: it opens it with the safe loader
+    "cuvild.client": {"cuvild", "cuvild.engine.arena", "cuvild.engine.dtypes",
+                      "cuvild.intake.safe_load", "partitioner", "protos"},
+    "runtimes": {"partitioner"},
+    "partitioner": set(),
+    "protos": set(),
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The project modules `path` imports (for `from a import b`, a.b when that is a
+    module, else a)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t.split(".")[0] in PACKAGES and t in known)
+    found.discard(name)
+    return found
+
+
+def room(module: str) -> str:
+    if module == "cuvild.__main__":
+        return module
+    parts = module.split(".")
+    if parts[0] == "cuvild":
+        return "cuvild." + parts[1] if len(parts) > 1 and parts[1] in {
+            "serve", "engine", "intake", "client"} else "cuvild"
+    return parts[0]
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(path, name, set(found)) for name, path in found.items()}
+
+
+def opens(allowed: set[str], target: str) -> bool:
+    return any(target == a or target.startswith(a + ".") for a in allowed)
+
+
+def test_imports_run_one_way_between_rooms() -> None:
+    wrong = []
+    for module, targets in sorted(graph().items()):
+        mine = room(module)
+        assert mine in ALLOWED, f"{module}: room {mine} is not in ALLOWED"
+        for target in sorted(targets):
+            theirs = room(target)
+            if theirs != mine and not opens(ALLOWED[mine], target):
+                wrong.append(f"{module} imports {target} ({mine} -> {theirs})")
+    assert not wrong, "imports against the direction of the rooms:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles() -> None:
+    edges = graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not cycles, "modules that import each other, directly or around a circle:\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_walk_sees_what_it_checks() -> None:
+    """Guard against a walk that passes because it finds nothing."""
+    edges = graph()
+    assert "cuvild.engine.orders" in edges["cuvild.engine.worker"]
+    assert "cuvild.intake.safe_load" in edges["cuvild.engine.engine"]  # a function-level one
+    assert "cuvild.engine.models" in edges["cuvild.serve.control"]  # under TYPE_CHECKING
+    assert room("cuvild.config") == "cuvild" and room("cuvild.serve.oip") == "cuvild.serve"
+
+
+def test_no_source_file_is_over_600_lines() -> None:
+    long = []
+    for folder in (*PACKAGES, "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue
+            n = len(path.read_text().splitlines())
+            if n > MAX_LINES:
+                long.append(f"{path.relative_to(ROOT)}: {n} lines")
+    assert not long, f"files over {MAX_LINES} lines:\n" + "\n".join(long)
