@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Sequence
 
+from partitioner.corrections import Corrections
 from partitioner.costgraph import PRECISIONS, CostGraph, CostNode
 from partitioner.profile import DeviceProfile
 
@@ -42,6 +43,7 @@ class CostModel:
         devices: Sequence[DeviceProfile],
         objective: str = "latency",
         support: dict[str, Support] | None = None,
+        corrections: Corrections | None = None,
     ) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -56,11 +58,20 @@ class CostModel:
             [(u, graph.edge_bytes[(u, v)]) for u in graph.preds[v]] for v in range(self.n)
         ]
         self.is_host = [d.kind == "cpu" for d in devices]
-        self.launch_ms = [d.launch_us / 1e3 for d in devices]
+        # What measured parts taught (partitioner/corrections.py): each device at the speed
+        # of the runtime `auto` would pick for a node's class, and its call overhead.
+        self.corrections = corrections or Corrections()
+        self.launch_ms = [self.corrections.best_overhead_ms(d.id, d.runtimes, d.launch_us / 1e3)
+                          for d in devices]
         self._links()
         self.precisions = [None, *PRECISIONS]
         self.prec = [self.precisions.index(_precision(node)) for node in graph.nodes]
-        self.node_ms = [[self._node_ms(node, dev) for dev in devices] for node in graph.nodes]
+        # roofline_ms is the profile's prediction; node_ms adds the learned scale
+        self.roofline_ms = [[self._node_ms(node, dev) for dev in devices] for node in graph.nodes]
+        self.node_ms = [
+            [ms * self.corrections.best_scale(dev.id, dev.runtimes, node.category)
+             for ms, dev in zip(row, devices, strict=True)]
+            for row, node in zip(self.roofline_ms, graph.nodes, strict=True)]
         self._support(support or {})
         self._constraints()
         self._io()
@@ -76,7 +87,7 @@ class CostModel:
         # integer/bool/scalar ops run at the fp32 rate; a device listing neither the dtype
         # nor fp32 gets its slowest listed rate, never an optimistic one
         peak = dev.peak_gflops.get(dtype) or dev.peak_gflops.get("fp32")
-        peak = peak or min(dev.peak_gflops.values())
+        peak = (peak or min(dev.peak_gflops.values())) * dev.efficiency.get(node.category, 1.0)
         moved = node.bytes_read + node.bytes_written
         if node.annotation and node.annotation.precision and node.dtype in BYTES_PER:
             moved = moved * BYTES_PER[node.annotation.precision] / BYTES_PER[node.dtype]

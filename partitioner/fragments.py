@@ -2,9 +2,10 @@
 
 A part is below break-even when its work is less than its device's launch overhead plus the
 copies between it and other parts. Such a part moves onto a neighbour's device unless the
-whole plan then gets more than FRAGMENT_TOLERANCE slower: a fragment that pays for itself in
-the plan (it saves copying a graph output back, or runs beside a longer branch) stays, and a
-note says what merging it would cost.
+whole plan then gets more than FRAGMENT_TOLERANCE slower than before any merge (the merges
+together cost at most that much): a fragment that pays for itself in the plan (it saves
+copying a graph output back, or runs beside a longer branch) stays, and a note says what
+merging it would cost.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def merge_fragments(
     settled: set[tuple[int, ...]] = set()
     batch = model.n > BATCH_ABOVE
     schedule = simulate(model, assign)
+    limit = schedule.value * (1 + FRAGMENT_TOLERANCE) + EPS  # for all the merges together
     for _ in range(max_rounds):
         todo = [p for p in fragments(model, schedule)
                 if tuple(schedule.parts[p].nodes) not in settled]
@@ -61,7 +63,7 @@ def merge_fragments(
             if target is None:
                 notes.append(f"fragment of {what} stays on {here}: no neighbour may run it")
                 continue
-            if not batch and value > schedule.value * (1 + FRAGMENT_TOLERANCE) + EPS:
+            if not batch and value > limit:
                 notes.append(
                     f"fragment of {what} stays on {here} below break-even: merging it into "
                     f"{model.devices[target].id} makes the plan {value - schedule.value:.4f} ms "
@@ -74,7 +76,7 @@ def merge_fragments(
             notes.append(f"merged fragment of {what} from {here} into "
                          f"{model.devices[target].id}{change}")
         merged = simulate(model, trial)
-        if merged.value <= schedule.value * (1 + FRAGMENT_TOLERANCE) + EPS:
+        if merged.value <= limit:
             assign, schedule = trial, merged
         elif batch:
             notes.append("merging the remaining fragments would make the plan slower: kept")

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partitioner.corrections import Corrections
 from partitioner.cost import CostModel, Support
 from partitioner.costgraph import CostGraph
 from partitioner.place import place
@@ -33,6 +34,9 @@ class Part:
     gflops: float = 0.0
     start_ms: float = 0.0
     finish_ms: float = 0.0
+    # The profile's (roofline) ms of the part's nodes per op class, before any correction:
+    # what a measured part teaches the corrections with, and what they re-price it from.
+    class_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,13 +79,16 @@ def plan_model(
     objective: str = "latency",
     support: dict[str, Support] | None = None,
     method: str = "auto",
+    corrections: Corrections | None = None,
 ) -> Plan:
     """Plan a model (ExportedProgram or CostGraph) on devices (profiles, dicts or a YAML path).
 
     `objective` is "latency" (one request end to end) or "throughput" (pipeline period).
     `support` maps a device id to a predicate on CostNode (True: the device can run it; the
     node's `fx_node` is the graph node when the graph came from a program) or a collection
-    of op names it cannot run; devices without an entry run everything.
+    of op names it cannot run; devices without an entry run everything. `corrections` are
+    what measured parts taught the cost model (partitioner/corrections.py); the plan's notes
+    say which applied.
     Raises PlacementError when a strict annotation cannot be honoured or no device can run
     a node, ValueError on bad profiles or arguments.
     """
@@ -90,10 +97,16 @@ def plan_model(
         devices = load_profiles(devices)
     elif any(isinstance(d, dict) for d in devices):
         devices = profiles_from_data([d if isinstance(d, dict) else d.to_dict() for d in devices])
-    cost = CostModel(graph, devices, objective, support)
+    cost = CostModel(graph, devices, objective, support, corrections)
     placement = place(cost, method)
-    return build_plan(cost, placement.assign, placement.notes, placement.method,
+    plan = build_plan(cost, placement.assign, placement.notes, placement.method,
                       placement.proven_optimal)
+    if corrections:
+        used = [line for dev in sorted({p.device for p in plan.parts})
+                for line in corrections.describe(dev)]
+        if used:
+            plan.notes.append("cost corrections learned from measured parts: " + "; ".join(used))
+    return plan
 
 
 def build_plan(
@@ -110,8 +123,11 @@ def build_plan(
     for p, timing in enumerate(schedule.parts):
         dev = devices[timing.device]
         names = []
+        class_ms: dict[str, float] = {}
         for v in timing.nodes:
             names += [graph.nodes[v].name, *graph.nodes[v].aliases]
+            cls = graph.nodes[v].category
+            class_ms[cls] = class_ms.get(cls, 0.0) + cost.roofline_ms[v][timing.device]
         parts.append(Part(
             id=f"p{p}",
             device=dev.id,
@@ -122,6 +138,7 @@ def build_plan(
             gflops=sum(graph.nodes[v].flops for v in timing.nodes) / 1e9,
             start_ms=timing.start_ms,
             finish_ms=timing.finish_ms,
+            class_ms={c: ms for c, ms in sorted(class_ms.items()) if ms > 0},
         ))  # fmt: skip
     cuts = []
     for c in sorted(schedule.cuts, key=lambda c: (c.src != HOST, c.src, c.dst == HOST, c.dst)):

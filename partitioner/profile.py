@@ -43,6 +43,9 @@ class DeviceProfile:
     runtimes: list[str] = field(default_factory=list)  # compile paths that can target it
     cores: list[int] = field(default_factory=list)  # host cores its worker is pinned to
     features: list[str] = field(default_factory=list)  # ISA / capability flags
+    # op class (partitioner/flops.py category) -> share of the matmul peak its kernels reach,
+    # as probed (e.g. conv 0.6); classes not listed run at the peak
+    efficiency: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -136,6 +139,10 @@ def _profile(entry: Any, where: str) -> DeviceProfile:
     for dtype, value in peaks.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{where}: key 'peak_gflops.{dtype}' must be a number > 0")
+    eff = entry.get("efficiency", {})
+    if not isinstance(eff, dict) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in eff.values()):
+        raise ValueError(f"{where}: key 'efficiency' must map op class -> a share > 0, got {eff!r}")
     for key in _LIST_KEYS:
         if key in entry and not isinstance(entry[key], list):
             raise ValueError(f"{where}: key {key!r} must be a list, got {entry[key]!r}")

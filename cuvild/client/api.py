@@ -54,6 +54,7 @@ def profile_dict(dev: cuvil_pb2.DeviceProfile) -> dict[str, Any]:
         "mem_bw_gbs": dev.mem_bw_gbs, "link_bw_gbs": dev.link_bw_gbs,
         "link_latency_us": dev.link_latency_us, "launch_us": dev.launch_us,
         "runtimes": list(dev.runtimes), "cores": list(dev.cores), "features": list(dev.features),
+        "efficiency": dict(sorted(dev.efficiency.items())),
     }
 
 

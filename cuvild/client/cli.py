@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--profile", help="device profiles YAML: plan offline for that machine")
     part.add_argument("--objective", choices=("latency", "throughput"), default="latency")
     part.add_argument("--replan", action="store_true",
-                      help="for a served model: plan again now instead of showing its plan")
+                      help="for a served model: plan again now, with what its measured parts "
+                           "taught the cost model, and show what moved")
     part.add_argument("--json", action="store_true", help="machine-readable output")
     part.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz DOT")
     part.add_argument("--svg", metavar="OUT.svg", help="render the plan (needs Graphviz)")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.arena import Arena, Block
+from cuvild.engine.corrections import CorrectionStore
 from cuvild.engine.handle import WorkerDied, WorkerHandle
 from cuvild.engine.layout import (
     BadInput,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 __all__ = ["BadInput", "Engine", "InferError", "LoadedModel", "Route"]
+FEEDBACK_RUNS = 20  # a part's measured runs that teach the cost model (once per load)
 
 
 class InferError(RuntimeError):
@@ -62,6 +64,7 @@ class Route:
     runtime: str = ""
     built: Built | None = None
     measured_ms: list[float] = field(default_factory=list)
+    fed_back: bool = False  # its measurements have taught the cost model
 
 
 @dataclass
@@ -93,7 +96,8 @@ class LoadedModel:
 class Engine:
     def __init__(self, devices: Sequence[DeviceProfile], cache_dir: Path, arena: Arena,
                  in_process: bool = False, max_in_flight: int = 4,
-                 build_timeout_s: float = 600.0, compile_timeout_s: float = 300.0) -> None:
+                 build_timeout_s: float = 600.0, compile_timeout_s: float = 300.0,
+                 corrections_path: Path | None = None) -> None:
         self.devices = {d.id: d for d in devices}
         self.cache_dir = cache_dir
         self.arena = arena
@@ -108,6 +112,7 @@ class Engine:
         self._usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
         self.build_timeout_s = build_timeout_s
         self.compile_timeout_s = compile_timeout_s
+        self.corrections = CorrectionStore(corrections_path)
 
     def support(self) -> dict[str, Any]:
         """Per device, whether one of its runtimes can run a node: ops no runtime of a device
@@ -154,9 +159,10 @@ class Engine:
         from partitioner.split import split_program
 
         ep = load_exported_program(archive)
+        corrections = self.corrections.snapshot()
         if plan is None:
             plan = plan_model(ep, list(self.devices.values()), objective=objective,
-                              support=self.support())
+                              support=self.support(), corrections=corrections)
         split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
         dynamic = dynamic_dims(ep)
         if dynamic:  # laid out and built per concrete shape, on first use
@@ -180,8 +186,34 @@ class Engine:
             route = next((r for r in model.routes if r.id == part.id), None)
             if route is not None:
                 part.runtime = route.runtime
+                if part.class_ms:  # and its time on that runtime, with what was learned
+                    part.predicted_ms = corrections.price(
+                        part.device, part.runtime, part.class_ms, self._launch_ms(part.device))
         self.models[key] = model
         return model
+
+    def _launch_ms(self, device: str) -> float:
+        return self.devices[device].launch_us / 1e3
+
+    def feedback(self, key: str, min_runs: int = 3) -> int:
+        """Teach the cost model what model `key`'s parts measured (their median time on the
+        runtime each runs on); returns how many parts taught it. Control path: the data path
+        only submits it, once per part and load, when a part reaches FEEDBACK_RUNS."""
+        model = self.models.get(key)
+        if model is None or model.base_key:  # a bucket's parts are not the plan's shapes
+            return 0
+        parts = {p.id: p for p in model.plan.parts}
+        taught = []
+        for route in model.routes:
+            part = parts.get(route.id)
+            runs = sorted(route.measured_ms)
+            if part is None or not part.class_ms or len(runs) < min_runs:
+                continue
+            taught.append((route.device, route.runtime, part.class_ms,
+                           self._launch_ms(route.device), runs[len(runs) // 2]))
+            route.fed_back = True
+        self.corrections.learn(taught)
+        return len(taught)
 
     @staticmethod
     def _routes(plan: Plan, split: SplitProgram) -> list[Route]:
@@ -351,6 +383,9 @@ class Engine:
                 return f"part {route.id} on {route.device} ({route.runtime}) failed: {reply.error}"
             route.measured_ms.append(reply.result.run_ms)  # type: ignore[union-attr]
             del route.measured_ms[:-100]
+            if len(route.measured_ms) == FEEDBACK_RUNS and not route.fed_back:
+                route.fed_back = True
+                self.corrections.later(self.feedback, model.key)
             ready.update(route.outputs)
             return None
 

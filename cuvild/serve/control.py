@@ -32,24 +32,8 @@ def profile_to_pb(dev: DeviceProfile) -> cuvil_pb2.DeviceProfile:
         memory_gb=dev.memory_gb, peak_gflops=dev.peak_gflops, mem_bw_gbs=dev.mem_bw_gbs,
         link_bw_gbs=dev.link_bw_gbs, link_latency_us=dev.link_latency_us,
         launch_us=dev.launch_us, runtimes=dev.runtimes, cores=dev.cores, features=dev.features,
+        efficiency=dev.efficiency,
     )
-
-
-def calibrate(devices: list[DeviceProfile], stats: dict) -> list[DeviceProfile]:
-    """Scale each device's speed by measured / predicted time of the parts it ran, so a
-    re-plan uses what the engine saw rather than what the micro-benchmarks promised."""
-    import dataclasses
-
-    out = []
-    for dev in devices:
-        runs = [s for s in stats.values() if s["device"] == dev.id and s["measured_ms"]
-                and s["predicted_ms"] > 0]
-        factor = (sum(s["measured_ms"] for s in runs) / sum(s["predicted_ms"] for s in runs)
-                  if runs else 1.0)
-        out.append(dataclasses.replace(
-            dev, peak_gflops={k: v / factor for k, v in dev.peak_gflops.items()},
-            mem_bw_gbs=dev.mem_bw_gbs / factor))
-    return out
 
 
 def record_to_pb(record: ModelRecord) -> cuvil_pb2.ModelSummary:
@@ -205,11 +189,14 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                                          dot=report.to_dot(plan))
 
     def _replan(self, served, objective: str):  # noqa: ANN001, ANN202
+        """A fresh plan, priced with what measured parts taught the cost model (this model's
+        own measurements first, when it has served requests)."""
         from cuvild.intake.safe_load import load_exported_program
         from partitioner.plan import plan_model
 
+        engine = self._models.engine
         ep = load_exported_program(self._registry.archive_path(served.record.sha256))
-        devices = self._profiles().devices
-        if served.loaded is not None:  # profile-guided: devices scaled by what was measured
-            devices = calibrate(devices, self._models.engine.stats(served.key))
-        return plan_model(ep, devices, objective=objective)
+        if served.loaded is not None:
+            engine.feedback(served.key)
+        return plan_model(ep, self._profiles().devices, objective=objective,
+                          support=engine.support(), corrections=engine.corrections.snapshot())

@@ -166,11 +166,14 @@ class Daemon:
         for name in reclaim_stale():
             log.info("reclaimed shared memory %s left by a stopped daemon", name)
         self.arena = Arena(str(os.getpid()))
-        engine = Engine(self.current_profiles().devices, self.cfg.cache_dir, self.arena,
+        profiles = self.current_profiles()
+        engine = Engine(profiles.devices, self.cfg.cache_dir, self.arena,
                         max_in_flight=self.cfg.max_in_flight,
                         in_process=self.cfg.workers == "thread",
                         build_timeout_s=max(600.0, 4 * self.cfg.compile_timeout_s),
-                        compile_timeout_s=self.cfg.compile_timeout_s)
+                        compile_timeout_s=self.cfg.compile_timeout_s,
+                        corrections_path=self.cfg.state_dir / "corrections"
+                        / f"{profiles.fingerprint}.json")
         self.models = ModelManager(self.registry, engine, self.cfg.objective)
         self.regions = Regions(self.cfg.shm_allowed_uids)
 

@@ -79,13 +79,23 @@ def _disjoint(specs: list[dict[str, Any]]) -> bool:
     return True
 
 
-def measure(settings: dict[str, Any]) -> list[DeviceProfile]:
-    """Run the micro-benchmarks for the host devices and every emulated device."""
+def measure(settings: dict[str, Any]) -> tuple[list[DeviceProfile], dict[str, Any]]:
+    """Run the micro-benchmarks for the host devices and every emulated device. Returns the
+    profiles and, per device, what each runtime's probes measured (GFLOP/s, spread)."""
     specs = _specs(settings)
     workers = len(specs) if _disjoint(specs) else 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(_measure_one, specs))
-    return [DeviceProfile.from_dict(d) for group in results for d in group]
+        results = [d for group in pool.map(_measure_one, specs) for d in group]
+    probed = {d["id"]: d.pop("probe") for d in results if d.get("probe")}
+    for d in results:
+        for runtime, why in d.pop("probe_errors", {}).items():
+            log.warning("%s: the %s probe failed, its kernels are not in the profile: %s",
+                        d["id"], runtime, why)
+    for dev_id, found in probed.items():
+        log.info("%s probes (GFLOP/s, spread): %s", dev_id, "; ".join(
+            f"{rt} {key} {gflops:.0f} ({spread:.0%})" for rt, results in found.items()
+            for key, (gflops, spread) in results.items()))
+    return [DeviceProfile.from_dict(d) for d in results], probed
 
 
 def _apply_overrides(devices: list[DeviceProfile],
@@ -121,8 +131,9 @@ def load_or_measure(state_dir: Path, settings: dict[str, Any],
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("ignoring unreadable profile cache %s: %s", path, e)
     log.info("measuring devices (fingerprint %s)", fp)
-    devices = measure(settings)
+    devices, probed = measure(settings)
     write_atomic(path, json.dumps({"fingerprint": fp, "measured_at": time.time(),
-                                   "devices": [d.to_dict() for d in devices]}, indent=1).encode())
+                                   "devices": [d.to_dict() for d in devices],
+                                   "probes": probed}, indent=1).encode())
     devices = _apply_overrides(devices, overrides or {})
     return ProfileResult(devices, "measured", time.perf_counter() - t0, fp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -15,9 +16,10 @@ import torch
 import cuvild
 from cuvild.client.samples import MLP, Encoder, ResNet18
 from cuvild.engine.arena import SHM_DIR, Arena
-from cuvild.engine.engine import BadInput, Engine, InferError
+from cuvild.engine.engine import FEEDBACK_RUNS, BadInput, Engine, InferError
 from cuvild.engine.orders import Unload
 from cuvild.intake.summary import summarize
+from partitioner.corrections import Corrections
 from partitioner.plan import Part, Plan
 from partitioner.profile import DeviceProfile
 
@@ -170,3 +172,43 @@ def test_dynamic_batch_builds_per_shape_and_checks_the_range(engine, tmp_path):
     with pytest.raises(BadInput, match="dim 1 must be 32"):
         engine.infer("dyn", (torch.randn(2, 31),))
     assert engine.arena.in_use() == 0
+
+
+def test_measured_parts_teach_the_cost_model_and_survive_a_restart(tmp_path):
+    """FEEDBACK_RUNS requests teach the corrections (on their own thread, kept on disk); an
+    engine started on the same file plans with them, and its plan says so."""
+    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"],
+                        peak_gflops={"fp32": 5000.0}, mem_bw_gbs=500.0, link_bw_gbs=50.0,
+                        launch_us=1.0)  # a profile far too fast: the parts must teach it
+    path = tmp_path / "corrections" / "fingerprint.json"
+    model, (x,) = reference_models()["mlp"]
+    ep = cuvild.export(model, (x,))
+    archive = tmp_path / "mlp.pt2"
+    torch.export.save(ep, archive)
+    specs = summarize(ep)["inputs"]
+    arena = Arena(f"{os.getpid()}-learn")
+    try:
+        engine = Engine([cpu], tmp_path / "cache", arena, corrections_path=path)
+        first = engine.prepare("mlp", "mlp", "1", archive, specs)
+        for _ in range(FEEDBACK_RUNS):
+            engine.infer("mlp", (x,))
+        deadline = time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine.close()
+        learned = Corrections.from_dict(json.loads(path.read_text()))
+        assert learned.describe("cpu0")
+        assert not any(n.startswith("cost corrections") for n in first.plan.notes)
+        (route,) = first.routes
+        (part,) = first.plan.parts
+        measured = sorted(route.measured_ms)[len(route.measured_ms) // 2]
+        assert learned.price("cpu0", "torch", part.class_ms, 1e-3) == pytest.approx(
+            measured, rel=0.01)
+        again = Engine([cpu], tmp_path / "cache", arena, corrections_path=path)
+        second = again.prepare("mlp", "mlp", "1", archive, specs)
+        again.close()
+        assert any(n.startswith("cost corrections learned") for n in second.plan.notes)
+        assert second.plan.parts[0].predicted_ms == pytest.approx(measured, rel=0.01)
+        assert part.predicted_ms < 0.5 * measured  # what the profile alone predicted
+    finally:
+        arena.close()

@@ -21,6 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from cuvild.client import Client
 from protos import inference_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
@@ -90,6 +91,24 @@ def test_demo_runs_as_two_parts_on_two_devices(env):
     line = next((ln for ln in env.daemon.log().splitlines() if "model demo:1 ready" in ln), "")
     devices = {m.group(1) for m in re.finditer(r"@([\w.-]+)/", line)}
     assert len(devices) == 2, line  # e.g. "p0@npu0/openvino, p1@cpu0/openvino"
+
+
+def test_replan_prices_parts_with_what_they_measured(env, triton):
+    """--replan teaches the cost model the served parts' measured times first: the fresh
+    plan says which corrections it used, and a part it keeps where it was is predicted at
+    what it measured."""
+    served = env.models["demo"]
+    for _ in range(5):
+        raw_infer(triton, served)
+    with Client(env.daemon.target, timeout=120) as client:
+        before = client.plan("demo")
+        after = client.plan("demo", replan=True)
+    notes = [n for n in after["plan"]["notes"] if n.startswith("cost corrections learned")]
+    assert notes and "npu0/openvino" in notes[0], after["plan"]["notes"]
+    measured = {p: m["measured_ms"] for p, m in before["measured"].items()}
+    assert all(ms is not None and ms > 0 for ms in measured.values()), before["measured"]
+    backbone = next(p for p in after["plan"]["parts"] if p["device"] == "npu0")
+    assert backbone["predicted_ms"] == pytest.approx(measured["p0"], rel=0.5)
 
 
 # -- 3. typed contents (tritonclient never sends them: through our generated stub) ----------
