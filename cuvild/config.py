@@ -61,6 +61,8 @@ class Config:
     objective: str = "latency"
     compile_timeout_s: float = 300.0
     workers: str = "process"
+    precision: str = "fp32"  # the precision policy of a model loaded without one
+    max_error: float = 0.01  # the error budget of "auto" when a load gives none
 
     def device_settings(self) -> dict[str, Any]:
         """The settings that change what the profiler measures (part of the cache key)."""
@@ -94,7 +96,8 @@ _SCHEMA: dict[str, Any] = {
     },
     "shm": {"allowed_uids": (list, []), "allow_tcp_clients": (bool, False)},
     "engine": {"max_in_flight": (int, 4), "objective": (str, "latency"),
-               "compile_timeout_s": ((int, float), 300), "workers": (str, "process")},
+               "compile_timeout_s": ((int, float), 300), "workers": (str, "process"),
+               "precision": (str, "fp32"), "max_error": ((int, float), 0.01)},
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -281,6 +284,11 @@ def parse(data: Any, path: str = "<memory>") -> Config:
                           f"{eng['workers']!r}")
     if eng["max_in_flight"] <= 0 or eng["compile_timeout_s"] <= 0:
         raise ConfigError("engine", "max_in_flight and compile_timeout_s must be positive")
+    if eng["precision"] not in ("fp32", "auto"):
+        raise ConfigError("engine.precision", f"expected fp32 or auto, got {eng['precision']!r}")
+    if not 0 < eng["max_error"] < 1:
+        raise ConfigError("engine.max_error", f"expected a relative error in (0, 1), got "
+                          f"{eng['max_error']!r}")
     for key in ("max_model_bytes", "max_concurrent_uploads"):
         if raw["limits"][key] <= 0:
             raise ConfigError(f"limits.{key}", f"expected a positive integer, got "
@@ -313,6 +321,8 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         objective=eng["objective"],
         compile_timeout_s=float(eng["compile_timeout_s"]),
         workers=eng["workers"],
+        precision=eng["precision"],
+        max_error=float(eng["max_error"]),
     )
 
 

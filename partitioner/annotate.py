@@ -6,7 +6,8 @@ own code, where it survives refactors, instead of in a side table keyed by node 
 change from one export to the next.
 
 How: the annotated region runs under ``torch.fx.traceback.annotate``, so every graph node traced
-inside it gets ``node.meta["custom"][ANNOTATION_KEY] = {"device", "precision", "strict"}``.
+inside it gets ``node.meta["custom"][ANNOTATION_KEY] = {"device", "precision", "strict"}`` (and
+``"max_error"`` when a region sets one for ``precision="auto"``).
 ``meta["custom"]`` is where torch keeps user metadata: unlike a key of one's own in ``node.meta``,
 it reaches the nodes ``ExportedProgram.run_decompositions()`` makes and goes through
 ``torch.export.save``/``load`` (for placeholders it does not). Non-strict export
@@ -37,7 +38,7 @@ import re
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from types import MethodType
-from typing import Any, TypedDict, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -51,7 +52,9 @@ ANNOTATION_KEY = "cuvil.partition"
 """Key of the annotation inside ``node.meta["custom"]``."""
 
 _DEVICE_RE = re.compile(rf"(?:{'|'.join(KINDS)})\d*")
-_FIELDS = ("device", "precision", "strict")
+_FIELDS = ("device", "precision", "strict", "max_error")
+# "auto": the engine picks the fastest precision whose outputs stay within the error budget
+PRECISIONS = (*DTYPES, "auto")
 _MARK = "__cuvil_partition__"  # on wrapper functions: the request they apply
 
 _T = TypeVar("_T")
@@ -62,20 +65,24 @@ class PartitionAnnotation(TypedDict):
     """What a node carries under ``meta["custom"][ANNOTATION_KEY]``.
 
     ``device``: a kind ("cpu", "gpu", "npu") or a device id ("npu0"); None lets the planner
-    choose. ``precision``: one of ``partitioner.profile.DTYPES``; None lets the planner choose.
-    ``strict``: True if the placement is a requirement, False if only a hint the planner may
-    override when another placement is cheaper.
+    choose. ``precision``: one of ``partitioner.profile.DTYPES``, or "auto" (the fastest
+    precision whose outputs stay within the error budget: ``max_error``, else the model's);
+    None follows the model's precision policy. ``strict``: True if the placement is a
+    requirement, False if only a hint the planner may override when another placement is
+    cheaper.
     """
 
     device: str | None
     precision: str | None
     strict: bool
+    max_error: NotRequired[float]
 
 
 def partition(
     device: str | None = None,
     precision: str | None = None,
     strict: bool | None = None,
+    max_error: float | None = None,
 ) -> Callable[[_T], _T]:
     """Annotate a module class, a module instance or a function with a placement request.
 
@@ -86,7 +93,7 @@ def partition(
     Arguments left as None are inherited from an enclosing annotated region; ``strict`` is True
     when no region sets it. Raises ValueError at decoration time on a bad argument.
     """
-    request = _validated(device, precision, strict)
+    request = _validated(device, precision, strict, max_error)
 
     def apply(target: _T) -> _T:
         if isinstance(target, type) and issubclass(target, nn.Module):
@@ -127,17 +134,26 @@ def annotations(ep: torch.export.ExportedProgram) -> dict[str, PartitionAnnotati
     return found
 
 
-def _validated(device: str | None, precision: str | None, strict: bool | None) -> _Request:
+def _validated(device: str | None, precision: str | None, strict: bool | None,
+               max_error: float | None = None) -> _Request:
     if device is not None and not (isinstance(device, str) and _DEVICE_RE.fullmatch(device)):
         raise ValueError(
             f"partition: device must be None, a kind in {KINDS} or a device id like 'npu0', "
             f"got {device!r}"
         )
-    if precision is not None and precision not in DTYPES:
-        raise ValueError(f"partition: precision must be None or one of {DTYPES}, got {precision!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"partition: precision must be None or one of {PRECISIONS}, "
+                         f"got {precision!r}")
     if strict is not None and not isinstance(strict, bool):
         raise ValueError(f"partition: strict must be None, True or False, got {strict!r}")
-    return {"device": device, "precision": precision, "strict": strict}
+    if max_error is not None and (isinstance(max_error, bool) or not isinstance(
+            max_error, (int, float)) or not 0 < max_error < 1):
+        raise ValueError(f"partition: max_error must be a relative error in (0, 1), got "
+                         f"{max_error!r}")
+    if max_error is not None and precision not in (None, "auto"):
+        raise ValueError(f"partition: max_error bounds precision='auto', not {precision!r}")
+    return {"device": device, "precision": precision, "strict": strict,
+            "max_error": None if max_error is None else float(max_error)}
 
 
 def _overlay(base: Mapping[str, Any] | None, top: Mapping[str, Any]) -> _Request:
@@ -158,6 +174,8 @@ def _region(request: _Request) -> AbstractContextManager[None]:
     value = _overlay(custom.get(ANNOTATION_KEY), request)
     if value["strict"] is None:
         value["strict"] = True
+    if value["max_error"] is None:  # only regions that set one carry it
+        del value["max_error"]
     return fx_traceback.annotate({ANNOTATION_KEY: value})
 
 

@@ -64,7 +64,8 @@ class CostModel:
         self.launch_ms = [self.corrections.best_overhead_ms(d.id, d.runtimes, d.launch_us / 1e3)
                           for d in devices]
         self._links()
-        self.precisions = [None, *PRECISIONS]
+        # a part holds nodes of one precision request: a dtype, "auto" or none
+        self.precisions = [None, *PRECISIONS, "auto"]
         self.prec = [self.precisions.index(_precision(node)) for node in graph.nodes]
         # roofline_ms is the profile's prediction; node_ms adds the learned scale
         self.roofline_ms = [[self._node_ms(node, dev) for dev in devices] for node in graph.nodes]
@@ -83,14 +84,15 @@ class CostModel:
             raise ValueError(f"device {dev.id!r}: peak_gflops is empty")
         if dev.mem_bw_gbs <= 0:
             raise ValueError(f"device {dev.id!r}: mem_bw_gbs must be > 0")
-        dtype = _precision(node) or node.dtype
+        asked = _precision(node)
+        dtype = asked if asked in PRECISIONS else node.dtype  # "auto" is priced as the node's
         # integer/bool/scalar ops run at the fp32 rate; a device listing neither the dtype
         # nor fp32 gets its slowest listed rate, never an optimistic one
         peak = dev.peak_gflops.get(dtype) or dev.peak_gflops.get("fp32")
         peak = (peak or min(dev.peak_gflops.values())) * dev.efficiency.get(node.category, 1.0)
         moved = node.bytes_read + node.bytes_written
-        if node.annotation and node.annotation.precision and node.dtype in BYTES_PER:
-            moved = moved * BYTES_PER[node.annotation.precision] / BYTES_PER[node.dtype]
+        if asked in BYTES_PER and node.dtype in BYTES_PER:
+            moved = moved * BYTES_PER[asked] / BYTES_PER[node.dtype]
         return max(node.flops / (peak * 1e6), moved / (dev.mem_bw_gbs * 1e6))
 
     def _links(self) -> None:

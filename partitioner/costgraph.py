@@ -21,8 +21,9 @@ class Annotation:
     """A user's wish for a node: a device kind ("npu") or id ("npu0"), a precision, strictness."""
 
     device: str | None = None
-    precision: str | None = None
+    precision: str | None = None  # a dtype, or "auto": within the error budget
     strict: bool = True
+    max_error: float | None = None  # the budget of an "auto" region (None: the model's)
 
     @classmethod
     def from_meta(cls, data: Any) -> Annotation | None:
@@ -32,15 +33,21 @@ class Annotation:
             return data
         if not isinstance(data, dict):
             raise ValueError(f"annotation {ANNOTATION_KEY!r} must be a dict, got {data!r}")
-        unknown = set(data) - {"device", "precision", "strict"}
+        unknown = set(data) - {"device", "precision", "strict", "max_error"}
         if unknown:
             raise ValueError(f"annotation {data!r}: unknown keys {sorted(unknown)}")
         precision = data.get("precision")
-        if precision is not None and precision not in PRECISIONS:
-            raise ValueError(f"annotation {data!r}: precision must be one of {PRECISIONS}")
+        if precision is not None and precision not in (*PRECISIONS, "auto"):
+            raise ValueError(f"annotation {data!r}: precision must be one of {PRECISIONS} "
+                             "or 'auto'")
+        max_error = data.get("max_error")
+        if max_error is not None and (isinstance(max_error, bool) or not isinstance(
+                max_error, (int, float)) or not 0 < max_error < 1):
+            raise ValueError(f"annotation {data!r}: max_error must be in (0, 1)")
         if data.get("device") is None and precision is None:
             return None
-        return cls(data.get("device"), precision, bool(data.get("strict", True)))
+        return cls(data.get("device"), precision, bool(data.get("strict", True)),
+                   None if max_error is None else float(max_error))
 
     def describe(self) -> str:
         kind = "strict" if self.strict else "preference"

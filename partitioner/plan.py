@@ -15,7 +15,7 @@ from typing import Any
 
 from partitioner.corrections import Corrections
 from partitioner.cost import CostModel, Support
-from partitioner.costgraph import CostGraph
+from partitioner.costgraph import PRECISIONS, CostGraph
 from partitioner.place import place
 from partitioner.profile import DeviceProfile, load_profiles, profiles_from_data
 from partitioner.schedule import HOST, simulate
@@ -37,6 +37,13 @@ class Part:
     # The profile's (roofline) ms of the part's nodes per op class, before any correction:
     # what a measured part teaches the corrections with, and what they re-price it from.
     class_ms: dict[str, float] = field(default_factory=dict)
+    # The precision request of the part's nodes: "fixed" (a dtype was asked for), "auto"
+    # (the fastest precision within max_error, else the model's budget) or "" (the model's
+    # precision policy decides). `error` is the relative error the part measured at its
+    # precision against torch eager, once it is built (runtimes/base.py relative_error).
+    policy: str = ""
+    max_error: float | None = None
+    error: float | None = None
 
 
 @dataclass
@@ -128,17 +135,23 @@ def build_plan(
             names += [graph.nodes[v].name, *graph.nodes[v].aliases]
             cls = graph.nodes[v].category
             class_ms[cls] = class_ms.get(cls, 0.0) + cost.roofline_ms[v][timing.device]
+        asked = cost.precisions[timing.precision]
+        budgets = [graph.nodes[v].annotation.max_error for v in timing.nodes  # type: ignore
+                   if graph.nodes[v].annotation and graph.nodes[v].annotation.max_error]
         parts.append(Part(
             id=f"p{p}",
             device=dev.id,
             runtime=dev.runtimes[0] if dev.runtimes else "",
-            precision=cost.precisions[timing.precision] or _dominant_dtype(graph, timing.nodes),
+            precision=(asked if asked in PRECISIONS
+                       else _dominant_dtype(graph, timing.nodes)),
             nodes=names,
             predicted_ms=timing.compute_ms,
             gflops=sum(graph.nodes[v].flops for v in timing.nodes) / 1e9,
             start_ms=timing.start_ms,
             finish_ms=timing.finish_ms,
             class_ms={c: ms for c, ms in sorted(class_ms.items()) if ms > 0},
+            policy="auto" if asked == "auto" else "fixed" if asked else "",
+            max_error=min(budgets) if budgets else None,
         ))  # fmt: skip
     cuts = []
     for c in sorted(schedule.cuts, key=lambda c: (c.src != HOST, c.src, c.dst == HOST, c.dst)):

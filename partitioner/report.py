@@ -12,10 +12,13 @@ def explain(plan: Plan) -> str:
     """Parts, cuts, totals and notes as aligned text tables."""
     lines = [f"plan: {len(plan.parts)} part(s), objective {plan.objective}, method {plan.method}"
              + (" (proven optimal)" if plan.proven_optimal else "")]
-    rows = [("part", "device", "runtime", "precision", "nodes", "GFLOPs", "ms", "start", "end")]
+    rows = [("part", "device", "runtime", "precision", "error", "nodes", "GFLOPs", "ms", "start",
+             "end")]
     for p in plan.parts:
-        rows.append((p.id, p.device, p.runtime, p.precision, str(len(p.nodes)), f"{p.gflops:.3f}",
-                     f"{p.predicted_ms:.4f}", f"{p.start_ms:.4f}", f"{p.finish_ms:.4f}"))
+        error = "-" if p.error is None else f"{p.error:.1e}"  # measured, once built
+        rows.append((p.id, p.device, p.runtime, p.precision, error, str(len(p.nodes)),
+                     f"{p.gflops:.3f}", f"{p.predicted_ms:.4f}", f"{p.start_ms:.4f}",
+                     f"{p.finish_ms:.4f}"))
     lines += _table(rows)
     if plan.cuts:
         lines.append("")

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     import torch
     from torch import fx
 
-# Relative error allowed against torch eager, by the part's precision.
+# Relative error allowed against torch eager, by the part's precision (a precision a user
+# asked for); under an error budget (`precision="auto"`), the budget is the bound instead.
 TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "int8": 5e-2}
 
 
@@ -46,6 +47,8 @@ class CompileSpec:
     precision: str = "fp32"
     example_inputs: list[torch.Tensor] = field(default_factory=list)  # real sample inputs
     threads: int = 1
+    # int8: the part's inputs for each calibration sample (post-training quantization)
+    calibration: list[list[torch.Tensor]] = field(default_factory=list)
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return [(str(t.dtype), tuple(t.shape)) for t in self.example_inputs]
@@ -155,3 +158,39 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+# ---- the error metric ------------------------------------------------------------------
+# One definition, used by every check and every report (docs/PRECISION.md): the relative
+# error of outputs against torch eager fp32 is max |y - y_eager| / max |y_eager|, per output,
+# and the worst over all outputs (and, for a model, over all inputs it was checked on).
+
+def relative_error(outputs: Any, expected: Any) -> float:
+    """max |a - b| / max |b|, the worst over the outputs (tensors or sequences of them): 0
+    when equal, infinite when a shape or dtype differs (a runtime that returns the wrong
+    thing is never accurate), and for integer outputs 1 when any element differs."""
+    if not isinstance(outputs, (list, tuple)):
+        outputs, expected = [outputs], [expected]
+    worst = 0.0
+    for out, ref in zip(outputs, expected, strict=True):
+        if out.shape != ref.shape or out.dtype != ref.dtype:
+            return float("inf")
+        if not ref.is_floating_point():
+            worst = max(worst, float((out != ref).any()))
+            continue
+        scale = max(ref.abs().max().item(), 1e-12) if ref.numel() else 1.0
+        diff = (out.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+        worst = max(worst, diff / scale)
+    return worst
+
+
+def top1_agreement(outputs: Any, expected: Any) -> float | None:
+    """For classifier-shaped outputs (2-D float, rows of at least two scores), the share of
+    rows whose arg-max matches eager's, the lowest over the outputs; None when none is."""
+    if not isinstance(outputs, (list, tuple)):
+        outputs, expected = [outputs], [expected]
+    shares = [float((out.argmax(-1) == ref.argmax(-1)).float().mean())
+              for out, ref in zip(outputs, expected, strict=True)
+              if ref.dim() == 2 and ref.shape[-1] > 1 and ref.is_floating_point()
+              and out.shape == ref.shape]
+    return min(shares) if shares else None

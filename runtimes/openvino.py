@@ -57,8 +57,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# spec.precision -> INFERENCE_PRECISION_HINT
-PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+# spec.precision -> INFERENCE_PRECISION_HINT. An int8 part is a model NNCF quantized: its
+# FakeQuantize nodes pick the int8 kernels, the ops left unquantized stay in f32.
+PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "f32"}
 MODEL_XML = "part.xml"  # IR; save_model writes part.bin beside it
 BLOB = "part.blob"  # compiled_model.export_model(), for NPU and GPU only
 META = "openvino.json"
@@ -125,7 +126,24 @@ def device_precisions(profile: DeviceProfile) -> tuple[str, ...]:
         found.append("bf16")
     if {"amx_fp16", "avx512_fp16"} & set(profile.features):
         found.append("fp16")
+    found.append("int8")  # the CPU plugin's int8 kernels: AMX, VNNI, else AVX2/AVX-512
     return tuple(found)
+
+
+def quantize(model: ov.Model, calibration: list[list[torch.Tensor]], feed: list[int]) -> ov.Model:
+    """Post-training int8 quantization with NNCF (`nncf.quantize`, its defaults: symmetric
+    weights, per-channel, fast bias correction) calibrated on the part's own inputs."""
+    if not calibration:
+        raise CompileError("openvino: int8 needs calibration inputs (none were given)")
+    import contextlib
+    import io
+
+    import nncf
+
+    nncf.set_log_level(logging.ERROR)
+    samples = [[as_array(sample[i]) for i in feed] for sample in calibration]
+    with contextlib.redirect_stdout(io.StringIO()):  # NNCF's progress bars, not our log
+        return nncf.quantize(model, nncf.Dataset(samples), subset_size=len(samples))
 
 
 def compile_config(device: str, precision: str, threads: int) -> dict[str, Any]:
@@ -187,7 +205,7 @@ class OpenVINOExecutable(Executable):
 class OpenVINORuntime(Runtime):
     name = "openvino"
     kinds = ("cpu", "npu", "gpu")
-    precisions = ("fp32", "bf16", "fp16")
+    precisions = ("fp32", "bf16", "fp16", "int8")
 
     def __init__(self) -> None:
         self._core: ov.Core | None = None
@@ -245,6 +263,8 @@ class OpenVINORuntime(Runtime):
         try:
             model.reshape({k: ov.PartialShape(list(example[i].shape))
                            for k, i in enumerate(feed)})
+            if spec.precision == "int8":
+                model = quantize(model, spec.calibration, feed)
             compiled = self.core.compile_model(model, device, config)
         except Exception as e:
             raise CompileError(f"openvino: compile_model on {device} failed: "

@@ -1,9 +1,12 @@
 """Build one part for its device: pick the runtime, check numerics, use the compile cache.
 
 With `runtime="auto"` every runtime that can target the device and precision is compiled
-(each time-boxed), checked against torch eager within the precision's tolerance, timed, and
-the fastest correct one is kept. The choice and the measured times are recorded in the cache,
-so a restarted daemon loads the winner without compiling or timing anything.
+(each time-boxed), run on the sample inputs (one, or every calibration sample), its relative
+error against torch eager measured (runtimes/base.py `relative_error`), timed, and the
+fastest one within the tolerance is kept: the precision's (`TOLERANCE`), or the error budget
+the caller gives. Every candidate's time and error are recorded in the cache whatever the
+tolerance, so a restarted daemon, or a load with another budget, picks again from the record
+and loads the winner without compiling or timing anything.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from torch import fx
 
 from partitioner.profile import DeviceProfile
 from runtimes import registry
-from runtimes.base import TOLERANCE, CompileError, CompileSpec, Executable, RuntimeUnavailable
+from runtimes.base import (
+    TOLERANCE,
+    CompileError,
+    CompileSpec,
+    Executable,
+    RuntimeUnavailable,
+    relative_error,
+)
 from runtimes.cache import CompileCache, graph_digest
 
 log = logging.getLogger(__name__)
@@ -37,6 +47,7 @@ class Candidate:
     rel_error: float = 0.0
     median_ms: float = 0.0
     cached: bool = False
+    precision: str = "fp32"
 
 
 @dataclass
@@ -46,26 +57,6 @@ class BuiltPart:
     candidates: list[Candidate] = field(default_factory=list)
     from_cache: bool = False  # True when nothing was compiled
     compiled: list[str] = field(default_factory=list)  # runtimes compiled now
-
-    def report(self) -> dict[str, Any]:
-        return {"runtime": self.runtime, "from_cache": self.from_cache,
-                "candidates": [asdict(c) for c in self.candidates]}
-
-
-def relative_error(outputs: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
-    """max |a - b| / max |b| over all outputs (0 when they are equal; infinite when a shape
-    or dtype differs, so a runtime that returns the wrong thing is never "accurate")."""
-    worst = 0.0
-    for out, ref in zip(outputs, expected, strict=True):
-        if out.shape != ref.shape or out.dtype != ref.dtype:
-            return float("inf")
-        if not ref.is_floating_point():
-            worst = max(worst, float((out != ref).any()))
-            continue
-        scale = max(ref.abs().max().item(), 1e-12) if ref.numel() else 1.0
-        diff = (out.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
-        worst = max(worst, diff / scale)
-    return worst
 
 
 def time_ms(executable: Executable, inputs: Sequence[torch.Tensor]) -> float:
@@ -131,58 +122,83 @@ def placeholder_tensors(part: fx.GraphModule,
     return out
 
 
-Samples = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]
+# () -> (the part's inputs per sample, torch eager's outputs per sample)
+Samples = Callable[[], tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]]
 
 
 def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samples: Samples,
                cache: CompileCache, runtime: str = "auto", timeout_s: float = 300.0,
-               threads: int | None = None,
-               input_shapes: list[list[int]] | None = None) -> BuiltPart:
+               threads: int | None = None, input_shapes: list[list[int]] | None = None,
+               tolerance: float | None = None, cache_tag: str = "") -> BuiltPart:
     """Compile (or load from cache) `part` for `device`; raise CompileError if nothing works.
 
-    `samples()` returns real inputs for the part and torch eager's outputs for them; it is
-    called only when something must be compiled (a cache hit runs nothing).
+    `samples()` returns real inputs for the part and torch eager's outputs for them, one
+    sample or several (int8 calibrates on all of them); it is called only when something
+    must be compiled (a cache hit runs nothing). `tolerance` bounds the relative error (the
+    precision's TOLERANCE by default); `cache_tag` tells apart builds that depend on more
+    than the part (int8: the calibration data).
     """
+    tolerance = TOLERANCE[precision] if tolerance is None else tolerance
     spec = CompileSpec(device=device, precision=precision,
                        example_inputs=placeholder_tensors(part, input_shapes),
                        threads=threads or max(len(device.cores), 1))
-    part_key = cache.part_key(graph_digest(part), device, precision, spec.shapes())
+    key_precision = f"{precision}:{cache_tag}" if cache_tag else precision
+    part_key = cache.part_key(graph_digest(part), device, key_precision, spec.shapes())
     names = candidates_for(device, precision, runtime)
     recorded = cache.choice(part_key)
-    if recorded and recorded["runtime"] in names:
-        built = _load_recorded(part_key, recorded, spec, cache, part)
+    if recorded:
+        built = _load_recorded(part_key, recorded, spec, cache, part, names, tolerance)
         if built is not None:
             return built
-    sample_inputs, expected = samples()
-    spec.example_inputs = list(sample_inputs)
+    inputs, expected = samples()
+    spec.example_inputs, spec.calibration = list(inputs[0]), [list(x) for x in inputs]
     tried: list[Candidate] = []
-    winners: list[tuple[float, str, Executable]] = []
+    executables: dict[str, Executable] = {}
     compiled: list[str] = []
     for name in names:
-        cand, exe = _try(name, part, spec, expected, cache, part_key, timeout_s)
+        cand, exe = _try(name, part, spec, inputs, expected, cache, part_key, timeout_s)
+        cand.precision = precision
         tried.append(cand)
         if exe is not None:
+            executables[name] = exe
             if not cand.cached:
                 compiled.append(name)
-            winners.append((cand.median_ms, name, exe))
-    if not winners:
+    cache.record_choice(part_key, {"candidates": [asdict(c) for c in tried]})
+    accurate = _judge(tried, tolerance)
+    if not accurate:
         reasons = "; ".join(f"{c.runtime}: {c.status} ({c.reason})" for c in tried)
-        raise CompileError(f"no runtime could build this part for {device.id} at {precision}: "
-                           f"{reasons or 'no runtime targets this device'}")
-    _, best, exe = min(winners, key=lambda w: w[0])
-    cache.record_choice(part_key, {"runtime": best, "candidates": [asdict(c) for c in tried]})
-    return BuiltPart(best, exe, tried, from_cache=not compiled, compiled=compiled)
+        error = CompileError(f"no runtime could build this part for {device.id} at "
+                             f"{precision}: {reasons or 'no runtime targets this device'}")
+        error.candidates = tried  # type: ignore[attr-defined] - what was tried, for reports
+        raise error
+    best = accurate[0].runtime
+    return BuiltPart(best, executables[best], tried, from_cache=not compiled, compiled=compiled)
+
+
+def _judge(candidates: list[Candidate], tolerance: float) -> list[Candidate]:
+    """Mark the candidates over the tolerance inaccurate; the rest, fastest first."""
+    for c in candidates:
+        if c.status in ("ok", "inaccurate"):
+            over = c.rel_error > tolerance
+            c.status = "inaccurate" if over else "ok"
+            c.reason = f"relative error {c.rel_error:.2e} > {tolerance:.0e}" if over else ""
+    return sorted((c for c in candidates if c.status == "ok"), key=lambda c: c.median_ms)
 
 
 def _load_recorded(part_key: str, recorded: dict[str, Any], spec: CompileSpec,
-                   cache: CompileCache, part: fx.GraphModule) -> BuiltPart | None:
-    name = recorded["runtime"]
+                   cache: CompileCache, part: fx.GraphModule, names: list[str],
+                   tolerance: float) -> BuiltPart | None:
+    """The winner of a recorded search under this tolerance, loaded from the cache; None when
+    the record has no usable winner any more (then everything is built again)."""
+    candidates = [Candidate(**c) for c in recorded.get("candidates", [])]
+    accurate = [c for c in _judge(candidates, tolerance) if c.runtime in names]
+    if not accurate:
+        return None
+    name = accurate[0].runtime
     try:
         rt = registry.get(name)
         if name == "torch":  # the reference has nothing to cache: "compiling" it is free
-            exe = rt.compile(part, spec)
-            return BuiltPart(name, exe, [Candidate(**c) for c in recorded.get("candidates", [])],
-                             from_cache=True)
+            return BuiltPart(name, rt.compile(part, spec), candidates, from_cache=True)
         entry = cache.lookup(cache.entry_key(part_key, name, rt.version()))
         if entry is None:
             return None
@@ -190,13 +206,14 @@ def _load_recorded(part_key: str, recorded: dict[str, Any], spec: CompileSpec,
     except (RuntimeUnavailable, NotImplementedError, OSError, RuntimeError) as e:
         log.warning("cached %s build unusable (%s); rebuilding", name, e)
         return None
-    candidates = [Candidate(**c) for c in recorded.get("candidates", [])]
     return BuiltPart(name, exe, candidates, from_cache=True)
 
 
-def _try(name: str, part: fx.GraphModule, spec: CompileSpec, expected: Sequence[torch.Tensor],
-         cache: CompileCache, part_key: str,
+def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[torch.Tensor]],
+         expected: list[list[torch.Tensor]], cache: CompileCache, part_key: str,
          timeout_s: float) -> tuple[Candidate, Executable | None]:
+    """Compile (or load) one runtime's build, measure its error on every sample and its time.
+    Status "ok" here means it runs; `_judge` then holds its error against the tolerance."""
     try:
         rt = registry.get(name)
     except RuntimeUnavailable as e:
@@ -222,12 +239,12 @@ def _try(name: str, part: fx.GraphModule, spec: CompileSpec, expected: Sequence[
         return Candidate(name, "failed", f"{type(e).__name__}: {e}"[:500]), None
     compile_s = time.perf_counter() - t0
     try:
-        error = relative_error(exe.run(spec.example_inputs), expected)
+        error = max(relative_error(exe.run(x), want) for x, want in zip(inputs, expected,
+                                                                         strict=True))
     except Exception as e:  # noqa: BLE001
         return Candidate(name, "failed", f"run: {type(e).__name__}: {e}"[:500], compile_s), None
-    tolerance = TOLERANCE[spec.precision]
-    if error > tolerance:
-        return Candidate(name, "inaccurate", f"relative error {error:.2e} > {tolerance:.0e}",
+    if error == float("inf"):  # a wrong shape or dtype: never usable, whatever the budget
+        return Candidate(name, "failed", "returned outputs of the wrong shape or dtype",
                          compile_s, error), None
     if entry is None:
         try:

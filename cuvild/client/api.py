@@ -34,7 +34,35 @@ def model_dict(m: cuvil_pb2.ModelSummary) -> dict[str, Any]:
     return {"name": m.name, "version": m.version, "sha256": m.sha256,
             "size_bytes": m.size_bytes, "state": m.state, "created_at": m.created_at,
             "num_nodes": m.num_nodes, "annotated_nodes": m.annotated_nodes,
-            "inputs": specs(m.inputs), "outputs": specs(m.outputs)}
+            "inputs": specs(m.inputs), "outputs": specs(m.outputs),
+            "precision": m.precision or "default", "max_error": m.max_error or None,
+            "calibration_inputs": m.calibration_inputs,
+            "measured_error": m.measured_error if m.measured_error >= 0 else None}
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+            digest.update(block)
+    return path.stat().st_size, digest.hexdigest()
+
+
+def save_calibration(path: Path, names: list[str], samples: list[Any]) -> None:
+    """Calibration samples as the daemon takes them: an .npz, one array per input name,
+    samples stacked along axis 0."""
+    import numpy as np
+    import torch
+
+    rows = [s if isinstance(s, (tuple, list)) else (s,) for s in samples]
+    if not rows or any(len(r) != len(names) for r in rows):
+        raise ValueError(f"calibration: each sample must hold the model's {len(names)} "
+                         f"input(s) {names}")
+    arrays = {}
+    for i, name in enumerate(names):
+        arrays[name] = np.stack([(r[i].detach().cpu().numpy() if isinstance(r[i], torch.Tensor)
+                                  else np.asarray(r[i])) for r in rows])
+    np.savez(path, **arrays)
 
 
 def default_target() -> str:
@@ -108,20 +136,24 @@ class Client:
     # -- models ----------------------------------------------------------------------------
     def load_file(self, name: str, path: str | os.PathLike[str], version: str | None = None,
                   replace: bool = False, progress: Progress | bool | None = None,
-                  timeout: float = 600.0) -> dict[str, Any]:
-        """Upload a .pt2 archive saved by torch.export.save (or cuvild.export + save)."""
+                  timeout: float = 600.0, precision: str | None = None,
+                  max_error: float | None = None,
+                  calibration: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """Upload a .pt2 archive saved by torch.export.save (or cuvild.export + save).
+
+        `precision`: "fp32" (exact) or "auto" (the fastest plan whose outputs stay within
+        `max_error` of torch eager fp32); None takes the daemon's default. `calibration`: an
+        .npz with one array per model input name, samples along axis 0 (int8 needs it)."""
         path = Path(path)
-        size = path.stat().st_size
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-                digest.update(block)
+        size, digest = _digest(path)
+        cal_size, cal_digest = _digest(Path(calibration)) if calibration else (0, "")
         report = print_progress if progress is True else progress or None
 
         def requests() -> Iterator[cuvil_pb2.LoadModelRequest]:
             yield cuvil_pb2.LoadModelRequest(header=cuvil_pb2.LoadModelHeader(
-                name=name, version=version or "", sha256=digest.hexdigest(), size_bytes=size,
-                replace=replace))
+                name=name, version=version or "", sha256=digest, size_bytes=size,
+                replace=replace, precision=precision or "", max_error=max_error or 0.0,
+                calibration_bytes=cal_size, calibration_sha256=cal_digest))
             sent = 0
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(CHUNK_BYTES), b""):
@@ -129,6 +161,10 @@ class Client:
                     sent += len(block)
                     if report:
                         report(sent, size)
+            if calibration:
+                with open(calibration, "rb") as f:
+                    for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+                        yield cuvil_pb2.LoadModelRequest(calibration_chunk=block)
 
         r = self._control.LoadModel(requests(), timeout=timeout)
         return {"model": model_dict(r.model), "already_present": r.already_present,
@@ -136,8 +172,12 @@ class Client:
 
     def load(self, name: str, model: Any, example_inputs: tuple[Any, ...],
              dynamic_shapes: Any = None, version: str | None = None, replace: bool = False,
-             progress: Progress | bool | None = None) -> dict[str, Any]:
-        """Export `model` with its @partition annotations and upload it."""
+             progress: Progress | bool | None = None, precision: str | None = None,
+             max_error: float | None = None,
+             calibration: list[Any] | None = None) -> dict[str, Any]:
+        """Export `model` with its @partition annotations and upload it, with a precision
+        policy (see `load_file`); `calibration` is a list of samples, each the model's inputs
+        (a tensor, or a tuple of tensors in the model's order)."""
         import torch
 
         from partitioner.annotate import export
@@ -146,8 +186,23 @@ class Client:
         with tempfile.TemporaryDirectory(prefix="cuvil-upload-") as tmp:
             path = Path(tmp) / f"{name}.pt2"
             torch.export.save(program, path)
+            npz = None
+            if calibration is not None:
+                names = list(program.graph_signature.user_inputs)
+                npz = Path(tmp) / "calibration.npz"
+                save_calibration(npz, names, calibration)
             return self.load_file(name, path, version=version, replace=replace,
-                                  progress=progress)
+                                  progress=progress, precision=precision,
+                                  max_error=max_error, calibration=npz)
+
+    def compare(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """Latency and accuracy of a served model: torch eager fp32, the fp32 plan and the
+        plan chosen under its precision policy, and every part's candidates."""
+        import json
+
+        r = self._control.Compare(cuvil_pb2.CompareRequest(name=name, version=version or ""),
+                                  timeout=self.timeout)
+        return json.loads(r.report_json)
 
     def models(self) -> list[dict[str, Any]]:
         r = self._control.ListModels(cuvil_pb2.ListModelsRequest(), timeout=self.timeout)

@@ -52,10 +52,19 @@ def models_table(models: list[dict[str, Any]]) -> str:
     def shapes(specs: list[dict[str, Any]]) -> str:
         return " ".join(f"{t['name']}:{t['dtype']}{t['shape']}" for t in specs)
 
+    def policy(m: dict[str, Any]) -> str:
+        budget = f" {m['max_error']:.2g}" if m["precision"] == "auto" and m["max_error"] else ""
+        return m["precision"] + budget
+
+    def error(m: dict[str, Any]) -> str:
+        return "-" if m["measured_error"] is None else f"{m['measured_error']:.1e}"
+
     return format_table(
-        ["MODEL", "VERSION", "SIZE MB", "NODES", "ANNOTATED", "SHA256", "INPUTS"],
-        [[m["name"], m["version"], _num(m["size_bytes"] / 1e6), str(m["num_nodes"]),
-          str(m["annotated_nodes"]), m["sha256"][:12], shapes(m["inputs"])] for m in models])
+        ["MODEL", "VERSION", "STATE", "PRECISION", "ERROR", "SIZE MB", "NODES", "ANNOTATED",
+         "SHA256", "INPUTS"],
+        [[m["name"], m["version"], m["state"].split(":")[0], policy(m), error(m),
+          _num(m["size_bytes"] / 1e6), str(m["num_nodes"]), str(m["annotated_nodes"]),
+          m["sha256"][:12], shapes(m["inputs"])] for m in models])
 
 
 def print_status(status: dict[str, Any]) -> None:
@@ -98,8 +107,13 @@ def cmd_load(client: Client, args: argparse.Namespace) -> int:
     if not Path(args.file).is_file():
         print(f"cuvilctl: {args.file}: no such file", file=sys.stderr)
         return 1
+    if args.calibration and not Path(args.calibration).is_file():
+        print(f"cuvilctl: --calibration {args.calibration}: no such file", file=sys.stderr)
+        return 1
     result = client.load_file(args.name, args.file, version=args.version, replace=args.replace,
-                              progress=not args.json and sys.stderr.isatty() or None)
+                              progress=not args.json and sys.stderr.isatty() or None,
+                              precision=args.precision, max_error=args.max_error,
+                              calibration=args.calibration)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -210,6 +224,47 @@ def replan_difference(served: dict[str, Any], plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cmd_compare(client: Client, args: argparse.Namespace) -> int:
+    report = client.compare(args.name, args.version)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(compare_text(report))
+    return 0
+
+
+def compare_text(r: dict[str, Any]) -> str:
+    """cuvilctl compare's tables: the whole model three ways, then every part's candidates."""
+    def err(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1e}"
+
+    budget = f", budget {r['max_error']:.2g}" if r.get("max_error") else ""
+    source = "calibration" if r["calibrated"] else "random"
+    lines = [f"{r['model']}: precision {r['policy']}{budget}; checked on {r['inputs']} "
+             f"{source} input(s) against torch eager fp32 (max |y - y_eager| / max |y_eager|)"]
+    rows = [["torch eager fp32 (in the daemon)", f"{r['eager_ms']:.2f}", "0", "-"]]
+    for label, key in (("fp32 plan", "fp32"), ("chosen plan", "chosen")):
+        c = r.get(key)
+        if c:
+            top1 = "-" if c["top1"] is None else f"{100 * c['top1']:.1f}%"
+            rows.append([label, f"{c['p50_ms']:.2f}", err(c["error"]), top1])
+    lines += ["", format_table(["RUN", "p50 ms", "ERROR", "TOP-1 AGREE"], rows), ""]
+    cand = []
+    for p in r["parts"]:
+        for c in p["candidates"]:
+            mark = "*" if (c["runtime"], c["precision"]) == (p["runtime"], p["precision"]) else ""
+            cand.append([p["id"] + mark, p["device"], c["runtime"], c["precision"], c["status"],
+                         f"{c['median_ms']:.2f}" if c["median_ms"] else "-",
+                         err(c["rel_error"]) if c["status"] in ("ok", "inaccurate") else "-",
+                         c["reason"][:60]])
+    lines.append(format_table(["PART", "DEVICE", "RUNTIME", "PRECISION", "STATUS", "p50 ms",
+                               "ERROR", "WHY"], cand))
+    lines.append("(* the candidate each part runs)")
+    if r["notes"]:
+        lines += ["", "why:"] + [f"  - {n}" for n in r["notes"]]
+    return "\n".join(lines)
+
+
 def cmd_infer(client: Client, args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -262,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--version", default=None, help="version label (default: 1)")
     load.add_argument("--replace", action="store_true",
                       help="replace a registered name+version that has different content")
+    load.add_argument("--precision", choices=("fp32", "auto"), default=None,
+                      help="fp32: exact; auto: the fastest plan within --max-error of torch "
+                           "eager (default: the daemon's engine.precision)")
+    load.add_argument("--max-error", type=float, default=None, metavar="E",
+                      help="auto's budget: max |y - y_eager| / max |y_eager| (default: the "
+                           "daemon's engine.max_error)")
+    load.add_argument("--calibration", metavar="FILE.npz", default=None,
+                      help="calibration inputs, one array per model input, samples along "
+                           "axis 0; int8 is tried only with them")
     load.add_argument("--json", action="store_true", help="machine-readable output")
     load.set_defaults(func=cmd_load)
     models = sub.add_parser("models", help="list registered models")
@@ -283,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz DOT")
     part.add_argument("--svg", metavar="OUT.svg", help="render the plan (needs Graphviz)")
     part.set_defaults(func=cmd_partition)
+    compare = sub.add_parser("compare", help="latency and accuracy: torch eager vs the fp32 "
+                                             "plan vs the plan the precision policy chose")
+    compare.add_argument("name")
+    compare.add_argument("--version", default=None)
+    compare.add_argument("--json", action="store_true", help="machine-readable output")
+    compare.set_defaults(func=cmd_compare)
     infer = sub.add_parser("infer", help="run a served model on .npy inputs")
     infer.add_argument("name")
     infer.add_argument("--input", action="append", default=[], metavar="FILE.npy",

@@ -2,9 +2,11 @@
 
 Starts cuvild with the demo layout (CPU worker on one core, an NPU emulated by OpenVINO's CPU
 plugin on the other) in a temporary state dir, loads the built-in DemoNet (a ResNet-style
-backbone annotated `@partition(device="npu")`, a head left to the cost model), prints the
+backbone annotated `@partition(device="npu")`, its head `@partition(device="cpu")`), prints the
 plan, runs inference through the Open Inference Protocol with tensors in shared memory,
-checks the result against torch eager, compares latency with eager in the same run, stops.
+checks the result against torch eager, compares latency with eager in the same run; then
+loads the same model under `precision="auto"` at two error budgets with calibration inputs
+and shows each plan's precisions, latency and error on held-out inputs next to fp32; stops.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import yaml
@@ -29,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 180
 MODEL_TIMEOUT_S = 900
 ROUNDS = 20
+BUDGETS = (1e-2, 0.2)  # the default budget, and a loose one
+CALIBRATION = 16
 
 
 def wait_ready(target: str, proc: subprocess.Popen[bytes]) -> None:
@@ -78,7 +83,8 @@ def run(client: Client) -> int:
     status = client.status()
     print(devices_table(status["devices"]), "\n")
     model, (x,) = reference("demo")
-    print("demo: uploading DemoNet (backbone annotated @partition(device='npu'))")
+    print("demo: uploading DemoNet (backbone annotated @partition(device='npu'), head "
+          "@partition(device='cpu'))")
     client.load("demo", model, (x,))
     state = wait_model(client, "demo")
     print()
@@ -113,7 +119,50 @@ def run(client: Client) -> int:
                               [[p, m["device"], m["runtime"], f"{m['predicted_ms']:.2f}",
                                 f"{m['measured_ms']:.2f}" if m["measured_ms"] else "-"]
                                for p, m in measured.items()]))
-    return 0 if ok else 1
+    return 0 if ok and policies(client, model, x) else 1
+
+
+def policies(client: Client, model: Any, x: Any) -> bool:
+    """DemoNet under precision="auto" next to fp32: each plan's parts, latency through the
+    protocol, and error against torch eager on held-out inputs (not the calibration ones)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    calibration = [torch.randn(x.shape, generator=gen) for _ in range(CALIBRATION)]
+    held = [torch.randn(x.shape, generator=gen) for _ in range(8)]
+    names = {"demo": "fp32"}
+    for budget in BUDGETS:
+        name = f"demo-auto-{budget:g}"
+        print(f"\ndemo: uploading DemoNet again as {name}: precision='auto', max_error="
+              f"{budget:g}, {CALIBRATION} calibration inputs")
+        client.load(name, model, (x,), precision="auto", max_error=budget,
+                    calibration=calibration)
+        if wait_model(client, name)["state"] != "ready":
+            print(f"demo: {name} failed to load", file=sys.stderr)
+            return False
+        names[name] = f"auto {budget:g}"
+    print()
+    rows = []
+    fp32_ms = None
+    for name, label in names.items():
+        report = client.compare(name)
+        with torch.no_grad():
+            error = max(float((client.infer(name, h, shm=True)["output0"] - model(h)).abs().max()
+                              / model(h).abs().max()) for h in held)
+        ms = median_ms(lambda n=name: client.infer(n, x, shm=True))
+        fp32_ms = fp32_ms or ms
+        parts = ", ".join(f"{p['id']} {p['device']}/{p['runtime']}/{p['precision']}"
+                          for p in report["parts"])
+        rows.append([label, parts, f"{ms:.2f}", f"{ms / fp32_ms:.2f}", f"{error:.1e}"])
+        if report["max_error"] and error > report["max_error"]:
+            print(f"  {label}: held-out inputs measure {error:.1e}, over the budget the "
+                  "calibration inputs were checked on: give more calibration inputs")
+        for note in report["notes"]:
+            print(f"  {label}: {note}")
+    print("\n" + format_table(["POLICY", "PARTS", "p50 ms", "vs fp32", "ERROR (held-out)"],
+                              rows))
+    print("(`cuvilctl compare NAME` shows every candidate; docs/PRECISION.md the metric)")
+    return True
 
 
 def main() -> int:

@@ -89,14 +89,17 @@ class MLP(nn.Module):
 
 
 class DemoNet(nn.Module):
-    """The demo model: a ResNet-style backbone pinned to the NPU, a head left to the planner."""
+    """The demo model: a ResNet-style backbone pinned to the NPU, its head to the CPU (two
+    parts in two workers, a tensor crossing between them), precisions left to the model's
+    policy."""
 
     def __init__(self, width: int = 32, num_classes: int = 10) -> None:
         super().__init__()
         backbone = ResNet18(num_classes=num_classes, width=width)
-        self.backbone = partition(device="npu", precision="fp32")(
+        self.backbone = partition(device="npu")(  # its precision: the model's policy
             nn.Sequential(backbone.stem, backbone.layers))
-        self.head = nn.Sequential(nn.Linear(8 * width, 256), nn.GELU(), nn.Linear(256, num_classes))
+        self.head = partition(device="cpu")(
+            nn.Sequential(nn.Linear(8 * width, 256), nn.GELU(), nn.Linear(256, num_classes)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.backbone(x)

@@ -1,19 +1,24 @@
-"""Inside a device worker: turn (stored archive, plan, part id) into a compiled part.
+"""Inside a device worker: turn (stored archive, plan, part id) into a compiled part, at each
+precision asked for.
 
 The worker reads the model from the registry with the safe loader, cuts it along the plan
 exactly as the daemon did (the split is deterministic), and builds its part through the
-compile cache. Sample data for the numerics check is made only when something compiles.
+compile cache. Sample data for the numerics check (one random sample, or every calibration
+sample the user gave) is made only when something compiles.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import torch
 
-from cuvild.engine.orders import Build
+from cuvild.engine.orders import Build, Variant
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
+from runtimes.base import CompileError
 from runtimes.cache import CompileCache
 from runtimes.select import BuiltPart, build_part
 
@@ -35,6 +40,15 @@ def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tens
     return out
 
 
+def calibration_inputs(path: str, specs: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+    """The model's inputs for each calibration sample: one array per input name in the .npz,
+    samples along the first axis (checked at upload: cuvild/intake/registry.py)."""
+    with np.load(path, allow_pickle=False) as data:
+        arrays = [data[spec["name"]] for spec in specs]
+    return [[torch.from_numpy(np.ascontiguousarray(a[i])) for a in arrays]
+            for i in range(len(arrays[0]))]
+
+
 def load_split(model: str, archive: str, parts: list[tuple[str, list[str]]]) -> SplitProgram:
     split = _splits.get(model)
     if split is None:
@@ -49,15 +63,51 @@ def forget(model: str) -> None:
     _splits.pop(model, None)
 
 
-def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache) -> BuiltPart:
+def build_model_part(order: Build, device: DeviceProfile,
+                     cache: CompileCache) -> tuple[dict[str, BuiltPart], list[dict[str, Any]]]:
+    """The part built at each precision of the order that some runtime runs within its
+    tolerance (the first precision must build: CompileError otherwise), and every candidate
+    tried at every precision, for the reports."""
     split = load_split(order.split_key, order.archive, order.assignment)
     part = next(p for p in split.parts if p.id == order.part)
+    made: list[tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]] = []
 
-    def samples() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        # no_grad, not inference_mode: runtimes re-export the part with these tensors.
-        with torch.no_grad():
-            values = split.trace(*sample_inputs(order.input_specs))
-        return [values[n] for n in part.inputs], [values[n] for n in part.outputs]
+    def samples() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        if not made:
+            models = (calibration_inputs(order.calibration, order.input_specs)
+                      if order.calibration else [sample_inputs(order.input_specs)])
+            inputs, outputs = [], []
+            # no_grad, not inference_mode: runtimes re-export the part with these tensors.
+            with torch.no_grad():
+                for model_inputs in models:
+                    values = split.trace(*model_inputs)
+                    inputs.append([values[n] for n in part.inputs])
+                    outputs.append([values[n] for n in part.outputs])
+            made.append((inputs, outputs))
+        return made[0]
 
-    return build_part(part.module, device, order.precision, samples, cache,
-                      timeout_s=order.timeout_s, input_shapes=order.input_shapes)
+    built: dict[str, BuiltPart] = {}
+    tried: list[dict[str, Any]] = []
+    for i, precision in enumerate(order.precisions):
+        try:
+            built[precision] = b = build_part(
+                part.module, device, precision, samples, cache, timeout_s=order.timeout_s,
+                input_shapes=order.input_shapes,
+                # fp32 always at its own tolerance; a lower precision of a search within
+                # the budget, also when a restart builds only the one chosen
+                tolerance=None if precision == "fp32" else order.tolerance,
+                cache_tag=order.calibration_tag if precision == "int8" else "")
+            tried += [asdict(c) for c in b.candidates]
+        except CompileError as e:
+            if i == 0:
+                raise
+            tried += [asdict(c) for c in getattr(e, "candidates", [])]
+    return built, tried
+
+
+def variants(built: dict[str, BuiltPart]) -> list[Variant]:
+    out = []
+    for precision, b in built.items():
+        winner = next(c for c in b.candidates if c.runtime == b.runtime and c.status == "ok")
+        out.append(Variant(precision, b.runtime, winner.median_ms, winner.rel_error))
+    return out

@@ -20,23 +20,34 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cuvild.engine import precision
 from cuvild.engine.arena import Arena, Block
 from cuvild.engine.corrections import CorrectionStore
 from cuvild.engine.handle import WorkerDied, WorkerHandle
 from cuvild.engine.layout import (
     BadInput,
-    InputSpec,
     Slot,
     check_inputs,
     dynamic_dims,
     input_table,
     layout,
 )
-from cuvild.engine.orders import Build, Built, Forget, RawTensor, Reply, Run, TensorRef, Unload
+from cuvild.engine.loaded import LoadedModel, Route
+from cuvild.engine.orders import (
+    Build,
+    Built,
+    Choose,
+    Forget,
+    RawTensor,
+    Reply,
+    Run,
+    TensorRef,
+    Unload,
+)
+from cuvild.engine.precision import Accuracy, PrecisionPolicy
 from partitioner.profile import DeviceProfile
 
 if TYPE_CHECKING:
@@ -52,45 +63,6 @@ FEEDBACK_RUNS = 20  # a part's measured runs that teach the cost model (once per
 
 class InferError(RuntimeError):
     """A request failed; the message names the part, the device and the cause."""
-
-
-@dataclass
-class Route:
-    id: str
-    device: str
-    precision: str
-    inputs: list[str]
-    outputs: list[str]
-    runtime: str = ""
-    built: Built | None = None
-    measured_ms: list[float] = field(default_factory=list)
-    fed_back: bool = False  # its measurements have taught the cost model
-
-
-@dataclass
-class LoadedModel:
-    key: str
-    name: str
-    version: str
-    plan: Plan
-    routes: list[Route]
-    inputs: list[str]  # graph value names, in the model's order
-    outputs: list[str]
-    table: list[InputSpec]  # what a request is checked against, once
-    slots: dict[str, Slot]
-    footprint: int  # bytes per request: the peak of live tensors
-    total_bytes: int  # what the same tensors would take without sharing
-    archive: str = ""
-    input_specs: list[dict[str, Any]] = field(default_factory=list)
-    parts_by_device: dict[str, list[str]] = field(default_factory=dict)
-    # Dynamic shapes: (input index, dim, low, high) per symbolic input dim; the split is kept
-    # to lay out and build one variant per concrete shape (bucket) on first use.
-    dynamic: list[tuple[int, int, int, int]] = field(default_factory=list)
-    split: SplitProgram | None = None
-    variants: dict[tuple[tuple[int, ...], ...], LoadedModel] = field(default_factory=dict)
-    variant_lock: threading.Lock = field(default_factory=threading.Lock)
-    base_key: str = ""
-    part_input_shapes: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
 class Engine:
@@ -152,12 +124,16 @@ class Engine:
     # -- control path ----------------------------------------------------------------------
     def prepare(self, key: str, name: str, version: str, archive: Path,
                 input_specs: list[dict[str, Any]], objective: str = "latency",
-                plan: Plan | None = None) -> LoadedModel:
-        """Plan, split, lay out and build a registered model; returns it ready to serve."""
+                plan: Plan | None = None,
+                policy: PrecisionPolicy | None = None) -> LoadedModel:
+        """Plan, split, lay out and build a registered model, settle each part's precision
+        under the policy (cuvild/engine/precision.py) and check the whole model against
+        torch eager; returns it ready to serve."""
         from cuvild.intake.safe_load import load_exported_program
         from partitioner.plan import plan_model
         from partitioner.split import split_program
 
+        policy = policy or PrecisionPolicy()
         ep = load_exported_program(archive)
         corrections = self.corrections.snapshot()
         if plan is None:
@@ -177,20 +153,85 @@ class Engine:
                             split=split if dynamic else None)
         for route in model.routes:
             model.parts_by_device.setdefault(route.device, []).append(route.id)
-        del ep, split  # workers hold the parts; the daemon keeps only the wiring
-        if dynamic:
+        if dynamic:  # its buckets are built at each part's own precision
+            model.policy = policy
             self.models[key] = model
             return model
-        self._build(model)
+        parts = {p.id: p for p in plan.parts}
+        budgets: dict[str, float] = {}
+        decision = precision.decision_path(self.cache_dir, model, policy, self.devices.values())
+        decided, recorded = precision.read_decision(decision)
+        for route in model.routes:
+            route.precisions, budget = precision.candidates(
+                parts[route.id], self.devices[route.device], policy)
+            route.search = list(route.precisions)
+            if budget is not None:
+                budgets[route.id], route.tolerance = budget, precision.part_bound(budget)
+                if decided and route.id in decided:  # a restart builds only what was chosen
+                    route.precisions = [decided[route.id]]
+        inputs = precision.check_inputs(model, policy)
+        expected, eager_ms = precision.reference(ep, inputs)
+        del ep, split  # workers hold the parts; the daemon keeps only the wiring
+        self._build(model, policy=policy)
+        model.accuracy = self._settle(model, policy, budgets, decision, recorded, inputs,
+                                      expected, eager_ms)
         for part in plan.parts:  # the plan records what each part really runs on
             route = next((r for r in model.routes if r.id == part.id), None)
             if route is not None:
-                part.runtime = route.runtime
+                variant = route.variants.get(route.precision)
+                part.runtime, part.precision = route.runtime, route.precision
+                part.error = variant.rel_error if variant else None
                 if part.class_ms:  # and its time on that runtime, with what was learned
                     part.predicted_ms = corrections.price(
-                        part.device, part.runtime, part.class_ms, self._launch_ms(part.device))
+                        part.device, precision.runtime_key(part.runtime, part.precision),
+                        precision.at(part.class_ms, self.devices[part.device], part.precision),
+                        self._launch_ms(part.device))
+        plan.notes += model.accuracy.notes
         self.models[key] = model
         return model
+
+    def _settle(self, model: LoadedModel, policy: PrecisionPolicy, budgets: dict[str, float],
+                decision: Path, recorded: dict[str, Any] | None,
+                inputs: list[Any], expected: list[Any], eager_ms: float) -> Accuracy:
+        """Check the plan end to end, search the precisions under the budgets (or check the
+        recorded choice again), and fix each part at what it will run."""
+        first = precision.check(self, model, inputs, expected)
+        accuracy = Accuracy("auto" if budgets else "fp32", min(budgets.values(), default=None),
+                            len(inputs), bool(policy.calibration), eager_ms, first, first)
+        if recorded is not None and budgets:
+            if first.error <= min(budgets.values()):
+                accuracy = Accuracy.from_dict(recorded)
+                accuracy.chosen = first
+            else:  # the recorded choice no longer holds: search again, from everything
+                log.warning("model %s: the recorded precisions measure %.1e > %.0e now; "
+                            "searching again", model.key, first.error, min(budgets.values()))
+                for route in model.routes:
+                    route.precisions = route.search
+                self._build(model, policy=policy)
+                return self._settle(model, policy, budgets, decision, None, inputs, expected,
+                                    eager_ms)
+        elif budgets:
+            if not policy.calibration:
+                accuracy.notes.append("int8 not tried: no calibration inputs were given")
+            accuracy.chosen, notes = precision.search(self, model, budgets, inputs, expected,
+                                                      first)
+            accuracy.notes += notes
+        for route in model.routes:
+            if len(route.variants) > 1:  # the losers' executables go from the workers
+                self.choose(model, route, route.precision, final=True)
+                route.variants = {route.precision: route.variants[route.precision]}
+            route.precisions = [route.precision]  # what a revived worker rebuilds
+        if budgets and recorded is None:
+            precision.write_decision(decision, model.routes, accuracy)
+        return accuracy
+
+    def choose(self, model: LoadedModel, route: Route, at: str, final: bool = False) -> None:
+        """Have the part's worker run it at precision `at` (built before)."""
+        reply = self.worker(route.device).call(Choose(model.key, route.id, at, final)).result(
+            timeout=self.build_timeout_s)
+        if not reply.ok:
+            raise InferError(f"part {route.id} on {route.device}: {reply.error}")
+        route.precision, route.runtime = at, route.variants[at].runtime
 
     def _launch_ms(self, device: str) -> float:
         return self.devices[device].launch_us / 1e3
@@ -244,6 +285,7 @@ class Engine:
                                   model.outputs, input_table(specs, []), slots, footprint,
                                   total, model.archive, specs,
                                   parts_by_device=model.parts_by_device, base_key=model.key)
+            variant.policy = model.policy
             variant.part_input_shapes = {
                 p.id: [list(values[n].shape) for n in p.inputs] for p in model.split.parts}
             log.info("building %s for input shapes %s", model.key, [list(s) for s in shapes])
@@ -252,7 +294,9 @@ class Engine:
             self.models[variant.key] = variant
             return variant
 
-    def _build(self, model: LoadedModel, only_device: str | None = None) -> None:
+    def _build(self, model: LoadedModel, only_device: str | None = None,
+               policy: PrecisionPolicy | None = None) -> None:
+        policy = policy or model.policy or PrecisionPolicy()
         assignment = [(p.id, p.nodes) for p in model.plan.parts]
         futures: list[tuple[Route, Future[Reply]]] = []
         for device, part_ids in model.parts_by_device.items():
@@ -262,16 +306,22 @@ class Engine:
                 route = next(r for r in model.routes if r.id == pid)
                 futures.append((route, self.worker(device).call(Build(
                     model=model.key, part=pid, archive=model.archive, assignment=assignment,
-                    precision=route.precision, input_specs=model.input_specs,
-                    timeout_s=self.compile_timeout_s, split_key=model.base_key or model.key,
+                    precisions=route.precisions or [route.precision],
+                    input_specs=model.input_specs, timeout_s=self.compile_timeout_s,
+                    split_key=model.base_key or model.key,
                     input_shapes=model.part_input_shapes.get(pid),
-                    last=not model.base_key and i == len(part_ids) - 1))))
+                    last=not model.base_key and i == len(part_ids) - 1,
+                    tolerance=route.tolerance, calibration=policy.calibration,
+                    calibration_tag=policy.calibration_tag))))
+        model.policy = policy
         for route, future in futures:
             reply = future.result(timeout=self.build_timeout_s)
             if not reply.ok or not isinstance(reply.result, Built):
                 raise InferError(f"building part {route.id} for {route.device} failed: "
                                  f"{reply.error}")
             route.runtime, route.built = reply.result.runtime, reply.result
+            route.variants = {v.precision: v for v in reply.result.variants}
+            route.precision = (route.precisions or [route.precision])[0]
 
     def unload(self, key: str) -> None:
         model = self.models.pop(key, None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cuvild.engine.engine import Engine, LoadedModel
+from cuvild.engine.precision import PrecisionPolicy
 from cuvild.intake.registry import ModelRecord, Registry
 
 log = logging.getLogger(__name__)
@@ -33,10 +34,12 @@ class ServedModel:
 
 
 class ModelManager:
-    def __init__(self, registry: Registry, engine: Engine, objective: str = "latency") -> None:
+    def __init__(self, registry: Registry, engine: Engine, objective: str = "latency",
+                 precision: str = "fp32", max_error: float = 1e-2) -> None:
         self.registry = registry
         self.engine = engine
         self.objective = objective
+        self.default_policy = PrecisionPolicy(precision, max_error)  # engine.precision/max_error
         self._models: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
         # One model prepared at a time: compilers saturate the cores on their own.
@@ -51,8 +54,7 @@ class ModelManager:
         served = ServedModel(record)
         with self._lock:
             old = self._models.get(served.key)
-            if old is not None and old.record.sha256 == record.sha256 and old.state != \
-                    "UNAVAILABLE":
+            if old is not None and old.record == record and old.state != "UNAVAILABLE":
                 return old
             self._models[served.key] = served
         if old is not None:
@@ -67,7 +69,7 @@ class ModelManager:
             loaded = self.engine.prepare(
                 served.key, record.name, record.version,
                 self.registry.archive_path(record.sha256), record.inputs,
-                objective=self.objective)
+                objective=self.objective, policy=self.policy(record))
         except Exception as e:  # noqa: BLE001 - a model that cannot be served says why
             served.state, served.reason = "UNAVAILABLE", f"{type(e).__name__}: {e}"
             log.error("model %s unavailable: %s", served.key, served.reason)
@@ -80,6 +82,14 @@ class ModelManager:
             served.state = "READY"
         log.info("model %s ready in %.2f s: %s", served.key, served.prepare_s,
                  ", ".join(f"{r.id}@{r.device}/{r.runtime}" for r in loaded.routes))
+
+    def policy(self, record: ModelRecord) -> PrecisionPolicy:
+        """The record's precision policy, the daemon's defaults where it left them open."""
+        calibration = (str(self.registry.calibration_path(record.calibration))
+                       if record.calibration else "")
+        return PrecisionPolicy(record.precision or self.default_policy.mode,
+                               record.max_error or self.default_policy.max_error,
+                               calibration, record.calibration[:16])
 
     def remove(self, name: str, version: str = "") -> None:
         with self._lock:

@@ -33,18 +33,33 @@ class RawTensor(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Build:
-    """Build (compile, or load from the compile cache) one part of a model."""
+    """Build (compile, or load from the compile cache) one part of a model, at one or more
+    precisions: the first is the part's own and must build; the others are candidates of a
+    precision search, each kept when a runtime runs it within `tolerance`."""
 
     model: str  # the key the part is served under (a dynamic model's bucket has its own)
     part: str
     archive: str  # the registered .pt2, opened with the safe loader
     assignment: list[tuple[str, list[str]]]  # the plan: part id -> node names
-    precision: str
+    precisions: list[str]
     input_specs: list[dict[str, Any]]  # the model's inputs: name, dtype, shape (-1: dynamic)
     timeout_s: float  # per runtime candidate
     split_key: str  # the split is shared by a model's buckets: kept under the base model's key
     input_shapes: list[list[int]] | None = None  # this part's input shapes, for a bucket
     last: bool = False  # the model's last part on this device: the split may go after it
+    tolerance: float | None = None  # the error budget of a search's lower precisions
+    calibration: str = ""  # an .npz of the model's inputs, one row per sample ("": none)
+    calibration_tag: str = ""  # its digest: int8 builds depend on it
+
+
+@dataclass(frozen=True, slots=True)
+class Choose:
+    """Run a part at one of the precisions it was built at; `final` drops the others."""
+
+    model: str
+    part: str
+    precision: str
+    final: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +86,7 @@ class Forget:
     segments: list[tuple[str, int]]
 
 
-Order = Build | Run | Unload | Forget
+Order = Build | Run | Unload | Forget | Choose
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +97,21 @@ class Envelope:
 
 
 @dataclass(frozen=True, slots=True)
-class Built:
+class Variant:
+    """A part built at one precision: the runtime that won, its time and its error."""
+
+    precision: str
     runtime: str
+    median_ms: float
+    rel_error: float
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    runtime: str  # the winner at the part's own precision (the first asked for)
     from_cache: bool
     candidates: list[dict[str, Any]] = field(default_factory=list)  # every runtime tried
+    variants: list[Variant] = field(default_factory=list)  # one per precision that built
 
 
 @dataclass(frozen=True, slots=True)

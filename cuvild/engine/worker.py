@@ -25,6 +25,7 @@ from cuvild.engine.dtypes import nbytes
 from cuvild.engine.orders import (
     Build,
     Built,
+    Choose,
     Envelope,
     Forget,
     Order,
@@ -50,7 +51,9 @@ class Worker:
 
         self.device = device
         self.cache = CompileCache(Path(cache_dir))
-        self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable
+        self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable run
+        # (model, part) -> precision -> Executable, while a precision search needs them
+        self.variants: dict[tuple[str, str], dict[str, Any]] = {}
         self.segments: dict[tuple[str, int], Any] = {}  # (name, inode) -> Segment
         self.views: dict[TensorRef, Any] = {}
         self.closing: list[Any] = []  # unregistered client segments a runtime still views
@@ -62,6 +65,8 @@ class Worker:
             return self.build(order)
         if isinstance(order, Forget):
             return self.forget(order)
+        if isinstance(order, Choose):
+            return self.choose(order)
         if isinstance(order, Unload):
             return self.unload(order)
         raise TypeError(f"unknown order {type(order).__name__}")
@@ -115,15 +120,26 @@ class Worker:
 
     # -- parts -------------------------------------------------------------------------
     def build(self, order: Build) -> Built:
-        from cuvild.engine.build import build_model_part, forget
+        from cuvild.engine.build import build_model_part, forget, variants
 
         try:
-            built = build_model_part(order, self.device, self.cache)
+            built, tried = build_model_part(order, self.device, self.cache)
         finally:
             if order.last:  # the model's other parts are not needed here any more
                 forget(order.split_key)
-        self.parts[(order.model, order.part)] = built.executable
-        return Built(built.runtime, built.from_cache, built.report()["candidates"])
+        key = (order.model, order.part)
+        own = built[order.precisions[0]]
+        self.parts[key] = own.executable
+        if len(built) > 1:  # a precision search will choose among them
+            self.variants[key] = {p: b.executable for p, b in built.items()}
+        return Built(own.runtime, all(b.from_cache for b in built.values()), tried,
+                     variants(built))
+
+    def choose(self, order: Choose) -> None:
+        key = (order.model, order.part)
+        self.parts[key] = self.variants[key][order.precision]
+        if order.final:  # the losing precisions' executables go
+            del self.variants[key]
 
     def run(self, order: Run) -> Ran:
         exe = self.parts.get((order.model, order.part))
@@ -149,6 +165,7 @@ class Worker:
         forget(order.model)
         for key in [k for k in self.parts if k[0] == order.model]:
             del self.parts[key]
+            self.variants.pop(key, None)
 
 
 def answer(worker: Worker, envelope: Envelope) -> Reply:

@@ -1,6 +1,7 @@
 """The model registry: archives stored content-addressed under state_dir, one JSON index.
 
 Layout:  state_dir/models/<sha256>.pt2   the archives (one file per distinct content)
+         state_dir/models/<sha256>.npz   calibration inputs uploaded with a model
          state_dir/models/index.json     name/version -> sha256 and a summary of the graph
          state_dir/uploads/              uploads in progress (wiped at start)
 
@@ -50,51 +51,153 @@ class ModelRecord:
     annotated_nodes: int = 0
     inputs: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[dict[str, Any]] = field(default_factory=list)
+    precision: str = ""  # "fp32" | "auto" | "" (the daemon's default)
+    max_error: float = 0.0  # the budget of "auto" (0: the daemon's default)
+    calibration: str = ""  # sha256 of the calibration .npz ("": none)
+    calibration_inputs: int = 0
 
 
-class Upload:
-    """One archive arriving in chunks: hashed and size-checked as it is written."""
+class _Incoming:
+    """One file arriving in chunks: hashed and size-checked as it is written."""
 
-    def __init__(self, registry: Registry, header: dict[str, Any]) -> None:
-        self.registry = registry
-        self.header = header
-        fd, tmp = tempfile.mkstemp(dir=registry.uploads_dir, prefix="upload-", suffix=".pt2")
-        self.path = Path(tmp)
+    def __init__(self, directory: Path, suffix: str, size: int, sha256: str,
+                 fields: tuple[str, str, str]) -> None:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix="upload-", suffix=suffix)
+        self.path, self.size, self.sha256 = Path(tmp), size, sha256
+        self.what, self.size_field, self.sha_field = fields  # for messages naming the header
         self._file = os.fdopen(fd, "wb")
         self._hash = hashlib.sha256()
         self.received = 0
 
     def write(self, chunk: bytes) -> None:
         self.received += len(chunk)
-        if self.received > self.header["size_bytes"]:
-            raise RegistryError("invalid", f"more bytes than the declared size_bytes "
-                                           f"{self.header['size_bytes']}")
+        if self.received > self.size:
+            raise RegistryError("invalid", f"more bytes than the declared {self.size_field} "
+                                           f"{self.size}")
         self._hash.update(chunk)
         self._file.write(chunk)
 
-    def finish(self, inspect: Callable[[Path], dict[str, Any]]) -> tuple[ModelRecord, bool]:
-        """Check size and digest, inspect the archive, then store it. Cleans up on failure."""
-        try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            size = self.header["size_bytes"]
-            if self.received != size:
-                raise RegistryError("invalid", f"truncated upload: received {self.received} of "
-                                               f"{size} declared bytes")
-            digest = self._hash.hexdigest()
-            if digest != self.header["sha256"]:
-                raise RegistryError("invalid", f"sha256 mismatch: declared "
-                                               f"{self.header['sha256']}, received {digest}")
-            summary = inspect(self.path)
-            return self.registry._commit(self.header, self.path, summary)
-        finally:
-            self.abort()
+    def finish(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        if self.received != self.size:
+            raise RegistryError("invalid", f"truncated {self.what}: received {self.received} "
+                                           f"of {self.size} declared bytes")
+        digest = self._hash.hexdigest()
+        if digest != self.sha256:
+            raise RegistryError("invalid", f"{self.sha_field} mismatch: declared "
+                                           f"{self.sha256}, received {digest}")
 
     def abort(self) -> None:
         if not self._file.closed:
             self._file.close()
         self.path.unlink(missing_ok=True)
+
+
+class Upload:
+    """One archive, and its calibration inputs if any, arriving in chunks."""
+
+    def __init__(self, registry: Registry, header: dict[str, Any]) -> None:
+        self.registry = registry
+        self.header = header
+        self.archive = _Incoming(registry.uploads_dir, ".pt2", header["size_bytes"],
+                                 header["sha256"], ("upload", "size_bytes", "sha256"))
+        self.calibration = (_Incoming(registry.uploads_dir, ".npz", header["calibration_bytes"],
+                                      header["calibration_sha256"],
+                                      ("calibration", "calibration_bytes",
+                                       "calibration_sha256"))
+                            if header["calibration_bytes"] else None)
+
+    def write(self, chunk: bytes) -> None:
+        self.archive.write(chunk)
+
+    def write_calibration(self, chunk: bytes) -> None:
+        if self.calibration is None:
+            raise RegistryError("invalid", "calibration_chunk without calibration_bytes in the "
+                                           "header")
+        if self.archive.received != self.archive.size:
+            raise RegistryError("invalid", "calibration_chunk before the whole archive")
+        self.calibration.write(chunk)
+
+    def finish(self, inspect: Callable[[Path], dict[str, Any]]) -> tuple[ModelRecord, bool]:
+        """Check sizes and digests, inspect the archive and the calibration inputs against
+        it, then store them. Cleans up on failure."""
+        try:
+            self.archive.finish()
+            if self.calibration is not None:
+                self.calibration.finish()
+            summary = inspect(self.archive.path)
+            if self.calibration is not None:
+                summary["calibration_inputs"] = check_calibration(self.calibration.path,
+                                                                  summary["inputs"])
+            return self.registry._commit(self.header, self.archive.path, summary,
+                                         self.calibration and self.calibration.path)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        self.archive.abort()
+        if self.calibration is not None:
+            self.calibration.abort()
+
+
+MAX_CALIBRATION_INPUTS = 1024
+POLICIES = ("", "fp32", "auto")
+
+
+def check_policy(header: dict[str, Any], max_bytes: int) -> None:
+    """Refuse a bad precision policy before any byte is stored, naming the field."""
+    if header["precision"] not in POLICIES:
+        raise RegistryError("invalid", f"precision: expected 'fp32' or 'auto', got "
+                                       f"{header['precision']!r}")
+    budget = header["max_error"]
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
+            budget == 0 or 0 < budget < 1):
+        raise RegistryError("invalid", f"max_error: expected a relative error in (0, 1) (or 0 "
+                                       f"for the daemon's default), got {budget!r}")
+    size = header["calibration_bytes"]
+    if size < 0 or size > max_bytes:
+        raise RegistryError("invalid", f"calibration_bytes: expected 0 to {max_bytes}, got "
+                                       f"{size}")
+    if size and not HEX_RE.match(header["calibration_sha256"].lower()):
+        raise RegistryError("invalid", "calibration_sha256: expected 64 hex digits")
+
+
+def check_calibration(path: Path, specs: list[dict[str, Any]]) -> int:
+    """How many samples the calibration .npz holds; RegistryError naming `calibration` and
+    what is wrong unless it has one array per model input, of its dtype and shape (any size
+    of a dynamic dimension), all with the same number of samples along axis 0."""
+    import numpy as np
+
+    def refuse(why: str) -> RegistryError:
+        return RegistryError("invalid", f"calibration: {why}")
+
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            names = set(data.files)
+            arrays = {spec["name"]: data[spec["name"]] for spec in specs if spec["name"] in data}
+    except Exception as e:  # noqa: BLE001 - object arrays (pickles), a bad zip, ...
+        raise refuse(f"not an .npz of plain arrays ({type(e).__name__}: {e})") from None
+    wanted = [spec["name"] for spec in specs]
+    if names != set(wanted):
+        raise refuse(f"expected one array per model input {wanted}, got {sorted(names)}")
+    counts = set()
+    for spec in specs:
+        a = arrays[spec["name"]]
+        shape = list(a.shape[1:])
+        if str(a.dtype) != spec["dtype"]:
+            raise refuse(f"input {spec['name']!r}: dtype {a.dtype}, the model takes "
+                         f"{spec['dtype']}")
+        if len(shape) != len(spec["shape"]) or any(
+                want not in (-1, got) for want, got in zip(spec["shape"], shape, strict=True)):
+            raise refuse(f"input {spec['name']!r}: samples of shape {shape}, the model takes "
+                         f"{spec['shape']} (samples along axis 0)")
+        counts.add(a.shape[0])
+    if len(counts) != 1 or not 0 < counts.pop() <= MAX_CALIBRATION_INPUTS:
+        raise refuse(f"every input needs the same number of samples, 1 to "
+                     f"{MAX_CALIBRATION_INPUTS}")
+    return len(arrays[wanted[0]])
 
 
 class Registry:
@@ -121,15 +224,20 @@ class Registry:
         if self.index_path.exists():
             for item in json.loads(self.index_path.read_text())["models"]:
                 record = ModelRecord(**item)
-                if self.archive_path(record.sha256).exists():
-                    self._records[(record.name, record.version)] = record
-                else:
+                if not self.archive_path(record.sha256).exists():
                     log.error("model %s:%s lost its archive; dropping it", record.name,
                               record.version)
-        referenced = {r.sha256 for r in self._records.values()}
-        for blob in self.models_dir.glob("*.pt2"):
+                    continue
+                if record.calibration and not self.calibration_path(record.calibration).exists():
+                    log.error("model %s:%s lost its calibration inputs; int8 will not be tried",
+                              record.name, record.version)
+                    record.calibration, record.calibration_inputs = "", 0
+                self._records[(record.name, record.version)] = record
+        referenced = {r.sha256 for r in self._records.values()} | {
+            r.calibration for r in self._records.values() if r.calibration}
+        for blob in [*self.models_dir.glob("*.pt2"), *self.models_dir.glob("*.npz")]:
             if blob.stem not in referenced:
-                log.info("removing unreferenced archive %s", blob.name)
+                log.info("removing unreferenced %s", blob.name)
                 blob.unlink(missing_ok=True)
 
     def _write_index(self) -> None:
@@ -156,7 +264,11 @@ class Registry:
         if size > self.max_model_bytes:
             raise RegistryError("invalid", f"size_bytes {size} exceeds limits.max_model_bytes "
                                            f"{self.max_model_bytes}")
-        header = {**header, "sha256": sha, "version": header["version"] or "1"}
+        header = {"precision": "", "max_error": 0.0, "calibration_bytes": 0,
+                  "calibration_sha256": "", **header}
+        check_policy(header, self.max_model_bytes)
+        header = {**header, "sha256": sha, "version": header["version"] or "1",
+                  "calibration_sha256": header["calibration_sha256"].lower()}
         with self._lock:
             self._check_conflict(header)
         return Upload(self, header)
@@ -168,30 +280,41 @@ class Registry:
                 "exists", f"model {header['name']!r} version {header['version']!r} is registered "
                           f"with different content; upload a new version or set replace")
 
-    def _commit(self, header: dict[str, Any], tmp: Path,
-                summary: dict[str, Any]) -> tuple[ModelRecord, bool]:
+    def _commit(self, header: dict[str, Any], tmp: Path, summary: dict[str, Any],
+                calibration_tmp: Path | None = None) -> tuple[ModelRecord, bool]:
         key = (header["name"], header["version"])
+        policy = {"precision": header["precision"], "max_error": header["max_error"],
+                  "calibration": header["calibration_sha256"] if calibration_tmp else ""}
         with self._lock:
             self._check_conflict(header)  # another upload may have won meanwhile
             existing = self._records.get(key)
-            if existing and existing.sha256 == header["sha256"]:
+            if existing and existing.sha256 == header["sha256"] and all(
+                    getattr(existing, k) == v for k, v in policy.items()):
                 return existing, True
-            blob = self.archive_path(header["sha256"])
-            if not blob.exists():
-                os.replace(tmp, blob)
-                fsync_dir(self.models_dir)
+            for path, dest in ((tmp, self.archive_path(header["sha256"])),
+                               (calibration_tmp, self.calibration_path(policy["calibration"]))):
+                if path is not None and not dest.exists():
+                    os.replace(path, dest)
+            fsync_dir(self.models_dir)
             record = ModelRecord(name=key[0], version=key[1], sha256=header["sha256"],
                                  size_bytes=header["size_bytes"], created_at=time.time(),
-                                 **summary)
+                                 **summary, **policy)
             self._records[key] = record
             self._write_index()
             if existing:
-                self._drop_unreferenced(existing.sha256)
+                self._drop_unreferenced(existing)
             return record, False
 
-    def _drop_unreferenced(self, sha256: str) -> None:
-        if all(r.sha256 != sha256 for r in self._records.values()):
-            self.archive_path(sha256).unlink(missing_ok=True)
+    def calibration_path(self, sha256: str) -> Path:
+        return self.models_dir / f"{sha256}.npz"
+
+    def _drop_unreferenced(self, gone: ModelRecord) -> None:
+        """Remove the files of a record no other record shares."""
+        if all(r.sha256 != gone.sha256 for r in self._records.values()):
+            self.archive_path(gone.sha256).unlink(missing_ok=True)
+        if gone.calibration and all(r.calibration != gone.calibration
+                                    for r in self._records.values()):
+            self.calibration_path(gone.calibration).unlink(missing_ok=True)
 
     def list(self) -> list[ModelRecord]:
         with self._lock:
@@ -216,5 +339,5 @@ class Registry:
             removed = [self._records.pop(k) for k in keys]
             self._write_index()
             for record in removed:
-                self._drop_unreferenced(record.sha256)
+                self._drop_unreferenced(record)
             return removed

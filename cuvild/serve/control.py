@@ -38,8 +38,9 @@ def profile_to_pb(dev: DeviceProfile) -> cuvil_pb2.DeviceProfile:
 
 def record_to_pb(record: ModelRecord) -> cuvil_pb2.ModelSummary:
     fields = asdict(record)
+    fields.pop("calibration")  # a file's digest: the count says what a user needs to know
     specs = {k: [cuvil_pb2.TensorSpec(**t) for t in fields.pop(k)] for k in ("inputs", "outputs")}
-    return cuvil_pb2.ModelSummary(state="registered", **fields, **specs)
+    return cuvil_pb2.ModelSummary(state="registered", measured_error=-1, **fields, **specs)
 
 
 class ControlService(cuvil_pb2_grpc.ControlServicer):
@@ -102,6 +103,11 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         served = self._models.get(record.name, record.version) if self._models else None
         if served is not None:
             summary.state = served.state.lower() + (f": {served.reason}" if served.reason else "")
+            accuracy = served.loaded.accuracy if served.loaded else None
+            if accuracy is not None:  # the policy in force, and what the load measured
+                summary.precision, summary.max_error = accuracy.policy, accuracy.max_error or 0
+                if accuracy.chosen is not None:
+                    summary.measured_error = accuracy.chosen.error
         return summary
 
     def LoadModel(self, request_iterator: Iterator[cuvil_pb2.LoadModelRequest],
@@ -134,12 +140,18 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         h = first.header
         upload = self._registry.begin_upload({
             "name": h.name, "version": h.version, "sha256": h.sha256,
-            "size_bytes": h.size_bytes, "replace": h.replace})
+            "size_bytes": h.size_bytes, "replace": h.replace, "precision": h.precision,
+            "max_error": h.max_error, "calibration_bytes": h.calibration_bytes,
+            "calibration_sha256": h.calibration_sha256})
         try:
             for message in requests:
-                if message.WhichOneof("part") != "chunk":
+                part = message.WhichOneof("part")
+                if part == "chunk":
+                    upload.write(message.chunk)
+                elif part == "calibration_chunk":
+                    upload.write_calibration(message.calibration_chunk)
+                else:
                     raise RegistryError("invalid", "LoadModel got a second header")
-                upload.write(message.chunk)
         except BaseException:  # includes the client cancelling mid-stream
             upload.abort()
             raise
@@ -187,6 +199,27 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                                          explain=report.explain(plan),
                                          measured_json=json.dumps(measured),
                                          dot=report.to_dot(plan))
+
+    def Compare(self, request: cuvil_pb2.CompareRequest,
+                context: grpc.ServicerContext) -> cuvil_pb2.CompareResponse:
+        import json
+
+        served = self._models.get(request.name, request.version) if self._models else None
+        if served is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name!r}")
+        loaded = served.loaded
+        if loaded is None or loaded.accuracy is None:
+            why = (served.reason or "still loading") if loaded is None else (
+                "a dynamic-shape model is checked per shape, not at load")
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"model {served.key} has no "
+                                                       f"comparison: {why}")
+        measured = self._models.engine.stats(served.key)
+        parts = [{"id": p.id, "device": p.device, "runtime": p.runtime,
+                  "precision": p.precision, "error": p.error,
+                  "predicted_ms": p.predicted_ms, "measured_ms": measured[p.id]["measured_ms"],
+                  "candidates": measured[p.id]["candidates"]} for p in loaded.plan.parts]
+        report = {"model": served.key, **loaded.accuracy.to_dict(), "parts": parts}
+        return cuvil_pb2.CompareResponse(report_json=json.dumps(report))
 
     def _replan(self, served, objective: str):  # noqa: ANN001, ANN202
         """A fresh plan, priced with what measured parts taught the cost model (this model's

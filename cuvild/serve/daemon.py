@@ -174,7 +174,8 @@ class Daemon:
                         compile_timeout_s=self.cfg.compile_timeout_s,
                         corrections_path=self.cfg.state_dir / "corrections"
                         / f"{profiles.fingerprint}.json")
-        self.models = ModelManager(self.registry, engine, self.cfg.objective)
+        self.models = ModelManager(self.registry, engine, self.cfg.objective,
+                                   self.cfg.precision, self.cfg.max_error)
         self.regions = Regions(self.cfg.shm_allowed_uids)
 
     def _reload(self) -> None:

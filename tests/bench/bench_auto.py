@@ -33,10 +33,10 @@ def one(name: str, cache: CompileCache) -> dict[str, Any]:
     split = split_program(ep, {n.name: "p0" for n in ep.graph.nodes if n.op == "call_function"})
     part = split.parts[0]
 
-    def samples() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def samples() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
         with torch.no_grad():
             values = split.trace(*inputs)
-        return [values[n] for n in part.inputs], [values[n] for n in part.outputs]
+        return [[values[n] for n in part.inputs]], [[values[n] for n in part.outputs]]
 
     t0 = time.perf_counter()
     built = build_part(part.module, CPU, "fp32", samples, cache)

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from partitioner.annotate import export  # noqa: E402
 from partitioner.profile import DeviceProfile  # noqa: E402
 from partitioner.split import split_program  # noqa: E402
 from runtimes import registry  # noqa: E402
-from runtimes.base import CompileSpec, Executable, RuntimeUnavailable  # noqa: E402
+from runtimes.base import CompileSpec, Executable, RuntimeUnavailable, relative_error  # noqa: E402
 
 MODELS = ("resnet18", "bert4", "mlp")
 THREADS = 2
@@ -39,13 +39,6 @@ WARMUP = 3
 # before the next runner starts, so one runner's pool does not slow the next one's run.
 GAP_S = 0.005
 VARIANTS = (("openvino", "fp32"), ("openvino", "bf16"), ("onnxruntime", "fp32"))
-
-
-def relative_error(outputs: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
-    worst = 0.0
-    for out, ref in zip(outputs, expected, strict=True):
-        worst = max(worst, (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12))
-    return worst
 
 
 def has_bf16() -> bool:

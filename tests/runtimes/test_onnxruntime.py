@@ -17,8 +17,14 @@ from partitioner.annotate import export
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
 from runtimes import registry
-from runtimes.base import TOLERANCE, CompileError, CompileSpec, Executable, RuntimeUnavailable
-from runtimes.select import relative_error
+from runtimes.base import (
+    TOLERANCE,
+    CompileError,
+    CompileSpec,
+    Executable,
+    RuntimeUnavailable,
+    relative_error,
+)
 
 # torch's pytree deprecation and the exporter's note that torchvision ops are not registered.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")

@@ -18,9 +18,15 @@ from partitioner.annotate import export
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
 from runtimes import registry
-from runtimes.base import TOLERANCE, CompileError, CompileSpec, Executable, RuntimeUnavailable
+from runtimes.base import (
+    TOLERANCE,
+    CompileError,
+    CompileSpec,
+    Executable,
+    RuntimeUnavailable,
+    relative_error,
+)
 from runtimes.profiling.hardware import cpuinfo
-from runtimes.select import relative_error
 
 # torch's pytree deprecation, raised inside torch.export / OpenVINO's frontend, not here.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")

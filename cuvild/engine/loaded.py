@@ -1,0 +1,62 @@
+"""What the engine keeps of a prepared model: one route per part (its device, runtime,
+precision and the tensors it reads and writes) and the wiring of a request through them."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cuvild.engine.layout import InputSpec, Slot
+from cuvild.engine.orders import Built, Variant
+
+if TYPE_CHECKING:
+    from partitioner.plan import Plan
+    from partitioner.split import SplitProgram
+
+
+@dataclass
+class Route:
+    id: str
+    device: str
+    precision: str
+    inputs: list[str]
+    outputs: list[str]
+    runtime: str = ""
+    built: Built | None = None
+    measured_ms: list[float] = field(default_factory=list)
+    fed_back: bool = False  # its measurements have taught the cost model
+    # The precisions to build it at (its own first, then a search's candidates) and the
+    # error budget of the others; once built, the best runtime at each precision.
+    precisions: list[str] = field(default_factory=list)
+    search: list[str] = field(default_factory=list)  # every precision a search may try
+    tolerance: float | None = None
+    variants: dict[str, Variant] = field(default_factory=dict)
+
+
+@dataclass
+class LoadedModel:
+    key: str
+    name: str
+    version: str
+    plan: Plan
+    routes: list[Route]
+    inputs: list[str]  # graph value names, in the model's order
+    outputs: list[str]
+    table: list[InputSpec]  # what a request is checked against, once
+    slots: dict[str, Slot]
+    footprint: int  # bytes per request: the peak of live tensors
+    total_bytes: int  # what the same tensors would take without sharing
+    archive: str = ""
+    input_specs: list[dict[str, Any]] = field(default_factory=list)
+    parts_by_device: dict[str, list[str]] = field(default_factory=dict)
+    # Dynamic shapes: (input index, dim, low, high) per symbolic input dim; the split is kept
+    # to lay out and build one variant per concrete shape (bucket) on first use.
+    dynamic: list[tuple[int, int, int, int]] = field(default_factory=list)
+    split: SplitProgram | None = None
+    variants: dict[tuple[tuple[int, ...], ...], LoadedModel] = field(default_factory=dict)
+    variant_lock: threading.Lock = field(default_factory=threading.Lock)
+    base_key: str = ""
+    part_input_shapes: dict[str, list[list[int]]] = field(default_factory=dict)
+    policy: Any = None  # the PrecisionPolicy it was built under (cuvild/engine/precision.py)
+    accuracy: Any = None  # what the load measured end to end (precision.Accuracy)

@@ -1,0 +1,250 @@
+"""Precision under an error budget, and the end-to-end check of every served model.
+
+A model is loaded with a precision policy: `fp32` (exact, the default, as ONNX Runtime and
+Triton Inference Server do) or `auto` with an error budget (`max_error`). The error is one
+metric everywhere (runtimes/base.py `relative_error`): max |y - y_eager| / max |y_eager| of
+the outputs against torch eager fp32, the worst over all outputs and all inputs checked; for
+classifier-shaped outputs the top-1 agreement is reported beside it.
+
+Under `auto` each part is built at its own precision and at the lower ones its device runs
+fast (bf16 and fp16 where the profile measured them; int8, post-training quantized, only when
+calibration inputs were given), each by every runtime that can. A part's own error is no
+verdict on the model's (the demo's backbone measures 6e-2 in int8 on its features and 7e-3 on
+the model's outputs: the head averages it down; errors may as well compound), so a lower
+precision is kept for a part only as a sanity bound (`part_bound`: ten times the budget, at
+least 5e-2), and the budget is held end to end: the whole model on every check input
+(the calibration inputs, else a few random ones) against torch eager. The search lowers the
+most expensive parts first, each to its fastest precision that keeps the whole model within
+the budget, and backs a part off when the check fails. The decision is kept in the compile
+cache; a restart builds only the chosen precisions, checks once, and searches again only if
+that check fails.
+
+Every static-shape model gets the end-to-end check at load, whatever its policy: it is what
+`cuvilctl compare` and `cuvilctl status` report (eager vs the fp32 plan vs the chosen plan).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from runtimes.base import relative_error, top1_agreement, write_atomic
+
+if TYPE_CHECKING:
+    import torch
+
+    from cuvild.engine.loaded import LoadedModel, Route
+    from partitioner.plan import Part
+    from partitioner.profile import DeviceProfile
+
+
+class Engine(Protocol):
+    """What the search needs of the engine: run the plan, switch a part's precision."""
+
+    def run(self, model: LoadedModel, inputs: Sequence[Any]) -> list[Any]: ...
+
+    def choose(self, model: LoadedModel, route: Route, at: str, final: bool = False) -> None: ...
+
+log = logging.getLogger(__name__)
+MODES = ("fp32", "auto")
+LOWER = ("bf16", "fp16", "int8")  # the precisions a search may lower a part to, in this order
+CHECK_INPUTS = 4  # random check inputs when no calibration inputs were given
+COMPUTE_CLASSES = ("matmul", "conv", "attention")  # what a lower precision speeds up
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    mode: str = "fp32"  # "fp32" | "auto"
+    max_error: float = 1e-2  # the budget of `auto`
+    calibration: str = ""  # an .npz of model inputs, one row per sample ("": none)
+    calibration_tag: str = ""  # its digest
+
+
+@dataclass
+class Check:
+    """One end-to-end measurement of the served plan on the check inputs."""
+
+    error: float
+    top1: float | None
+    p50_ms: float
+
+
+@dataclass
+class Accuracy:
+    """What the load measured: `cuvilctl compare`'s report."""
+
+    policy: str
+    max_error: float | None
+    inputs: int  # check inputs
+    calibrated: bool  # the check inputs are the user's calibration inputs
+    eager_ms: float
+    fp32: Check | None = None  # every part at its own precision, before any lowering
+    chosen: Check | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Accuracy:
+        checks = {k: Check(**data[k]) if data.get(k) else None for k in ("fp32", "chosen")}
+        return cls(**{**data, **checks})
+
+
+def at(class_ms: dict[str, float], device: DeviceProfile, precision: str) -> dict[str, float]:
+    """A part's roofline ms per class at a precision: compute classes at the device's
+    measured peak for that dtype (unchanged where the profile has none)."""
+    fp32, lower = device.peak_gflops.get("fp32"), device.peak_gflops.get(precision)
+    if precision == "fp32" or not fp32 or not lower:
+        return class_ms
+    return {c: ms * fp32 / lower if c in COMPUTE_CLASSES else ms for c, ms in class_ms.items()}
+
+
+def part_bound(budget: float) -> float:
+    """The error a lower precision may show on a part's own outputs and still be tried end to
+    end: a bound against broken builds, not the budget."""
+    return min(0.5, max(10 * budget, 0.05))
+
+
+def runtime_key(runtime: str, precision: str) -> str:
+    """The name a (runtime, precision) pair is learned and priced under by the cost model."""
+    return runtime if precision == "fp32" else f"{runtime}@{precision}"
+
+
+def candidates(part: Part, device: DeviceProfile,
+               policy: PrecisionPolicy) -> tuple[list[str], float | None]:
+    """[the part's own precision, then the lower ones a search may try], and its budget."""
+    auto = part.policy == "auto" or (part.policy == "" and policy.mode == "auto")
+    if not auto or part.precision != "fp32":
+        return [part.precision], None
+    lower = [p for p in LOWER if p in device.peak_gflops and p != "int8"]
+    if policy.calibration:
+        lower.append("int8")
+    return ["fp32", *lower], part.max_error or policy.max_error
+
+
+def check_inputs(model: LoadedModel, policy: PrecisionPolicy) -> list[list[torch.Tensor]]:
+    from cuvild.engine.build import calibration_inputs, sample_inputs
+
+    if policy.calibration:
+        return calibration_inputs(policy.calibration, model.input_specs)
+    return [sample_inputs(model.input_specs, seed) for seed in range(CHECK_INPUTS)]
+
+
+def reference(ep: Any, inputs: list[list[torch.Tensor]]) -> tuple[list[list[torch.Tensor]],
+                                                                  float]:
+    """torch eager fp32's outputs for each input, and its median time, in this process."""
+    import torch
+
+    module = ep.module()
+    outputs, times = [], []
+    with torch.no_grad():
+        module(*inputs[0])
+        for x in inputs:
+            t0 = time.perf_counter()
+            out = module(*x)
+            times.append((time.perf_counter() - t0) * 1e3)
+            outputs.append(list(out) if isinstance(out, (tuple, list)) else [out])
+    return outputs, statistics.median(times)
+
+
+def check(engine: Engine, model: LoadedModel, inputs: list[list[torch.Tensor]],
+          expected: list[list[torch.Tensor]]) -> Check:
+    """The plan as it is served now, on every check input."""
+    import torch
+
+    errors, shares, times = [], [], []
+    for x, want in zip(inputs, expected, strict=True):
+        t0 = time.perf_counter()
+        got = engine.run(model, x)
+        times.append((time.perf_counter() - t0) * 1e3)
+        errors.append(relative_error(got, want))
+        shares.append((got, want))
+    top1 = None
+    if shares:  # over all inputs at once: one row per input and output
+        outs = [torch.cat([g[i] for g, _ in shares]) for i in range(len(shares[0][0]))]
+        refs = [torch.cat([w[i] for _, w in shares]) for i in range(len(shares[0][1]))]
+        top1 = top1_agreement(outs, refs)
+    return Check(max(errors), top1, statistics.median(times))
+
+
+def search(engine: Engine, model: LoadedModel, budgets: dict[str, float],
+           inputs: list[list[torch.Tensor]], expected: list[list[torch.Tensor]],
+           start: Check) -> tuple[Check, list[str]]:
+    """Lower the most expensive parts first, each to its fastest precision that keeps the
+    whole model within its budget; returns the final check and what happened, as notes."""
+    notes: list[str] = []
+    now = start
+    routes = sorted((r for r in model.routes if r.id in budgets),
+                    key=lambda r: -r.variants[r.precision].median_ms)
+    for route in routes:
+        budget = budgets[route.id]
+        own = route.precision
+        here = route.variants[own]
+        faster = sorted((v for p, v in route.variants.items()
+                         if p != own and v.median_ms < here.median_ms),
+                        key=lambda v: v.median_ms)
+        if not faster:
+            notes.append(f"{route.id} stays {own}: no lower precision ran faster within "
+                         f"{budget:.0e} on {route.device}{_why_not(route)}")
+        for variant in faster:
+            engine.choose(model, route, variant.precision)
+            trial = check(engine, model, inputs, expected)
+            if trial.error <= budget:
+                notes.append(f"{route.id} runs {variant.precision} on {variant.runtime}: "
+                             f"{variant.median_ms:.2f} ms vs {here.median_ms:.2f} ms at {own}, "
+                             f"end-to-end error {trial.error:.1e} <= {budget:.0e}")
+                now = trial
+                break
+            notes.append(f"{route.id} {variant.precision} refused: end-to-end error "
+                         f"{trial.error:.1e} > {budget:.0e}")
+            engine.choose(model, route, own)  # backed off
+    return now, notes
+
+
+def _why_not(route: Route) -> str:
+    """The lower precisions a part tried, and why each was not kept."""
+    best: dict[str, dict[str, Any]] = {}
+    for c in route.built.candidates if route.built else []:
+        if c["precision"] != route.precision and c["status"] == "inaccurate" and (
+                c["precision"] not in best or c["rel_error"] < best[c["precision"]]["rel_error"]):
+            best[c["precision"]] = c
+    tried = [f"{p} error {c['rel_error']:.1e} on {c['runtime']}" for p, c in best.items()]
+    return f" ({'; '.join(tried)})" if tried else ""
+
+
+# ---- the decision, kept in the compile cache --------------------------------------------
+
+def decision_path(cache_dir: Path, model: LoadedModel, policy: PrecisionPolicy,
+                  devices: Sequence[DeviceProfile]) -> Path:
+    """Where the precision search of this model, plan, policy and devices is recorded."""
+    what = {"archive": Path(model.archive).name, "parts": [(p.id, p.device, p.nodes) for p in
+                                                           model.plan.parts],
+            "policy": asdict(policy) | {"calibration": ""},
+            "devices": sorted((d.id, d.name, tuple(sorted(d.features))) for d in devices)}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+    return cache_dir / "choices" / f"precision-{key}.json"
+
+
+def read_decision(path: Path) -> tuple[dict[str, str] | None, dict[str, Any] | None]:
+    """The recorded precision per part and the accuracy measured then; (None, None) when
+    there is no record or it does not read (then the search runs again)."""
+    try:
+        data = json.loads(path.read_text())
+        parts = {str(k): str(v) for k, v in data["parts"].items()}
+        Accuracy.from_dict(data["accuracy"])
+        return parts, data["accuracy"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, None
+
+
+def write_decision(path: Path, routes: list[Route], accuracy: Accuracy) -> None:
+    write_atomic(path, json.dumps({"parts": {r.id: r.precision for r in routes},
+                                   "accuracy": accuracy.to_dict()}, indent=1).encode())

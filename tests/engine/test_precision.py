@@ -1,0 +1,141 @@
+"""Precision under an error budget, in the engine: the search, its fallbacks and what it
+reports (cuvild/engine/precision.py). One CPU worker; OpenVINO's int8 via NNCF."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import cuvild
+from cuvild.client.api import save_calibration
+from cuvild.client.samples import ResNet18
+from cuvild.engine.arena import Arena
+from cuvild.engine.engine import Engine
+from cuvild.engine.precision import PrecisionPolicy
+from cuvild.intake.summary import summarize
+from partitioner.profile import DeviceProfile
+from runtimes.base import relative_error
+
+CORES = sorted(os.sched_getaffinity(0))
+CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["openvino", "torch"],
+                    peak_gflops={"fp32": 100.0}, mem_bw_gbs=20.0, link_bw_gbs=10.0,
+                    launch_us=5.0)
+
+pytest.importorskip("nncf", reason="NNCF (int8 post-training quantization) is not installed")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A small ResNet-18 (int8 clearly faster: timing noise cannot flip the choice), its
+    archive, calibration inputs and held-out inputs."""
+    tmp = tmp_path_factory.mktemp("precision")
+    torch.manual_seed(0)
+    net = ResNet18(num_classes=10, width=32).eval()  # int8 runs it in ~0.45x the fp32 time
+    x = torch.randn(1, 3, 64, 64)
+    ep = cuvild.export(net, (x,))
+    archive = tmp / "resnet.pt2"
+    torch.export.save(ep, archive)
+    calibration = tmp / "calibration.npz"
+    save_calibration(calibration, ["x"], [torch.randn(1, 3, 64, 64) for _ in range(8)])
+    held_out = [torch.randn(1, 3, 64, 64) for _ in range(6)]
+    return net, archive, summarize(ep)["inputs"], calibration, held_out
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One compile cache for the module: a build another test made is loaded, not redone."""
+    return tmp_path_factory.mktemp("precision-cache")
+
+
+@pytest.fixture
+def engine(cache_dir):
+    arena = Arena(f"{os.getpid()}-prec")
+    eng = Engine([CPU], cache_dir, arena)
+    yield eng
+    eng.close()
+    arena.close()
+
+
+def load(engine, model, name, policy):
+    net, archive, specs, _, _ = model
+    return engine.prepare(name, name, "1", archive, specs, policy=policy)
+
+
+def held_out_error(engine, model, name):
+    net, *_, held = model
+    with torch.no_grad():
+        return max(relative_error(engine.infer(name, (x,)), [net(x)]) for x in held)
+
+
+def test_a_loose_budget_runs_int8_and_stays_within_it_on_held_out_inputs(engine, model):
+    calibration = str(model[3])
+    loaded = load(engine, model, "loose", PrecisionPolicy("auto", 0.25, calibration, "t1"))
+    (part,) = loaded.plan.parts
+    assert part.precision == "int8" and part.runtime == "openvino", loaded.plan.notes
+    assert 0 < part.error <= 0.25
+    acc = loaded.accuracy
+    assert acc.policy == "auto" and acc.calibrated and acc.inputs == 8
+    assert acc.chosen.error <= 0.25 and acc.fp32.error < 1e-4
+    assert acc.chosen.top1 is not None and acc.fp32.top1 == 1.0
+    assert any("runs int8 on openvino" in n for n in acc.notes), acc.notes
+    assert held_out_error(engine, model, "loose") <= 0.25
+
+
+def test_a_budget_of_1e_2_serves_within_it_on_held_out_inputs(engine, model):
+    calibration = str(model[3])
+    loaded = load(engine, model, "tight", PrecisionPolicy("auto", 1e-2, calibration, "t1"))
+    assert loaded.accuracy.chosen.error <= 1e-2
+    assert held_out_error(engine, model, "tight") <= 1e-2
+
+
+def test_a_budget_of_1e_6_falls_back_to_fp32_and_says_why(engine, model):
+    calibration = str(model[3])
+    loaded = load(engine, model, "exact", PrecisionPolicy("auto", 1e-6, calibration, "t1"))
+    (part,) = loaded.plan.parts
+    assert part.precision == "fp32" and loaded.accuracy.chosen.error < 1e-6
+    # why: int8 measured and backed off end to end, or already over the part's bound
+    why = [n for n in loaded.accuracy.notes if n.startswith(("p0 int8 refused", "p0 stays"))]
+    assert why and ("> 1e-06" in why[0] or "int8 error" in why[0]), loaded.accuracy.notes
+    assert [v for v in loaded.routes[0].variants] == ["fp32"]  # no int8 build is kept
+
+
+def test_int8_is_tried_only_with_calibration_inputs(engine, model):
+    loaded = load(engine, model, "uncalibrated", PrecisionPolicy("auto", 0.25))
+    assert loaded.plan.parts[0].precision == "fp32"
+    assert not [c for c in loaded.routes[0].built.candidates if c["precision"] == "int8"]
+    assert "int8 not tried: no calibration inputs were given" in loaded.accuracy.notes
+    assert not loaded.accuracy.calibrated and loaded.accuracy.inputs == 4
+
+
+def test_fp32_models_are_checked_end_to_end_too(engine, model):
+    loaded = load(engine, model, "plain", None)
+    acc = loaded.accuracy
+    assert acc.policy == "fp32" and acc.max_error is None and acc.chosen.error < 1e-4
+    assert loaded.plan.parts[0].error < 1e-4 and acc.eager_ms > 0
+
+
+def test_a_restart_reuses_the_decision_without_searching(engine, model):
+    calibration = str(model[3])
+    policy = PrecisionPolicy("auto", 0.25, calibration, "t1")
+    first = load(engine, model, "again", policy)
+    again = Engine([CPU], engine.cache_dir, engine.arena)
+    try:
+        second = again.prepare("again", "again", "1", model[1], model[2], policy=policy)
+    finally:
+        again.close()
+    assert second.plan.parts[0].precision == first.plan.parts[0].precision == "int8"
+    assert [v for v in second.routes[0].variants] == ["int8"]  # built only what was chosen
+    assert second.accuracy.fp32.error == first.accuracy.fp32.error  # the recorded report
+
+
+def test_calibration_file_layout(tmp_path):
+    path = tmp_path / "c.npz"
+    save_calibration(path, ["a", "b"], [(torch.ones(2), np.zeros(3)), (torch.zeros(2),
+                                                                       np.ones(3))])
+    with np.load(path) as data:
+        assert data["a"].shape == (2, 2) and data["b"].shape == (2, 3)
+    with pytest.raises(ValueError, match="2 input"):
+        save_calibration(path, ["a", "b"], [torch.ones(2)])
