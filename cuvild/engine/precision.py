@@ -210,13 +210,25 @@ def search(engine: Engine, model: LoadedModel, budgets: dict[str, float],
 
 
 def _why_not(route: Route) -> str:
-    """The lower precisions a part tried, and why each was not kept."""
-    best: dict[str, dict[str, Any]] = {}
-    for c in route.built.candidates if route.built else []:
-        if c["precision"] != route.precision and c["status"] == "inaccurate" and (
-                c["precision"] not in best or c["rel_error"] < best[c["precision"]]["rel_error"]):
-            best[c["precision"]] = c
-    tried = [f"{p} error {c['rel_error']:.1e} on {c['runtime']}" for p, c in best.items()]
+    """The lower precisions a part tried, and why each was not kept: slower than its own
+    precision, over the part's sanity bound, or failing to build."""
+    candidates = route.built.candidates if route.built else []
+    tried = []
+    for p in dict.fromkeys(c["precision"] for c in candidates):
+        if p == route.precision:
+            continue
+        if p in route.variants:
+            v = route.variants[p]
+            tried.append(f"{p} ran {v.median_ms:.2f} ms on {v.runtime}, not faster")
+            continue
+        cands = [c for c in candidates if c["precision"] == p]
+        inaccurate = [c for c in cands if c["status"] == "inaccurate"]
+        if inaccurate:
+            best = min(inaccurate, key=lambda c: c["rel_error"])
+            tried.append(f"{p} error {best['rel_error']:.1e} on {best['runtime']}")
+        else:
+            failed = ", ".join(f"{c['runtime']} {c['status']}" for c in cands)
+            tried.append(f"{p} did not build ({failed})")
     return f" ({'; '.join(tried)})" if tried else ""
 
 
