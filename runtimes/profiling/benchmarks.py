@@ -225,7 +225,8 @@ def profile_openvino(dev_id: str, kind: str, ov_device: str, cores: list[int],
     efficiency: dict[str, float] = {}
     found: dict[str, Any] = {}
     if ov_device == "CPU":  # the CPU plugin's own matmul and conv kernels, per dtype
-        found = {"openvino": probes.openvino_probes(list(precisions), len(cores))}
+        found = {"openvino": probes.openvino_probes(
+            sorted(set(precisions) | set(_dtypes(features))), len(cores))}
         peak, efficiency = probes.summarize(found)
     for label, hint in precisions.items():
         if label not in peak:

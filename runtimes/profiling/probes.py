@@ -122,6 +122,22 @@ def openvino_probes(dtypes: list[str], threads: int) -> dict[str, tuple[float, f
 
         out[f"matmul/{label}"] = rate(mm, _matmul_flops, 256, 4096)
         out[f"conv/{label}"] = rate(conv, _conv_flops, 1, 64)
+    if "int8" in dtypes:  # what NNCF's quantized parts run: FakeQuantize -> int8 GEMM
+        config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads}
+
+        def fq(node: Any) -> Any:
+            lo, hi = ops.constant(np.float32(-4.0)), ops.constant(np.float32(4.0))
+            return ops.fake_quantize(node, lo, hi, lo, hi, 256)
+
+        def mm8(n: int) -> Callable[[], Any]:
+            a = ops.parameter([n, n], ov.Type.f32, name="a")
+            b = ops.constant(np.random.rand(n, n).astype(np.float32))
+            model = ov.Model([ops.matmul(fq(a), fq(b), False, False)], [a])
+            request = core.compile_model(model, "CPU", config).create_infer_request()
+            x = np.random.rand(n, n).astype(np.float32)
+            return lambda: request.infer([x], share_inputs=True)
+
+        out["matmul/int8"] = rate(mm8, _matmul_flops, 256, 4096)
     return out
 
 
