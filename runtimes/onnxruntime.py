@@ -18,6 +18,11 @@ the engine still holds is never overwritten: ORT reuses the buffers it allocates
 outputs from one run to the next. Parts whose output shapes are not static fall back to
 ORT-allocated outputs, copied once.
 
+int8 (a precision search's candidate, with calibration inputs): static QDQ quantization of the
+exported model (`onnxruntime.quantization.quantize_static`: per-channel int8 weights, uint8
+activations, ranges from the part's own calibration inputs). Measured on resnet18 b1, one
+AVX2 core: 23 ms vs 40 ms in fp32, relative error 5e-2 (OpenVINO's NNCF int8: 20 ms, 4e-2).
+
 Session options: intra_op_num_threads = spec.threads, inter_op_num_threads = 1 (parts run their
 nodes sequentially), graph optimization level ALL, and no spinning
 (session.intra_op.allow_spinning = "0"): ORT's spinning pools slowed the other runtimes on
@@ -27,6 +32,7 @@ nodes sequentially), graph optimization level ALL, and no spinning
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 import weakref
@@ -135,10 +141,52 @@ class ONNXExecutable(Executable):
         (directory / META).write_text(json.dumps(self.meta, indent=1))
 
 
+def quantize(path: Path, calibration: list[list[torch.Tensor]], names: list[str]) -> None:
+    """Static int8 quantization of the .onnx at `path`, in place (QDQ format, per-channel int8
+    weights, uint8 activations, ranges from the part's own calibration inputs)."""
+    if not calibration:
+        raise CompileError("onnxruntime: int8 needs calibration inputs (none were given)")
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    session_inputs = [i.name for i in _ort().InferenceSession(
+        str(path), providers=["CPUExecutionProvider"]).get_inputs()]
+    feed = feed_order(session_inputs, names)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.samples = iter(calibration)
+
+        def get_next(self) -> dict[str, Any] | None:
+            sample = next(self.samples, None)
+            return None if sample is None else {
+                name: sample[i].detach().contiguous().numpy()
+                for name, i in zip(session_inputs, feed, strict=True)}
+
+    quantized = path.with_name("quantized.onnx")
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # its advice to pre-process, on the root logger, every time
+    try:
+        quantize_static(str(path), str(quantized), Reader(), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        per_channel=True)
+    except Exception as e:
+        raise CompileError(f"onnxruntime: int8 quantization failed: {type(e).__name__}: "
+                           f"{e}") from e
+    finally:
+        root.setLevel(level)
+    quantized.replace(path)
+
+
 class ONNXRuntime(Runtime):
     name = "onnxruntime"
     kinds = ("cpu",)
-    precisions = ("fp32",)
+    precisions = ("fp32", "int8")  # int8: static QDQ quantization on calibration inputs
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -159,12 +207,13 @@ class ONNXRuntime(Runtime):
     def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
         """Export `part` to ONNX in a private directory and open a session on it."""
         if not self.can_target(spec.device, spec.precision):
-            raise CompileError(f"onnxruntime runs fp32 on the host CPU only, not "
+            raise CompileError(f"onnxruntime runs fp32 and int8 on the host CPU only, not "
                                f"{spec.device.id} (kind {spec.device.kind!r}) at {spec.precision}")
         example = tuple(t.detach() for t in spec.example_inputs)
         workdir = Path(tempfile.mkdtemp(prefix="cuvil-ort-"))
         try:
-            exe = self._build(part, example, workdir, spec.threads)
+            exe = self._build(part, example, workdir, spec.threads,
+                              spec.calibration if spec.precision == "int8" else None)
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
@@ -172,13 +221,16 @@ class ONNXRuntime(Runtime):
         return exe
 
     def _build(self, part: fx.GraphModule, example: tuple[torch.Tensor, ...], workdir: Path,
-               threads: int) -> ONNXExecutable:
+               threads: int, calibration: list[list[torch.Tensor]] | None = None,
+               ) -> ONNXExecutable:
         try:
             exported = torch.export.export(part, example)
             program = torch.onnx.export(exported, example, dynamo=True, verbose=False)
             program.save(str(workdir / MODEL))  # external data only past 2 GB
         except Exception as e:
             raise CompileError(f"onnxruntime: ONNX export failed: {type(e).__name__}: {e}") from e
+        if calibration is not None:
+            quantize(workdir / MODEL, calibration, list(exported.graph_signature.user_inputs))
         try:
             session = open_session(workdir / MODEL, threads)
         except Exception as e:

@@ -166,9 +166,32 @@ def test_refuses_other_devices_and_precisions() -> None:
     npu = DeviceProfile(id="npu0", kind="npu", emulated=True, cores=[1])
     assert not runtime.can_target(npu, "fp32") and not runtime.can_target(CPU, "bf16")
     part = torch.fx.symbolic_trace(torch.nn.ReLU())
-    with pytest.raises(CompileError, match="fp32 on the host CPU"):
+    with pytest.raises(CompileError, match="fp32 and int8 on the host CPU"):
         runtime.compile(part, CompileSpec(device=CPU, precision="bf16",
                                           example_inputs=[torch.ones(2)]))
+
+
+def test_int8_quantizes_on_the_calibration_inputs(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 8, 3)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    (part,) = whole(export(model, (x,))).parts
+    calibration = [[torch.randn(1, 3, 32, 32)] for _ in range(8)]
+    runtime = ONNXRuntime()
+    with pytest.raises(CompileError, match="needs calibration inputs"):
+        runtime.compile(part.module, CompileSpec(device=CPU, precision="int8",
+                                                 example_inputs=[x], threads=THREADS))
+    exe = runtime.compile(part.module, CompileSpec(device=CPU, precision="int8",
+                                                   example_inputs=[x], threads=THREADS,
+                                                   calibration=calibration))
+    with torch.no_grad():
+        error = relative_error(exe.run([x]), [model(x)])
+    assert 0 < error < 0.25  # quantized: close, not exact
+    exe.save(tmp_path)
+    again = runtime.load(tmp_path, CompileSpec(device=CPU, precision="int8",
+                                               example_inputs=[x], threads=THREADS))
+    assert relative_error(again.run([x]), exe.run([x])) == 0
 
 
 @pytest.mark.parametrize("module", ["onnxruntime", "onnxscript"])
