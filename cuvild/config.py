@@ -63,6 +63,12 @@ class Config:
     workers: str = "process"
     precision: str = "fp32"  # the precision policy of a model loaded without one
     max_error: float = 0.01  # the error budget of "auto" when a load gives none
+    metrics_enabled: bool = True
+    metrics_listen: str | None = None  # HOST:PORT of /metrics (None: no endpoint)
+    tracing_exporter: str | None = None  # "file" | "otlp" | None (off)
+    tracing_path: str | None = None
+    tracing_endpoint: str | None = None
+    tracing_sample_rate: float = 1.0
 
     def device_settings(self) -> dict[str, Any]:
         """The settings that change what the profiler measures (part of the cache key)."""
@@ -98,6 +104,9 @@ _SCHEMA: dict[str, Any] = {
     "engine": {"max_in_flight": (int, 4), "objective": (str, "latency"),
                "compile_timeout_s": ((int, float), 300), "workers": (str, "process"),
                "precision": (str, "fp32"), "max_error": ((int, float), 0.01)},
+    "metrics": {"enabled": (bool, True), "listen": ((str, int, type(None)), None)},
+    "tracing": {"exporter": ((str, type(None)), None), "path": ((str, type(None)), None),
+                "endpoint": ((str, type(None)), None), "sample_rate": ((int, float), 1.0)},
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -272,6 +281,8 @@ def parse(data: Any, path: str = "<memory>") -> Config:
             raise ConfigError("listen.token", "a TCP listener needs a bearer token or mutual "
                               "TLS (listen.tls.client_ca), or listen.insecure_loopback: true "
                               "with a loopback host")
+    metrics_listen = _metrics_listen(raw["metrics"])
+    _check_tracing(raw["tracing"])
     uids = raw["shm"]["allowed_uids"]
     if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in uids):
         raise ConfigError("shm.allowed_uids", f"expected a list of user ids, got {uids!r}")
@@ -323,7 +334,41 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         workers=eng["workers"],
         precision=eng["precision"],
         max_error=float(eng["max_error"]),
+        metrics_enabled=raw["metrics"]["enabled"],
+        metrics_listen=metrics_listen,
+        tracing_exporter=raw["tracing"]["exporter"],
+        tracing_path=raw["tracing"]["path"],
+        tracing_endpoint=raw["tracing"]["endpoint"],
+        tracing_sample_rate=float(raw["tracing"]["sample_rate"]),
     )
+
+
+def _metrics_listen(metrics: dict[str, Any]) -> str | None:
+    """metrics.listen as HOST:PORT; a bare port (or ":PORT") listens on loopback only."""
+    listen = metrics["listen"]
+    if listen is None:
+        return None
+    if not metrics["enabled"]:
+        raise ConfigError("metrics.listen", "metrics.enabled is false: nothing to serve")
+    text = str(listen)
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError("metrics.listen", f"expected PORT or HOST:PORT, got {listen!r}")
+    return f"{host or '127.0.0.1'}:{port}"
+
+
+def _check_tracing(tracing: dict[str, Any]) -> None:
+    exporter = tracing["exporter"]
+    if exporter not in (None, "file", "otlp"):
+        raise ConfigError("tracing.exporter", f"expected file, otlp or null, got {exporter!r}")
+    if exporter == "file" and not tracing["path"]:
+        raise ConfigError("tracing.path", "the file exporter writes JSON lines to a path")
+    if exporter == "otlp" and not tracing["endpoint"]:
+        raise ConfigError("tracing.endpoint", "the otlp exporter needs a collector's URL, "
+                          "e.g. http://localhost:4318/v1/traces")
+    if not 0 <= tracing["sample_rate"] <= 1:
+        raise ConfigError("tracing.sample_rate", f"expected a share in [0, 1], got "
+                          f"{tracing['sample_rate']!r}")
 
 
 def load(path: str | os.PathLike[str]) -> Config:

@@ -59,12 +59,13 @@ def to_dot(plan: Plan, nodes: bool = False) -> str:
         else:
             out.append(f'  "{p.id}" [label="{label}", fillcolor={color}];')
     for c in plan.cuts:
-        out.append(f'  "{c.src}" -> "{c.dst}" [label="{_size(c.bytes)}, {c.predicted_ms:.3f} ms"];')
+        label = f"{size_text(c.bytes)}, {c.predicted_ms:.3f} ms"
+        out.append(f'  "{c.src}" -> "{c.dst}" [label="{label}"];')
     out.append("}")
     return "\n".join(out)
 
 
-def _size(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"

@@ -204,6 +204,33 @@ class Client:
                                   timeout=self.timeout)
         return json.loads(r.report_json)
 
+    def stats(self, interval: float = 1.0) -> dict[str, Any]:
+        """What a person checks first: per model the request rate, p50/p99 of the recent
+        requests and errors; per device how busy it was; over `interval` seconds."""
+        import json
+        import time
+
+        def snapshot() -> dict[str, Any]:
+            r = self._control.GetStats(cuvil_pb2.GetStatsRequest(), timeout=self.timeout)
+            return json.loads(r.stats_json)
+
+        first = snapshot()
+        time.sleep(interval)
+        last = snapshot()
+        span = max(last["at"] - first["at"], 1e-9)
+        models = {}
+        for key, now in last["models"].items():
+            then = first["models"].get(key, {"success": 0, "failure": 0, "inferences": 0})
+            done = now["success"] + now["failure"] - then["success"] - then["failure"]
+            models[key] = {"requests_per_s": done / span,
+                           "errors_per_s": (now["failure"] - then["failure"]) / span,
+                           "success": now["success"], "failure": now["failure"],
+                           "inferences": now["inferences"],
+                           "latency_ms": now.get("latency_ms")}
+        devices = {d: (busy - first["devices"].get(d, 0.0)) / span
+                   for d, busy in last["devices"].items()}
+        return {"interval_s": span, "models": models, "devices_busy": devices}
+
     def models(self) -> list[dict[str, Any]]:
         r = self._control.ListModels(cuvil_pb2.ListModelsRequest(), timeout=self.timeout)
         return [model_dict(m) for m in r.models]

@@ -179,15 +179,10 @@ def cmd_partition(client: Client, args: argparse.Namespace) -> int:
     if args.dot:
         Path(args.dot).write_text(result["dot"])
     if args.svg:
-        import shutil
-        import subprocess
+        from partitioner.picture import to_svg
+        from partitioner.plan import Plan
 
-        if not shutil.which("dot"):
-            print("cuvilctl: --svg needs Graphviz's `dot` (apt-get install graphviz); "
-                  "--dot writes the source", file=sys.stderr)
-            return 1
-        subprocess.run(["dot", "-Tsvg", "-o", args.svg], input=result["dot"], text=True,
-                       check=True)
+        Path(args.svg).write_text(to_svg(Plan.from_dict(result["plan"]), result["measured"]))
     if args.json:
         print(json.dumps({k: result[k] for k in ("plan", "measured", "served") if k in result},
                          indent=2))
@@ -222,6 +217,28 @@ def replan_difference(served: dict[str, Any], plan: dict[str, Any]) -> str:
     if len(moved) > 10:
         lines.append(f"  ... {len(moved) - 10} more")
     return "\n".join(lines)
+
+
+def cmd_stats(client: Client, args: argparse.Namespace) -> int:
+    stats = client.stats(args.interval)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    rows = []
+    for key, m in sorted(stats["models"].items()):
+        lat = m["latency_ms"] or {}
+        rows.append([key or "(unknown models)", f"{m['requests_per_s']:.1f}",
+                     f"{lat['p50']:.2f}" if lat else "-", f"{lat['p99']:.2f}" if lat else "-",
+                     str(m["success"]), str(m["failure"]), f"{m['errors_per_s']:.1f}"])
+    print(f"over the last {stats['interval_s']:.1f} s (p50/p99: the last requests of each "
+          "model)")
+    print(format_table(["MODEL", "REQ/s", "p50 ms", "p99 ms", "OK", "FAILED", "ERR/s"], rows)
+          if rows else "no requests yet")
+    if stats["devices_busy"]:
+        print()
+        print(format_table(["DEVICE", "BUSY"], [[d, f"{100 * b:.0f}%"] for d, b in
+                                                sorted(stats["devices_busy"].items())]))
+    return 0
 
 
 def cmd_compare(client: Client, args: argparse.Namespace) -> int:
@@ -345,8 +362,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "taught the cost model, and show what moved")
     part.add_argument("--json", action="store_true", help="machine-readable output")
     part.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz DOT")
-    part.add_argument("--svg", metavar="OUT.svg", help="render the plan (needs Graphviz)")
+    part.add_argument("--svg", metavar="OUT.svg",
+                      help="draw the plan as a timeline: a lane per device, a bar per part "
+                           "(predicted, and measured once it served), cuts as arrows")
     part.set_defaults(func=cmd_partition)
+    stats = sub.add_parser("stats", help="request rate, p50/p99 and errors per model; how "
+                                         "busy each device is")
+    stats.add_argument("--interval", type=float, default=1.0, metavar="S",
+                       help="seconds between the two readings rates come from (default 1)")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.set_defaults(func=cmd_stats)
     compare = sub.add_parser("compare", help="latency and accuracy: torch eager vs the fp32 "
                                              "plan vs the plan the precision policy chose")
     compare.add_argument("name")

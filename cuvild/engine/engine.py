@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cuvild.engine import precision
 from cuvild.engine.arena import Arena, Block
@@ -65,6 +65,19 @@ class InferError(RuntimeError):
     """A request failed; the message names the part, the device and the cause."""
 
 
+class Monitor(Protocol):
+    """What watches the engine (cuvild/serve/metrics.py): told of each request's wait for a
+    place in flight and of each part's run, on the request's thread (keep it cheap)."""
+
+    def queued(self, model: LoadedModel, seconds: float) -> None: ...
+
+    def part(self, model: LoadedModel, route: Route, seconds: float) -> None: ...
+
+
+# A request's timeline, when it is traced: (route, dispatched, replied), perf_counter_ns.
+Timeline = list[tuple[Route, int, int]]
+
+
 class Engine:
     def __init__(self, devices: Sequence[DeviceProfile], cache_dir: Path, arena: Arena,
                  in_process: bool = False, max_in_flight: int = 4,
@@ -85,6 +98,7 @@ class Engine:
         self.build_timeout_s = build_timeout_s
         self.compile_timeout_s = compile_timeout_s
         self.corrections = CorrectionStore(corrections_path)
+        self.monitor: Monitor | None = None
 
     def support(self) -> dict[str, Any]:
         """Per device, whether one of its runtimes can run a node: ops no runtime of a device
@@ -153,6 +167,7 @@ class Engine:
                             split=split if dynamic else None)
         for route in model.routes:
             model.parts_by_device.setdefault(route.device, []).append(route.id)
+        model.cut_bytes = cut_bytes(model)
         if dynamic:  # its buckets are built at each part's own precision
             model.policy = policy
             self.models[key] = model
@@ -286,6 +301,7 @@ class Engine:
                                   total, model.archive, specs,
                                   parts_by_device=model.parts_by_device, base_key=model.key)
             variant.policy = model.policy
+            variant.cut_bytes = cut_bytes(variant)
             variant.part_input_shapes = {
                 p.id: [list(values[n].shape) for n in p.inputs] for p in model.split.parts}
             log.info("building %s for input shapes %s", model.key, [list(s) for s in shapes])
@@ -363,15 +379,20 @@ class Engine:
         return outputs  # type: ignore[return-value]
 
     def run(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
-            output_refs: dict[str, TensorRef] | None = None,
-            raw: bool = False) -> list[torch.Tensor | bytes | None]:
+            output_refs: dict[str, TensorRef] | None = None, raw: bool = False,
+            timeline: Timeline | None = None) -> list[torch.Tensor | bytes | None]:
         """Run one request of a resolved model (inputs already checked by `resolve`). Inputs
         are tensors or raw bytes (copied into the arena) or references into shared memory
         (read in place by the first part); outputs named in output_refs are written in place
         there (None is returned for them), the rest come back as fresh host tensors, or with
-        raw=True as bytes (the block is reused at once)."""
+        raw=True as bytes (the block is reused at once). A `timeline` list gets each part's
+        dispatch and reply times (a traced request)."""
         output_refs = output_refs or {}
+        monitor = self.monitor
+        t0 = time.perf_counter() if monitor else 0.0
         with self._in_flight, self._counted():
+            if monitor:
+                monitor.queued(model, time.perf_counter() - t0)
             block = self.arena.alloc(model.footprint)
             try:
                 refs = dict(output_refs)
@@ -382,7 +403,7 @@ class Engine:
                         self._bytes(block, model.slots[name])[:] = value.data
                     else:
                         self._view(block, model.slots[name]).copy_(value)
-                self._run_parts(model, block, refs)
+                self._run_parts(model, block, refs, timeline)
                 if raw:
                     return [None if n in output_refs else bytes(self._bytes(block, model.slots[n]))
                             for n in model.outputs]
@@ -415,9 +436,13 @@ class Engine:
         raw = self._bytes(block, slot)
         return torch.frombuffer(raw, dtype=getattr(torch, slot.dtype)).view(slot.shape)
 
-    def _run_parts(self, model: LoadedModel, block: Block, refs: dict[str, TensorRef]) -> None:
+    def _run_parts(self, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
+                   timeline: Timeline | None = None) -> None:
         def ref(name: str) -> TensorRef:
             return refs.get(name) or self._ref(block, model.slots[name])
+
+        monitor = self.monitor
+        dispatched: dict[str, int] = {}
 
         ready = set(model.inputs)
         waiting = list(model.routes)
@@ -431,8 +456,13 @@ class Engine:
                 return f"part {route.id} on {route.device} ({route.runtime}) failed: {reply}"
             if not reply.ok or reply.result is None:
                 return f"part {route.id} on {route.device} ({route.runtime}) failed: {reply.error}"
-            route.measured_ms.append(reply.result.run_ms)  # type: ignore[union-attr]
+            run_ms = reply.result.run_ms  # type: ignore[union-attr]
+            route.measured_ms.append(run_ms)
             del route.measured_ms[:-100]
+            if monitor:
+                monitor.part(model, route, run_ms / 1e3)
+            if timeline is not None:
+                timeline.append((route, dispatched[route.id], time.perf_counter_ns()))
             if len(route.measured_ms) == FEEDBACK_RUNS and not route.fed_back:
                 route.fed_back = True
                 self.corrections.later(self.feedback, model.key)
@@ -442,6 +472,8 @@ class Engine:
         def start(route: Route) -> tuple[WorkerHandle, Run]:
             waiting.remove(route)
             self._usable[route.device].wait(self.build_timeout_s)
+            if timeline is not None:
+                dispatched[route.id] = time.perf_counter_ns()
             return self.worker(route.device), Run(model.key, route.id,
                                                   [ref(n) for n in route.inputs],
                                                   [ref(n) for n in route.outputs])
@@ -507,3 +539,10 @@ class Engine:
                          "measured_ms": ms[len(ms) // 2] if ms else None,
                          "candidates": r.built.candidates if r.built else []}
         return out
+
+
+def cut_bytes(model: LoadedModel) -> int:
+    """Bytes one request hands from a part to another (0 before a dynamic model's layout)."""
+    produced = {n for r in model.routes for n in r.outputs}
+    crossing = produced & {n for r in model.routes for n in r.inputs}
+    return sum(model.slots[n].nbytes for n in crossing if n in model.slots)

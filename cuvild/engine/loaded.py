@@ -59,4 +59,5 @@ class LoadedModel:
     base_key: str = ""
     part_input_shapes: dict[str, list[list[int]]] = field(default_factory=dict)
     policy: Any = None  # the PrecisionPolicy it was built under (cuvild/engine/precision.py)
+    cut_bytes: int = 0  # bytes one request hands from part to part through the arena
     accuracy: Any = None  # what the load measured end to end (precision.Accuracy)

@@ -22,6 +22,7 @@ from runtimes.profiling.measure import ProfileResult, ProfilingError
 
 if TYPE_CHECKING:
     from cuvild.engine.models import ModelManager
+    from cuvild.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,13 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
     def __init__(self, profiles: Callable[[], ProfileResult],
                  reprofile: Callable[[], ProfileResult], config_path: str,
                  registry: Registry, max_uploads: int,
-                 models: ModelManager | None = None) -> None:
+                 models: ModelManager | None = None, metrics: Metrics | None = None) -> None:
         self._profiles = profiles
         self._reprofile = reprofile
         self._config_path = config_path
         self._registry = registry
         self._models = models
+        self._metrics = metrics
         self._started = time.monotonic()
         self._refresh_lock = threading.Lock()
         self._max_uploads = max_uploads
@@ -220,6 +222,15 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                   "candidates": measured[p.id]["candidates"]} for p in loaded.plan.parts]
         report = {"model": served.key, **loaded.accuracy.to_dict(), "parts": parts}
         return cuvil_pb2.CompareResponse(report_json=json.dumps(report))
+
+    def GetStats(self, request: cuvil_pb2.GetStatsRequest,
+                 context: grpc.ServicerContext) -> cuvil_pb2.GetStatsResponse:
+        import json
+
+        if self._metrics is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "metrics are off (metrics.enabled: false in the config)")
+        return cuvil_pb2.GetStatsResponse(stats_json=json.dumps(self._metrics.snapshot()))
 
     def _replan(self, served, objective: str):  # noqa: ANN001, ANN202
         """A fresh plan, priced with what measured parts taught the cost model (this model's

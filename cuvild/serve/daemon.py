@@ -94,6 +94,8 @@ class Daemon:
         self.regions: Any = None
         self.arena: Arena | None = None
         self.front: Front | None = None
+        self.metrics: Any = None  # cuvild.serve.metrics.Metrics, when metrics.enabled
+        self.tracer: Any = None  # cuvild.serve.tracing.Tracer, when tracing.exporter is set
 
     # -- profiles --------------------------------------------------------------------------
     def _load_profiles(self, refresh: bool = False) -> profiles_mod.ProfileResult:
@@ -128,12 +130,13 @@ class Daemon:
                                       ("grpc.max_send_message_length", 256 << 20)])
         control = ControlService(self.current_profiles, lambda: self._load_profiles(True),
                                  self.cfg.path, self.registry, self.cfg.max_concurrent_uploads,
-                                 self.models)
+                                 self.models, self.metrics)
         shm = not tcp or self.cfg.shm_allow_tcp_clients
         peer_uid = self.front.caller if not tcp and self.front else (lambda peer: None)
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceService(self.models, self.regions, shm_enabled=shm, peer_uid=peer_uid),
+            InferenceService(self.models, self.regions, shm_enabled=shm, peer_uid=peer_uid,
+                             metrics=self.metrics, tracer=self.tracer),
             server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -177,6 +180,30 @@ class Daemon:
         self.models = ModelManager(self.registry, engine, self.cfg.objective,
                                    self.cfg.precision, self.cfg.max_error)
         self.regions = Regions(self.cfg.shm_allowed_uids)
+        self._observe(engine)
+
+    def _observe(self, engine: Any) -> None:
+        """Metrics (and their endpoint) and traces, as the config asks."""
+        cfg = self.cfg
+        if cfg.metrics_enabled:
+            from cuvild.serve.metrics import Metrics
+
+            self.metrics = Metrics()
+            self.metrics.watch(self.models, self.regions)
+            engine.monitor = self.metrics
+            if cfg.metrics_listen:
+                try:
+                    log.info("metrics on %s", self.metrics.serve(cfg.metrics_listen))
+                except OSError as e:
+                    raise StartupError(f"cannot serve metrics on {cfg.metrics_listen} "
+                                       f"(metrics.listen): {e}") from None
+        if cfg.tracing_exporter:
+            from cuvild.serve.tracing import Tracer
+
+            self.tracer = Tracer(cfg.tracing_exporter, cfg.tracing_path, cfg.tracing_endpoint,
+                                 cfg.tracing_sample_rate)
+            log.info("tracing %.0f%% of requests to %s", 100 * cfg.tracing_sample_rate,
+                     cfg.tracing_path or cfg.tracing_endpoint)
 
     def _reload(self) -> None:
         try:
@@ -264,6 +291,10 @@ class Daemon:
             self.models.engine.close()
         if self.regions is not None:
             self.regions.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tracer is not None:
+            self.tracer.close()  # exports what is still batched
         if self.arena is not None:
             self.arena.close()
         log.info("stopped")

@@ -10,9 +10,11 @@ bytes or write them into the client's regions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -23,10 +25,14 @@ from cuvild.engine.layout import BadInput
 from cuvild.engine.models import ModelManager, ServedModel
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.registry import RegistryError
-from cuvild.serve.errors import abort
+from cuvild.serve.errors import CODES, abort
 from cuvild.serve.regions import RegionError, Regions
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
+
+if TYPE_CHECKING:
+    from cuvild.serve.metrics import Metrics
+    from cuvild.serve.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +52,14 @@ def _param(params: Any, key: str) -> Any:
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, models: ModelManager, regions: Regions, shm_enabled: bool = True,
-                 peer_uid: Callable[[str], int | None] = lambda peer: None) -> None:
+                 peer_uid: Callable[[str], int | None] = lambda peer: None,
+                 metrics: Metrics | None = None, tracer: Tracer | None = None) -> None:
         self.models = models
         self.regions = regions
         self.shm_enabled = shm_enabled
         self.peer_uid = peer_uid  # the caller's uid from context.peer() (cuvild/serve/front.py)
+        self.metrics = metrics
+        self.tracer = tracer
 
     # -- health and metadata ---------------------------------------------------------------
     def ServerLive(self, request, context):  # noqa: N802
@@ -70,13 +79,20 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _served(self, name: str, version: str, context: grpc.ServicerContext,
                 ready: bool = True) -> ServedModel:
+        try:
+            return self._find(name, version, ready)
+        except Refused as e:
+            context.abort(e.code, str(e))
+            raise
+
+    def _find(self, name: str, version: str, ready: bool = True) -> ServedModel:
         served = self.models.get(name, version)
         if served is None:
             what = f"{name!r}" + (f" version {version!r}" if version else "")
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {what}")
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"unknown model {what}")
         if ready and served.state != "READY":
             detail = f": {served.reason}" if served.reason else " (still loading)"
-            context.abort(grpc.StatusCode.UNAVAILABLE,
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
                           f"model {served.key} is {served.state.lower()}{detail}")
         return served
 
@@ -97,32 +113,59 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference -------------------------------------------------------------------------
     def ModelInfer(self, request, context):  # noqa: N802
-        served = self._served(request.model_name, request.model_version, context)
+        t0, t0_ns, epoch_ns = time.perf_counter(), time.perf_counter_ns(), time.time_ns()
+        name, version = request.model_name, request.model_version
+        tracing = (self.tracer.request(context.invocation_metadata(), name, version)
+                   if self.tracer else contextlib.nullcontext())
+        with tracing as span:
+            try:
+                served = self._find(name, version)
+                name, version = served.record.name, served.record.version
+                response, batch = self._infer(served, request, context, span, t0_ns, epoch_ns)
+            except (Refused, RegionError, BadInput, InferError) as e:
+                code = (e.code if isinstance(e, Refused) else CODES[e.kind]
+                        if isinstance(e, RegionError) else grpc.StatusCode.INVALID_ARGUMENT
+                        if isinstance(e, BadInput) else grpc.StatusCode.INTERNAL)
+                if self.metrics:  # an unknown model's failures count under no name
+                    known = self.models.get(name, version) is not None
+                    self.metrics.failed(name if known else "", version if known else "",
+                                        code.name)
+                context.abort(code, str(e))
+            except Exception:  # a bug: gRPC answers UNKNOWN; it is a failure all the same
+                if self.metrics:
+                    self.metrics.failed(name, version, grpc.StatusCode.UNKNOWN.name)
+                raise
+        if self.metrics:
+            self.metrics.succeeded(name, version, time.perf_counter() - t0, batch)
+        return response
+
+    def _infer(self, served: ServedModel, request: Any, context: grpc.ServicerContext,
+               span: Any, t0_ns: int, epoch_ns: int) -> tuple[Any, int]:
+        """One request: its inputs checked and placed, the run, the response; and its
+        batch size (the first input's first dimension) for the inference count."""
         engine = self.models.engine
-        try:
-            caller = self.peer_uid(context.peer())
-            tensors = self._match_inputs(served, request)
-            declared = [(self._dtype(spec["name"], t), tuple(t.shape)) for spec, t in tensors]
-            assert served.loaded is not None  # READY
-            model = engine.resolve(served.loaded, declared)  # its bucket, if dynamic
-            inputs = self._inputs(request, tensors, declared, caller)
-            # The engine names values as in the graph; the protocol by position ("output0").
-            graph_names = dict(zip([t["name"] for t in served.record.outputs], model.outputs,
-                                   strict=True))
-            shapes = {n: model.slots[g].shape for n, g in graph_names.items()}
-            wanted, output_refs = self._outputs(served, request, shapes, caller)
-            results = engine.run(model, inputs,
-                                 {graph_names[n]: ref for n, ref in output_refs.items()},
-                                 raw=True)
-        except Refused as e:
-            context.abort(e.code, str(e))
-        except RegionError as e:
-            abort(context, e)
-        except BadInput as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except InferError as e:
-            context.abort(grpc.StatusCode.INTERNAL, str(e))
-        return self._response(served, request, model, results, shapes, wanted)
+        caller = self.peer_uid(context.peer())
+        tensors = self._match_inputs(served, request)
+        declared = [(self._dtype(spec["name"], t), tuple(t.shape)) for spec, t in tensors]
+        assert served.loaded is not None  # READY
+        model = engine.resolve(served.loaded, declared)  # its bucket, if dynamic
+        inputs = self._inputs(request, tensors, declared, caller)
+        # The engine names values as in the graph; the protocol by position ("output0").
+        graph_names = dict(zip([t["name"] for t in served.record.outputs], model.outputs,
+                               strict=True))
+        shapes = {n: model.slots[g].shape for n, g in graph_names.items()}
+        wanted, output_refs = self._outputs(served, request, shapes, caller)
+        timeline = [] if span is not None and span.is_recording() else None
+        t_run = time.perf_counter()
+        results = engine.run(model, inputs,
+                             {graph_names[n]: ref for n, ref in output_refs.items()},
+                             raw=True, timeline=timeline)
+        if self.metrics:
+            self.metrics.computed(model, time.perf_counter() - t_run)
+        if timeline:
+            self.tracer.parts(span, model, timeline, t0_ns, epoch_ns)  # type: ignore[union-attr]
+        batch = declared[0][1][0] if declared and declared[0][1] else 1
+        return self._response(served, request, model, results, shapes, wanted), batch
 
     @staticmethod
     def _response(served: ServedModel, request: Any, model: LoadedModel, results: list[Any],

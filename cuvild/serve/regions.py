@@ -158,6 +158,10 @@ class Regions:
                                          "unregister and register it again")
         return region, region.offset + offset
 
+    def count(self) -> int:
+        """Regions registered, every caller's."""
+        return len(self._regions)
+
     def close(self) -> None:
         with self._lock:
             regions, self._regions = list(self._regions.values()), {}

@@ -11,9 +11,10 @@
     Timed back to back (how BASELINES.md measured the echo) and after 5 ms idle per call
     (every thread and process hop then pays a wake-up: more hops, more cost).
 
-Two daemons run side by side with `devices: {cpu: {cores: null}}` (one CPU device on every
+Three daemons run side by side with `devices: {cpu: {cores: null}}` (one CPU device on every
 core, so each model is one part): one with the default `engine.workers: process` (a pinned
-worker process per device) and one with `engine.workers: thread` (parts run in the daemon).
+worker process per device), one with `engine.workers: thread` (parts run in the daemon), and
+one as the first with `metrics.enabled: false`, which prices the metrics per request.
 `python tests/bench/bench_serving.py [--json] [--rounds N]`. On a shared host, run it alone:
 the in-process runners (torch's OpenMP pool above all) suffer most.
 """
@@ -317,12 +318,15 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
         echo = subprocess.Popen([sys.executable, __file__, "--echo-server", str(echo_path)])
         daemons, clients, controls, prepare_s = {}, {}, {}, {}
         try:
-            for label, workers in (("process workers", "process"), ("thread workers", "thread")):
-                home = root / workers
+            for label, workers, metrics in (("process workers", "process", True),
+                                            ("thread workers", "thread", True),
+                                            ("process workers, metrics off", "process", False)):
+                home = root / label.replace(" ", "-").replace(",", "")
                 home.mkdir()
                 config = daemon_config(home, home / "state", home)
                 config["devices"] = {"cpu": {"cores": None}}  # one CPU device on every core
                 config["engine"] = {"workers": workers}
+                config["metrics"] = {"enabled": metrics}
                 config["log_level"] = "info"
                 daemons[label] = daemon = DaemonProcess(home, config)
                 daemon.start()
@@ -361,7 +365,7 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
 def print_table(result: dict[str, Any]) -> None:
     lay = result["layout"]
     print(f"layout: devices {lay['devices']} (cores {lay['cores']}): one CPU device")
-    for label in ("process workers", "thread workers"):
+    for label in lay["prepare_s"]:
         print(f"  daemon with {label}, models ready in {lay['prepare_s'][label]:.1f} s:")
         for name, parts in lay[label].items():
             print(f"    {name:<9}-> " + ", ".join(
@@ -384,6 +388,10 @@ def print_table(result: dict[str, Any]) -> None:
         i = b["results_after_idle"][name]
         print(f"{name:<36} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ratio']:7.2f} "
               f"{i['p50_ms']:8.3f} {i['p99_ms']:8.3f} {i['p50_ratio']:7.2f}")
+    on, off = (b["results"][f"infer ({n})"]["p50_ms"]
+               for n in ("process workers", "process workers, metrics off"))
+    print(f"\nmetrics' cost per request (tiny infer p50, process workers, on vs off): "
+          f"{1e3 * (on - off):+.1f} us, {100 * (on / off - 1):+.1f}% (goal <= 2%)")
     print(f"\n{result['threads']} threads; whole run {result['total_s']:.0f} s")
 
 

@@ -1,0 +1,175 @@
+"""Prometheus metrics of the daemon, and the recent figures `cuvilctl stats` shows.
+
+One registry of cuvild's own (not the library's global one). Per model and version (labels
+`model`, `version`): request success and failure counts, inference count, queue / compute /
+end-to-end duration histograms; per part: run duration by device and runtime, and the bytes
+its cuts move; per device: busy seconds (its `rate()` is the busy fraction); and, read when
+scraped, the arena's bytes in use, registered client regions, worker restarts, build
+durations and models by state. docs/OPERATIONS.md lists them with Triton's nearest.
+
+Updates happen on the request's thread after its answer is computed (the servicer's) or as a
+part's reply is read (the engine's, through `Monitor`): a counter or histogram update is a
+lock-free-ish few microseconds; bench_serving prices them per request, on against off.
+The HTTP endpoint serves `metrics.listen` (off by default; a bare port binds loopback).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from cuvild.engine.loaded import LoadedModel, Route
+    from cuvild.engine.models import ModelManager
+    from cuvild.serve.regions import Regions
+
+log = logging.getLogger(__name__)
+MODEL = ("model", "version")
+# From a tenth of a millisecond to a minute: CPU parts of tiny models up to cold NPU calls.
+BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+           2.5, 5.0, 10.0, 60.0)
+RECENT = 1000  # end-to-end times kept per model for stats' p50/p99
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.success = Counter("cuvil_inference_request_success", "Successful inference "
+                               "requests", MODEL, registry=r)
+        self.failure = Counter("cuvil_inference_request_failure", "Failed inference requests, "
+                               "by gRPC status", (*MODEL, "code"), registry=r)
+        self.inferences = Counter("cuvil_inference_count", "Inferences served (a request of "
+                                  "batch n counts n)", MODEL, registry=r)
+        self.queue = Histogram("cuvil_inference_queue_duration_seconds", "Time a request "
+                               "waited for a place in flight", MODEL, buckets=BUCKETS,
+                               registry=r)
+        self.compute = Histogram("cuvil_inference_compute_duration_seconds", "Time a request "
+                                 "spent in the engine (inputs in, parts, outputs out)", MODEL,
+                                 buckets=BUCKETS, registry=r)
+        self.request = Histogram("cuvil_inference_request_duration_seconds", "End-to-end "
+                                 "time of a request in the servicer", MODEL, buckets=BUCKETS,
+                                 registry=r)
+        self.parts = Histogram("cuvil_part_run_duration_seconds", "Run time of one part in "
+                               "its worker", (*MODEL, "part", "device", "runtime"),
+                               buckets=BUCKETS, registry=r)
+        self.cut_bytes = Counter("cuvil_cut_bytes", "Bytes crossing between parts through the "
+                                 "arena", MODEL, registry=r)
+        self.busy = Counter("cuvil_device_busy_seconds", "Seconds a device ran parts; rate() "
+                            "is its busy fraction", ("device",), registry=r)
+        self._recent: dict[tuple[str, str], collections.deque[float]] = {}
+        self._server: Any = None
+        self._started = time.monotonic()
+
+    # -- the request path ------------------------------------------------------------------
+    def succeeded(self, name: str, version: str, seconds: float, batch: int) -> None:
+        self.success.labels(name, version).inc()
+        self.inferences.labels(name, version).inc(batch)
+        self.request.labels(name, version).observe(seconds)
+        self._recent.setdefault((name, version),
+                                collections.deque(maxlen=RECENT)).append(seconds)
+
+    def failed(self, name: str, version: str, code: str) -> None:
+        self.failure.labels(name, version, code).inc()
+
+    def computed(self, model: LoadedModel, seconds: float) -> None:
+        self.compute.labels(model.name, model.version).observe(seconds)
+        if model.cut_bytes:
+            self.cut_bytes.labels(model.name, model.version).inc(model.cut_bytes)
+
+    # the engine's Monitor
+    def queued(self, model: LoadedModel, seconds: float) -> None:
+        self.queue.labels(model.name, model.version).observe(seconds)
+
+    def part(self, model: LoadedModel, route: Route, seconds: float) -> None:
+        self.parts.labels(model.name, model.version, route.id, route.device,
+                          route.runtime).observe(seconds)
+        self.busy.labels(route.device).inc(seconds)
+
+    # -- read when scraped -----------------------------------------------------------------
+    def watch(self, models: ModelManager, regions: Regions) -> None:
+        self.registry.register(_State(models, regions))
+
+    def serve(self, listen: str) -> str:
+        """Serve /metrics on HOST:PORT (a bare PORT: loopback); returns where."""
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
+        self._server, _ = start_http_server(int(port), host, registry=self.registry)
+        return f"http://{host}:{self._server.server_port}/metrics"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    # -- cuvilctl stats --------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative counts, recent latency quantiles and busy seconds: two snapshots a
+        moment apart give rates and busy fractions (cuvilctl stats)."""
+        models: dict[str, Any] = {}
+        for metric in self.registry.collect():
+            for s in metric.samples:
+                if s.name not in ("cuvil_inference_request_success_total",
+                                  "cuvil_inference_request_failure_total",
+                                  "cuvil_inference_count_total"):
+                    continue
+                key = f"{s.labels['model']}:{s.labels['version']}"
+                entry = models.setdefault(key, {"success": 0, "failure": 0, "inferences": 0})
+                field = {"cuvil_inference_request_success_total": "success",
+                         "cuvil_inference_request_failure_total": "failure",
+                         "cuvil_inference_count_total": "inferences"}[s.name]
+                entry[field] += int(s.value)
+        for (name, version), recent in list(self._recent.items()):
+            times = sorted(recent)
+            if times:
+                models.setdefault(f"{name}:{version}", {"success": 0, "failure": 0,
+                                                        "inferences": 0})["latency_ms"] = {
+                    "p50": statistics.median(times) * 1e3,
+                    "p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
+                    "n": len(times)}
+        busy = {s.labels["device"]: s.value for m in self.busy.collect() for s in m.samples
+                if s.name == "cuvil_device_busy_seconds_total"}
+        return {"at": time.monotonic() - self._started, "models": models, "devices": busy}
+
+
+class _State(Collector):
+    """Gauges read at scrape time from what the daemon holds: nothing to update per request."""
+
+    def __init__(self, models: ModelManager, regions: Regions) -> None:
+        self.models, self.regions = models, regions
+
+    def collect(self) -> Iterator[Any]:
+        engine = self.models.engine
+        yield _gauge("cuvil_arena_bytes_in_use", "Arena bytes held by requests in flight",
+                     [([], engine.arena.in_use())])
+        yield _gauge("cuvil_shm_regions", "Client shared-memory regions registered",
+                     [([], self.regions.count())])
+        restarts = CounterMetricFamily("cuvil_worker_restarts", "Device workers restarted "
+                                       "after dying", labels=["device"])
+        for device, worker in list(engine.workers.items()):
+            restarts.add_metric([device], worker.restarts)
+        yield restarts
+        served = self.models.all()
+        states: dict[str, int] = collections.Counter(m.state for m in served)
+        yield _gauge("cuvil_models", "Models by state", [([s], n) for s, n in states.items()],
+                     ["state"])
+        yield _gauge("cuvil_model_build_seconds", "How long a model's last load took (plan, "
+                     "compile, check)", [([m.record.name, m.record.version], m.prepare_s)
+                                         for m in served if m.prepare_s], list(MODEL))
+
+
+def _gauge(name: str, doc: str, values: list[tuple[list[str], float]],
+           labels: list[str] | None = None) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=labels or [])
+    for label_values, value in values:
+        family.add_metric(label_values, value)
+    return family
+
