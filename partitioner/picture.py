@@ -8,6 +8,7 @@ labelled with the bytes it moves. Written by hand (a few dozen elements; no libr
 
 from __future__ import annotations
 
+import math
 from html import escape
 from typing import TYPE_CHECKING, Any
 
@@ -105,11 +106,8 @@ def _title(plan: Plan) -> str:
 
 
 def _ticks(span: float) -> list[float]:
-    step = 10 ** len(str(int(span / 5))) / 10 if span >= 5 else span / 5
-    for nice in (1, 2, 5, 10):
-        if span / (step * nice) <= 8:
-            step *= nice
-            break
-    n = int(span / step) + 1
-    return [round(i * step, 6) for i in range(n)]
+    """Round tick values (1, 2 or 5 times a power of ten apart), at most 8, within `span`."""
+    step = 10 ** math.floor(math.log10(span / 8))
+    step *= next(m for m in (1, 2, 5, 10) if span / (step * m) <= 8)
+    return [round(i * step, 9) for i in range(int(span / step) + 1)]
 
