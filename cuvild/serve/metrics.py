@@ -66,33 +66,43 @@ class Metrics:
         self.busy = Counter("cuvil_device_busy_seconds", "Seconds a device ran parts; rate() "
                             "is its busy fraction", ("device",), registry=r)
         self._recent: dict[tuple[str, str], collections.deque[float]] = {}
+        self._children: dict[tuple[str, ...], Any] = {}  # labels() resolved once per series
         self._server: Any = None
         self._started = time.monotonic()
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (str(id(metric)), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     # -- the request path ------------------------------------------------------------------
     def succeeded(self, name: str, version: str, seconds: float, batch: int) -> None:
-        self.success.labels(name, version).inc()
-        self.inferences.labels(name, version).inc(batch)
-        self.request.labels(name, version).observe(seconds)
-        self._recent.setdefault((name, version),
-                                collections.deque(maxlen=RECENT)).append(seconds)
+        self._child(self.success, name, version).inc()
+        self._child(self.inferences, name, version).inc(batch)
+        self._child(self.request, name, version).observe(seconds)
+        recent = self._recent.get((name, version))
+        if recent is None:
+            recent = self._recent[(name, version)] = collections.deque(maxlen=RECENT)
+        recent.append(seconds)
 
     def failed(self, name: str, version: str, code: str) -> None:
-        self.failure.labels(name, version, code).inc()
+        self._child(self.failure, name, version, code).inc()
 
     def computed(self, model: LoadedModel, seconds: float) -> None:
-        self.compute.labels(model.name, model.version).observe(seconds)
+        self._child(self.compute, model.name, model.version).observe(seconds)
         if model.cut_bytes:
-            self.cut_bytes.labels(model.name, model.version).inc(model.cut_bytes)
+            self._child(self.cut_bytes, model.name, model.version).inc(model.cut_bytes)
 
     # the engine's Monitor
     def queued(self, model: LoadedModel, seconds: float) -> None:
-        self.queue.labels(model.name, model.version).observe(seconds)
+        self._child(self.queue, model.name, model.version).observe(seconds)
 
     def part(self, model: LoadedModel, route: Route, seconds: float) -> None:
-        self.parts.labels(model.name, model.version, route.id, route.device,
-                          route.runtime).observe(seconds)
-        self.busy.labels(route.device).inc(seconds)
+        self._child(self.parts, model.name, model.version, route.id, route.device,
+                    route.runtime).observe(seconds)
+        self._child(self.busy, route.device).inc(seconds)
 
     # -- read when scraped -----------------------------------------------------------------
     def watch(self, models: ModelManager, regions: Regions) -> None:

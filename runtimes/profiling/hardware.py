@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 
 # Bumped whenever the micro-benchmarks change, so old cached numbers are not reused.
-PROFILER_VERSION = 3  # 2: peaks from every runtime's probes, conv efficiency; 3: OpenVINO int8
+PROFILER_VERSION = 4  # 2: probes per runtime, conv efficiency; 3: OpenVINO int8; 4: handoff
 
 # The ISA flags that matter to a compiler choosing kernels.
 INTERESTING_FLAGS = (
