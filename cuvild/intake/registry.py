@@ -160,7 +160,7 @@ def check_policy(header: dict[str, Any], max_bytes: int) -> None:
     if size < 0 or size > max_bytes:
         raise RegistryError("invalid", f"calibration_bytes: expected 0 to {max_bytes}, got "
                                        f"{size}")
-    if size and not HEX_RE.match(header["calibration_sha256"].lower()):
+    if size and not HEX_RE.fullmatch(header["calibration_sha256"].lower()):
         raise RegistryError("invalid", "calibration_sha256: expected 64 hex digits")
 
 
@@ -252,12 +252,12 @@ class Registry:
     def begin_upload(self, header: dict[str, Any]) -> Upload:
         """Check a LoadModel header before any byte is stored."""
         name, sha, size = header["name"], header["sha256"].lower(), header["size_bytes"]
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):
             raise RegistryError("invalid", f"name {name!r}: expected 1-128 of A-Z a-z 0-9 _ . -")
-        if header["version"] and not NAME_RE.match(header["version"]):
+        if header["version"] and not NAME_RE.fullmatch(header["version"]):
             raise RegistryError("invalid", f"version {header['version']!r}: expected 1-128 of "
                                            "A-Z a-z 0-9 _ . -")
-        if not HEX_RE.match(sha):
+        if not HEX_RE.fullmatch(sha):
             raise RegistryError("invalid", "sha256: expected 64 hex digits")
         if size <= 0:
             raise RegistryError("invalid", f"size_bytes: expected > 0, got {size}")

@@ -9,11 +9,14 @@ into Python source that FX compiles with ``exec``, and keeps ``guards_code`` str
 ``torch.export.save`` writes, checks every string of the program JSON that reaches one of
 those sinks against a strict allow-list, reads tensors as raw bytes, never reads the example
 inputs, and only then hands the already-parsed program to torch's own deserializer. Resource
-exhaustion is bounded by size/entry limits; everything else is rejected, never "repaired".
+exhaustion is bounded per archive: entries and bytes, JSON size, the work sympy may do on an
+expression, the pickle scan, and the bytes tensors materialise against the payload bytes
+present; everything else is rejected, never "repaired".
 
-This module holds the zip layer, the payloads and the public API; the walk of the program
-JSON and its per-class checks are in schema_checks.py, the grammars of the strings that reach
-eval, exec or an import in grammar.py.
+This module holds the zip layer, the loading of payloads and the public API; the walk of the
+program JSON and its per-class checks are in schema_checks.py, the grammars of the strings
+that reach eval, exec or an import in grammar.py, the checks of payloads (configs against
+files and graph, the example-inputs scan) in payload_checks.py.
 
 The caller must keep ``example_inputs`` off the returned program: the guard function that
 ``ExportedProgram.module()`` builds from them is generated Python source.
@@ -22,11 +25,9 @@ The caller must keep ``example_inputs`` off the returned program: the guard func
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 import os
-import pickletools
 import re
 import stat
 import threading
@@ -44,10 +45,16 @@ from torch._export.serde.serialize import (
 )
 
 from cuvild.intake.grammar import BAD_TEXT_CHARS, Reject
+from cuvild.intake.payload_checks import (
+    CONSTANT_RE,
+    WEIGHT_RE,
+    check_payload_config,
+    check_sample_inputs,
+    check_state_metadata,
+)
 from cuvild.intake.schema_checks import (
     ALLOWED_HIGHER_ORDER_OPS,
     ALLOWED_OP_NAMESPACES,
-    check_fqn,
     collect_targets,
     walk,
 )
@@ -57,6 +64,8 @@ __all__ = [
     "ALLOWED_OP_NAMESPACES",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_ENTRIES",
+    "MAX_JSON_BYTES",
+    "MAX_JSON_ITEMS",
     "ArchiveInfo",
     "UnsafeArchive",
     "load_exported_program",
@@ -65,14 +74,17 @@ __all__ = [
 
 DEFAULT_MAX_BYTES = 8 * 1024**3
 DEFAULT_MAX_ENTRIES = 65_536
+# JSON entries are read whole and parsed into Python objects: bound both before parsing.
+# Torch writes ~1 KB and ~60 items per graph node: 32 MiB is a graph of ~30k nodes.
+MAX_JSON_BYTES = 32 << 20  # uncompressed bytes of model.json and of each payload config
+MAX_JSON_ITEMS = 2_000_000  # objects + arrays + strings in one JSON entry
+_MAX_MARKER_BYTES = 4096  # archive_format, byteorder, version files: a few bytes each
 
 _UNKNOWN = "<archive>"
 _MODEL_JSON = "models/model.json"
 _WEIGHTS_CONFIG = "data/weights/model_weights_config.json"
 _CONSTANTS_CONFIG = "data/constants/model_constants_config.json"
 _SAMPLE_INPUTS = "data/sample_inputs/model.pt"
-_WEIGHT_RE = re.compile(r"data/weights/(weight_[0-9]+)")
-_CONSTANT_RE = re.compile(r"data/constants/(tensor_[0-9]+)")
 _FIXED_ENTRIES = {
     # entry -> required content (None: any, checked elsewhere or irrelevant)
     "archive_format": b"pt2",
@@ -190,7 +202,7 @@ def _check_members(
 
 
 def _check_allowed_entry(rel: str) -> None:
-    if rel in _FIXED_ENTRIES or _WEIGHT_RE.fullmatch(rel) or _CONSTANT_RE.fullmatch(rel):
+    if rel in _FIXED_ENTRIES or WEIGHT_RE.fullmatch(rel) or CONSTANT_RE.fullmatch(rel):
         return
     for pattern, why in _KNOWN_UNSAFE:
         if pattern.fullmatch(rel):
@@ -218,90 +230,35 @@ def _read(zf: zipfile.ZipFile, rel: str, info: zipfile.ZipInfo, keep: bool) -> b
     return out
 
 
-# ------------------------------------------------------------------ payload configs
+# ------------------------------------------------------------------------ JSON entries
 
 
-def _check_payload_config(config: Any, kind: str, members: dict[str, zipfile.ZipInfo]) -> None:
-    pattern, folder = (_WEIGHT_RE, "weights") if kind == "weights" else (_CONSTANT_RE, "constants")
-    referenced: set[str] = set()
-    for fqn, meta in config.config.items():
-        where = f"config[{fqn!r}]"
-        check_fqn(fqn, where)
-        rel = f"data/{folder}/{meta.path_name}"
-        if meta.use_pickle:  # torch: torch.load(weights_only=False) / pickle.loads
-            raise Reject(f"{where}: use_pickle payload {meta.path_name!r} is refused")
-        if not pattern.fullmatch(rel):
-            raise Reject(f"{where}: payload {meta.path_name!r} is not a raw tensor file")
-        if rel not in members:
-            raise Reject(f"{where}: payload {meta.path_name!r} missing from archive")
-        tm = meta.tensor_meta
-        if tm is None:
-            raise Reject(f"{where}: raw payload without tensor_meta")
-        if tm.dtype not in _SERIALIZE_TO_TORCH_DTYPE:
-            raise Reject(f"{where}: unsupported dtype {tm.dtype!r}")
-        for s in (*tm.sizes, *tm.strides, tm.storage_offset):
-            if s.type != "as_int" or s.as_int < 0:
-                raise Reject(f"{where}: stored tensors need concrete non-negative sizes")
-        referenced.add(rel)
-    for rel in members:
-        if pattern.fullmatch(rel) and rel not in referenced:
-            raise Reject(f"{rel}: tensor file not referenced by the {kind} config")
-
-
-# Globals a torch.save'd tuple of tensors/scalars/dicts needs; all are on torch's own
-# weights_only allow-list. Anything else (exec, os.system, ...) marks a hostile archive.
-_SAMPLE_GLOBALS = frozenset(
-    {
-        "torch._utils._rebuild_tensor_v2",
-        "torch._utils._rebuild_parameter",
-        "collections.OrderedDict",
-        "torch.Size",
-        "torch.device",
-        "builtins.set",
-        "builtins.complex",
-    }
-    | {f"torch.{n}" for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
-    | {f"torch.{n}" for n in vars(torch) if re.fullmatch(r"[A-Za-z0-9]+Storage", n)}
-)
-_STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
-_MEMO_OPS = frozenset({"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"})
-
-
-def _check_sample_inputs(data: bytes) -> None:
-    """The example inputs are a pickle; torch.export.load unpickles them with a fallback
-    to weights_only=False. We never unpickle them: the opcodes are only scanned (pickletools
-    parses, it does not execute) so that a payload referencing other globals is refused."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            pkls = [n for n in z.namelist() if n.endswith("/data.pkl")]
-            if len(pkls) != 1 or z.getinfo(pkls[0]).file_size > len(data):  # inner bomb
-                raise Reject("expected one (stored) data.pkl in a torch.save archive")
-            ops = list(pickletools.genops(z.read(pkls[0])))
-    except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError) as e:
-        raise Reject(f"not a torch.save archive of tensors ({e})") from e
-    recent: list[object] = []  # last two pushed strings, for STACK_GLOBAL
-    for op, arg, _ in ops:
-        if op.name in _MEMO_OPS:
+def _check_entry_sizes(members: dict[str, zipfile.ZipInfo]) -> None:
+    """Entries read whole and parsed are bounded from their headers, before a byte of them
+    is inflated (a 230 KB deflated model.json of padding inflates to ~230 MB)."""
+    for rel in _FIXED_ENTRIES:
+        info = members.get(rel)
+        if info is None or rel == _SAMPLE_INPUTS:
             continue
-        ref = None
-        if op.name == "GLOBAL":
-            ref = str(arg).replace(" ", ".")
-        elif op.name == "STACK_GLOBAL":
-            ok = len(recent) == 2 and all(isinstance(x, str) for x in recent)
-            ref = ".".join(recent) if ok else "<computed>"  # type: ignore[arg-type]
-        elif op.name in ("INST", "OBJ", "EXT1", "EXT2", "EXT4"):
-            ref = f"<{op.name}>"
-        if ref is not None and ref not in _SAMPLE_GLOBALS:
-            raise Reject(f"pickle references {ref!r} (would run on unpickling)")
-        recent = [*recent, arg][-2:] if op.name in _STRING_OPS else []
+        limit = MAX_JSON_BYTES if rel.endswith(".json") else _MAX_MARKER_BYTES
+        if info.file_size > limit:
+            raise UnsafeArchive(rel, f"{info.file_size} bytes uncompressed, over the limit of "
+                                     f"{limit} bytes for this entry")
 
 
-def _parse(cls: type, data: bytes, rel: str) -> Any:
+def _parse(cls: type, data: bytearray, rel: str) -> Any:
+    # Each JSON container or string costs ~50-200 bytes of Python objects once parsed.
+    items = data.count(b"{") + data.count(b"[") + data.count(b'"') // 2
+    if items > MAX_JSON_ITEMS:
+        raise UnsafeArchive(rel, f"~{items} JSON objects, arrays and strings, over the limit "
+                                 f"of {MAX_JSON_ITEMS}")
     try:
         obj = _dict_to_dataclass(cls, json.loads(data.decode("utf-8")))
         walk(cls, obj, cls.__name__)
     except Reject as e:
         raise UnsafeArchive(rel, str(e)) from None
+    except MemoryError:  # a limit of the process, not a fault of this entry
+        raise
     except Exception as e:  # malformed JSON / schema mismatch / nesting bombs
         raise UnsafeArchive(rel, f"malformed {cls.__name__} JSON ({type(e).__name__}: {e})") from e
     return obj
@@ -321,7 +278,9 @@ def validate_archive(
     Verifies the zip structure (limits, paths, entry types, CRCs), that every entry is one
     a plain ``torch.export.save`` writes, that no weight/constant needs unpickling, and that
     every operator, name, symbolic expression, tree spec and guard in the program JSON is on
-    the allow-lists of this module.
+    the allow-lists of this module, that every tensor fits in (and materialises no more than)
+    its payload bytes and that the graph's metadata of parameters, buffers and constants
+    matches their payloads.
 
     Args:
         path: the archive file.
@@ -337,25 +296,31 @@ def validate_archive(
     """
     with _open_zip(path) as zf:
         root, members = _check_members(zf, max_bytes, max_entries)
-        blobs = {
-            rel: _read(zf, rel, info, keep=rel in _FIXED_ENTRIES) for rel, info in members.items()
-        }
-    if _SAMPLE_INPUTS in blobs:
-        try:
-            _check_sample_inputs(blobs.pop(_SAMPLE_INPUTS))
-        except Reject as e:
-            raise UnsafeArchive(_SAMPLE_INPUTS, str(e)) from None
+        _check_entry_sizes(members)
+        keep = set(_FIXED_ENTRIES) - {_SAMPLE_INPUTS}  # the example inputs are streamed
+        blobs = {rel: _read(zf, rel, info, keep=rel in keep) for rel, info in members.items()}
+        if _SAMPLE_INPUTS in members:
+            try:
+                with zf.open(members[_SAMPLE_INPUTS]) as f:
+                    check_sample_inputs(f)
+            except Reject as e:
+                raise UnsafeArchive(_SAMPLE_INPUTS, str(e)) from None
     for rel, expected in _FIXED_ENTRIES.items():
         if expected is not None and rel in blobs and blobs[rel].strip() != expected:
             raise UnsafeArchive(rel, f"unexpected content {blobs[rel][:32]!r}")
     program = _parse(schema.ExportedProgram, blobs[_MODEL_JSON], _MODEL_JSON)
     configs = {}
+    sizes = {rel: i.file_size for rel, i in members.items()}
     for kind, rel in (("weights", _WEIGHTS_CONFIG), ("constants", _CONSTANTS_CONFIG)):
         configs[kind] = _parse(schema.PayloadConfig, blobs[rel], rel)
         try:
-            _check_payload_config(configs[kind], kind, members)
+            check_payload_config(configs[kind], kind, sizes)
         except Reject as e:
             raise UnsafeArchive(rel, str(e)) from None
+    try:
+        check_state_metadata(program, configs)
+    except Reject as e:
+        raise UnsafeArchive(_MODEL_JSON, str(e)) from None
     targets: set[str] = set()
     collect_targets(program.graph_module.graph, targets)
     return ArchiveInfo(
@@ -368,7 +333,7 @@ def validate_archive(
         _program=program,
         _weights=configs["weights"],
         _constants=configs["constants"],
-        _sizes={rel: i.file_size for rel, i in members.items()},
+        _sizes=sizes,
     )
 
 
@@ -407,7 +372,7 @@ def _load_payloads(zf: zipfile.ZipFile, info: ArchiveInfo, kind: str) -> dict[st
                 t = torch.nn.Parameter(t, requires_grad=tm.requires_grad)
             elif tm.requires_grad:
                 t = t.detach().requires_grad_(True)
-        except UnsafeArchive:
+        except (UnsafeArchive, MemoryError):
             raise
         except Exception as e:  # size/stride out of bounds, dtype mismatch, no such device
             raise UnsafeArchive(rel, f"cannot build {fqn!r}: {type(e).__name__}: {e}") from e
@@ -453,5 +418,7 @@ def load_exported_program(
         with _DESERIALIZE_LOCK:
             return ExportedProgramDeserializer().deserialize(info._program, state_dict,
                                                              constants, None)
+    except MemoryError:
+        raise
     except Exception as e:  # schema version, dangling names, verifier errors, ...
         raise UnsafeArchive(_MODEL_JSON, f"rejected by torch's deserializer: {e}") from e

@@ -3,6 +3,7 @@ real ones (read an entry, rewrite entries)."""
 
 from __future__ import annotations
 
+import io
 import json
 import zipfile
 from pathlib import Path
@@ -67,17 +68,43 @@ def model_json(src: Path) -> dict:
     return json.loads(entry(src, "models/model.json"))
 
 
-def rewrite(src: Path, dst: Path, edits: dict[str, bytes | str | None]) -> Path:
-    """Copy ``src`` to ``dst`` replacing (value), deleting (None) or adding entries."""
+def rewrite(
+    src: Path, dst: Path, edits: dict[str, bytes | str | None], *, deflate: bool = False
+) -> Path:
+    """Copy ``src`` to ``dst`` replacing (value), deleting (None) or adding entries; the
+    replaced and added ones deflated if ``deflate`` (tiny on disk, large inflated)."""
     root = _root(src)
+    method = zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
         for name in zin.namelist():
             rel = name[len(root) + 1 :]
             if rel not in edits:
                 zout.writestr(name, zin.read(name))
             elif edits[rel] is not None:
-                zout.writestr(name, edits[rel])  # type: ignore[arg-type]
+                zout.writestr(name, edits[rel], compress_type=method)  # type: ignore[arg-type]
         for rel, value in edits.items():
             if value is not None and f"{root}/{rel}" not in zin.namelist():
-                zout.writestr(f"{root}/{rel}", value)
+                zout.writestr(f"{root}/{rel}", value, compress_type=method)
     return dst
+
+
+def torch_save_with_pickle(template: bytes, pickle_bytes: bytes) -> bytes:
+    """A torch.save zip like ``template`` whose data.pkl is ``pickle_bytes`` (stored, as
+    torch writes it; deflate the outer entry to make the archive small)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(template)) as zin, zipfile.ZipFile(out, "w") as zout:
+        for name in zin.namelist():
+            data = pickle_bytes if name.endswith("/data.pkl") else zin.read(name)
+            zout.writestr(name, data)
+    return out.getvalue()
+
+
+class Expanded(torch.nn.Module):
+    """A buffer that is a small stride-0 expansion of one element (legit, and tiny)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ones", torch.ones(1).expand(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ones
