@@ -5,11 +5,17 @@ devices, split it, lay out every crossing tensor in one arena block per request 
 lifetimes do not overlap share bytes), and have each device's worker build its parts.
 
 Data path: `resolve` checks a request's inputs against the model's input table (once) and,
-for a dynamic-shape model, picks the bucket for its shapes; `run` takes a block, puts the
-inputs in it, dispatches each part to its worker as soon as its inputs are ready (independent
-parts run at once; requests in flight pipeline across devices), reads the outputs and gives
-the block back. No planning, compiling or file I/O, and no lock but the arena's and a count
-of requests in flight (a bucket's first request builds it under that model's own lock).
+for a dynamic-shape model, picks the bucket for its shapes (cuvild/engine/buckets.py); `run`
+takes a block, puts the inputs in it, dispatches each part to its worker as soon as its inputs
+are ready (cuvild/engine/request.py), reads the outputs and gives the block back. No planning,
+compiling or file I/O, and no lock but the arena's and a count of requests in flight (a
+bucket's first request builds it under that model's own lock).
+
+Every request has a deadline (by default `run_timeout_s` from its start): every wait of it
+ends there with RunTimeout, and a worker that gave no reply for all of it is restarted. A
+request whose worker died is run once more when the worker is back (inference is idempotent),
+and fails with WorkerUnavailable only if that fails too. Errors carry a `kind` for the serving
+layer (cuvild/engine/errors.py).
 """
 
 from __future__ import annotations
@@ -19,13 +25,21 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cuvild.engine import precision
+from cuvild.engine import buckets, precision
 from cuvild.engine.arena import Arena, Block
 from cuvild.engine.corrections import CorrectionStore
+from cuvild.engine.errors import (
+    BadRegion,
+    InferError,
+    RunTimeout,
+    WorkerLost,
+    WorkerUnavailable,
+)
 from cuvild.engine.handle import WorkerDied, WorkerHandle
 from cuvild.engine.layout import (
     BadInput,
@@ -35,7 +49,7 @@ from cuvild.engine.layout import (
     input_table,
     layout,
 )
-from cuvild.engine.loaded import LoadedModel, Route
+from cuvild.engine.loaded import LoadedModel, Route, cut_bytes
 from cuvild.engine.orders import (
     Build,
     Built,
@@ -43,11 +57,11 @@ from cuvild.engine.orders import (
     Forget,
     RawTensor,
     Reply,
-    Run,
     TensorRef,
     Unload,
 )
 from cuvild.engine.precision import Accuracy, PrecisionPolicy
+from cuvild.engine.request import FEEDBACK_RUNS, Timeline, run_parts
 from partitioner.profile import DeviceProfile
 
 if TYPE_CHECKING:
@@ -57,12 +71,8 @@ if TYPE_CHECKING:
     from partitioner.split import SplitProgram
 
 log = logging.getLogger(__name__)
-__all__ = ["BadInput", "Engine", "InferError", "LoadedModel", "Route"]
-FEEDBACK_RUNS = 20  # a part's measured runs that teach the cost model (once per load)
-
-
-class InferError(RuntimeError):
-    """A request failed; the message names the part, the device and the cause."""
+__all__ = ["FEEDBACK_RUNS", "BadInput", "BadRegion", "Engine", "InferError", "LoadedModel",
+           "Route", "RunTimeout", "Timeline", "WorkerUnavailable", "cut_bytes"]
 
 
 class Monitor(Protocol):
@@ -74,15 +84,16 @@ class Monitor(Protocol):
     def part(self, model: LoadedModel, route: Route, seconds: float) -> None: ...
 
 
-# A request's timeline, when it is traced: (route, dispatched, replied), perf_counter_ns.
-Timeline = list[tuple[Route, int, int]]
-
-
 class Engine:
     def __init__(self, devices: Sequence[DeviceProfile], cache_dir: Path, arena: Arena,
                  in_process: bool = False, max_in_flight: int = 4,
                  build_timeout_s: float = 600.0, compile_timeout_s: float = 300.0,
-                 corrections_path: Path | None = None) -> None:
+                 corrections_path: Path | None = None, run_timeout_s: float = 60.0,
+                 max_buckets: int = 8, max_dim: int = 4096) -> None:
+        """`run_timeout_s`: a request's deadline when its caller gives none, and how long a
+        worker may give no reply before it is restarted; `max_buckets`: the buckets (input
+        shapes) kept per dynamic-shape model; `max_dim`: the largest dynamic dimension
+        served."""
         self.devices = {d.id: d for d in devices}
         self.cache_dir = cache_dir
         self.arena = arena
@@ -93,8 +104,12 @@ class Engine:
         self._active = 0  # requests inside run(): alone, a part's reply is read directly
         self._active_lock = threading.Lock()
         self._workers_lock = threading.Lock()  # making a worker (control path only)
-        self._revive_lock = threading.Lock()
+        self._revive_locks: dict[str, threading.Lock] = {}  # per device
         self._usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
+        self._buckets_lock = threading.Lock()  # buckets' recency and use counts
+        self.run_timeout_s = run_timeout_s
+        self.max_buckets = max(1, max_buckets)
+        self.max_dim = max_dim
         self.build_timeout_s = build_timeout_s
         self.compile_timeout_s = compile_timeout_s
         self.corrections = CorrectionStore(corrections_path)
@@ -131,6 +146,7 @@ class Engine:
                 if worker is None:
                     self._usable[device_id] = threading.Event()
                     self._usable[device_id].set()
+                    self._revive_locks[device_id] = threading.Lock()
                     worker = self.workers[device_id] = WorkerHandle(
                         self.devices[device_id], self.cache_dir, in_process=self.in_process)
         return worker
@@ -277,41 +293,10 @@ class Engine:
         return [Route(p.id, by_id[p.id].device, by_id[p.id].precision, p.inputs, p.outputs)
                 for p in split.parts]
 
-    def _variant(self, model: LoadedModel, shapes: tuple[tuple[int, ...], ...]) -> LoadedModel:
-        """The model laid out and built for one concrete input shape (a bucket). Only a
-        build takes the model's own lock: buckets already built are served without it."""
-        import torch
-
-        assert model.split is not None
-        with model.variant_lock:
-            variant = model.variants.get(shapes)
-            if variant is not None:
-                return variant
-            dtypes = [getattr(torch, s.dtype) for s in model.table]
-            with torch.no_grad():
-                values = model.split.trace(*[torch.zeros(shape, dtype=dt)
-                                             for shape, dt in zip(shapes, dtypes, strict=True)])
-            slots, footprint, total = layout(values, model.split)
-            tag = "x".join("-".join(map(str, shape)) for shape in shapes)
-            specs = [{**s, "shape": list(shape)}
-                     for s, shape in zip(model.input_specs, shapes, strict=True)]
-            variant = LoadedModel(f"{model.key}@{tag}", model.name, model.version, model.plan,
-                                  self._routes(model.plan, model.split), model.inputs,
-                                  model.outputs, input_table(specs, []), slots, footprint,
-                                  total, model.archive, specs,
-                                  parts_by_device=model.parts_by_device, base_key=model.key)
-            variant.policy = model.policy
-            variant.cut_bytes = cut_bytes(variant)
-            variant.part_input_shapes = {
-                p.id: [list(values[n].shape) for n in p.inputs] for p in model.split.parts}
-            log.info("building %s for input shapes %s", model.key, [list(s) for s in shapes])
-            self._build(variant)
-            model.variants[shapes] = variant
-            self.models[variant.key] = variant
-            return variant
-
     def _build(self, model: LoadedModel, only_device: str | None = None,
-               policy: PrecisionPolicy | None = None) -> None:
+               policy: PrecisionPolicy | None = None, deadline: float | None = None) -> None:
+        """Have the workers build the model's parts, waiting for them until `deadline`
+        (time.monotonic(); None: build_timeout_s from now)."""
         policy = policy or model.policy or PrecisionPolicy()
         assignment = [(p.id, p.nodes) for p in model.plan.parts]
         futures: list[tuple[Route, Future[Reply]]] = []
@@ -330,8 +315,17 @@ class Engine:
                     tolerance=route.tolerance, calibration=policy.calibration,
                     calibration_tag=policy.calibration_tag))))
         model.policy = policy
+        t0 = time.monotonic()
+        deadline = t0 + self.build_timeout_s if deadline is None else deadline
         for route, future in futures:
-            reply = future.result(timeout=self.build_timeout_s)
+            try:
+                reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise RunTimeout(f"building part {route.id} for {route.device}: no reply in "
+                                 f"{time.monotonic() - t0:.1f} s") from None
+            except WorkerDied as e:
+                raise InferError(f"building part {route.id} for {route.device} failed: "
+                                 f"{e}") from None
             if not reply.ok or not isinstance(reply.result, Built):
                 raise InferError(f"building part {route.id} for {route.device} failed: "
                                  f"{reply.error}")
@@ -343,7 +337,11 @@ class Engine:
         model = self.models.pop(key, None)
         if model is None:
             return
-        for variant in model.variants.values():
+        with self._buckets_lock:
+            variants = list(model.variants.values())
+            for variant in variants:
+                variant.evicted = True
+        for variant in variants:
             self.unload(variant.key)
         for device in model.parts_by_device:
             if device in self.workers:
@@ -361,56 +359,135 @@ class Engine:
         self.workers.clear()
 
     # -- data path -------------------------------------------------------------------------
-    def resolve(self, model: LoadedModel,
-                given: Sequence[tuple[str, tuple[int, ...]]]) -> LoadedModel:
+    def resolve(self, model: LoadedModel, given: Sequence[tuple[str, tuple[int, ...]]],
+                deadline: float | None = None) -> LoadedModel:
         """Check a request's inputs, (dtype name, shape) each in the model's order, against
         the model's input table (the one check; BadInput names what is wrong). Returns the
-        model, or for a dynamic-shape model its bucket for these shapes, built on first use."""
+        model, or for a dynamic-shape model its bucket for these shapes, built on first use
+        (waited for until `deadline`, time.monotonic(); None: build_timeout_s)."""
         check_inputs(model.name, model.table, given)
         if not model.dynamic:
             return model
+        buckets.check_dims(model, given, self.max_dim)
         shapes = tuple(tuple(shape) for _, shape in given)
-        return model.variants.get(shapes) or self._variant(model, shapes)
+        return buckets.bucket(self, model, shapes, deadline)
 
-    def infer(self, key: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def infer(self, key: str, inputs: Sequence[torch.Tensor],
+              deadline: float | None = None) -> list[torch.Tensor]:
         """Run model `key` on host tensors, for callers in this process: resolve, then run."""
         given = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in inputs]
-        outputs = self.run(self.resolve(self.models[key], given), inputs)
-        return outputs  # type: ignore[return-value]
+        model = self.resolve(self.models[key], given, deadline)
+        return self.run(model, inputs, deadline=deadline)  # type: ignore[return-value]
 
     def run(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
             output_refs: dict[str, TensorRef] | None = None, raw: bool = False,
-            timeline: Timeline | None = None) -> list[torch.Tensor | bytes | None]:
+            timeline: Timeline | None = None,
+            deadline: float | None = None) -> list[torch.Tensor | bytes | None]:
         """Run one request of a resolved model (inputs already checked by `resolve`). Inputs
         are tensors or raw bytes (copied into the arena) or references into shared memory
         (read in place by the first part); outputs named in output_refs are written in place
         there (None is returned for them), the rest come back as fresh host tensors, or with
         raw=True as bytes (the block is reused at once). A `timeline` list gets each part's
-        dispatch and reply times (a traced request)."""
+        dispatch and reply times (a traced request). `deadline` (time.monotonic()) bounds
+        every wait of the request (None: run_timeout_s from now): RunTimeout after it. A
+        request whose worker died runs once more when the worker is back; WorkerUnavailable
+        if that fails too."""
         output_refs = output_refs or {}
         monitor = self.monitor
         t0 = time.perf_counter() if monitor else 0.0
-        with self._in_flight, self._counted():
-            if monitor:
-                monitor.queued(model, time.perf_counter() - t0)
-            block = self.arena.alloc(model.footprint)
+        begun = time.monotonic()
+        deadline = begun + self.run_timeout_s if deadline is None else deadline
+        patient = deadline - begun >= self.run_timeout_s  # may take a silent worker as hung
+        model = buckets.hold(self, model, deadline)
+        try:
+            if not self._in_flight.acquire(timeout=max(0.0, deadline - begun)):
+                raise RunTimeout(f"model {model.key}: no place among the requests in flight "
+                                 f"in {time.monotonic() - begun:.1f} s (the request's "
+                                 "deadline)")
             try:
-                refs = dict(output_refs)
-                for name, value in zip(model.inputs, inputs, strict=True):
-                    if isinstance(value, TensorRef):
-                        refs[name] = value
-                    elif isinstance(value, RawTensor):
-                        self._bytes(block, model.slots[name])[:] = value.data
-                    else:
-                        self._view(block, model.slots[name]).copy_(value)
-                self._run_parts(model, block, refs, timeline)
-                if raw:
-                    return [None if n in output_refs else bytes(self._bytes(block, model.slots[n]))
-                            for n in model.outputs]
-                return [None if n in output_refs else self._view(block, model.slots[n]).clone()
-                        for n in model.outputs]
+                with self._counted():
+                    if monitor:
+                        monitor.queued(model, time.perf_counter() - t0)
+                    return self._attempts(model, inputs, output_refs, raw, timeline, deadline,
+                                          patient)
             finally:
+                self._in_flight.release()
+        finally:
+            buckets.release(self, model)
+
+    def _attempts(self, model: LoadedModel,
+                  inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
+                  output_refs: dict[str, TensorRef], raw: bool, timeline: Timeline | None,
+                  deadline: float, patient: bool) -> list[torch.Tensor | bytes | None]:
+        """The request in its block, run (twice at most: once more on a revived worker)."""
+        block = self.arena.alloc(model.footprint)
+        outstanding: Sequence[Future[Any]] = ()
+        try:
+            refs = dict(output_refs)
+            refs.update((n, v) for n, v in zip(model.inputs, inputs, strict=True)
+                        if isinstance(v, TensorRef))
+            for attempt in (1, 2):
+                # (again for the retry: a later part may have reused a spent input's bytes)
+                for name, value in zip(model.inputs, inputs, strict=True):
+                    if isinstance(value, RawTensor):
+                        self._bytes(block, model.slots[name])[:] = value.data
+                    elif not isinstance(value, TensorRef):
+                        self._view(block, model.slots[name]).copy_(value)
+                try:
+                    run_parts(self, model, block, refs, timeline, deadline, patient)
+                    break
+                except RunTimeout as e:
+                    outstanding = e.outstanding
+                    raise
+                except WorkerLost as e:
+                    if attempt == 2:
+                        raise WorkerUnavailable(f"{e}; its worker had died during this "
+                                                "request before, was restarted, and died "
+                                                "again") from None
+                    log.warning("model %s: %s; running the request again once its worker "
+                                "is back", model.key, e)
+                    self._await(e, deadline)
+                    if timeline is not None:
+                        timeline.clear()
+                except InferError as e:
+                    if attempt == 2 and not isinstance(e, BadRegion):
+                        raise WorkerUnavailable(f"its worker died during this request and "
+                                                f"was restarted, and the retry failed: "
+                                                f"{e}") from None
+                    raise
+            if raw:
+                return [None if n in output_refs else bytes(self._bytes(block, model.slots[n]))
+                        for n in model.outputs]
+            return [None if n in output_refs else self._view(block, model.slots[n]).clone()
+                    for n in model.outputs]
+        finally:
+            self._free(block, outstanding)
+
+    def _await(self, lost: WorkerLost, deadline: float) -> None:
+        """Wait for the dead workers' restart, by the deadline."""
+        t0 = time.monotonic()
+        for device in lost.devices:
+            if not self._usable[device].wait(max(0.0, deadline - time.monotonic())):
+                raise RunTimeout(f"{lost}; its worker was not back in "
+                                 f"{time.monotonic() - t0:.1f} s (the request's deadline)")
+
+    def _free(self, block: Block, outstanding: Sequence[Future[Any]]) -> None:
+        """Give the block back, once no part the request gave up on can write it."""
+        left = [f for f in outstanding if not f.done()]
+        if not left:
+            self.arena.free(block)
+            return
+        count, lock = [len(left)], threading.Lock()
+
+        def done(_: Future[Any]) -> None:
+            with lock:
+                count[0] -= 1
+                last = count[0] == 0
+            if last:
                 self.arena.free(block)
+
+        for future in left:
+            future.add_done_callback(done)
 
     @contextlib.contextmanager
     def _counted(self) -> Iterator[None]:
@@ -436,94 +513,42 @@ class Engine:
         raw = self._bytes(block, slot)
         return torch.frombuffer(raw, dtype=getattr(torch, slot.dtype)).view(slot.shape)
 
-    def _run_parts(self, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
-                   timeline: Timeline | None = None) -> None:
-        def ref(name: str) -> TensorRef:
-            return refs.get(name) or self._ref(block, model.slots[name])
+    def _hung(self, device: str, generation: int) -> bool:
+        """Kill start `generation` of a worker that gave no reply for a request's whole
+        deadline, and restart it; True if this call killed it."""
+        if not self.workers[device].kill(generation):
+            return False
+        log.error("worker for %s gave no reply for %.1f s; restarting it", device,
+                  self.run_timeout_s)
+        self._revive_later(device)
+        return True
 
-        monitor = self.monitor
-        dispatched: dict[str, int] = {}
-
-        ready = set(model.inputs)
-        waiting = list(model.routes)
-        running: dict[Future[Reply], Route] = {}
-        failure: str | None = None
-        dead: set[str] = set()
-
-        def finish(route: Route, reply: Reply | WorkerDied) -> str | None:
-            if isinstance(reply, WorkerDied):
-                dead.add(route.device)
-                return f"part {route.id} on {route.device} ({route.runtime}) failed: {reply}"
-            if not reply.ok or reply.result is None:
-                return f"part {route.id} on {route.device} ({route.runtime}) failed: {reply.error}"
-            run_ms = reply.result.run_ms  # type: ignore[union-attr]
-            route.measured_ms.append(run_ms)
-            del route.measured_ms[:-100]
-            if monitor:
-                monitor.part(model, route, run_ms / 1e3)
-            if timeline is not None:
-                timeline.append((route, dispatched[route.id], time.perf_counter_ns()))
-            if len(route.measured_ms) == FEEDBACK_RUNS and not route.fed_back:
-                route.fed_back = True
-                self.corrections.later(self.feedback, model.key)
-            ready.update(route.outputs)
-            return None
-
-        def start(route: Route) -> tuple[WorkerHandle, Run]:
-            waiting.remove(route)
-            self._usable[route.device].wait(self.build_timeout_s)
-            if timeline is not None:
-                dispatched[route.id] = time.perf_counter_ns()
-            return self.worker(route.device), Run(model.key, route.id,
-                                                  [ref(n) for n in route.inputs],
-                                                  [ref(n) for n in route.outputs])
-
-        while waiting or running:
-            startable = ([r for r in waiting if all(i in ready for i in r.inputs)]
-                         if failure is None else [])
-            if len(startable) == 1 and not running and self._active == 1:
-                # Nothing to overlap with: call and read the reply in this thread. (With
-                # other requests in flight, queueing in the worker's pipe keeps it busy.)
-                worker, order = start(startable[0])
-                try:
-                    reply: Reply | WorkerDied = worker.run(order)
-                except WorkerDied as e:
-                    reply = e
-                failure = finish(startable[0], reply)
-                continue
-            for route in startable:
-                worker, order = start(route)
-                running[worker.call(order)] = route
-            if not running:
-                break
-            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
-            for future in done:
-                route = running.pop(future)
-                try:
-                    reply = future.result()
-                except WorkerDied as e:
-                    reply = e
-                failure = failure or finish(route, reply)
-        for device in dead:
-            threading.Thread(target=self._revive, args=(device,), daemon=True).start()
-        if failure:
-            raise InferError(failure)
+    def _revive_later(self, device: str) -> None:
+        self._usable[device].clear()  # before the thread starts: a retry waits for it
+        threading.Thread(target=self._revive, args=(device,), name=f"revive-{device}",
+                         daemon=True).start()
 
     def _revive(self, device: str) -> None:
-        """Restart a dead worker and rebuild its parts from the compile cache."""
-        with self._revive_lock:
-            worker = self.workers[device]
-            if worker.alive():
-                return
-            log.error("worker for %s died; restarting it", device)
-            self._usable[device].clear()
-            t0 = time.perf_counter()
+        """Restart a dead worker and rebuild its parts from the compile cache (one device's
+        restart never waits for another's)."""
+        with self._revive_locks[device]:
             try:
+                worker = self.workers[device]
+                if worker.alive():
+                    return
+                log.error("worker for %s died; restarting it", device)
+                t0 = time.perf_counter()
                 worker.restart()
                 for model in list(self.models.values()):
-                    if device in model.parts_by_device:
+                    # (a dynamic-shape model's own parts are never built: its buckets are)
+                    if (device in model.parts_by_device and not model.evicted
+                            and not model.dynamic):
                         self._build(model, only_device=device)
+                        if model.evicted:  # evicted meanwhile: not kept there either
+                            worker.call(Unload(model.key))
                 log.info("worker for %s back in %.2f s", device, time.perf_counter() - t0)
+            except Exception:
+                log.exception("restarting the worker for %s failed", device)
             finally:
                 self._usable[device].set()
 
@@ -539,10 +564,3 @@ class Engine:
                          "measured_ms": ms[len(ms) // 2] if ms else None,
                          "candidates": r.built.candidates if r.built else []}
         return out
-
-
-def cut_bytes(model: LoadedModel) -> int:
-    """Bytes one request hands from a part to another (0 before a dynamic model's layout)."""
-    produced = {n for r in model.routes for n in r.outputs}
-    crossing = produced & {n for r in model.routes for n in r.inputs}
-    return sum(model.slots[n].nbytes for n in crossing if n in model.slots)

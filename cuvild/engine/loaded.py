@@ -4,6 +4,7 @@ precision and the tensors it reads and writes) and the wiring of a request throu
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,10 +55,22 @@ class LoadedModel:
     # to lay out and build one variant per concrete shape (bucket) on first use.
     dynamic: list[tuple[int, int, int, int]] = field(default_factory=list)
     split: SplitProgram | None = None
-    variants: dict[tuple[tuple[int, ...], ...], LoadedModel] = field(default_factory=dict)
+    # its buckets, least recently used first (cuvild/engine/buckets.py)
+    variants: OrderedDict[tuple[tuple[int, ...], ...], LoadedModel] = field(
+        default_factory=OrderedDict)
     variant_lock: threading.Lock = field(default_factory=threading.Lock)
     base_key: str = ""
+    shapes: tuple[tuple[int, ...], ...] = ()  # a bucket's input shapes
+    users: int = 0  # a bucket's requests running now: it is not evicted under them
+    evicted: bool = False  # a bucket unloaded to keep its model's count bounded
     part_input_shapes: dict[str, list[list[int]]] = field(default_factory=dict)
     policy: Any = None  # the PrecisionPolicy it was built under (cuvild/engine/precision.py)
     cut_bytes: int = 0  # bytes one request hands from part to part through the arena
     accuracy: Any = None  # what the load measured end to end (precision.Accuracy)
+
+
+def cut_bytes(model: LoadedModel) -> int:
+    """Bytes one request hands from a part to another (0 before a dynamic model's layout)."""
+    produced = {n for r in model.routes for n in r.outputs}
+    crossing = produced & {n for r in model.routes for n in r.inputs}
+    return sum(model.slots[n].nbytes for n in crossing if n in model.slots)

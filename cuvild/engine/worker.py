@@ -1,14 +1,18 @@
 """A device worker: one process per device, pinned to its cores, running compiled parts.
 
-It takes typed orders (cuvild/engine/orders.py) from a pipe, one at a time, and answers each
-with a Reply tagged with the order's id: on the main pipe, or on the `direct` pipe when the
-daemon's calling thread reads the reply itself. Tensors never travel through the pipe, only
-references into shared memory; the worker wraps them in place (`torch.frombuffer`, once per
-place, then reused) and writes outputs into their slots.
+It takes typed orders (cuvild/engine/orders.py) from a pipe and answers each with a Reply
+tagged with the order's id: on the main pipe, or on the `direct` pipe when the daemon's
+calling thread reads the reply itself. Runs (and Forgets) are answered by the loop that reads
+the pipe, in order; Builds, Chooses and Unloads, in their own order, by a second thread, so a
+bucket's build (seconds) never holds up the runs of the parts already built. Tensors never
+travel through the pipe, only references into shared memory: the arena's are wrapped in place
+(`torch.frombuffer`, once per place, then reused); a client's are checked on every use
+(cuvild/engine/clientmem.py).
 
 The same `serve` loop runs in a process (the default: a crashing compiler or driver takes down
 its worker and not the daemon) or in a thread of the daemon (`engine.workers: thread`, and
-tests), where it shares its `Worker` with the daemon's threads under a lock.
+tests), where it shares its `Worker` with the daemon's threads under a lock, and where client
+objects are read and written through their descriptors, never mapped.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+from cuvild.engine.clientmem import ClientObjects, Key, RegionGone
 from cuvild.engine.dtypes import nbytes
 from cuvild.engine.orders import (
     Build,
@@ -37,26 +43,32 @@ from cuvild.engine.orders import (
 )
 from partitioner.profile import DeviceProfile
 
-MAX_MAPPED = 256  # client objects a worker keeps mapped; past it they are re-opened
 MAX_VIEWS = 4096  # tensor views kept per worker (arena blocks recur request after request)
 # torch.export keeps global state: in the daemon (thread workers), one build at a time.
 BUILDS_IN_PROCESS = threading.Lock()
+CONTROL = (Build, Choose, Unload)  # answered by the worker's build thread, in order
 
 
 class Worker:
     """The compiled parts of one device and the shared memory they read and write."""
 
-    def __init__(self, device: DeviceProfile, cache_dir: str) -> None:
+    def __init__(self, device: DeviceProfile, cache_dir: str, in_process: bool = False) -> None:
         from runtimes.cache import CompileCache
 
         self.device = device
+        self.in_process = in_process  # in the daemon: client objects are never mapped
         self.cache = CompileCache(Path(cache_dir))
         self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable run
         # (model, part) -> precision -> Executable, while a precision search needs them
         self.variants: dict[tuple[str, str], dict[str, Any]] = {}
-        self.segments: dict[tuple[str, int], Any] = {}  # (name, inode) -> Segment
+        self.segments: dict[str, Any] = {}  # the daemon's arena segments, by name
+        self.clients = ClientObjects(self._drop_views)
         self.views: dict[TensorRef, Any] = {}
-        self.closing: list[Any] = []  # unregistered client segments a runtime still views
+        # A worker thread the daemon gave up on (a part hung) answers nothing more; `current`
+        # is the order it is running, whose reply still comes.
+        self.state = threading.Lock()
+        self.abandoned = False
+        self.current: int | None = None
 
     def handle(self, order: Order) -> Built | Ran | None:
         if isinstance(order, Run):
@@ -71,9 +83,28 @@ class Worker:
             return self.unload(order)
         raise TypeError(f"unknown order {type(order).__name__}")
 
+    def begin(self, rid: int | None) -> bool:
+        """Mark order `rid` as running; False if this worker was abandoned."""
+        with self.state:
+            if self.abandoned:
+                return False
+            self.current = rid
+            return True
+
+    def abandon(self) -> int | None:
+        """Answer nothing more; returns the id of the order running now (-1: a run in a
+        caller's thread; None: none)."""
+        with self.state:
+            self.abandoned = True
+            return self.current
+
     # -- shared memory -----------------------------------------------------------------
     def tensor(self, ref: TensorRef) -> Any:
-        """A tensor aliasing `ref`'s bytes; made once per place, then reused."""
+        """A tensor aliasing `ref`'s bytes; made once per place, then reused. A client's
+        object is checked to still hold the bytes, on every use."""
+        if ref.inode:
+            self.clients.get(ref.segment, ref.inode).check(ref.offset,
+                                                           nbytes(ref.dtype, ref.shape))
         view = self.views.get(ref)
         if view is None:
             if len(self.views) >= MAX_VIEWS:
@@ -86,37 +117,57 @@ class Worker:
 
         from cuvild.engine.arena import Segment
 
-        # The arena's segment names are never reused. A client's object is pinned by the
-        # inode it was registered with: a replacement under the same name is refused.
-        key = (ref.segment, ref.inode)
-        seg = self.segments.get(key)
-        if seg is None:
-            if ref.inode and len(self.segments) >= MAX_MAPPED:
-                self._forget_client_segments()
-            seg = self.segments[key] = Segment(ref.segment, 0, create=False, lock=False,
-                                               inode=ref.inode)
         dtype = getattr(torch, ref.dtype)
         size = nbytes(ref.dtype, ref.shape)
         if size == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        return torch.frombuffer(seg.view(ref.offset, size), dtype=dtype).view(ref.shape)
+        if ref.inode:  # pinned to the inode it was registered with: a replacement is refused
+            raw = self.clients.get(ref.segment, ref.inode).view(ref.offset, size)
+        else:  # the arena's segment names are never reused
+            seg = self.segments.get(ref.segment)
+            if seg is None:
+                seg = self.segments[ref.segment] = Segment(ref.segment, 0, create=False,
+                                                           lock=False)
+            raw = seg.view(ref.offset, size)
+        return torch.frombuffer(raw, dtype=dtype).view(ref.shape)
 
-    def _forget_client_segments(self) -> None:
-        self.views.clear()  # they alias the mappings about to close
-        self.closing += [self.segments.pop(key) for key in [k for k in self.segments if k[1]]]
-        self._close_pending()
+    def _input(self, ref: TensorRef) -> Any:
+        """An input: in place, but a client's bytes in a worker thread as a fresh copy read
+        through the descriptor (a shrunk object is a short read, not a SIGBUS)."""
+        if not (ref.inode and self.in_process):
+            return self.tensor(ref)
+        import torch
+
+        dtype, size = getattr(torch, ref.dtype), nbytes(ref.dtype, ref.shape)
+        if size == 0:
+            return torch.empty(ref.shape, dtype=dtype)
+        buf = torch.empty(size, dtype=torch.uint8)
+        self.clients.get(ref.segment, ref.inode).read(ref.offset, memoryview(buf.numpy()))
+        return buf.view(dtype).view(ref.shape)
+
+    def _output(self, out: Any, ref: TensorRef) -> None:
+        if tuple(out.shape) != tuple(ref.shape):
+            raise ValueError(f"output shape {tuple(out.shape)} != planned {ref.shape}")
+        if ref.inode and self.in_process:  # written through the descriptor, never mapped
+            import torch
+
+            data = out.to(getattr(torch, ref.dtype)).contiguous().reshape(-1)
+            if data.numel():
+                self.clients.get(ref.segment, ref.inode).write(
+                    ref.offset, memoryview(data.view(torch.uint8).numpy()))
+            return
+        dst = self.tensor(ref)
+        if dst.data_ptr() != out.data_ptr():  # the runtime did not write in place
+            dst.copy_(out)
+
+    def _drop_views(self, key: Key) -> None:
+        for ref in [r for r in self.views if (r.segment, r.inode) == key]:
+            del self.views[ref]
 
     def forget(self, order: Forget) -> None:
         """Unmap client objects whose regions were unregistered. A runtime may still hold
         its last input (OpenVINO's infer request does): those close after the next run."""
-        gone = {tuple(k) for k in order.segments}
-        for ref in [r for r in self.views if (r.segment, r.inode) in gone]:
-            del self.views[ref]
-        self.closing += [self.segments.pop(key) for key in gone & set(self.segments)]
-        self._close_pending()
-
-    def _close_pending(self) -> None:
-        self.closing = [seg for seg in self.closing if not seg.close()]
+        self.clients.forget({(name, inode) for name, inode in order.segments})
 
     # -- parts -------------------------------------------------------------------------
     def build(self, order: Build) -> Built:
@@ -129,9 +180,9 @@ class Worker:
                 forget(order.split_key)
         key = (order.model, order.part)
         own = built[order.precisions[0]]
-        self.parts[key] = own.executable
         if len(built) > 1:  # a precision search will choose among them
             self.variants[key] = {p: b.executable for p, b in built.items()}
+        self.parts[key] = own.executable
         return Built(own.runtime, all(b.from_cache for b in built.values()), tried,
                      variants(built))
 
@@ -145,48 +196,53 @@ class Worker:
         exe = self.parts.get((order.model, order.part))
         if exe is None:
             raise KeyError(f"part {order.part} of model {order.model} is not built here")
-        inputs = [self.tensor(r) for r in order.inputs]
+        inputs = [self._input(r) for r in order.inputs]
         t0 = time.perf_counter()
         outputs = exe.run(inputs)
         run_ms = (time.perf_counter() - t0) * 1e3
         for out, ref in zip(outputs, order.outputs, strict=True):
-            dst = self.tensor(ref)
-            if tuple(out.shape) != tuple(ref.shape):
-                raise ValueError(f"output shape {tuple(out.shape)} != planned {ref.shape}")
-            if dst.data_ptr() != out.data_ptr():  # the runtime did not write in place
-                dst.copy_(out)
-        if self.closing:
-            self._close_pending()
+            self._output(out, ref)
+        if self.clients.closing:
+            self.clients.close_pending()
         return Ran(run_ms)
 
     def unload(self, order: Unload) -> None:
         from cuvild.engine.build import forget
 
         forget(order.model)
-        for key in [k for k in self.parts if k[0] == order.model]:
-            del self.parts[key]
+        for key in [k for k in list(self.parts) if k[0] == order.model]:
+            self.parts.pop(key, None)
             self.variants.pop(key, None)
 
 
 def answer(worker: Worker, envelope: Envelope) -> Reply:
-    """Carry out one order; every failure goes back to the caller as the reply's error."""
+    """Carry out one order; every failure goes back to the caller as the reply's error (a
+    client region's, with kind "invalid")."""
     try:
         return Reply(envelope.id, worker.handle(envelope.order))
     except Exception as e:  # noqa: BLE001
-        return Reply(envelope.id, error=f"{type(e).__name__}: {e}")
+        return Reply(envelope.id, error=f"{type(e).__name__}: {e}",
+                     kind=e.kind if isinstance(e, RegionGone) else "")
 
 
 def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,
           inline: tuple[Worker, threading.Lock] | None = None) -> None:
-    """The worker loop: one order at a time until the pipe closes or brings None. In a
-    thread (`inline`), it shares its Worker with the daemon's threads, which run parts
-    themselves under the lock."""
+    """The worker loop until the pipe closes or brings None: runs here, one at a time, the
+    control orders on a second thread. In a thread (`inline`), it shares its Worker with the
+    daemon's threads, which run parts themselves under the lock."""
     if inline is None:
         _pin(device)
         _quiet()
-        worker, lock = Worker(device, cache_dir), contextlib.nullcontext()
+        worker, lock = Worker(device, cache_dir), threading.Lock()
     else:
         worker, lock = inline
+    sending = threading.Lock()
+
+    def reply(envelope: Envelope, answered: Reply) -> None:
+        with sending, contextlib.suppress(OSError, ValueError):  # the daemon let go of us
+            (direct if envelope.direct else conn).send(answered)
+
+    control = Control(worker, lock, reply, BUILDS_IN_PROCESS if inline else None)
     while True:
         try:
             envelope = conn.recv()
@@ -194,13 +250,54 @@ def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,
             return
         if envelope is None:
             return
-        # One build at a time in the daemon, taken before this device's lock, so a build
-        # waiting on another device's does not stall runs.
-        one_build = (BUILDS_IN_PROCESS if inline and isinstance(envelope.order, Build)
-                     else contextlib.nullcontext())
-        with one_build, lock:
-            reply = answer(worker, envelope)
-        (direct if envelope.direct else conn).send(reply)
+        if isinstance(envelope.order, CONTROL):
+            control.put(envelope)
+            continue
+        with lock:
+            if not worker.begin(envelope.id):
+                return
+            answered = answer(worker, envelope)
+            worker.begin(None)
+        reply(envelope, answered)
+
+
+class Control:
+    """The build thread: Builds, Chooses and Unloads, in the order they came, beside the
+    runs. It lives only while it has orders: an idle second thread in a worker process was
+    measured to cost each run 0.1 ms. In the daemon (thread workers), one build at a time
+    across devices (`one_build`), and never under the device's lock, which the runs take."""
+
+    def __init__(self, worker: Worker, lock: threading.Lock, reply: Any,
+                 one_build: threading.Lock | None) -> None:
+        self.worker, self.lock, self.reply, self.one_build = worker, lock, reply, one_build
+        self.orders: deque[Envelope] = deque()
+        self.mutex = threading.Lock()
+        self.running = False
+
+    def put(self, envelope: Envelope) -> None:
+        with self.mutex:
+            self.orders.append(envelope)
+            if self.running:
+                return
+            self.running = True
+        threading.Thread(target=self._drain, name=f"build-{self.worker.device.id}",
+                         daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            with self.mutex:
+                if not self.orders or self.worker.abandoned:
+                    self.running = False
+                    return
+                envelope = self.orders.popleft()
+            if isinstance(envelope.order, Build):
+                with self.one_build or contextlib.nullcontext():
+                    answered = answer(self.worker, envelope)
+            else:
+                with self.lock:
+                    answered = answer(self.worker, envelope)
+            if not self.worker.abandoned:
+                self.reply(envelope, answered)
 
 
 def _pin(device: DeviceProfile) -> None:

@@ -115,37 +115,37 @@ def test_failing_part_names_itself_and_leaks_nothing(engine, tmp_path):
     assert engine.arena.in_use() == 0
 
 
-def test_killed_worker_fails_request_then_recovers(engine, tmp_path):
+def test_killed_worker_is_restarted_and_its_requests_retried(engine, tmp_path):
+    """Inference is idempotent: a request whose worker dies runs once more on the restarted
+    worker (tests/engine/test_hardening.py covers the retry's limits)."""
     model, (x,) = reference_models()["resnet"]
     prepare(engine, tmp_path, "resnet", model, (x,), ["cpu0", "npu0"])
+    with torch.no_grad():
+        expected = model(x)
+    outputs: list[torch.Tensor] = []
     errors: list[str] = []
     stop = threading.Event()
 
     def load() -> None:
         while not stop.is_set():
             try:
-                engine.infer("resnet", (x,))
+                outputs.append(engine.infer("resnet", (x,))[0])
             except InferError as e:
                 errors.append(str(e))
-                return
 
     thread = threading.Thread(target=load)
     thread.start()
     time.sleep(0.5)
     os.kill(engine.workers["npu0"].process.pid, signal.SIGKILL)
-    thread.join(60)
-    stop.set()
-    assert errors and "npu0" in errors[0] and "died" in errors[0]
     deadline = time.monotonic() + 120
-    while True:  # the worker is restarted and its part rebuilt from the cache
-        try:
-            (out,) = engine.infer("resnet", (x,))
-            break
-        except InferError:
-            assert time.monotonic() < deadline, "worker did not come back"
-            time.sleep(0.5)
-    with torch.no_grad():
-        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+    while engine.workers["npu0"].restarts < 1 or len(outputs) < 5:
+        assert time.monotonic() < deadline, "worker did not come back"
+        time.sleep(0.2)
+    stop.set()
+    thread.join(60)
+    assert errors == []  # the request in flight when it died was retried
+    for out in outputs:
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     assert engine.workers["npu0"].restarts == 1
     assert engine.arena.in_use() == 0
 
