@@ -1,7 +1,8 @@
 """The shared-memory arena: where tensors cross between parts, workers and clients.
 
-Named POSIX shared-memory segments (mode 0600, names prefixed with the daemon's instance so a
-restarted daemon can reclaim what a crashed one left), page-locked with mlock (and, where CUDA
+Named POSIX shared-memory segments (mode 0600, named `cuvil-<instance>-<random>`: the prefix
+lets a restarted daemon reclaim what a crashed one left, the random part keeps anyone from
+taking a name before the daemon does), page-locked with mlock (and, where CUDA
 is present, registered with the driver so host<->GPU copies are DMA), sub-allocated per request
 with 64-byte alignment. Any process that knows a segment's name maps the same bytes, so a
 tensor written by one part is read in place by the next: torch.frombuffer, numpy views,
@@ -16,6 +17,7 @@ import logging
 import mmap
 import os
 import re
+import secrets
 import stat
 import threading
 from dataclasses import dataclass
@@ -137,9 +139,16 @@ class Arena:
 
     def _new_segment(self, at_least: int) -> Segment:
         size = max(self.segment_bytes, align(at_least, mmap.PAGESIZE))
-        name = f"{self.prefix}{self._count}"
+        for attempt in range(8):  # names are unguessable; a collision is only bad luck
+            name = f"{self.prefix}{secrets.token_hex(8)}"
+            try:
+                seg = Segment(name, size, create=True, lock=self.lock_pages)
+                break
+            except FileExistsError:
+                log.warning("shared-memory name %s is taken; drawing another", name)
+                if attempt == 7:
+                    raise
         self._count += 1
-        seg = Segment(name, size, create=True, lock=self.lock_pages)
         self.segments[name] = seg
         self._free[name] = [(0, size)]
         return seg
