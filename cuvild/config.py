@@ -11,6 +11,7 @@ and the systemd unit.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,17 @@ class Config:
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     max_model_bytes: int = 2 << 30
     max_concurrent_uploads: int = 2
+    upload_idle_s: float = 30.0  # an upload stream silent this long is cancelled
+    upload_max_s: float = 3600.0  # and one still going after this
+    max_connections: int = 256  # unix connections relayed at once, all users
+    max_connections_per_uid: int = 64
+    idle_timeout_s: float = 600.0  # a unix connection with no traffic is closed
+    rpc_threads: int = 32  # gRPC handler threads per listener (4 kept for quick calls)
+    shm_max_regions: int = 64  # per caller
+    shm_max_bytes: int = 16 << 30  # per caller, summed over its regions
+    run_timeout_s: float = 60.0  # a request's deadline when its caller gives none
+    max_buckets: int = 8  # built input shapes kept per dynamic-shape model
+    max_dim: int = 4096  # largest size accepted for a dynamic dimension
     token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -99,11 +111,20 @@ _SCHEMA: dict[str, Any] = {
     "limits": {
         "max_model_bytes": (int, 2 << 30),
         "max_concurrent_uploads": (int, 2),
+        "upload_idle_s": ((int, float), 30),
+        "upload_max_s": ((int, float), 3600),
+        "max_connections": (int, 256),
+        "max_connections_per_uid": (int, 64),
+        "idle_timeout_s": ((int, float), 600),
+        "rpc_threads": (int, 32),
     },
-    "shm": {"allowed_uids": (list, []), "allow_tcp_clients": (bool, False)},
+    "shm": {"allowed_uids": (list, []), "allow_tcp_clients": (bool, False),
+            "max_regions_per_caller": (int, 64), "max_bytes_per_caller": (int, 16 << 30)},
     "engine": {"max_in_flight": (int, 4), "objective": (str, "latency"),
                "compile_timeout_s": ((int, float), 300), "workers": (str, "process"),
-               "precision": (str, "fp32"), "max_error": ((int, float), 0.01)},
+               "precision": (str, "fp32"), "max_error": ((int, float), 0.01),
+               "run_timeout_s": ((int, float), 60), "max_buckets": (int, 8),
+               "max_dim": (int, 4096)},
     "metrics": {"enabled": (bool, True), "listen": ((str, int, type(None)), None)},
     "tracing": {"exporter": ((str, type(None)), None), "path": ((str, type(None)), None),
                 "endpoint": ((str, type(None)), None), "sample_rate": ((int, float), 1.0)},
@@ -235,9 +256,30 @@ def _writable_dir(value: str | None, kind: str, key: str) -> Path:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as e:
         raise ConfigError(key, f"cannot create directory {path}: {e.strerror}") from None
+    check_private_dir(path, key)
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(key, f"directory {path} is not writable")
     return path
+
+
+def check_private_dir(path: Path, key: str) -> None:
+    """Refuse a directory another user could have made or can write: whoever controls the
+    socket's directory can hijack or block the socket, and the cache holds code that is loaded
+    as shared libraries."""
+    me = os.geteuid()
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (me, 0):
+        raise ConfigError(key, f"{path} is a symlink owned by uid {link.st_uid}; cuvild follows "
+                          "no other user's links: remove it or point the config elsewhere")
+    st = os.stat(path)
+    problem = (f"is owned by uid {st.st_uid}, not by cuvild's user (uid {me}) or root"
+               if st.st_uid not in (me, 0) else
+               f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+               if st.st_mode & 0o022 else None)
+    if problem:
+        raise ConfigError(key, f"directory {path} {problem}: another user could replace what "
+                          "cuvild keeps there; remove it, or chown it to cuvild's user and "
+                          "chmod go-w it")
 
 
 def _is_loopback(host: str) -> bool:
@@ -300,10 +342,15 @@ def parse(data: Any, path: str = "<memory>") -> Config:
     if not 0 < eng["max_error"] < 1:
         raise ConfigError("engine.max_error", f"expected a relative error in (0, 1), got "
                           f"{eng['max_error']!r}")
-    for key in ("max_model_bytes", "max_concurrent_uploads"):
-        if raw["limits"][key] <= 0:
-            raise ConfigError(f"limits.{key}", f"expected a positive integer, got "
-                              f"{raw['limits'][key]}")
+    _positive(raw, ("limits", "max_model_bytes"), ("limits", "max_concurrent_uploads"),
+              ("limits", "upload_idle_s"), ("limits", "upload_max_s"),
+              ("limits", "max_connections"), ("limits", "max_connections_per_uid"),
+              ("limits", "idle_timeout_s"), ("shm", "max_regions_per_caller"),
+              ("shm", "max_bytes_per_caller"), ("engine", "run_timeout_s"),
+              ("engine", "max_buckets"), ("engine", "max_dim"))
+    if raw["limits"]["rpc_threads"] < 8:
+        raise ConfigError("limits.rpc_threads", f"expected at least 8 (4 are kept for health "
+                          f"and status), got {raw['limits']['rpc_threads']}")
     unix = raw["listen"]["unix"] or default_socket()
     sock_dir = _writable_dir(str(Path(unix).parent), "runtime", "listen.unix")
     return Config(
@@ -321,6 +368,17 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         overrides=_overrides(dev["overrides"]),
         max_model_bytes=raw["limits"]["max_model_bytes"],
         max_concurrent_uploads=raw["limits"]["max_concurrent_uploads"],
+        upload_idle_s=float(raw["limits"]["upload_idle_s"]),
+        upload_max_s=float(raw["limits"]["upload_max_s"]),
+        max_connections=raw["limits"]["max_connections"],
+        max_connections_per_uid=raw["limits"]["max_connections_per_uid"],
+        idle_timeout_s=float(raw["limits"]["idle_timeout_s"]),
+        rpc_threads=raw["limits"]["rpc_threads"],
+        shm_max_regions=raw["shm"]["max_regions_per_caller"],
+        shm_max_bytes=raw["shm"]["max_bytes_per_caller"],
+        run_timeout_s=float(eng["run_timeout_s"]),
+        max_buckets=eng["max_buckets"],
+        max_dim=eng["max_dim"],
         token=raw["listen"]["token"],
         tls_cert=tls["cert"],
         tls_key=tls["key"],
@@ -341,6 +399,13 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         tracing_endpoint=raw["tracing"]["endpoint"],
         tracing_sample_rate=float(raw["tracing"]["sample_rate"]),
     )
+
+
+def _positive(raw: dict[str, Any], *keys: tuple[str, str]) -> None:
+    for section, key in keys:
+        if raw[section][key] <= 0:
+            raise ConfigError(f"{section}.{key}", f"expected a positive number, got "
+                              f"{raw[section][key]!r}")
 
 
 def _metrics_listen(metrics: dict[str, Any]) -> str | None:

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import grpc
 import numpy as np
 
 from cuvild.engine.dtypes import BY_OIP
@@ -42,30 +43,50 @@ def _tensor(data: bytes | memoryview, datatype: str, shape: list[int]) -> Any:
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape).clone()
 
 
-def _daemon_group(socket_path: str | None) -> int | None:
-    """The group to share regions with: the daemon's socket's group, when the daemon runs as
-    another user and this process is in that group (as it must be to connect); None means
-    0600 will do (the daemon is this user, or root)."""
+def _daemon_uid(socket_path: str | None) -> int | None:
+    """The daemon's user, from its socket's owner, when it is another user than this process
+    and not root (who can open any object); None means mode 0600 alone will do."""
     if not socket_path:
         return None
     try:
-        st = os.stat(socket_path)
+        owner = os.stat(socket_path).st_uid
     except OSError:
         return None
-    if st.st_uid in (os.getuid(), 0) or st.st_gid not in {os.getgid(), *os.getgroups()}:
-        return None
-    return st.st_gid
+    return None if owner in (os.getuid(), 0) else owner
+
+
+def grant(path: str, uid: int) -> None:
+    """Give user `uid` read and write on a 0600 object and nobody else anything (a POSIX ACL,
+    what `setfacl -m u:<uid>:rw path` writes): the daemon may open a client's region, the
+    other users of the daemon's group may not."""
+    import struct
+
+    entry = struct.Struct("<HHI")
+    anyone = 0xFFFFFFFF
+    acl = struct.pack("<I", 2) + b"".join(entry.pack(tag, perm, ident) for tag, perm, ident in (
+        (0x01, 6, anyone),  # the owner: rw
+        (0x02, 6, uid),  # the daemon's user: rw
+        (0x04, 0, anyone),  # the owning group: nothing
+        (0x10, 6, anyone),  # the mask: at most rw for named entries
+        (0x20, 0, anyone)))  # everyone else: nothing
+    try:
+        os.setxattr(path, "system.posix_acl_access", acl)
+    except OSError as e:
+        raise RuntimeError(f"cannot let the daemon (uid {uid}) open {path}: {e.strerror} (this "
+                           "/dev/shm takes no POSIX ACLs); call infer with shm=False") from None
 
 
 class ClientRegion:
     """A shared-memory region this client owns and keeps registered between requests, so a
-    request costs one ModelInfer call and no copies through the gRPC message."""
+    request costs one ModelInfer call and no copies through the gRPC message. The object is
+    mode 0600, and when the daemon runs as another user, that user alone is granted access:
+    nobody else can read or change the tensors in it."""
 
     def __init__(self, stub: Any, timeout: float, socket_path: str | None = None) -> None:
         self.stub, self.timeout = stub, timeout
         self.segment: Any = None
         self.name = ""
-        self.share_gid = _daemon_group(socket_path)
+        self.daemon_uid = _daemon_uid(socket_path)
 
     def ensure(self, nbytes: int) -> Any:
         from cuvild.engine.arena import Segment
@@ -75,14 +96,17 @@ class ClientRegion:
         self.close()
         self.name = f"cuvil-client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.segment = Segment(self.name, max(nbytes, 1 << 16), create=True, lock=False)
-        if self.share_gid is not None:  # a daemon of another user opens it through its group
-            path = f"/dev/shm/{self.name}"
-            os.chown(path, -1, self.share_gid)
-            os.chmod(path, 0o660)
+        if self.daemon_uid is not None:
+            grant(f"/dev/shm/{self.name}", self.daemon_uid)
+        self.register()
+        return self.segment
+
+    def register(self) -> None:
+        """(Again) register the object: the daemon drops a caller's regions when its last
+        connection closes, and a channel reconnects by itself after an idle close."""
         self.stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
             name=self.name, key=f"/{self.name}", offset=0, byte_size=self.segment.size),
             timeout=self.timeout)
-        return self.segment
 
     def close(self) -> None:
         if self.segment is None:
@@ -136,7 +160,13 @@ def _infer_shm(stub: Any, request: Any, blobs: list[bytes], metadata: dict[str, 
         out = request.outputs.add(name=spec["name"])
         if out_sizes[j] is not None:  # dynamic outputs come back as raw contents
             _shm_params(out.parameters, region.name, offsets[len(blobs) + j], out_sizes[j])
-    reply = stub.ModelInfer(request, timeout=timeout)
+    try:
+        reply = stub.ModelInfer(request, timeout=timeout)
+    except grpc.RpcError as e:
+        if "unknown shared-memory region" not in (e.details() or ""):
+            raise
+        region.register()  # dropped with an earlier connection: once more, then the call
+        reply = stub.ModelInfer(request, timeout=timeout)
     results = {}
     for j, o in enumerate(reply.outputs):
         if out_sizes[j] is None:

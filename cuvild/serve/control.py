@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -16,6 +16,7 @@ import cuvild
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
 from cuvild.intake.summary import inspect_archive
 from cuvild.serve.errors import abort
+from cuvild.serve.limits import Gate, Uploads
 from partitioner.profile import DeviceProfile
 from protos import cuvil_pb2, cuvil_pb2_grpc
 from runtimes.profiling.measure import ProfileResult, ProfilingError
@@ -49,7 +50,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
 
     def __init__(self, profiles: Callable[[], ProfileResult],
                  reprofile: Callable[[], ProfileResult], config_path: str,
-                 registry: Registry, max_uploads: int,
+                 registry: Registry, uploads: Uploads, gate: Gate,
                  models: ModelManager | None = None, metrics: Metrics | None = None) -> None:
         self._profiles = profiles
         self._reprofile = reprofile
@@ -59,8 +60,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         self._metrics = metrics
         self._started = time.monotonic()
         self._refresh_lock = threading.Lock()
-        self._max_uploads = max_uploads
-        self._upload_slots = threading.BoundedSemaphore(max_uploads)
+        self._uploads = uploads  # one count for the daemon, shared by every listener
+        self._gate = gate  # this listener's threads for calls that may wait
 
     def GetStatus(self, request: cuvil_pb2.GetStatusRequest,
                   context: grpc.ServicerContext) -> cuvil_pb2.GetStatusResponse:
@@ -85,7 +86,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE,
                               "a device profiling run is already in progress; try again shortly")
             try:
-                result = self._reprofile()
+                with self._gate.enter(context):
+                    result = self._reprofile()
             except ProfilingError as e:
                 context.abort(grpc.StatusCode.INTERNAL, str(e))
             finally:
@@ -114,19 +116,19 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
 
     def LoadModel(self, request_iterator: Iterator[cuvil_pb2.LoadModelRequest],
                   context: grpc.ServicerContext) -> cuvil_pb2.LoadModelResponse:
-        if not self._upload_slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self._max_uploads} uploads already in progress "
-                          "(limits.max_concurrent_uploads); retry later")
-        t0 = time.perf_counter()
-        try:
-            record, present = self._receive(request_iterator)
-        except RegistryError as e:
-            abort(context, e)
-        except ValueError as e:  # the archive was refused by the safe loader
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model archive refused: {e}")
-        finally:
-            self._upload_slots.release()
+        with self._gate.enter(context), self._uploads.slot(context) as stream:
+            t0 = time.perf_counter()
+            try:
+                record, present = self._receive(request_iterator, stream)
+            except RegistryError as e:
+                abort(context, e)
+            except ValueError as e:  # the archive was refused by the safe loader
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model archive refused: {e}")
+            except Exception:
+                if stream.why:  # cancelled by the uploads' watchdog; the part file is gone
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"upload cancelled: it {stream.why}")
+                raise
         seconds = time.perf_counter() - t0
         if self._models is not None:
             self._models.submit(record)
@@ -135,7 +137,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         return cuvil_pb2.LoadModelResponse(model=record_to_pb(record), already_present=present,
                                            seconds=seconds)
 
-    def _receive(self, requests: Iterator[cuvil_pb2.LoadModelRequest]) -> tuple[ModelRecord, bool]:
+    def _receive(self, requests: Iterator[cuvil_pb2.LoadModelRequest],
+                 stream: Any) -> tuple[ModelRecord, bool]:
         first = next(requests, None)
         if first is None or first.WhichOneof("part") != "header":
             raise RegistryError("invalid", "the first LoadModel message must be the header")
@@ -147,6 +150,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             "calibration_sha256": h.calibration_sha256})
         try:
             for message in requests:
+                stream.active = time.monotonic()
                 part = message.WhichOneof("part")
                 if part == "chunk":
                     upload.write(message.chunk)
@@ -154,6 +158,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                     upload.write_calibration(message.calibration_chunk)
                 else:
                     raise RegistryError("invalid", "LoadModel got a second header")
+            stream.received = True  # checking the archive is ours to time, not the client's
         except BaseException:  # includes the client cancelling mid-stream
             upload.abort()
             raise
@@ -187,7 +192,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         measured: dict = {}
         if request.replan:
             try:
-                plan = self._replan(served, request.objective or "latency")
+                with self._gate.enter(context):
+                    plan = self._replan(served, request.objective or "latency")
             except ValueError as e:  # PlacementError: an annotation no device can honour
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         elif served.loaded is None:

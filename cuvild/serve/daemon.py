@@ -34,6 +34,7 @@ from cuvild.intake.registry import Registry
 from cuvild.serve import sdnotify
 from cuvild.serve.control import ControlService
 from cuvild.serve.front import Front
+from cuvild.serve.limits import Gate, Uploads, quiet_grpc_logs, raise_nofile
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 from runtimes.profiling import measure as profiles_mod
 
@@ -96,6 +97,7 @@ class Daemon:
         self.front: Front | None = None
         self.metrics: Any = None  # cuvild.serve.metrics.Metrics, when metrics.enabled
         self.tracer: Any = None  # cuvild.serve.tracing.Tracer, when tracing.exporter is set
+        self.uploads: Uploads | None = None  # one count of uploads for every listener
 
     # -- profiles --------------------------------------------------------------------------
     def _load_profiles(self, refresh: bool = False) -> profiles_mod.ProfileResult:
@@ -124,19 +126,26 @@ class Daemon:
         from cuvild.serve.oip import InferenceService
 
         interceptors = [TokenAuth(self.cfg.token)] if tcp and self.cfg.token else []
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
+        gate = Gate(self.cfg.rpc_threads)  # per listener: each server has its own threads
+        idle_ms = int(self.cfg.idle_timeout_s * 1000)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.rpc_threads,
+                                                        thread_name_prefix="rpc"),
                              interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", 256 << 20),
-                                      ("grpc.max_send_message_length", 256 << 20)])
+                                      ("grpc.max_send_message_length", 256 << 20),
+                                      # Idle connections get a GOAWAY (clients reconnect
+                                      # cleanly); silent ones are dropped after the handshake.
+                                      ("grpc.max_connection_idle_ms", idle_ms),
+                                      ("grpc.server_handshake_timeout_ms", idle_ms)])
         control = ControlService(self.current_profiles, lambda: self._load_profiles(True),
-                                 self.cfg.path, self.registry, self.cfg.max_concurrent_uploads,
+                                 self.cfg.path, self.registry, self.uploads, gate,
                                  self.models, self.metrics)
         shm = not tcp or self.cfg.shm_allow_tcp_clients
         peer_uid = self.front.caller if not tcp and self.front else (lambda peer: None)
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceService(self.models, self.regions, shm_enabled=shm, peer_uid=peer_uid,
-                             metrics=self.metrics, tracer=self.tracer),
+                             metrics=self.metrics, tracer=self.tracer, gate=gate),
             server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -172,6 +181,8 @@ class Daemon:
         profiles = self.current_profiles()
         engine = Engine(profiles.devices, self.cfg.cache_dir, self.arena,
                         max_in_flight=self.cfg.max_in_flight,
+                        run_timeout_s=self.cfg.run_timeout_s, max_buckets=self.cfg.max_buckets,
+                        max_dim=self.cfg.max_dim,
                         in_process=self.cfg.workers == "thread",
                         build_timeout_s=max(600.0, 4 * self.cfg.compile_timeout_s),
                         compile_timeout_s=self.cfg.compile_timeout_s,
@@ -179,8 +190,17 @@ class Daemon:
                         / f"{profiles.fingerprint}.json")
         self.models = ModelManager(self.registry, engine, self.cfg.objective,
                                    self.cfg.precision, self.cfg.max_error)
-        self.regions = Regions(self.cfg.shm_allowed_uids)
+        self.regions = Regions(self.cfg.shm_allowed_uids, self.cfg.shm_max_regions,
+                               self.cfg.shm_max_bytes)
         self._observe(engine)
+
+    def _caller_gone(self, uid: int) -> None:
+        """A uid's last unix connection closed: its regions go (and the workers' mappings)."""
+        gone = self.regions.unregister(uid)
+        if gone:
+            log.info("uid %d disconnected: dropped its %d shared-memory region(s)", uid,
+                     len(gone))
+            self.models.engine.forget_segments([(r.object_name, r.inode) for r in gone])
 
     def _observe(self, engine: Any) -> None:
         """Metrics (and their endpoint) and traces, as the config asks."""
@@ -228,12 +248,18 @@ class Daemon:
         sdnotify.notify("STATUS=serving (config reloaded)")
 
     def run(self) -> int:
+        soft, _ = raise_nofile()
+        quiet_grpc_logs()
+        log.debug("open-file limit %d", soft)
+        self.uploads = Uploads(self.cfg.max_concurrent_uploads, self.cfg.upload_idle_s,
+                               self.cfg.upload_max_s)
         sdnotify.notify("STATUS=profiling devices")
         self._load_profiles()
         self.registry = Registry(self.cfg.state_dir, self.cfg.max_model_bytes)
         self._start_engine()
         try:
-            self.front = Front(self.cfg.unix_socket)
+            self.front = Front(self.cfg.unix_socket, self.cfg.max_connections,
+                               self.cfg.max_connections_per_uid, on_last_close=self._caller_gone)
         except OSError as e:
             self.models.engine.close()
             self.arena.close()

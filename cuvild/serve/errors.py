@@ -15,6 +15,10 @@ CODES = {
     "exists": grpc.StatusCode.ALREADY_EXISTS,
     "not_found": grpc.StatusCode.NOT_FOUND,
     "denied": grpc.StatusCode.PERMISSION_DENIED,
+    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "internal": grpc.StatusCode.INTERNAL,
 }
 
 

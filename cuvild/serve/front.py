@@ -10,10 +10,15 @@ front's table. Only the daemon's user can reach the private socket, so a name th
 the table is nobody's; the nonce is drawn before bind, so it cannot be squatted, and the
 name says nothing about who is connected.
 
-A relay is two threads per connection that copy between the sockets; over unix sockets that
-costs 0.03-0.1 ms per round trip on the 2-core dev host (tests/bench/bench_serving.py, (b),
-times a grpcio echo with and without it). At most MAX_CONNECTIONS are relayed at once; past
-that a connection is closed at once (and logged), so a flood cannot exhaust the daemon's fds.
+One thread relays every connection (an epoll loop; an idle connection costs two sockets and
+no thread). Over unix sockets the relay costs 0.03-0.1 ms per round trip on the 2-core dev host
+(tests/bench/bench_serving.py, (b), times a grpcio echo with and without it). Limits, so one
+local user cannot lock the others out: at most `max_connections` relayed at once and
+`max_per_uid` for any one uid (past either a connection is closed at once, and logged, with
+at most one line a second). Idle connections are closed by gRPC behind the front (the
+daemon sets its max_connection_idle and handshake timeout): only gRPC knows whether a silent
+connection still waits on a call, and its GOAWAY lets a client reconnect cleanly. When a uid's
+last connection closes, `on_last_close(uid)` runs (the daemon drops that uid's regions).
 """
 
 from __future__ import annotations
@@ -22,33 +27,66 @@ import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import socket
 import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _CHUNK = 1 << 18
+READ, WRITE = select.EPOLLIN, select.EPOLLOUT
 MAX_CONNECTIONS = 256
+MAX_PER_UID = 64
+
+
+@dataclass(eq=False)
+class _Link:
+    """One relayed connection: the client's socket, ours to gRPC, and what waits to be sent."""
+    client: socket.socket
+    inner: socket.socket
+    uid: int
+    nonce: str
+    pending: dict[socket.socket, bytearray] = field(default_factory=dict)
+    shut: set[socket.socket] = field(default_factory=set)  # read ends that saw EOF
+
+    def other(self, s: socket.socket) -> socket.socket:
+        return self.inner if s is self.client else self.client
 
 
 class Front:
-    def __init__(self, public_path: str) -> None:
+    def __init__(self, public_path: str, max_connections: int | None = None,
+                 max_per_uid: int | None = None,
+                 on_last_close: Callable[[int], None] | None = None) -> None:
         self.public_path = public_path
+        self.max_connections = max_connections or MAX_CONNECTIONS
+        self.max_per_uid = max_per_uid or MAX_PER_UID
+        self.on_last_close = on_last_close
         self.tag = secrets.token_hex(6)
         self._prefix = f"unix-abstract:cuvild-{self.tag}-"
         self._uids: dict[str, int] = {}  # nonce -> uid, while the connection is open
+        self._per_uid: dict[int, int] = {}
         base = os.environ.get("RUNTIME_DIRECTORY") or tempfile.gettempdir()
         reclaim_stale(base)
         self._dir = tempfile.mkdtemp(prefix=f"cuvild-{os.getpid()}-", dir=base)
         self.inner_path = os.path.join(self._dir, "grpc.sock")  # mkdtemp made the dir 0700
         self._listener: socket.socket | None = None
-        self._open: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._links: dict[socket.socket, _Link] = {}  # both sockets of each link
+        self._epoll = select.epoll()
+        self._events: dict[int, int] = {}  # fd -> events registered
+        self._sockets: dict[int, socket.socket] = {}
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._refused_logged = 0.0
+        self._buf = bytearray(_CHUNK)  # the loop's one receive buffer
+        self._view = memoryview(self._buf)
+        self.refused = 0
 
     def uid_of(self, peer: str) -> int | None:
         """The caller's uid from a servicer's `context.peer()`; None if the call did not come
@@ -63,6 +101,10 @@ class Front:
         uid = self.uid_of(peer)
         return -1 if uid is None else uid
 
+    def connections(self) -> int:
+        """Connections relayed now."""
+        return len(self._uids)
+
     def start(self) -> None:
         """Listen on the public path (mode 0660); call once gRPC serves `inner_path`."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -73,54 +115,86 @@ class Front:
             os.umask(old_umask)
         os.chmod(self.public_path, 0o660)
         listener.listen(128)
+        listener.setblocking(False)
         self._listener = listener
-        threading.Thread(target=self._accept, name="front-accept", daemon=True).start()
+        self._arm(listener, READ)
+        self._thread = threading.Thread(target=self._loop, name="front", daemon=True)
+        self._thread.start()
 
     def stop_accepting(self) -> None:
-        """Close the public socket and remove its path (only if this front bound it)."""
+        """Close the public socket and remove its path (only if this front bound it); open
+        connections keep being relayed (they drain)."""
         listener, self._listener = self._listener, None
         if listener is None:
             return
-        _shutdown(listener, socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        listener.close()
         try:
             os.unlink(self.public_path)
         except FileNotFoundError:
             pass
+        if self._thread is None:
+            listener.close()
 
     def close(self) -> None:
         """Stop accepting, drop the open relays and remove the private directory."""
         self.stop_accepting()
-        with self._lock:
-            sockets, self._open = list(self._open), set()
-        for s in sockets:
-            _shutdown(s, socket.SHUT_RDWR)
+        self._closed = True
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _accept(self) -> None:
+    # -- the loop --------------------------------------------------------------------------
+    def _loop(self) -> None:
         listener = self._listener
-        while self._listener is listener and listener is not None:
-            try:
-                client, _ = listener.accept()
-            except OSError as e:
-                if self._listener is not listener:
-                    return  # closed by stop_accepting
-                log.warning("unix socket accept failed: %s; retrying", e)  # EMFILE, ENOMEM
-                time.sleep(0.1)
-                continue
-            try:
-                self._relay(client)
-            except Exception as e:  # noqa: BLE001 - one bad connection must not stop the rest
-                log.warning("dropping a unix connection: %s", e)
-                client.close()
+        while not self._closed:
+            if listener is not None and self._listener is None:  # stop_accepting
+                self._arm(listener, 0)
+                listener.close()
+                listener = None
+            for fd, events in self._epoll.poll(0.2):
+                sock = self._sockets.get(fd)
+                if sock is None:
+                    continue
+                try:
+                    if sock is listener:
+                        self._accept(sock)
+                    else:
+                        self._service(sock, events)
+                except Exception as e:  # noqa: BLE001 - one bad connection must not stop the rest
+                    log.warning("dropping a unix connection: %s", e)
+                    link = self._links.get(sock)
+                    if link is not None:
+                        self._drop(link)
+        if listener is not None:
+            listener.close()
+        for link in list({id(v): v for v in self._links.values()}.values()):
+            self._drop(link)
+        self._epoll.close()
 
-    def _relay(self, client: socket.socket) -> None:
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            client, _ = listener.accept()
+        except BlockingIOError:
+            return
+        except OSError as e:  # EMFILE, ENOMEM: retry on the next wake-up
+            log.warning("unix socket accept failed: %s; retrying", e)
+            time.sleep(0.05)
+            return
         _pid, uid, _gid = _UCRED.unpack(
             client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        with self._lock:
-            if len(self._open) >= 2 * MAX_CONNECTIONS:
-                raise OSError(f"{MAX_CONNECTIONS} connections are open already (uid {uid} "
-                              "refused)")
+        refused = (f"{self.max_connections} connections are open (limits.max_connections)"
+                   if len(self._uids) >= self.max_connections else
+                   f"uid {uid} has {self.max_per_uid} connections open "
+                   "(limits.max_connections_per_uid)"
+                   if self._per_uid.get(uid, 0) >= self.max_per_uid else None)
+        if refused:
+            client.close()
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._refused_logged >= 1.0:
+                self._refused_logged = now
+                log.warning("refusing a connection of uid %d: %s (%d refused so far)", uid,
+                            refused, self.refused)
+            return
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         nonce = secrets.token_hex(12)
         try:
@@ -128,42 +202,113 @@ class Front:
             inner.connect(self.inner_path)
         except OSError as e:
             inner.close()
+            client.close()
             raise OSError(f"cannot reach the gRPC server: {e}") from None
-        with self._lock:
-            self._open.update((client, inner))
-            self._uids[nonce] = uid
-        done = threading.Semaphore(0)
-        try:
-            for src, dst in ((client, inner), (inner, client)):
-                threading.Thread(target=self._pump, args=(src, dst, done, client, inner, nonce),
-                                 name=f"front-u{uid}", daemon=True).start()
-        except RuntimeError:  # no thread to be had: drop this connection
-            self._drop(client, inner, nonce)
-            raise
+        client.setblocking(False)
+        inner.setblocking(False)
+        link = _Link(client, inner, uid, nonce)
+        self._uids[nonce] = uid
+        self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+        for s in (client, inner):
+            self._links[s] = link
+            self._arm(s, READ)
 
-    def _pump(self, src: socket.socket, dst: socket.socket, done: threading.Semaphore,
-              client: socket.socket, inner: socket.socket, nonce: str) -> None:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
+    def _service(self, s: socket.socket, events: int) -> None:
+        link = self._links.get(s)
+        if link is None:
+            return
+        if events & (WRITE | select.EPOLLERR | select.EPOLLHUP):
+            self._flush(link, s)
+        if not events & (READ | select.EPOLLERR | select.EPOLLHUP) or s not in self._links:
+            return
+        dst = link.other(s)
         try:
-            while n := src.recv_into(buf):
-                dst.sendall(view[:n])
+            n = s.recv_into(self._buf)
+        except BlockingIOError:
+            return
         except OSError:
-            pass
-        _shutdown(dst, socket.SHUT_WR)
-        if done.acquire(blocking=False):  # the other direction finished first: close both
-            self._drop(client, inner, nonce)
+            n = 0
+        if not n:
+            link.shut.add(s)
+        elif not link.pending.get(dst):  # the usual case: straight through, no copy
+            try:
+                sent = dst.send(self._view[:n])
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self._drop(link)
+                return
+            if sent == n:
+                return
+            link.pending[dst] = bytearray(self._view[sent:n])
         else:
-            done.release()
+            link.pending[dst].extend(self._view[:n])
+        self._flush(link, dst)
 
-    def _drop(self, client: socket.socket, inner: socket.socket, nonce: str) -> None:
-        with self._lock:
-            self._open.difference_update((client, inner))
-            self._uids.pop(nonce, None)
-        _shutdown(client, socket.SHUT_RDWR)
-        _shutdown(inner, socket.SHUT_RDWR)
-        client.close()
-        inner.close()
+    def _flush(self, link: _Link, dst: socket.socket) -> None:
+        """Send what waits for dst; pass an EOF on once its bytes are out; re-arm both."""
+        buf = link.pending.get(dst)
+        if buf:
+            try:
+                del buf[:dst.send(buf)]
+            except BlockingIOError:
+                pass
+            except OSError:
+                self._drop(link)
+                return
+        src = link.other(dst)
+        if src in link.shut and not buf:
+            _shutdown(dst, socket.SHUT_WR)
+            if dst in link.shut and not link.pending.get(src):
+                self._drop(link)  # both directions done
+                return
+        self._watch(link, dst)
+        self._watch(link, src)
+
+    def _watch(self, link: _Link, s: socket.socket) -> None:
+        """Read s unless it saw EOF or its bytes still wait for the other side (backpressure);
+        write s while bytes wait for it."""
+        events = 0
+        if s not in link.shut and not link.pending.get(link.other(s)):
+            events |= READ
+        if link.pending.get(s):
+            events |= WRITE
+        self._arm(s, events)
+
+    def _arm(self, s: socket.socket, events: int) -> None:
+        """Have epoll report `events` on s (0: nothing, s leaves the set)."""
+        fd = s.fileno()
+        current = self._events.get(fd, 0)
+        if events == current or fd < 0:
+            return
+        if not events:
+            self._epoll.unregister(fd)
+            del self._events[fd], self._sockets[fd]
+        elif current:
+            self._epoll.modify(fd, events)
+            self._events[fd] = events
+        else:
+            self._epoll.register(fd, events)
+            self._events[fd], self._sockets[fd] = events, s
+
+    def _drop(self, link: _Link) -> None:
+        for s in (link.client, link.inner):
+            if self._links.pop(s, None) is not None:
+                self._arm(s, 0)
+            _shutdown(s, socket.SHUT_RDWR)
+            s.close()
+        if self._uids.pop(link.nonce, None) is None:
+            return
+        left = self._per_uid[link.uid] - 1
+        if left:
+            self._per_uid[link.uid] = left
+            return
+        del self._per_uid[link.uid]
+        if self.on_last_close is not None:
+            try:
+                self.on_last_close(link.uid)
+            except Exception:  # noqa: BLE001
+                log.exception("on_last_close(%d) failed", link.uid)
 
 
 def reclaim_stale(base: str) -> None:

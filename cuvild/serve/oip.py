@@ -26,6 +26,7 @@ from cuvild.engine.models import ModelManager, ServedModel
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.registry import RegistryError
 from cuvild.serve.errors import CODES, abort
+from cuvild.serve.limits import Gate
 from cuvild.serve.regions import RegionError, Regions
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
@@ -43,17 +44,50 @@ class Refused(Exception):
         self.code = code
 
 
-def _param(params: Any, key: str) -> Any:
+def _param(params: Any, key: str, where: str) -> Any:
+    """A shared-memory parameter of a tensor, of the type the protocol gives it: the region's
+    name a non-empty string, offsets and sizes integers >= 0; None when absent."""
     if key not in params:
         return None
     p = params[key]
-    return getattr(p, p.WhichOneof("parameter_choice"))
+    which = p.WhichOneof("parameter_choice")
+    if key == "shared_memory_region":
+        if which != "string_param" or not p.string_param:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: parameter {key!r} must "
+                          f"be a region's name (string_param), got {which or 'no value'}")
+        return p.string_param
+    if which != "int64_param":
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: parameter {key!r} must be "
+                      f"an integer (int64_param), got {which or 'no value'}")
+    value = getattr(p, which)
+    if value < 0:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: parameter {key!r} must be "
+                      f">= 0, got {value}")
+    return value
+
+
+def _code(error: Exception) -> grpc.StatusCode:
+    """The status of a refused or failed request: Refused carries its own; the rest say
+    their kind (cuvild/serve/errors.py); bad input that says none is INVALID_ARGUMENT."""
+    if isinstance(error, Refused):
+        return error.code
+    fallback = "invalid" if isinstance(error, (RegionError, BadInput)) else "internal"
+    return CODES.get(getattr(error, "kind", fallback), CODES[fallback])
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    """The caller's deadline on the monotonic clock; None when it set none (the engine's
+    engine.run_timeout_s then bounds the run)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e6 else time.monotonic() + remaining
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, models: ModelManager, regions: Regions, shm_enabled: bool = True,
                  peer_uid: Callable[[str], int | None] = lambda peer: None,
-                 metrics: Metrics | None = None, tracer: Tracer | None = None) -> None:
+                 metrics: Metrics | None = None, tracer: Tracer | None = None,
+                 gate: Gate | None = None) -> None:
+        self.gate = gate or Gate(32)  # this listener's threads for calls that may wait
         self.models = models
         self.regions = regions
         self.shm_enabled = shm_enabled
@@ -121,11 +155,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 served = self._find(name, version)
                 name, version = served.record.name, served.record.version
-                response, batch = self._infer(served, request, context, span, t0_ns, epoch_ns)
+                with self.gate.enter(context):
+                    response, batch = self._infer(served, request, context, span, t0_ns,
+                                                  epoch_ns)
             except (Refused, RegionError, BadInput, InferError) as e:
-                code = (e.code if isinstance(e, Refused) else CODES[e.kind]
-                        if isinstance(e, RegionError) else grpc.StatusCode.INVALID_ARGUMENT
-                        if isinstance(e, BadInput) else grpc.StatusCode.INTERNAL)
+                code = _code(e)
                 if self.metrics:  # an unknown model's failures count under no name
                     known = self.models.get(name, version) is not None
                     self.metrics.failed(name if known else "", version if known else "",
@@ -148,7 +182,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         tensors = self._match_inputs(served, request)
         declared = [(self._dtype(spec["name"], t), tuple(t.shape)) for spec, t in tensors]
         assert served.loaded is not None  # READY
-        model = engine.resolve(served.loaded, declared)  # its bucket, if dynamic
+        deadline = _deadline(context)
+        model = engine.resolve(served.loaded, declared, deadline=deadline)  # its bucket
         inputs = self._inputs(request, tensors, declared, caller)
         # The engine names values as in the graph; the protocol by position ("output0").
         graph_names = dict(zip([t["name"] for t in served.record.outputs], model.outputs,
@@ -159,7 +194,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         t_run = time.perf_counter()
         results = engine.run(model, inputs,
                              {graph_names[n]: ref for n, ref in output_refs.items()},
-                             raw=True, timeline=timeline)
+                             raw=True, timeline=timeline, deadline=deadline)
         if self.metrics:
             self.metrics.computed(model, time.perf_counter() - t_run)
         if timeline:
@@ -233,17 +268,18 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def _input(self, name: str, tensor: Any, dtype: str, shape: tuple[int, ...],
                data: bytes | None, caller: int | None) -> Any:
         size = nbytes(dtype, shape)
-        region = _param(tensor.parameters, "shared_memory_region")
+        where = f"input {name!r}"
+        region = _param(tensor.parameters, "shared_memory_region", where)
         if region is not None:
             if not self.shm_enabled:
                 raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                               "shared memory is off for this listener (shm.allow_tcp_clients)")
-            given = _param(tensor.parameters, "shared_memory_byte_size")
+            given = _param(tensor.parameters, "shared_memory_byte_size", where)
             if given is not None and given != size:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"input {name!r}: shared_memory_byte_size {given} != {size} "
                               f"bytes of {tensor.datatype}{list(shape)}")
-            offset = _param(tensor.parameters, "shared_memory_offset") or 0
+            offset = _param(tensor.parameters, "shared_memory_offset", where) or 0
             reg, absolute = self.regions.locate(caller, region, offset, size)
             return TensorRef(reg.object_name, absolute, dtype, shape, reg.inode)
         if data is not None:
@@ -277,7 +313,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                               f"unknown output {out.name!r}; model {served.key} has "
                               f"{sorted(specs)}")
             wanted[out.name] = {}
-            region = _param(out.parameters, "shared_memory_region")
+            where = f"output {out.name!r}"
+            region = _param(out.parameters, "shared_memory_region", where)
             if region is None:
                 continue
             if not self.shm_enabled:
@@ -285,12 +322,12 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                               "shared memory is off for this listener (shm.allow_tcp_clients)")
             spec = specs[out.name]
             size = nbytes(spec["dtype"], shapes[out.name])
-            given = _param(out.parameters, "shared_memory_byte_size")
+            given = _param(out.parameters, "shared_memory_byte_size", where)
             if given is not None and given < size:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"output {out.name!r}: shared_memory_byte_size {given} < {size} "
                               "bytes needed")
-            offset = _param(out.parameters, "shared_memory_offset") or 0
+            offset = _param(out.parameters, "shared_memory_offset", where) or 0
             reg, absolute = self.regions.locate(caller, region, offset, size)
             refs[out.name] = TensorRef(reg.object_name, absolute, spec["dtype"],
                                        shapes[out.name], reg.inode)
@@ -314,8 +351,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         except RegistryError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, f"{e}; upload it with `cuvilctl load`")
         served = self.models.submit(record)
+        remaining = context.time_remaining()
         try:
-            served = self.models.wait_ready(request.model_name)
+            with self.gate.enter(context):
+                served = self.models.wait_ready(request.model_name, timeout=min(
+                    600.0, remaining if remaining is not None else 600.0))
         except TimeoutError as e:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         if served.state != "READY":

@@ -19,34 +19,28 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+import struct
 import threading
 from dataclasses import dataclass
 
-from cuvild.engine.arena import SHM_DIR, Segment
+from cuvild.engine.arena import SHM_DIR
 
 
 class RegionError(ValueError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind  # "invalid" | "exists" | "not_found" | "denied"
+        self.kind = kind  # "invalid" | "exists" | "not_found" | "denied" | "exhausted"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Region:
     name: str
     key: str  # as the client gave it, e.g. "/input_data"
     offset: int
     byte_size: int
-    segment: Segment
-
-    @property
-    def object_name(self) -> str:
-        return self.segment.name
-
-    @property
-    def inode(self) -> int:
-        """Workers open the object by name and check it is still this one."""
-        return self.segment.stat.st_ino
+    object_name: str
+    inode: int  # workers open the object by name and check it is still this one
 
 
 def _object_name(key: str) -> str:
@@ -60,10 +54,41 @@ def _object_name(key: str) -> str:
 ARENA = re.compile(r"cuvil-\d+-")  # cuvild.engine.arena.Arena's segment names
 Caller = int | None  # the caller's uid over the unix socket (-1: unknown); None over TCP
 
+# POSIX ACL xattr (linux/posix_acl_xattr.h): a version word, then (tag, perm, id) entries.
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_ENTRY = struct.Struct("<HHI")
+_ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP = 0x02, 0x04, 0x08
+
+
+def _others_reach(fd: int, st: os.stat_result) -> str | None:
+    """Who besides the owner and this daemon's user can open the object; None if nobody."""
+    if st.st_mode & 0o007:
+        return "every user (mode bits for others)"
+    try:
+        acl = os.getxattr(fd, _ACL_XATTR)
+    except OSError:  # no ACL (or none supported): the group bits are the group's access
+        return f"group {st.st_gid} (mode bits for the group)" if st.st_mode & 0o070 else None
+    for offset in range(4, len(acl) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size):
+        tag, perm, ident = _ACL_ENTRY.unpack_from(acl, offset)
+        if not perm & 0o6:
+            continue
+        if tag == _ACL_GROUP_OBJ:
+            return f"group {st.st_gid} (ACL)"
+        if tag == _ACL_GROUP:
+            return f"group {ident} (ACL)"
+        if tag == _ACL_USER and ident != os.getuid():
+            return f"user {ident} (ACL)"
+    return None
+
 
 class Regions:
-    def __init__(self, allowed_uids: list[int] | None = None) -> None:
+    """Each caller's registered regions. Nothing is kept open: a region is a name checked
+    (owner, privacy, size, inode) at registration and again, by stat, on every use."""
+
+    def __init__(self, allowed_uids: list[int] | None = None, max_regions: int = 64,
+                 max_bytes: int = 16 << 30) -> None:
         self.tcp_owners = set(allowed_uids or [])
+        self.max_regions, self.max_bytes = max_regions, max_bytes
         self._regions: dict[tuple[Caller, str], Region] = {}
         self._lock = threading.Lock()
 
@@ -78,6 +103,25 @@ class Regions:
                                         f"not by the caller (uid {caller}); register only "
                                         "objects you created")
 
+    def _open(self, key: str, obj: str) -> tuple[int, os.stat_result]:
+        try:  # never follows a symlink
+            fd = os.open(SHM_DIR / obj, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise RegionError("invalid", f"shared-memory object {key!r} does not exist") from None
+        except PermissionError:
+            raise RegionError("denied", f"cuvild (uid {os.getuid()}) may not open shared-memory "
+                                        f"object {key!r}: create it mode 0600 and grant the "
+                                        f"daemon's user alone: setfacl -m u:{os.getuid()}:rw "
+                                        f"{SHM_DIR / obj}") from None
+        except OSError as e:
+            raise RegionError("invalid", f"{key!r} is not a usable shared-memory object: "
+                                         f"{e.strerror}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise RegionError("invalid", f"{key!r} is not a shared-memory object")
+        return fd, st
+
     def register(self, caller: Caller, name: str, key: str, offset: int,
                  byte_size: int) -> Region:
         if not name:
@@ -85,38 +129,39 @@ class Regions:
         obj = _object_name(key)
         if ARENA.match(obj):
             raise RegionError("denied", f"{key!r} is cuvild's own memory, not a client's")
-        with self._lock:
-            if (caller, name) in self._regions:
-                raise RegionError("exists", f"shared-memory region {name!r} is already "
-                                            "registered")
+        self._check_room(caller, name, byte_size)
+        fd, st = self._open(key, obj)
         try:
-            segment = Segment(obj, 0, create=False, lock=False)  # never follows a symlink
-        except FileNotFoundError:
-            raise RegionError("invalid", f"shared-memory object {key!r} does not exist") from None
-        except PermissionError:
-            raise RegionError("denied", f"cuvild (uid {os.getuid()}) may not open shared-memory "
-                                        f"object {key!r}: give the daemon's user or group read "
-                                        "and write access (e.g. mode 0660)") from None
-        except (OSError, ValueError) as e:
-            raise RegionError("invalid", f"{key!r} is not a usable shared-memory object: "
-                                         f"{e}") from None
-        try:
-            self._check_owner(caller, key, segment.stat.st_uid)
-            if byte_size <= 0 or offset < 0 or offset + byte_size > segment.size:
-                raise RegionError("invalid", f"region {name!r}: offset {offset} + byte_size "
-                                             f"{byte_size} is outside {key!r} of "
-                                             f"{segment.size} bytes")
-        except RegionError:
-            segment.close()
-            raise
-        region = Region(name, key, offset, byte_size, segment)
+            self._check_owner(caller, key, st.st_uid)
+            reach = _others_reach(fd, st)
+        finally:
+            os.close(fd)
+        if reach is not None:
+            raise RegionError("denied", f"shared-memory object {key!r} can be read or written by "
+                                        f"{reach}, not only by its owner and cuvild: create it "
+                                        "mode 0600 (docs/OPERATIONS.md, client shared memory)")
+        if byte_size <= 0 or offset < 0 or offset + byte_size > st.st_size:
+            raise RegionError("invalid", f"region {name!r}: offset {offset} + byte_size "
+                                         f"{byte_size} is outside {key!r} of {st.st_size} bytes")
+        region = Region(name, key, offset, byte_size, obj, st.st_ino)
         with self._lock:
-            if (caller, name) in self._regions:  # a concurrent register of the same name won
-                region.segment.close()
-                raise RegionError("exists", f"shared-memory region {name!r} is already "
-                                            "registered")
+            self._check_room(caller, name, byte_size)  # again: a concurrent register may win
             self._regions[(caller, name)] = region
         return region
+
+    def _check_room(self, caller: Caller, name: str, byte_size: int) -> None:
+        if (caller, name) in self._regions:
+            raise RegionError("exists", f"shared-memory region {name!r} is already registered")
+        mine = [r for (c, _), r in list(self._regions.items()) if c == caller]
+        if len(mine) >= self.max_regions:
+            raise RegionError("exhausted", f"{len(mine)} shared-memory regions registered "
+                                           f"already (shm.max_regions_per_caller: "
+                                           f"{self.max_regions}); unregister some first")
+        held = sum(r.byte_size for r in mine)
+        if held + byte_size > self.max_bytes:
+            raise RegionError("exhausted", f"{held} + {byte_size} bytes of shared-memory "
+                                           f"regions exceed shm.max_bytes_per_caller "
+                                           f"({self.max_bytes})")
 
     def _keys(self, caller: Caller, name: str) -> list[tuple[Caller, str]]:
         if not name:
@@ -128,10 +173,7 @@ class Regions:
     def unregister(self, caller: Caller, name: str = "") -> list[Region]:
         """Drop the caller's region `name` (all of the caller's when empty); returns them."""
         with self._lock:
-            regions = [self._regions.pop(k) for k in self._keys(caller, name)]
-        for region in regions:
-            region.segment.close()
-        return regions
+            return [self._regions.pop(k) for k in self._keys(caller, name)]
 
     def status(self, caller: Caller, name: str = "") -> list[Region]:
         with self._lock:
@@ -139,23 +181,26 @@ class Regions:
 
     def locate(self, caller: Caller, name: str, offset: int, nbytes: int) -> tuple[Region, int]:
         """The region and the absolute offset in its object of [offset, offset + nbytes)."""
-        with self._lock:
-            region = self._regions.get((caller, name))
+        region = self._regions.get((caller, name))
         if region is None:
             raise RegionError("invalid", f"unknown shared-memory region {name!r}")
         if offset < 0 or offset + nbytes > region.byte_size:
             raise RegionError("invalid", f"shared-memory region {name!r}: offset {offset} + "
                                          f"{nbytes} bytes is outside its {region.byte_size} "
                                          "bytes")
-        # Workers open the object by name: it must still be the one registered.
+        # Workers open the object by name: it must still be the one registered, as large.
         try:
-            inode = os.stat(SHM_DIR / region.object_name, follow_symlinks=False).st_ino
+            st = os.stat(SHM_DIR / region.object_name, follow_symlinks=False)
         except FileNotFoundError:
-            inode = 0
-        if inode != region.inode:
+            st = None
+        if st is None or st.st_ino != region.inode:
             raise RegionError("invalid", f"shared-memory region {name!r}: object {region.key!r} "
                                          "was removed or replaced since it was registered; "
                                          "unregister and register it again")
+        end = region.offset + offset + nbytes
+        if st.st_size < end:
+            raise RegionError("invalid", f"shared-memory region {name!r}: object {region.key!r} "
+                                         f"shrank to {st.st_size} bytes, {end} are needed")
         return region, region.offset + offset
 
     def count(self) -> int:
@@ -164,6 +209,4 @@ class Regions:
 
     def close(self) -> None:
         with self._lock:
-            regions, self._regions = list(self._regions.values()), {}
-        for region in regions:
-            region.segment.close()
+            self._regions.clear()

@@ -6,7 +6,9 @@ inputs)."""
 from __future__ import annotations
 
 import shutil
+import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +26,15 @@ from protos import inference_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
 from daemons import DaemonProcess, daemon_config  # noqa: E402
-from oip_helpers import KEY_PREFIX, SHM_DIR, Env, Pair, served_model, wait_ready  # noqa: E402
+from oip_helpers import (  # noqa: E402
+    KEY_PREFIX,
+    LIMITS,
+    SHM_DIR,
+    Env,
+    Pair,
+    served_model,
+    wait_ready,
+)
 
 
 @pytest.fixture(scope="session")
@@ -99,3 +109,50 @@ def regions(env: Env, triton: grpcclient.InferenceServerClient) -> Iterator[Call
         if name in registered:
             triton.unregister_system_shared_memory(name)
         shm.destroy_shared_memory_region(handle)
+
+
+@pytest.fixture(scope="session")
+def hardened(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
+             sock_dir: Path) -> Iterator[tuple[object, torch.Tensor, torch.Tensor]]:
+    """A daemon with small limits (LIMITS), a TCP listener and a tiny MLP "mlp"; yields
+    (daemon, x, eager y). The hardening and fuzz tests share it."""
+    workdir = tmp_path_factory.mktemp("hard")
+    state_dir = workdir / "state"
+    if (state_root / "profiles").exists():
+        shutil.copytree(state_root / "profiles", state_dir / "profiles")
+    port = _free_port()
+    config = daemon_config(workdir, state_dir, sock_dir, limits=LIMITS,
+                           shm={"max_regions_per_caller": 4},
+                           listen={"tcp": f"127.0.0.1:{port}", "insecure_loopback": True})
+    daemon = DaemonProcess(workdir, config).start()
+    daemon.tcp = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    mlp = samples.MLP(width=16, depth=2).eval()
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        y = mlp(x)
+    try:
+        with Client(daemon.target) as client:
+            client.load("mlp", mlp, (x,))
+            _wait_ready(client, "mlp")
+        yield daemon, x, y
+    finally:
+        daemon.stop()
+        daemon.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(client: Client, name: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = {m["name"]: m["state"] for m in client.status()["models"]}
+        if states.get(name, "loading") != "loading":
+            assert states[name] == "ready", states
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{name} not ready in {timeout} s")

@@ -3,8 +3,12 @@ The daemon they run against is the `env` fixture (conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.
 from daemons import DaemonProcess  # noqa: E402
 
 READY_TIMEOUT_S = 240.0
+# The `hardened` daemon's small limits (conftest.py): the hardening and fuzz tests reach them.
+LIMITS = {"rpc_threads": 8, "upload_idle_s": 1.5, "max_connections_per_uid": 16,
+          "idle_timeout_s": 3}
 SHM_DIR = Path("/dev/shm")
 KEY_PREFIX = f"oiptest-{os.getpid()}-"  # this test's own regions: never "cuvil-<pid>-"
 
@@ -119,3 +126,68 @@ def shm_input(served: Served, regions: Callable[..., Any]) -> grpcclient.InferIn
     inp = grpcclient.InferInput(served.input_names[0], list(x.shape), "FP32")
     inp.set_shared_memory(name, x.nbytes)
     return inp
+
+
+# -- another user on the same host ----------------------------------------------------------
+NOBODY = 65534
+# Per-thread credential syscalls (glibc's wrappers would change every thread of the process).
+SYSCALLS = {"x86_64": (117, 122), "aarch64": (147, 151)}  # setresuid, setfsuid
+
+
+def connect_as(uid: int, path: str) -> socket.socket:
+    """A unix connection whose SO_PEERCRED says `uid`: connect from a thread whose effective
+    uid is `uid` (its file-system uid stays root, to reach the socket's private directory)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    setresuid, setfsuid = SYSCALLS[os.uname().machine]
+    result: dict[str, Any] = {}
+
+    def connect() -> None:
+        if libc.syscall(setresuid, -1, uid, -1) != 0:
+            result["error"] = OSError(ctypes.get_errno(), "setresuid")
+            return
+        try:
+            libc.syscall(setfsuid, 0)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            result["sock"] = sock
+        except OSError as e:
+            result["error"] = e
+        finally:
+            assert libc.syscall(setresuid, -1, 0, -1) == 0
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["sock"]
+
+
+def relay(conn: socket.socket, tmp_path: Path) -> str:
+    """A gRPC target whose first connection is relayed over `conn`."""
+    path = str(tmp_path / "as-other-user.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def serve() -> None:
+        client, _ = listener.accept()
+        listener.close()
+        threading.Thread(target=pump, args=(client, conn), daemon=True).start()
+        pump(conn, client)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"unix:{path}"
+
+
+AS_OTHER_USER = os.getuid() == 0 and os.uname().machine in SYSCALLS

@@ -6,12 +6,8 @@ caller may use, and nothing left behind. Runs against the session's `env` daemon
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,12 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.
 from daemons import read_text, worker_processes  # noqa: E402
 from oip_helpers import (  # noqa: E402
     KEY_PREFIX,
+    NOBODY,
     SHM_DIR,
+    SYSCALLS,
     Served,
+    connect_as,
     one_input,
     raw_infer,
     refused,
     rel_error,
+    relay,
     shm_input,
     status_of,
 )
@@ -244,67 +244,6 @@ def test_workers_unmap_a_region_once_it_is_unregistered(env, triton, regions):
     while mapped():
         assert time.monotonic() < deadline, f"still mapped by workers {mapped()}"
         time.sleep(0.1)
-
-
-NOBODY = 65534
-# Per-thread credential syscalls (glibc's wrappers would change every thread of the process).
-SYSCALLS = {"x86_64": (117, 122), "aarch64": (147, 151)}  # setresuid, setfsuid
-
-
-def connect_as(uid: int, path: str) -> socket.socket:
-    """A unix connection whose SO_PEERCRED says `uid`: connect from a thread whose effective
-    uid is `uid` (its file-system uid stays root, to reach the socket's private directory)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    setresuid, setfsuid = SYSCALLS[os.uname().machine]
-    result: dict[str, Any] = {}
-
-    def connect() -> None:
-        if libc.syscall(setresuid, -1, uid, -1) != 0:
-            result["error"] = OSError(ctypes.get_errno(), "setresuid")
-            return
-        try:
-            libc.syscall(setfsuid, 0)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(path)
-            result["sock"] = sock
-        except OSError as e:
-            result["error"] = e
-        finally:
-            assert libc.syscall(setresuid, -1, 0, -1) == 0
-
-    thread = threading.Thread(target=connect)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["sock"]
-
-
-def relay(conn: socket.socket, tmp_path: Path) -> str:
-    """A gRPC target whose first connection is relayed over `conn`."""
-    path = str(tmp_path / "as-other-user.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-
-    def pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def serve() -> None:
-        client, _ = listener.accept()
-        listener.close()
-        threading.Thread(target=pump, args=(client, conn), daemon=True).start()
-        pump(conn, client)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return f"unix:{path}"
 
 
 @pytest.mark.skipif(os.getuid() != 0 or os.uname().machine not in SYSCALLS,

@@ -97,6 +97,7 @@ def test_tcp_shared_memory_only_for_allowed_owners_and_never_the_arena(make_daem
     key = f"/cuvil-tcptest-{uuid.uuid4().hex[:8]}"
     shm_path = Path("/dev/shm") / key[1:]
     shm_path.write_bytes(b"\0" * 4096)
+    shm_path.chmod(0o600)  # private to its owner: cuvild refuses objects others can reach
     try:
         d = make_daemon(listen={"tcp": f"127.0.0.1:{port}", "insecure_loopback": True},
                         shm={"allow_tcp_clients": True, "allowed_uids": [os.getuid()]})
