@@ -70,6 +70,7 @@ def client_loop(target: str, x: Any, expected: Any, n: int, use_shm: bool, codes
     inp = grpcclient.InferInput("x", list(x.shape), "FP32")
     outs = None
     handle = None
+    key = ""
     if use_shm:
         key = f"/loadtest-{os.getpid()}-{threading.get_ident()}"
         handle = shm.create_shared_memory_region(key[1:], key, OUT_AT + expected.nbytes)
@@ -99,8 +100,8 @@ def client_loop(target: str, x: Any, expected: Any, n: int, use_shm: bool, codes
             local_codes[str(e.status())] += 1
             if len(errors) < 5:
                 errors.append(str(e))
-    if handle is not None:
-        client.unregister_system_shared_memory()
+    if handle is not None:  # by name: every client here is the same uid, one namespace
+        client.unregister_system_shared_memory(key[1:])
         shm.destroy_shared_memory_region(handle)
     client.close()
     with lock:
