@@ -439,12 +439,17 @@ def _raw_input(x: torch.Tensor) -> grpcclient.InferInput:
     return inp
 
 
-@pytest.mark.parametrize("name", ["m\n", "m\r", "m\t"])
-def test_names_with_a_trailing_control_character_are_refused(hardened, tmp_path, name):
-    daemon, x, _ = hardened
-    with Client(daemon.target) as client, pytest.raises(grpc.RpcError) as err:
-        client.load(name, samples.MLP(width=16, depth=1).eval(), (x,))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+@pytest.mark.parametrize("field", ["name", "version"])
+def test_names_and_versions_with_a_trailing_newline_are_refused(tmp_path, field):
+    from cuvild.intake.registry import Registry, RegistryError
+
+    registry = Registry(tmp_path, 1 << 20)
+    header = {"name": "m", "version": "1", "sha256": "0" * 64, "size_bytes": 16,
+              "replace": False}
+    header[field] += "\n"  # `$` matches before a final newline: names are matched whole
+    with pytest.raises(RegistryError, match=field) as err:
+        registry.begin_upload(header)
+    assert err.value.kind == "invalid"
 
 
 def test_undecodable_requests_cannot_flood_the_log(hardened):
