@@ -239,6 +239,19 @@ class Daemon:
             log.warning("reload: limits.max_concurrent_uploads takes effect on restart")
         if new.workers != self.cfg.workers:
             log.warning("reload: engine.workers takes effect on restart")
+        restart_only = [key for key, a, b in (
+            ("limits.max_connections", new.max_connections, self.cfg.max_connections),
+            ("limits.max_connections_per_uid", new.max_connections_per_uid,
+             self.cfg.max_connections_per_uid),
+            ("limits.idle_timeout_s", new.idle_timeout_s, self.cfg.idle_timeout_s),
+            ("limits.rpc_threads", new.rpc_threads, self.cfg.rpc_threads)) if a != b]
+        if restart_only:
+            log.warning("reload: %s take(s) effect on restart", ", ".join(restart_only))
+        if self.regions is not None:  # per-caller caps apply to the next registration
+            self.regions.max_regions, self.regions.max_bytes = (new.shm_max_regions,
+                                                                new.shm_max_bytes)
+        if self.uploads is not None:
+            self.uploads.idle_s, self.uploads.max_s = new.upload_idle_s, new.upload_max_s
         self.cfg = new
         if self.registry is not None:
             self.registry.max_model_bytes = new.max_model_bytes
