@@ -131,7 +131,11 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                 raise
         seconds = time.perf_counter() - t0
         if self._models is not None:
-            self._models.submit(record)
+            try:
+                self._models.submit(record)
+            except RuntimeError:  # the prepare pool is shut down: the daemon is stopping
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"model {record.name} is registered "
+                              "but cuvild is stopping; it loads at the next start")
         log.info("model %s:%s %s (%d bytes, %.2f s)", record.name, record.version,
                  "already registered" if present else "registered", record.size_bytes, seconds)
         return cuvil_pb2.LoadModelResponse(model=record_to_pb(record), already_present=present,

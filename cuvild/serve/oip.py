@@ -350,7 +350,10 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             record = self.models.registry.get(request.model_name)
         except RegistryError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, f"{e}; upload it with `cuvilctl load`")
-        served = self.models.submit(record)
+        try:
+            served = self.models.submit(record)
+        except RuntimeError:  # the prepare pool is shut down: the daemon is stopping
+            context.abort(grpc.StatusCode.UNAVAILABLE, "cuvild is stopping")
         remaining = context.time_remaining()
         try:
             with self.gate.enter(context):
