@@ -12,6 +12,7 @@ import ast
 import json
 import math
 import re
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -145,6 +146,20 @@ def _is_symbol(node: ast.expr) -> bool:
     return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Symbol"
 
 
+def _bounded(node: ast.expr, depth: int, value_bits: Callable[[ast.expr, int], int],
+             where: str, what: str, shown: str) -> int:
+    """One grammar's `value_bits` of ``node`` under the bounds every grammar shares: nesting
+    depth and the size of any value (an upper bound, in bits)."""
+    if depth > MAX_EXPR_DEPTH:
+        raise Reject(f"{where}: {what} nested deeper than the limit of {MAX_EXPR_DEPTH} "
+                     "levels")
+    bits = value_bits(node, depth + 1)
+    if bits > MAX_VALUE_BITS:
+        raise Reject(f"{where}: {_clip(ast.unparse(node), 60)!r} may reach ~{bits} bits, "
+                     f"over the limit of {MAX_VALUE_BITS} bits, in {shown}")
+    return bits
+
+
 def check_sym_expr(expr: str, where: str) -> None:
     """SymExpr.expr_str goes to sympy.sympify(), i.e. eval(). Accept only the grammar
     srepr()/str() produce for shape expressions: numbers, symbols and a fixed set of calls;
@@ -171,15 +186,7 @@ def check_sym_expr(expr: str, where: str) -> None:
         return max(1, math.ceil(abs(value)))
 
     def check(node: ast.expr, depth: int) -> int:
-        """Check ``node``; return an upper bound of its value's size in bits."""
-        if depth > MAX_EXPR_DEPTH:
-            raise Reject(f"{where}: symbolic expression nested deeper than the limit of "
-                         f"{MAX_EXPR_DEPTH} levels")
-        bits = value_bits(node, depth + 1)
-        if bits > MAX_VALUE_BITS:
-            raise Reject(f"{where}: {_clip(ast.unparse(node), 60)!r} may reach ~{bits} bits, "
-                         f"over the limit of {MAX_VALUE_BITS} bits, in {shown!r}")
-        return bits
+        return _bounded(node, depth, value_bits, where, "symbolic expression", repr(shown))
 
     def value_bits(node: ast.expr, depth: int) -> int:
         if isinstance(node, ast.Constant):
@@ -289,15 +296,7 @@ def check_guard(code: str, where: str) -> None:
         raise Reject(f"{where}: expression not allowed in guard {shown!r}")
 
     def check(node: ast.expr, depth: int) -> int:
-        """Check ``node``; return an upper bound of its value's size in bits."""
-        if depth > MAX_EXPR_DEPTH:
-            raise Reject(f"{where}: guard nested deeper than the limit of {MAX_EXPR_DEPTH} "
-                         "levels")
-        bits = value_bits(node, depth + 1)
-        if bits > MAX_VALUE_BITS:
-            raise Reject(f"{where}: {_clip(ast.unparse(node), 60)!r} may reach ~{bits} bits, "
-                         f"over the limit of {MAX_VALUE_BITS} bits, in guard {shown!r}")
-        return bits
+        return _bounded(node, depth, value_bits, where, "guard", f"guard {shown!r}")
 
     def value_bits(node: ast.expr, depth: int) -> int:
         if isinstance(node, ast.Constant):

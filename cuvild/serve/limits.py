@@ -34,14 +34,19 @@ class Gate:
 
     @contextlib.contextmanager
     def enter(self, context: grpc.ServicerContext) -> Iterator[None]:
-        if not self._free.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.slots} calls are in progress on this listener "
-                          "(limits.rpc_threads less the ones kept for health); retry shortly")
+        _take(self._free, context, f"{self.slots} calls are in progress on this listener "
+                                   "(limits.rpc_threads less the ones kept for health); retry "
+                                   "shortly")
         try:
             yield
         finally:
             self._free.release()
+
+
+def _take(slots: threading.BoundedSemaphore, context: grpc.ServicerContext, full: str) -> None:
+    """A slot, or the call ends at once with RESOURCE_EXHAUSTED saying `full`."""
+    if not slots.acquire(blocking=False):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, full)
 
 
 class _Stream:
@@ -62,10 +67,8 @@ class Uploads:
 
     @contextlib.contextmanager
     def slot(self, context: grpc.ServicerContext) -> Iterator[_Stream]:
-        if not self._free.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.slots} uploads already in progress "
-                          "(limits.max_concurrent_uploads); retry later")
+        _take(self._free, context, f"{self.slots} uploads already in progress "
+                                   "(limits.max_concurrent_uploads); retry later")
         stream = _Stream(context)
         with self._lock:
             self._streams.add(stream)

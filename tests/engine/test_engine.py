@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,32 +21,12 @@ from cuvild.engine.engine import FEEDBACK_RUNS, BadInput, Engine, InferError
 from cuvild.engine.orders import Unload
 from cuvild.intake.summary import summarize
 from partitioner.corrections import Corrections
-from partitioner.plan import Part, Plan
 from partitioner.profile import DeviceProfile
 
-CORES = sorted(os.sched_getaffinity(0))
-DEVICES = [
-    DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"]),
-    DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:], runtimes=["torch"]),
-    DeviceProfile(id="npu1", kind="npu", emulated=True, cores=CORES[-1:], runtimes=["torch"]),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_helpers.py
+from engine_helpers import CORES, chunked_plan, device, prepare  # noqa: E402
 
-
-def chunked_plan(ep, devices: list[str]) -> Plan:
-    """Contiguous chunks of the graph, one per device: always an acyclic plan."""
-    nodes = [n.name for n in ep.graph.nodes if n.op == "call_function"]
-    k = len(devices)
-    parts = [Part(f"p{i}", dev, "", "fp32", nodes[i * len(nodes) // k:(i + 1) * len(nodes) // k],
-                  0.0) for i, dev in enumerate(devices)]
-    return Plan(parts=parts, cuts=[], predicted_ms=0.0, peak_bytes={})
-
-
-def prepare(engine: Engine, tmp: Path, name: str, model, inputs, devices: list[str]):
-    ep = cuvild.export(model, inputs)
-    path = tmp / f"{name}.pt2"
-    torch.export.save(ep, path)
-    return engine.prepare(name, name, "1", path, summarize(ep)["inputs"],
-                          plan=chunked_plan(ep, devices))
+DEVICES = [device(d) for d in ["cpu0", "npu0", "npu1"]]
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import cuvild
 from cuvild.client.samples import MLP
 from cuvild.engine import buckets, worker
 from cuvild.engine.arena import SHM_DIR, Arena
@@ -34,33 +34,13 @@ from cuvild.engine.engine import (
 )
 from cuvild.engine.handle import WorkerHandle
 from cuvild.engine.orders import TensorRef, Unload
-from cuvild.intake.summary import summarize
-from partitioner.plan import Part, Plan
 from partitioner.profile import DeviceProfile
 
-CORES = sorted(os.sched_getaffinity(0))
-DEVICES = [
-    DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"]),
-    DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:], runtimes=["torch"]),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_helpers.py
+from engine_helpers import CORES, device, prepare  # noqa: E402
+
+DEVICES = [device(d) for d in ["cpu0", "npu0"]]
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}
-
-
-def chunked_plan(ep, devices: list[str]) -> Plan:
-    nodes = [n.name for n in ep.graph.nodes if n.op == "call_function"]
-    k = len(devices)
-    parts = [Part(f"p{i}", dev, "", "fp32", nodes[i * len(nodes) // k:(i + 1) * len(nodes) // k],
-                  0.0) for i, dev in enumerate(devices)]
-    return Plan(parts=parts, cuts=[], predicted_ms=0.0, peak_bytes={})
-
-
-def prepare(engine: Engine, tmp: Path, name: str, model, inputs, devices: list[str],
-            dynamic_shapes=None):
-    ep = cuvild.export(model, inputs, dynamic_shapes=dynamic_shapes)
-    path = tmp / f"{name}.pt2"
-    torch.export.save(ep, path)
-    return engine.prepare(name, name, "1", path, summarize(ep)["inputs"],
-                          plan=chunked_plan(ep, devices))
 
 
 def eager(model, *inputs):

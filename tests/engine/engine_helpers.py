@@ -1,0 +1,43 @@
+"""What the engine tests share: emulated devices on this host's cores, and a model prepared
+with a fixed plan (contiguous chunks of the graph, one per device)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+import cuvild
+from cuvild.engine.engine import Engine
+from cuvild.intake.summary import summarize
+from partitioner.plan import Part, Plan
+from partitioner.profile import DeviceProfile
+
+CORES = sorted(os.sched_getaffinity(0))
+
+
+def device(dev_id: str) -> DeviceProfile:
+    """cpu0 on the first core; npuN emulated (torch) on the last."""
+    if dev_id.startswith("cpu"):
+        return DeviceProfile(id=dev_id, kind="cpu", cores=CORES[:1], runtimes=["torch"])
+    return DeviceProfile(id=dev_id, kind="npu", emulated=True, cores=CORES[-1:],
+                         runtimes=["torch"])
+
+
+def chunked_plan(ep, devices: list[str]) -> Plan:  # noqa: ANN001
+    """Contiguous chunks of the graph, one per device: always an acyclic plan."""
+    nodes = [n.name for n in ep.graph.nodes if n.op == "call_function"]
+    k = len(devices)
+    parts = [Part(f"p{i}", dev, "", "fp32", nodes[i * len(nodes) // k:(i + 1) * len(nodes) // k],
+                  0.0) for i, dev in enumerate(devices)]
+    return Plan(parts=parts, cuts=[], predicted_ms=0.0, peak_bytes={})
+
+
+def prepare(engine: Engine, tmp: Path, name: str, model, inputs, devices: list[str],  # noqa: ANN001
+            dynamic_shapes=None):  # noqa: ANN001, ANN201
+    ep = cuvild.export(model, inputs, dynamic_shapes=dynamic_shapes)
+    path = tmp / f"{name}.pt2"
+    torch.export.save(ep, path)
+    return engine.prepare(name, name, "1", path, summarize(ep)["inputs"],
+                          plan=chunked_plan(ep, devices))
