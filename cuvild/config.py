@@ -62,6 +62,8 @@ class Config:
     run_timeout_s: float = 60.0  # a request's deadline when its caller gives none
     max_buckets: int = 8  # built input shapes kept per dynamic-shape model
     max_dim: int = 4096  # largest size accepted for a dynamic dimension
+    # device id or kind -> the runtimes `auto` may try there ({}: every one)
+    runtimes: dict[str, list[str]] = field(default_factory=dict)
     token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -124,7 +126,7 @@ _SCHEMA: dict[str, Any] = {
                "compile_timeout_s": ((int, float), 300), "workers": (str, "process"),
                "precision": (str, "fp32"), "max_error": ((int, float), 0.01),
                "run_timeout_s": ((int, float), 60), "max_buckets": (int, 8),
-               "max_dim": (int, 4096)},
+               "max_dim": (int, 4096), "runtimes": (dict, {})},
     "metrics": {"enabled": (bool, True), "listen": ((str, int, type(None)), None)},
     "tracing": {"exporter": ((str, type(None)), None), "path": ((str, type(None)), None),
                 "endpoint": ((str, type(None)), None), "sample_rate": ((int, float), 1.0)},
@@ -339,6 +341,7 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         raise ConfigError("engine", "max_in_flight and compile_timeout_s must be positive")
     if eng["precision"] not in ("fp32", "auto"):
         raise ConfigError("engine.precision", f"expected fp32 or auto, got {eng['precision']!r}")
+    _check_runtimes(eng["runtimes"])
     if not 0 < eng["max_error"] < 1:
         raise ConfigError("engine.max_error", f"expected a relative error in (0, 1), got "
                           f"{eng['max_error']!r}")
@@ -379,6 +382,7 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         run_timeout_s=float(eng["run_timeout_s"]),
         max_buckets=eng["max_buckets"],
         max_dim=eng["max_dim"],
+        runtimes={k: list(v) for k, v in eng["runtimes"].items()},
         token=raw["listen"]["token"],
         tls_cert=tls["cert"],
         tls_key=tls["key"],
@@ -406,6 +410,24 @@ def _positive(raw: dict[str, Any], *keys: tuple[str, str]) -> None:
         if raw[section][key] <= 0:
             raise ConfigError(f"{section}.{key}", f"expected a positive number, got "
                               f"{raw[section][key]!r}")
+
+
+def _check_runtimes(data: dict[Any, Any]) -> None:
+    """engine.runtimes: device id or kind -> a non-empty list of known runtime names (a typo
+    would otherwise leave a device with nothing to build with, found only at the first load)."""
+    from runtimes.registry import RUNTIMES  # no torch: cheap
+
+    for device, names in data.items():
+        key = f"engine.runtimes.{device}"
+        if not isinstance(device, str) or not device:
+            raise ConfigError("engine.runtimes", f"expected device ids or kinds as keys, got "
+                              f"{device!r}")
+        if not isinstance(names, list) or not names:
+            raise ConfigError(key, f"expected a non-empty list of runtimes, got {names!r}")
+        for name in names:
+            if name not in RUNTIMES:
+                raise ConfigError(key, f"unknown runtime {name!r}; expected one of "
+                                  f"{sorted(RUNTIMES)}")
 
 
 def _metrics_listen(metrics: dict[str, Any]) -> str | None:

@@ -4,7 +4,9 @@ Key = the part's graph code and weights + runtime and its version + the device (
 features, cores, emulated) + precision + input shapes. An entry is a directory written under
 a temporary name and renamed into place, so a crash never leaves a half entry visible.
 The per-part choice of runtime (`auto`) is cached too, so a restarted daemon loads only the
-winner and compiles nothing.
+winner and compiles nothing. And a per-device, per-precision tally of past searches (the
+prior, `choices/prior-<device>-<precision>.json`) lets the next search try the likely winner
+first and leave out runtimes that never come close (runtimes/select.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from partitioner.profile import DeviceProfile
 from runtimes.base import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
+PRIOR_KEEP = 20  # times and compile times kept per runtime: recent ones, so upgrades show
 
 
 def graph_digest(module: fx.GraphModule) -> str:
@@ -105,6 +108,11 @@ class CompileCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
+    def drop(self, key: str) -> None:
+        """Remove one entry (it did not load): the next build stores a fresh one."""
+        with self._lock:
+            shutil.rmtree(self.entries / key, ignore_errors=True)
+
     def evict(self) -> list[str]:
         """Drop least recently used entries until the cache fits max_bytes."""
         with self._lock:
@@ -130,3 +138,47 @@ class CompileCache:
 
     def record_choice(self, part_key: str, choice: dict[str, Any]) -> None:
         write_atomic(self.choices / f"{part_key}.json", json.dumps(choice, indent=1).encode())
+
+    # -- prior: what past searches on this device said of each runtime -------------------
+    def prior_path(self, device: DeviceProfile, precision: str) -> Path:
+        """Keyed by the device's digest (kind, name, features, cores), so another machine's
+        history, or that of another number of cores, never applies."""
+        return self.choices / f"prior-{_key(device_digest(device))[:16]}-{precision}.json"
+
+    def prior(self, device: DeviceProfile, precision: str) -> dict[str, dict[str, Any]]:
+        """Per runtime: {"wins": searches won, "ratios": its time / the winner's time in the
+        last PRIOR_KEEP searches it ran, "compile_s": its last compile times, "skipped":
+        searches it was left out of in a row}. {} when there is none or it does not read: it
+        is only a hint, and without it every runtime is tried."""
+        try:
+            data = json.loads(self.prior_path(device, precision).read_text())
+            return {name: {"wins": int(t.get("wins", 0)), "skipped": int(t.get("skipped", 0)),
+                           "ratios": [float(r) for r in t.get("ratios", [])],
+                           "compile_s": [float(s) for s in t.get("compile_s", [])]}
+                    for name, t in data.items()}
+        except (OSError, ValueError, TypeError, AttributeError):
+            return {}
+
+    def record_search(self, device: DeviceProfile, precision: str,
+                      candidates: list[dict[str, Any]], winner: str | None) -> None:
+        """Add one finished search (its candidates as recorded in its choice) to the prior.
+        Builds in two processes at once may lose one of the two updates: it is only a hint."""
+        best = next((c["median_ms"] for c in candidates if c["runtime"] == winner), 0.0)
+        with self._lock:
+            tally = self.prior(device, precision)
+            for c in candidates:
+                if c["status"] == "unavailable":
+                    continue
+                t = tally.setdefault(c["runtime"], {"wins": 0, "skipped": 0, "ratios": [],
+                                                    "compile_s": []})
+                if c["status"] == "skipped":
+                    t["skipped"] += 1
+                    continue
+                t["skipped"] = 0
+                t["wins"] += c["runtime"] == winner
+                if best > 0 and c["median_ms"] > 0:  # it ran: how it compared with the winner
+                    t["ratios"] = (t["ratios"] + [round(c["median_ms"] / best, 4)])[-PRIOR_KEEP:]
+                if not c["cached"] and c["compile_s"] > 0:
+                    t["compile_s"] = (t["compile_s"] + [round(c["compile_s"], 3)])[-PRIOR_KEEP:]
+            write_atomic(self.prior_path(device, precision),
+                         json.dumps(tally, indent=1, sort_keys=True).encode())

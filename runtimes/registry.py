@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from partitioner.profile import RUNTIMES_BY_KIND
+from partitioner.profile import RUNTIMES_BY_KIND, DeviceProfile
 from runtimes.base import Runtime, RuntimeUnavailable
 
 RUNTIMES = {
@@ -54,3 +54,13 @@ def report() -> dict[str, str | None]:
         except RuntimeUnavailable as e:
             out[name] = str(e)
     return out
+
+
+def allowed_runtimes(cfg_runtimes: dict[str, list[str]],
+                     device: DeviceProfile) -> list[str] | None:
+    """The runtimes config `engine.runtimes` lets `auto` try on `device`: the list under its
+    id, else under its kind; None (every runtime) when neither is there."""
+    for key in (device.id, device.kind):
+        if key in cfg_runtimes:
+            return list(cfg_runtimes[key])
+    return None

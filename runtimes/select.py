@@ -7,6 +7,23 @@ fastest one within the tolerance is kept: the precision's (`TOLERANCE`), or the 
 the caller gives. Every candidate's time and error are recorded in the cache whatever the
 tolerance, so a restarted daemon, or a load with another budget, picks again from the record
 and loads the winner without compiling or timing anything.
+
+Compiling every runtime makes a cold build cost the sum of their compile times (12-20 s a
+part here), while on one machine the same runtime usually wins. So each search also feeds a
+prior kept in the compile cache per device digest and precision (`CompileCache.prior`): per
+runtime, the searches it won, its time relative to the winner's in its last 20 searches, its
+compile times. A search tries the runtimes in the prior's order (most wins first, ties: the
+lower median ratio; runtimes with no recorded time after them, in registry order, which is
+best-known first), and once some candidate is accurate it skips (status "skipped", with the
+reason) a runtime that, on this device:
+- lost each of its recorded searches, at least SKIP_MIN_SEARCHES of them, by SKIP_RATIO or
+  more: a 1.3x margin is well beyond timing noise, so it would not have won this one either;
+- or is expected (its median compile time here) to take longer than what is left of one
+  compile time box (`timeout_s`, counted from the start of the search): once there is an
+  answer the search stays within one box instead of waiting out a slow compiler again.
+A runtime skipped RETRY_AFTER searches in a row is tried again, so an upgrade that makes it
+faster is noticed. With no history nothing is skipped: every candidate is tried as before.
+`allowed` (config `engine.runtimes`, see registry.allowed_runtimes) restricts the candidates.
 """
 
 from __future__ import annotations
@@ -36,12 +53,15 @@ from runtimes.cache import CompileCache, graph_digest
 
 log = logging.getLogger(__name__)
 TIMING_BUDGET_S = 0.5  # per candidate; at least 3 runs
+SKIP_RATIO = 1.3  # a runtime this much slower than the winner in every recorded search...
+SKIP_MIN_SEARCHES = 3  # ...of at least this many is not tried once one candidate is accurate
+RETRY_AFTER = 10  # searches a runtime is skipped in a row before it is tried again
 
 
 @dataclass
 class Candidate:
     runtime: str
-    status: str  # "ok" | "unavailable" | "failed" | "timeout" | "inaccurate"
+    status: str  # "ok" | "unavailable" | "failed" | "timeout" | "inaccurate" | "skipped"
     reason: str = ""
     compile_s: float = 0.0
     rel_error: float = 0.0
@@ -57,6 +77,7 @@ class BuiltPart:
     candidates: list[Candidate] = field(default_factory=list)
     from_cache: bool = False  # True when nothing was compiled
     compiled: list[str] = field(default_factory=list)  # runtimes compiled now
+    part_key: str = ""  # the compile problem (cache.part_key): a restart loads it by this
 
 
 def time_ms(executable: Executable, inputs: Sequence[torch.Tensor]) -> float:
@@ -106,6 +127,31 @@ def candidates_for(device: DeviceProfile, precision: str, wanted: str) -> list[s
     return names
 
 
+def order_by_prior(names: list[str], prior: dict[str, dict[str, Any]]) -> list[str]:
+    """The runtimes that won most searches first (ties: the lower median ratio to the
+    winner); those with no recorded time after them, in their given order."""
+    known = sorted((n for n in names if prior.get(n, {}).get("ratios")),
+                   key=lambda n: (-prior[n]["wins"], statistics.median(prior[n]["ratios"])))
+    return known + [n for n in names if n not in known]
+
+
+def skip_reason(name: str, prior: dict[str, dict[str, Any]], time_left_s: float,
+                timeout_s: float) -> str:
+    """Why `name` need not be tried once an accurate candidate exists; "" to try it."""
+    t = prior.get(name)
+    if not t or t["skipped"] >= RETRY_AFTER:
+        return ""
+    ratios, compile_s = t["ratios"], t["compile_s"]
+    if len(ratios) >= SKIP_MIN_SEARCHES and min(ratios) >= SKIP_RATIO:
+        return (f"lost every one of {len(ratios)} recorded searches on this device by "
+                f">={SKIP_RATIO}x (median {statistics.median(ratios):.1f}x)")
+    if compile_s and statistics.median(compile_s) > time_left_s:
+        return (f"expected to compile in {statistics.median(compile_s):.0f} s (median of "
+                f"{len(compile_s)} on this device), more than the {max(time_left_s, 0):.0f} s "
+                f"left of the {timeout_s:.0f} s box")
+    return ""
+
+
 def placeholder_tensors(part: fx.GraphModule,
                         shapes: list[list[int]] | None = None) -> list[torch.Tensor]:
     """Zero tensors shaped like the part's inputs (from the graph's metadata, or `shapes` for
@@ -129,14 +175,16 @@ Samples = Callable[[], tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]
 def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samples: Samples,
                cache: CompileCache, runtime: str = "auto", timeout_s: float = 300.0,
                threads: int | None = None, input_shapes: list[list[int]] | None = None,
-               tolerance: float | None = None, cache_tag: str = "") -> BuiltPart:
+               tolerance: float | None = None, cache_tag: str = "",
+               allowed: list[str] | None = None) -> BuiltPart:
     """Compile (or load from cache) `part` for `device`; raise CompileError if nothing works.
 
     `samples()` returns real inputs for the part and torch eager's outputs for them, one
     sample or several (int8 calibrates on all of them); it is called only when something
     must be compiled (a cache hit runs nothing). `tolerance` bounds the relative error (the
     precision's TOLERANCE by default); `cache_tag` tells apart builds that depend on more
-    than the part (int8: the calibration data).
+    than the part (int8: the calibration data). `allowed` limits the runtimes tried (None:
+    every one that can target the device).
     """
     tolerance = TOLERANCE[precision] if tolerance is None else tolerance
     spec = CompileSpec(device=device, precision=precision,
@@ -144,18 +192,28 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
                        threads=threads or max(len(device.cores), 1))
     key_precision = f"{precision}:{cache_tag}" if cache_tag else precision
     part_key = cache.part_key(graph_digest(part), device, key_precision, spec.shapes())
-    names = candidates_for(device, precision, runtime)
+    names = [n for n in candidates_for(device, precision, runtime)
+             if allowed is None or n in allowed]
     recorded = cache.choice(part_key)
     if recorded:
         built = _load_recorded(part_key, recorded, spec, cache, part, names, tolerance)
         if built is not None:
+            built.part_key = part_key
             return built
     inputs, expected = samples()
     spec.example_inputs, spec.calibration = list(inputs[0]), [list(x) for x in inputs]
     tried: list[Candidate] = []
     executables: dict[str, Executable] = {}
     compiled: list[str] = []
-    for name in names:
+    prior = cache.prior(device, precision) if runtime == "auto" else {}
+    start = time.perf_counter()
+    for name in order_by_prior(names, prior):
+        if any(c.status == "ok" and c.rel_error <= tolerance for c in tried):
+            left = timeout_s - (time.perf_counter() - start)
+            reason = skip_reason(name, prior, left, timeout_s)
+            if reason:
+                tried.append(Candidate(name, "skipped", reason, precision=precision))
+                continue
         cand, exe = _try(name, part, spec, inputs, expected, cache, part_key, timeout_s)
         cand.precision = precision
         tried.append(cand)
@@ -165,14 +223,20 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
                 compiled.append(name)
     cache.record_choice(part_key, {"candidates": [asdict(c) for c in tried]})
     accurate = _judge(tried, tolerance)
+    if runtime == "auto" and len(names) > 1:  # a real choice: teach the prior
+        cache.record_search(device, precision, [asdict(c) for c in tried],
+                            accurate[0].runtime if accurate else None)
     if not accurate:
         reasons = "; ".join(f"{c.runtime}: {c.status} ({c.reason})" for c in tried)
+        none = ("no runtime targets this device" if allowed is None else
+                f"none of the allowed runtimes {allowed} (engine.runtimes) targets this device")
         error = CompileError(f"no runtime could build this part for {device.id} at "
-                             f"{precision}: {reasons or 'no runtime targets this device'}")
+                             f"{precision}: {reasons or none}")
         error.candidates = tried  # type: ignore[attr-defined] - what was tried, for reports
         raise error
     best = accurate[0].runtime
-    return BuiltPart(best, executables[best], tried, from_cache=not compiled, compiled=compiled)
+    return BuiltPart(best, executables[best], tried, from_cache=not compiled, compiled=compiled,
+                     part_key=part_key)
 
 
 def _judge(candidates: list[Candidate], tolerance: float) -> list[Candidate]:
@@ -199,14 +263,30 @@ def _load_recorded(part_key: str, recorded: dict[str, Any], spec: CompileSpec,
         rt = registry.get(name)
         if name == "torch":  # the reference has nothing to cache: "compiling" it is free
             return BuiltPart(name, rt.compile(part, spec), candidates, from_cache=True)
-        entry = cache.lookup(cache.entry_key(part_key, name, rt.version()))
+        key = cache.entry_key(part_key, name, rt.version())
+        entry = cache.lookup(key)
         if entry is None:
             return None
-        exe = rt.load(entry, spec)
+        exe = _load_entry(rt, cache, key, entry, spec)
+        if exe is None:
+            return None
     except (RuntimeUnavailable, NotImplementedError, OSError, RuntimeError) as e:
         log.warning("cached %s build unusable (%s); rebuilding", name, e)
         return None
     return BuiltPart(name, exe, candidates, from_cache=True)
+
+
+def _load_entry(rt: Any, cache: CompileCache, key: str, entry: Any,
+                spec: CompileSpec) -> Executable | None:
+    """A cached build, or None when it does not load (corrupt, or from a runtime that changed
+    its format): then the entry is dropped, so that it is compiled again and stored anew."""
+    try:
+        return rt.load(entry, spec)
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is rebuilt
+        log.warning("cached %s build %s does not load (%s: %s); compiling it again", rt.name,
+                    key, type(e).__name__, e)
+        cache.drop(key)
+        return None
 
 
 def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[torch.Tensor]],
@@ -225,18 +305,21 @@ def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[t
     entry = cache.lookup(key)
     t0 = time.perf_counter()
     cached = False
+    exe = _load_entry(rt, cache, key, entry, spec) if entry is not None else None
     try:
-        if entry is not None:
-            exe, cached = rt.load(entry, spec), True
+        if exe is not None:
+            cached = True
         else:
+            entry = None
             if hasattr(rt, "timeout_s"):  # runtimes that compile in a subprocess stop it too
                 rt.timeout_s = timeout_s
             exe = _compile_boxed(rt, part, spec, timeout_s)
-    except TimeoutError as e:
-        return Candidate(name, "timeout", str(e)), None
+    except TimeoutError as e:  # its time spent tells the prior how slow it compiles here
+        return Candidate(name, "timeout", str(e), time.perf_counter() - t0), None
     except Exception as e:  # noqa: BLE001 - any compiler failure moves on to the next runtime
         log.info("%s failed on a part for %s: %s", name, spec.device.id, e)
-        return Candidate(name, "failed", f"{type(e).__name__}: {e}"[:500]), None
+        return Candidate(name, "failed", f"{type(e).__name__}: {e}"[:500],
+                         time.perf_counter() - t0), None
     compile_s = time.perf_counter() - t0
     try:
         error = max(relative_error(exe.run(x), want) for x, want in zip(inputs, expected,

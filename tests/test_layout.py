@@ -22,7 +22,8 @@ MAX_LINES = 600
 # (cuvild.engine.arena) are open to rooms that may not import the whole of it.
 ALLOWED: dict[str, set[str]] = {
     "cuvild.__main__": {"cuvild.serve"},
-    "cuvild": {"partitioner"},  # `from cuvild import partition, export`, lazily
+    # `from cuvild import partition, export`, lazily; config checks runtime names (no torch)
+    "cuvild": {"partitioner", "runtimes.registry"},
     "cuvild.serve": {"cuvild", "cuvild.engine", "cuvild.intake", "partitioner", "runtimes",
                      "protos"},
     "cuvild.engine": {"cuvild.intake", "partitioner", "runtimes"},

@@ -1,7 +1,10 @@
 """`auto`: candidates checked against eager, the fastest kept, and a cached reload compiles
-nothing (asserted on the cache, not on time)."""
+nothing (asserted on the cache, not on time); the prior orders and prunes the search, and
+`allowed` restricts it. Only torch (free) and openvino (fast) are compiled here."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -10,9 +13,10 @@ import cuvild
 from cuvild.client.samples import MLP
 from partitioner.profile import DeviceProfile
 from partitioner.split import split_program
-from runtimes import registry
+from runtimes import registry, select
 from runtimes.base import CompileError
 from runtimes.cache import CompileCache
+from runtimes.registry import allowed_runtimes
 from runtimes.select import build_part
 
 CPU = DeviceProfile(id="cpu0", kind="cpu", cores=[0], runtimes=["openvino", "torch"])
@@ -41,7 +45,8 @@ def test_auto_picks_a_correct_candidate_and_reloads_without_compiling(tmp_path, 
     assert {c.runtime for c in first.candidates} == {"openvino", "torch"}
     assert all(c.status == "ok" and c.rel_error <= 1e-4 for c in first.candidates)
     assert first.runtime in ("openvino", "torch") and not first.from_cache
-    assert len(list((tmp_path / "choices").glob("*.json"))) == 1  # the choice is recorded
+    recorded = [p for p in (tmp_path / "choices").glob("*.json") if p.name[0] != "p"]
+    assert len(recorded) == 1  # the choice is recorded (beside the prior, prior-*.json)
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled on a cached reload")
@@ -58,3 +63,139 @@ def test_no_runtime_for_the_device_is_a_clear_error(tmp_path):
     gpu = DeviceProfile(id="gpu0", kind="gpu", runtimes=["triton"])
     with pytest.raises(CompileError, match="no runtime could build this part for gpu0"):
         build_part(module, gpu, "fp32", samples, CompileCache(tmp_path))
+
+
+def write_prior(cache: CompileCache, **runtimes: dict) -> None:
+    tally = {name: {"wins": 0, "skipped": 0, "ratios": [], "compile_s": [], **t}
+             for name, t in runtimes.items()}
+    cache.prior_path(CPU, "fp32").write_text(json.dumps(tally))
+
+
+@pytest.fixture
+def quick_timing(monkeypatch):
+    monkeypatch.setattr(select, "TIMING_BUDGET_S", 0.01)
+
+
+def test_no_history_tries_every_candidate_and_starts_the_prior(tmp_path, quick_timing):
+    module, samples, _ = part_and_samples()
+    cache = CompileCache(tmp_path)
+    built = build_part(module, CPU, "fp32", samples, cache)
+    assert [c.runtime for c in built.candidates] == ["openvino", "torch"]  # registry order
+    assert [c.status for c in built.candidates] == ["ok", "ok"]
+    prior = cache.prior(CPU, "fp32")
+    assert prior[built.runtime]["wins"] == 1 and prior[built.runtime]["ratios"] == [1.0]
+    assert all(len(prior[n]["ratios"]) == 1 and prior[n]["compile_s"] for n in prior)
+
+
+def test_the_prior_orders_the_candidates(tmp_path, quick_timing):
+    module, samples, _ = part_and_samples()
+    cache = CompileCache(tmp_path)
+    write_prior(cache, torch={"wins": 4, "ratios": [1.0] * 4},
+                openvino={"wins": 1, "ratios": [1.0, 1.1, 1.2, 1.1, 1.25]})  # close: tried
+    built = build_part(module, CPU, "fp32", samples, cache)
+    assert [(c.runtime, c.status) for c in built.candidates] == [("torch", "ok"),
+                                                                  ("openvino", "ok")]
+
+
+def test_a_runtime_that_always_lost_is_skipped_and_a_restart_loads_the_winner(
+        tmp_path, quick_timing, monkeypatch):
+    module, samples, calls = part_and_samples()
+    cache = CompileCache(tmp_path)
+    write_prior(cache, torch={"wins": 5, "ratios": [1.0] * 5},
+                openvino={"ratios": [1.5, 2.1, 2.5, 1.8, 3.0]})
+    built = build_part(module, CPU, "fp32", samples, cache)
+    assert built.runtime == "torch" and built.compiled == ["torch"]
+    skipped = built.candidates[1]
+    assert (skipped.runtime, skipped.status) == ("openvino", "skipped")
+    assert skipped.reason == ("lost every one of 5 recorded searches on this device by "
+                              ">=1.3x (median 2.1x)")
+    prior = cache.prior(CPU, "fp32")
+    assert prior["openvino"]["skipped"] == 1 and prior["torch"]["wins"] == 6
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled on a restart")
+
+    monkeypatch.setattr(registry.runtime_class("openvino"), "compile", no_compile)
+    monkeypatch.setattr(select, "_try", no_compile)  # nothing compiled or timed
+    again = build_part(module, CPU, "fp32", samples, cache)
+    assert again.from_cache and again.runtime == "torch" and again.compiled == []
+    assert len(calls) == 1
+
+
+def test_a_loser_is_still_tried_while_no_candidate_is_accurate(tmp_path, quick_timing,
+                                                               monkeypatch):
+    module, samples, _ = part_and_samples()
+    cache = CompileCache(tmp_path)
+    write_prior(cache, torch={"wins": 5, "ratios": [1.0] * 5},
+                openvino={"ratios": [1.5, 2.1, 2.5]})
+
+    def broken(*args, **kwargs):
+        raise CompileError("torch broke")
+
+    monkeypatch.setattr(registry.runtime_class("torch"), "compile", broken)
+    built = build_part(module, CPU, "fp32", samples, cache)
+    assert [(c.runtime, c.status) for c in built.candidates] == [("torch", "failed"),
+                                                                  ("openvino", "ok")]
+    assert built.runtime == "openvino"
+
+
+def test_a_runtime_slower_to_compile_than_the_time_left_is_skipped(tmp_path, quick_timing):
+    module, samples, _ = part_and_samples()
+    cache = CompileCache(tmp_path)
+    write_prior(cache, torch={"wins": 3, "ratios": [1.0] * 3},
+                openvino={"ratios": [0.9, 1.0], "compile_s": [400.0, 350.0, 500.0]})
+    built = build_part(module, CPU, "fp32", samples, cache, timeout_s=300)
+    assert built.candidates[1].status == "skipped"
+    assert built.candidates[1].reason.startswith("expected to compile in 400 s (median of 3")
+
+
+def test_a_runtime_skipped_often_in_a_row_is_tried_again(tmp_path, quick_timing):
+    module, samples, _ = part_and_samples()
+    cache = CompileCache(tmp_path)
+    write_prior(cache, torch={"wins": 5, "ratios": [1.0] * 5},
+                openvino={"ratios": [2.0] * 5, "skipped": select.RETRY_AFTER})
+    built = build_part(module, CPU, "fp32", samples, cache)
+    assert [c.status for c in built.candidates] == ["ok", "ok"]
+    assert cache.prior(CPU, "fp32")["openvino"]["skipped"] == 0
+
+
+def test_record_search_tallies_wins_ratios_and_compile_times(tmp_path):
+    cache = CompileCache(tmp_path)
+
+    def cand(runtime, status, ms, compile_s=1.0, cached=False):
+        return {"runtime": runtime, "status": status, "median_ms": ms,
+                "compile_s": compile_s, "cached": cached}
+
+    for _ in range(25):
+        cache.record_search(CPU, "fp32", [cand("openvino", "ok", 2.0),
+                                          cand("torch", "ok", 3.0, cached=True),
+                                          cand("llvm-cpu", "timeout", 0.0, 300.0),
+                                          cand("triton", "unavailable", 0.0)], "openvino")
+    prior = cache.prior(CPU, "fp32")
+    assert set(prior) == {"openvino", "torch", "llvm-cpu"}
+    assert prior["openvino"]["wins"] == 25 and len(prior["openvino"]["ratios"]) == 20
+    assert prior["torch"]["ratios"][-1] == 1.5 and prior["torch"]["compile_s"] == []
+    assert prior["llvm-cpu"]["ratios"] == [] and prior["llvm-cpu"]["compile_s"][-1] == 300.0
+    other = DeviceProfile(id="cpu0", kind="cpu", cores=[0, 1], runtimes=CPU.runtimes)
+    assert cache.prior(other, "fp32") == {} and cache.prior(CPU, "bf16") == {}
+    cache.prior_path(CPU, "fp32").write_text("{not json")
+    assert cache.prior(CPU, "fp32") == {}  # only a hint: unreadable means no history
+
+
+def test_allowed_restricts_the_search(tmp_path, quick_timing):
+    module, samples, _ = part_and_samples()
+    cache = CompileCache(tmp_path)
+    built = build_part(module, CPU, "fp32", samples, cache, allowed=["torch", "llvm-cpu"])
+    assert [c.runtime for c in built.candidates] == ["torch"]
+    assert cache.prior(CPU, "fp32") == {}  # one candidate is no choice: nothing learned
+    with pytest.raises(CompileError, match=r"none of the allowed runtimes \['triton'\]"):
+        build_part(module, CPU, "fp32", samples, CompileCache(tmp_path / "b"),
+                   allowed=["triton"])
+
+
+def test_allowed_runtimes_by_device_id_then_kind():
+    npu = DeviceProfile(id="npu0", kind="npu", emulated=True)
+    cfg = {"cpu": ["openvino", "onnxruntime"], "npu0": ["openvino"], "npu": ["torch"]}
+    assert allowed_runtimes(cfg, CPU) == ["openvino", "onnxruntime"]
+    assert allowed_runtimes(cfg, npu) == ["openvino"]
+    assert allowed_runtimes({}, CPU) is None

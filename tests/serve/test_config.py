@@ -36,6 +36,9 @@ def run_cuvild(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
     ("listen: {tcp: '0.0.0.0:9000', insecure_loopback: true}\n", "listen.token"),
     ("listen: {tls: {cert: /etc/hostname}}\n", "listen.tls"),
     ("engine: {workers: fork}\n", "engine.workers"),
+    ("engine: {runtimes: {cpu: [openvino, tvm]}}\n", "engine.runtimes.cpu"),
+    ("engine: {runtimes: {npu0: []}}\n", "engine.runtimes.npu0"),
+    ("engine: {runtimes: [openvino]}\n", "engine.runtimes"),
 ])
 def test_bad_config_exits_2_naming_key(tmp_path, text, key):
     result = run_cuvild(tmp_path, text)
@@ -65,6 +68,18 @@ def test_defaults_follow_systemd_directories(tmp_path, monkeypatch):
     assert cfg.unix_socket == str(tmp_path / "run" / "cuvild.sock")
     assert cfg.state_dir == tmp_path / "state" and cfg.cache_dir == tmp_path / "cache"
     assert cfg.tcp is None and cfg.emulated == []
+
+
+def test_engine_runtimes_parse_by_device_id_or_kind(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert config.parse({}).runtimes == {}
+    cfg = config.parse({"engine": {"runtimes": {"cpu": ["openvino", "onnxruntime"],
+                                                "npu0": ["openvino"]}}})
+    assert cfg.runtimes == {"cpu": ["openvino", "onnxruntime"], "npu0": ["openvino"]}
+    with pytest.raises(config.ConfigError, match="engine.runtimes.cpu: unknown runtime 'tvm'"):
+        config.parse({"engine": {"runtimes": {"cpu": ["tvm"]}}})
 
 
 def test_shipped_configs_are_valid(tmp_path, monkeypatch):
