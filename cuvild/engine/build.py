@@ -96,7 +96,8 @@ def build_model_part(order: Build, device: DeviceProfile,
                 # fp32 always at its own tolerance; a lower precision of a search within
                 # the budget, also when a restart builds only the one chosen
                 tolerance=None if precision == "fp32" else order.tolerance,
-                cache_tag=order.calibration_tag if precision == "int8" else "")
+                cache_tag=order.calibration_tag if precision == "int8" else "",
+                allowed=order.allowed)
             tried += [asdict(c) for c in b.candidates]
         except CompileError as e:
             if i == 0:
@@ -109,5 +110,6 @@ def variants(built: dict[str, BuiltPart]) -> list[Variant]:
     out = []
     for precision, b in built.items():
         winner = next(c for c in b.candidates if c.runtime == b.runtime and c.status == "ok")
-        out.append(Variant(precision, b.runtime, winner.median_ms, winner.rel_error))
+        out.append(Variant(precision, b.runtime, winner.median_ms, winner.rel_error,
+                           b.part_key))
     return out

@@ -24,13 +24,14 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cuvild.engine import buckets, precision
+from cuvild.engine import buckets, precision, warm
 from cuvild.engine.arena import Arena, Block
 from cuvild.engine.corrections import CorrectionStore
 from cuvild.engine.errors import (
@@ -49,7 +50,7 @@ from cuvild.engine.layout import (
     input_table,
     layout,
 )
-from cuvild.engine.loaded import LoadedModel, Route, cut_bytes
+from cuvild.engine.loaded import LoadedModel, Route, cut_bytes, part_stats
 from cuvild.engine.orders import (
     Build,
     Built,
@@ -63,6 +64,7 @@ from cuvild.engine.orders import (
 from cuvild.engine.precision import Accuracy, PrecisionPolicy
 from cuvild.engine.request import FEEDBACK_RUNS, Timeline, run_parts
 from partitioner.profile import DeviceProfile
+from runtimes import registry
 
 if TYPE_CHECKING:
     import torch
@@ -89,11 +91,11 @@ class Engine:
                  in_process: bool = False, max_in_flight: int = 4,
                  build_timeout_s: float = 600.0, compile_timeout_s: float = 300.0,
                  corrections_path: Path | None = None, run_timeout_s: float = 60.0,
-                 max_buckets: int = 8, max_dim: int = 4096) -> None:
+                 max_buckets: int = 8, max_dim: int = 4096,
+                 runtimes: dict[str, list[str]] | None = None) -> None:
         """`run_timeout_s`: a request's deadline when its caller gives none, and how long a
-        worker may give no reply before it is restarted; `max_buckets`: the buckets (input
-        shapes) kept per dynamic-shape model; `max_dim`: the largest dynamic dimension
-        served."""
+        worker may give no reply before it is restarted; `max_buckets`: input shapes kept per
+        dynamic-shape model, up to `max_dim`; `runtimes`: device id or kind -> runtimes."""
         self.devices = {d.id: d for d in devices}
         self.cache_dir = cache_dir
         self.arena = arena
@@ -110,15 +112,17 @@ class Engine:
         self.run_timeout_s = run_timeout_s
         self.max_buckets = max(1, max_buckets)
         self.max_dim = max_dim
+        self.runtimes = runtimes or {}
         self.build_timeout_s = build_timeout_s
         self.compile_timeout_s = compile_timeout_s
         self.corrections = CorrectionStore(corrections_path)
         self.monitor: Monitor | None = None
+        # loads' "archive_loads", "planned", parts "built", "compiled", "restored" (warm.py)
+        self.counters: Counter[str] = Counter()
 
     def support(self) -> dict[str, Any]:
         """Per device, whether one of its runtimes can run a node: ops no runtime of a device
         supports cost infinity there, so the planner places them elsewhere and says why."""
-        from runtimes import registry
         from runtimes.base import RuntimeUnavailable
         from runtimes.select import candidates_for
 
@@ -154,21 +158,42 @@ class Engine:
     # -- control path ----------------------------------------------------------------------
     def prepare(self, key: str, name: str, version: str, archive: Path,
                 input_specs: list[dict[str, Any]], objective: str = "latency",
-                plan: Plan | None = None,
-                policy: PrecisionPolicy | None = None) -> LoadedModel:
+                plan: Plan | None = None, policy: PrecisionPolicy | None = None,
+                progress: Callable[[str], None] | None = None,
+                cold: bool = True) -> LoadedModel | None:
         """Plan, split, lay out and build a registered model, settle each part's precision
         under the policy (cuvild/engine/precision.py) and check the whole model against
-        torch eager; returns it ready to serve."""
+        torch eager; returns it ready to serve. A model loaded before (same archive, policy,
+        devices, software) comes back from its load record (cuvild/engine/warm.py) with
+        nothing planned or compiled (cold=False: only so, else None); `progress` is told
+        each phase."""
         from cuvild.intake.safe_load import load_exported_program
         from partitioner.plan import plan_model
         from partitioner.split import split_program
 
         policy = policy or PrecisionPolicy()
+        say = progress or (lambda phase: None)
+        record_at = warm.directory(self.cache_dir, warm.key(
+            str(archive), input_specs, objective, policy, self.devices.values(), self.runtimes))
+        record = warm.read(record_at) if plan is None else None
+        if record is not None:
+            say("restoring from the load record")
+            try:
+                return warm.restore(self, record_at, record, key, name, version, str(archive),
+                                    input_specs, policy)
+            except Exception as e:  # noqa: BLE001 - never trusted blindly: built again
+                log.warning("model %s: load record not used (%s); building it again", key, e)
+        if not cold:
+            return None
+        say("reading the archive")
         ep = load_exported_program(archive)
+        self.counters["archive_loads"] += 1
         corrections = self.corrections.snapshot()
         if plan is None:
+            say("planning")
             plan = plan_model(ep, list(self.devices.values()), objective=objective,
                               support=self.support(), corrections=corrections)
+            self.counters["planned"] += 1
         split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
         dynamic = dynamic_dims(ep)
         if dynamic:  # laid out and built per concrete shape, on first use
@@ -203,7 +228,8 @@ class Engine:
         inputs = precision.check_inputs(model, policy)
         expected, eager_ms = precision.reference(ep, inputs)
         del ep, split  # workers hold the parts; the daemon keeps only the wiring
-        self._build(model, policy=policy)
+        self._build(model, policy=policy, progress=say)
+        say("checking end to end")
         model.accuracy = self._settle(model, policy, budgets, decision, recorded, inputs,
                                       expected, eager_ms)
         for part in plan.parts:  # the plan records what each part really runs on
@@ -216,9 +242,13 @@ class Engine:
                     part.predicted_ms = corrections.price(
                         part.device, precision.runtime_key(part.runtime, part.precision),
                         precision.at(part.class_ms, self.devices[part.device], part.precision),
-                        self._launch_ms(part.device))
+                        self.devices[part.device].launch_us / 1e3)
         plan.notes += model.accuracy.notes
         self.models[key] = model
+        try:
+            warm.write(record_at, model, expected)
+        except OSError as e:
+            log.warning("model %s: load record not written (%s)", key, e)
         return model
 
     def _settle(self, model: LoadedModel, policy: PrecisionPolicy, budgets: dict[str, float],
@@ -264,9 +294,6 @@ class Engine:
             raise InferError(f"part {route.id} on {route.device}: {reply.error}")
         route.precision, route.runtime = at, route.variants[at].runtime
 
-    def _launch_ms(self, device: str) -> float:
-        return self.devices[device].launch_us / 1e3
-
     def feedback(self, key: str, min_runs: int = 3) -> int:
         """Teach the cost model what model `key`'s parts measured (their median time on the
         runtime each runs on); returns how many parts taught it. Control path: the data path
@@ -282,7 +309,7 @@ class Engine:
             if part is None or not part.class_ms or len(runs) < min_runs:
                 continue
             taught.append((route.device, route.runtime, part.class_ms,
-                           self._launch_ms(route.device), runs[len(runs) // 2]))
+                           self.devices[route.device].launch_us / 1e3, runs[len(runs) // 2]))
             route.fed_back = True
         self.corrections.learn(taught)
         return len(taught)
@@ -294,7 +321,8 @@ class Engine:
                 for p in split.parts]
 
     def _build(self, model: LoadedModel, only_device: str | None = None,
-               policy: PrecisionPolicy | None = None, deadline: float | None = None) -> None:
+               policy: PrecisionPolicy | None = None, deadline: float | None = None,
+               progress: Callable[[str], None] | None = None) -> None:
         """Have the workers build the model's parts, waiting for them until `deadline`
         (time.monotonic(); None: build_timeout_s from now)."""
         policy = policy or model.policy or PrecisionPolicy()
@@ -313,11 +341,14 @@ class Engine:
                     input_shapes=model.part_input_shapes.get(pid),
                     last=not model.base_key and i == len(part_ids) - 1,
                     tolerance=route.tolerance, calibration=policy.calibration,
-                    calibration_tag=policy.calibration_tag))))
+                    calibration_tag=policy.calibration_tag,
+                    allowed=registry.allowed_runtimes(self.runtimes, self.devices[device])))))
         model.policy = policy
         t0 = time.monotonic()
         deadline = t0 + self.build_timeout_s if deadline is None else deadline
-        for route, future in futures:
+        for k, (route, future) in enumerate(futures, 1):
+            if progress:
+                progress(f"building part {k} of {len(futures)} on {route.device}")
             try:
                 reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
@@ -329,6 +360,8 @@ class Engine:
             if not reply.ok or not isinstance(reply.result, Built):
                 raise InferError(f"building part {route.id} for {route.device} failed: "
                                  f"{reply.error}")
+            self.counters["built"] += 1
+            self.counters["compiled"] += not reply.result.from_cache
             route.runtime, route.built = reply.result.runtime, reply.result
             route.variants = {v.precision: v for v in reply.result.variants}
             route.precision = (route.precisions or [route.precision])[0]
@@ -543,7 +576,7 @@ class Engine:
                     # (a dynamic-shape model's own parts are never built: its buckets are)
                     if (device in model.parts_by_device and not model.evicted
                             and not model.dynamic):
-                        self._build(model, only_device=device)
+                        self._rebuild(model, device)
                         if model.evicted:  # evicted meanwhile: not kept there either
                             worker.call(Unload(model.key))
                 log.info("worker for %s back in %.2f s", device, time.perf_counter() - t0)
@@ -552,15 +585,16 @@ class Engine:
             finally:
                 self._usable[device].set()
 
+    def _rebuild(self, model: LoadedModel, device: str) -> None:
+        """A revived worker's parts of `model`: loaded from the cache as a load record would
+        be, else built again."""
+        if warm.recordable(model):
+            try:
+                return warm.load_parts(self, model, only_device=device)
+            except warm.Stale as e:
+                log.warning("model %s: %s; building its parts again", model.key, e)
+        self._build(model, only_device=device)
+
     def stats(self, key: str) -> dict[str, Any]:
         """Predicted vs measured time per part (the profile feedback)."""
-        model = self.models[key]
-        predicted = {p.id: p.predicted_ms for p in model.plan.parts}
-        out = {}
-        for r in model.routes:
-            ms = sorted(r.measured_ms)
-            out[r.id] = {"device": r.device, "runtime": r.runtime,
-                         "predicted_ms": predicted.get(r.id, 0.0),
-                         "measured_ms": ms[len(ms) // 2] if ms else None,
-                         "candidates": r.built.candidates if r.built else []}
-        return out
+        return part_stats(self.models[key])

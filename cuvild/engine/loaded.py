@@ -67,6 +67,7 @@ class LoadedModel:
     policy: Any = None  # the PrecisionPolicy it was built under (cuvild/engine/precision.py)
     cut_bytes: int = 0  # bytes one request hands from part to part through the arena
     accuracy: Any = None  # what the load measured end to end (precision.Accuracy)
+    warm: bool = False  # loaded from its load record (cuvild/engine/warm.py)
 
 
 def cut_bytes(model: LoadedModel) -> int:
@@ -74,3 +75,16 @@ def cut_bytes(model: LoadedModel) -> int:
     produced = {n for r in model.routes for n in r.outputs}
     crossing = produced & {n for r in model.routes for n in r.inputs}
     return sum(model.slots[n].nbytes for n in crossing if n in model.slots)
+
+
+def part_stats(model: LoadedModel) -> dict[str, Any]:
+    """Predicted vs measured time per part (the profile feedback)."""
+    predicted = {p.id: p.predicted_ms for p in model.plan.parts}
+    out = {}
+    for r in model.routes:
+        ms = sorted(r.measured_ms)
+        out[r.id] = {"device": r.device, "runtime": r.runtime,
+                     "predicted_ms": predicted.get(r.id, 0.0),
+                     "measured_ms": ms[len(ms) // 2] if ms else None,
+                     "candidates": r.built.candidates if r.built else []}
+    return out

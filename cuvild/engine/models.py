@@ -1,6 +1,13 @@
 """Served models: each registered model is prepared (planned, split, compiled) in the
 background and then served by the engine. State is READY, LOADING or UNAVAILABLE (with the
-reason). Everything here can be rebuilt from disk: the registry and the compile cache.
+reason), with the phase of a load. Everything here can be rebuilt from disk: the registry and
+the compile cache.
+
+A model with a load record (cuvild/engine/warm.py) is restored on a pool of its own, several
+at once, beside the builds; one without, or whose record fails, is built on the build pool,
+one at a time (compilers saturate the cores on their own). At start the workers of the
+devices the records name are started before anything else, so their start overlaps the
+reading of the registry.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from cuvild.engine import warm
 from cuvild.engine.engine import Engine, LoadedModel
 from cuvild.engine.precision import PrecisionPolicy
 from cuvild.intake.registry import ModelRecord, Registry
@@ -27,6 +35,10 @@ class ServedModel:
     loaded: LoadedModel | None = None
     prepare_s: float = 0.0
     built: list[dict[str, Any]] = field(default_factory=list)
+    # What the load is doing now, for people and `Client.load(wait=True)`: "queued",
+    # "planning", "building part 1 of 2 on cpu0", "checking", "ready", "failed" ...
+    phase: str = "queued"
+    warm: bool = False  # READY from the load record: nothing planned or compiled
 
     @property
     def key(self) -> str:
@@ -42,11 +54,27 @@ class ModelManager:
         self.default_policy = PrecisionPolicy(precision, max_error)  # engine.precision/max_error
         self._models: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
-        # One model prepared at a time: compilers saturate the cores on their own.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
+        self._warm_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="restore")
+
+    def start_workers(self) -> list[str]:
+        """Start the workers the registered models' load records name, first thing at start:
+        a worker takes seconds to start (torch and its runtimes imported), which then overlap
+        the daemon's own start. Returns their device ids."""
+        devices: set[str] = set()
+        for record in self.registry.list():
+            where = warm.directory(self.engine.cache_dir, warm.key(
+                str(self.registry.archive_path(record.sha256)), record.inputs,
+                self.objective, self.policy(record), self.engine.devices.values(),
+                self.engine.runtimes))
+            devices |= warm.devices_of(warm.read(where) or {})
+        started = sorted(devices & set(self.engine.devices))
+        for device in started:
+            self.engine.worker(device)
+        return started
 
     def restore(self) -> None:
-        """Prepare every registered model again (compile cache makes this quick)."""
+        """Serve every registered model again: from its load record where there is one."""
         for record in self.registry.list():
             self.submit(record)
 
@@ -59,28 +87,39 @@ class ModelManager:
             self._models[served.key] = served
         if old is not None:
             self.engine.unload(old.key)
-        self._pool.submit(self._prepare, served)
+        self._warm_pool.submit(self._prepare, served, time.perf_counter(), False)
         return served
 
-    def _prepare(self, served: ServedModel) -> None:
-        t0 = time.perf_counter()
+    def _prepare(self, served: ServedModel, t0: float, cold: bool) -> None:
+        """Restore (cold=False) or build the model; a restore that cannot goes on to the
+        build pool."""
         record = served.record
+        if self._models.get(served.key) is not served:
+            return  # unloaded or replaced while it waited
         try:
             loaded = self.engine.prepare(
                 served.key, record.name, record.version,
                 self.registry.archive_path(record.sha256), record.inputs,
-                objective=self.objective, policy=self.policy(record))
+                objective=self.objective, policy=self.policy(record),
+                progress=lambda phase: setattr(served, "phase", phase), cold=cold)
         except Exception as e:  # noqa: BLE001 - a model that cannot be served says why
             served.state, served.reason = "UNAVAILABLE", f"{type(e).__name__}: {e}"
+            served.phase = "failed"
             log.error("model %s unavailable: %s", served.key, served.reason)
             return
+        if loaded is None:
+            served.phase = "queued to build"
+            self._pool.submit(self._prepare, served, t0, True)
+            return
         served.loaded, served.prepare_s = loaded, time.perf_counter() - t0
+        served.warm = loaded.warm
         with self._lock:
             if self._models.get(served.key) is not served:  # unloaded or replaced meanwhile
                 self.engine.unload(served.key)
                 return
-            served.state = "READY"
-        log.info("model %s ready in %.2f s: %s", served.key, served.prepare_s,
+            served.state, served.phase = "READY", "ready"
+        log.info("model %s ready in %.2f s%s: %s", served.key, served.prepare_s,
+                 " (from its load record)" if loaded.warm else "",
                  ", ".join(f"{r.id}@{r.device}/{r.runtime}" for r in loaded.routes))
 
     def policy(self, record: ModelRecord) -> PrecisionPolicy:
@@ -121,4 +160,5 @@ class ModelManager:
         raise TimeoutError(f"model {name!r} not ready within {timeout:.0f} s")
 
     def close(self) -> None:
+        self._warm_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -50,6 +50,20 @@ class Build:
     tolerance: float | None = None  # the error budget of a search's lower precisions
     calibration: str = ""  # an .npz of the model's inputs, one row per sample ("": none)
     calibration_tag: str = ""  # its digest: int8 builds depend on it
+    allowed: list[str] | None = None  # the runtimes `auto` may try (config engine.runtimes)
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Load one part's executable from the compile cache, as a load record names it: no
+    archive, no split, nothing compiled or timed (cuvild/engine/warm.py)."""
+
+    model: str
+    part: str
+    runtime: str
+    part_key: str  # with the runtime and its installed version: the cache entry
+    precision: str
+    shapes: list[tuple[str, tuple[int, ...]]]  # the part's inputs: dtype name, shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +100,7 @@ class Forget:
     segments: list[tuple[str, int]]
 
 
-Order = Build | Run | Unload | Forget | Choose
+Order = Build | Run | Unload | Forget | Choose | Restore
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +118,7 @@ class Variant:
     runtime: str
     median_ms: float
     rel_error: float
+    part_key: str = ""  # where its executable is cached (runtimes/cache.py part_key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from cuvild.engine.orders import (
     Order,
     Ran,
     Reply,
+    Restore,
     Run,
     TensorRef,
     Unload,
@@ -46,7 +47,7 @@ from partitioner.profile import DeviceProfile
 MAX_VIEWS = 4096  # tensor views kept per worker (arena blocks recur request after request)
 # torch.export keeps global state: in the daemon (thread workers), one build at a time.
 BUILDS_IN_PROCESS = threading.Lock()
-CONTROL = (Build, Choose, Unload)  # answered by the worker's build thread, in order
+CONTROL = (Build, Choose, Unload, Restore)  # answered by the worker's build thread, in order
 
 
 class Worker:
@@ -75,6 +76,8 @@ class Worker:
             return self.run(order)
         if isinstance(order, Build):
             return self.build(order)
+        if isinstance(order, Restore):
+            return self.restore(order)
         if isinstance(order, Forget):
             return self.forget(order)
         if isinstance(order, Choose):
@@ -185,6 +188,26 @@ class Worker:
         self.parts[key] = own.executable
         return Built(own.runtime, all(b.from_cache for b in built.values()), tried,
                      variants(built))
+
+    def restore(self, order: Restore) -> Built:
+        """A part's executable straight from the compile cache (a load record's)."""
+        import torch
+
+        from runtimes import registry
+        from runtimes.base import CompileSpec
+
+        rt = registry.get(order.runtime)
+        entry = self.cache.lookup(self.cache.entry_key(order.part_key, order.runtime,
+                                                       rt.version()))
+        if entry is None:
+            raise LookupError(f"no cached {order.runtime} {rt.version()} build of part "
+                              f"{order.part} (evicted, or built by another version)")
+        spec = CompileSpec(self.device, order.precision,
+                           [torch.zeros(shape, dtype=getattr(torch, dtype))
+                            for dtype, shape in order.shapes],
+                           threads=max(len(self.device.cores), 1))
+        self.parts[(order.model, order.part)] = rt.load(entry, spec)
+        return Built(order.runtime, True)
 
     def choose(self, order: Choose) -> None:
         key = (order.model, order.part)

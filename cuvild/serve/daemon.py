@@ -182,7 +182,7 @@ class Daemon:
         engine = Engine(profiles.devices, self.cfg.cache_dir, self.arena,
                         max_in_flight=self.cfg.max_in_flight,
                         run_timeout_s=self.cfg.run_timeout_s, max_buckets=self.cfg.max_buckets,
-                        max_dim=self.cfg.max_dim,
+                        max_dim=self.cfg.max_dim, runtimes=self.cfg.runtimes,
                         in_process=self.cfg.workers == "thread",
                         build_timeout_s=max(600.0, 4 * self.cfg.compile_timeout_s),
                         compile_timeout_s=self.cfg.compile_timeout_s,
@@ -190,6 +190,9 @@ class Daemon:
                         / f"{profiles.fingerprint}.json")
         self.models = ModelManager(self.registry, engine, self.cfg.objective,
                                    self.cfg.precision, self.cfg.max_error)
+        started = self.models.start_workers()
+        if started:
+            log.debug("workers for %s starting (named by load records)", ", ".join(started))
         self.regions = Regions(self.cfg.shm_allowed_uids, self.cfg.shm_max_regions,
                                self.cfg.shm_max_bytes)
         self._observe(engine)

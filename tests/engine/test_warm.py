@@ -1,0 +1,144 @@
+"""Load records (cuvild/engine/warm.py): a second engine on the same cache serves the model
+again with nothing read from the archive, planned or compiled (asserted on the engine's
+counters, not on time), and a record or part that is stale or corrupt is built again and the
+model still serves torch eager's results."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import cuvild
+from cuvild.client.samples import MLP
+from cuvild.engine import warm
+from cuvild.engine.arena import Arena
+from cuvild.engine.engine import Engine
+from cuvild.engine.precision import PrecisionPolicy
+from cuvild.intake.summary import summarize
+from partitioner.profile import DeviceProfile
+
+CORES = sorted(os.sched_getaffinity(0))
+CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["openvino"],
+                    peak_gflops={"fp32": 100.0}, mem_bw_gbs=20.0, link_bw_gbs=10.0,
+                    launch_us=5.0)
+pytest.importorskip("openvino", reason="OpenVINO (the runtime whose builds are cached here) "
+                                       "is not installed")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("warm")
+    torch.manual_seed(0)
+    net = MLP(width=64, depth=3).eval()
+    x = torch.randn(2, 64)
+    ep = cuvild.export(net, (x,))
+    archive = tmp / "mlp.pt2"
+    torch.export.save(ep, archive)
+    with torch.no_grad():
+        return net, x, net(x), archive, summarize(ep)["inputs"]
+
+
+@pytest.fixture
+def arena():
+    arena = Arena(f"{os.getpid()}-warm")
+    yield arena
+    arena.close()
+
+
+def load(cache: Path, arena: Arena, model, policy=None):  # noqa: ANN001, ANN201
+    """A fresh engine (new worker processes) on `cache`, the model prepared in it."""
+    _, _, _, archive, specs = model
+    engine = Engine([CPU], cache, arena)
+    try:
+        loaded = engine.prepare("mlp:1", "mlp", "1", archive, specs, policy=policy)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, loaded
+
+
+def served_right(engine: Engine, model) -> None:  # noqa: ANN001
+    net, x, expected, _, _ = model
+    (out,) = engine.infer("mlp:1", (x,))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def record_dir(cache: Path) -> Path:
+    (where,) = (cache / "loads").iterdir()
+    return where
+
+
+def test_a_restart_plans_and_compiles_nothing(tmp_path, arena, model):
+    cache = tmp_path / "cache"
+    engine, first = load(cache, arena, model)
+    try:
+        assert not first.warm
+        assert engine.counters["archive_loads"] == 1 and engine.counters["planned"] == 1
+        assert engine.counters["compiled"] == 1 and engine.counters["restored"] == 0
+        served_right(engine, model)
+    finally:
+        engine.close()
+    record = json.loads((record_dir(cache) / warm.RECORD).read_text())
+    assert [r["runtime"] for r in record["routes"]] == ["openvino"]
+
+    engine, second = load(cache, arena, model)
+    try:
+        assert second.warm
+        counters = dict(engine.counters)
+        assert counters == {"restored": 1}, counters  # no archive, plan, build or compile
+        assert [r.runtime for r in second.routes] == ["openvino"]
+        assert second.plan.parts[0].runtime == "openvino"
+        assert second.accuracy.chosen.error <= 1e-5
+        served_right(engine, model)
+    finally:
+        engine.close()
+
+
+def test_another_policy_is_another_record(tmp_path, arena, model):
+    cache = tmp_path / "cache"
+    engine, _ = load(cache, arena, model)
+    engine.close()
+    engine, again = load(cache, arena, model, PrecisionPolicy("auto", 0.05))
+    try:
+        assert not again.warm and engine.counters["planned"] == 1
+        served_right(engine, model)
+    finally:
+        engine.close()
+    assert len(list((cache / "loads").iterdir())) == 2
+
+
+@pytest.mark.parametrize("damage", ["record", "expected", "part"])
+def test_a_corrupt_record_or_part_is_built_again(tmp_path, arena, model, damage):
+    cache = tmp_path / "cache"
+    engine, _ = load(cache, arena, model)
+    engine.close()
+    where = record_dir(cache)
+    if damage == "record":
+        (where / warm.RECORD).write_text('{"format": 1, "plan": ')
+    elif damage == "expected":  # outputs that no longer match: the check refuses the record
+        with np.load(where / warm.EXPECTED) as data:
+            arrays = {k: data[k] + 1.0 for k in data.files}
+        np.savez(where / warm.EXPECTED, **arrays)
+    else:  # the cached executable's files, garbage
+        for entry in (cache / "compiled").iterdir():
+            for f in entry.iterdir():
+                if f.name != "meta.json":
+                    f.write_bytes(b"\0garbage")
+    engine, again = load(cache, arena, model)
+    try:
+        assert not again.warm
+        assert engine.counters["planned"] == 1 and engine.counters["built"] == 1
+        served_right(engine, model)
+    finally:
+        engine.close()
+    engine, third = load(cache, arena, model)  # and the rebuilt record serves the next start
+    try:
+        assert third.warm and dict(engine.counters) == {"restored": 1}
+        served_right(engine, model)
+    finally:
+        engine.close()
