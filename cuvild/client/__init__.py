@@ -3,6 +3,6 @@
 `from cuvild.client import Client` is the public entry point.
 """
 
-from cuvild.client.api import Client, default_target
+from cuvild.client.api import Client, LoadFailed, default_target
 
-__all__ = ["Client", "default_target"]
+__all__ = ["Client", "LoadFailed", "default_target"]

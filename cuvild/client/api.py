@@ -6,6 +6,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,18 @@ from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 SYSTEM_SOCKET = "/run/cuvild/cuvild.sock"
 CHUNK_BYTES = 1 << 20
-Progress = Callable[[int, int], None]
+POLL_S = 0.1  # how often a waiting load asks the daemon how its model is doing
+Progress = Callable[[int, int], None]  # (bytes sent, bytes in all) while uploading
+PhaseProgress = Callable[[str], None]  # the model's phase, each time it changes
+
+
+class LoadFailed(RuntimeError):
+    """The model was uploaded (it stays registered) but the daemon could not make it READY.
+    The message is the daemon's reason: which part, on which device, and why."""
+
+    def __init__(self, name: str, version: str, reason: str) -> None:
+        super().__init__(reason)
+        self.name, self.version, self.reason = name, version, reason
 
 
 def print_progress(sent: int, total: int) -> None:
@@ -25,6 +37,24 @@ def print_progress(sent: int, total: int) -> None:
     end = "\n" if sent >= total else ""
     print(f"\ruploading {sent / 1e6:,.1f} / {total / 1e6:,.1f} MB "
           f"({100 * sent / max(total, 1):.0f}%)", end=end, file=sys.stderr, flush=True)
+
+
+class PhaseLine:
+    """Default phase progress: "loading NAME: PHASE" on one updating line on stderr, ended
+    by `done` (padded, since a phase can be shorter than the one before it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.width = 0
+
+    def __call__(self, phase: str) -> None:
+        line = f"loading {self.name}: {phase}"
+        print(f"\r{line.ljust(self.width)}", end="", file=sys.stderr, flush=True)
+        self.width = len(line)
+
+    def done(self) -> None:
+        if self.width:
+            print(file=sys.stderr, flush=True)
 
 
 def model_dict(m: cuvil_pb2.ModelSummary) -> dict[str, Any]:
@@ -37,7 +67,8 @@ def model_dict(m: cuvil_pb2.ModelSummary) -> dict[str, Any]:
             "inputs": specs(m.inputs), "outputs": specs(m.outputs),
             "precision": m.precision or "default", "max_error": m.max_error or None,
             "calibration_inputs": m.calibration_inputs,
-            "measured_error": m.measured_error if m.measured_error >= 0 else None}
+            "measured_error": m.measured_error if m.measured_error >= 0 else None,
+            "phase": m.phase, "warm": m.warm, "load_s": round(m.load_seconds, 3)}
 
 
 def _digest(path: Path) -> tuple[int, str]:
@@ -138,12 +169,21 @@ class Client:
                   replace: bool = False, progress: Progress | bool | None = None,
                   timeout: float = 600.0, precision: str | None = None,
                   max_error: float | None = None,
-                  calibration: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+                  calibration: str | os.PathLike[str] | None = None, wait: bool = True,
+                  on_phase: PhaseProgress | None = None) -> dict[str, Any]:
         """Upload a .pt2 archive saved by torch.export.save (or cuvild.export + save).
 
         `precision`: "fp32" (exact) or "auto" (the fastest plan whose outputs stay within
         `max_error` of torch eager fp32); None takes the daemon's default. `calibration`: an
-        .npz with one array per model input name, samples along axis 0 (int8 needs it)."""
+        .npz with one array per model input name, samples along axis 0 (int8 needs it).
+
+        wait=True (the default) returns once the model is READY, so the next infer runs;
+        LoadFailed if the daemon could not build it, TimeoutError if upload and build take
+        more than `timeout` seconds (see `wait_ready`). wait=False returns once the daemon
+        has the archive, while it still loads ("state": "loading"). `progress`: a
+        callable(sent, total) told of the upload, or True for lines on stderr (upload, then
+        the model's phase); `on_phase`: a callable told each phase while waiting."""
+        t0 = time.monotonic()
         path = Path(path)
         size, digest = _digest(path)
         cal_size, cal_digest = _digest(Path(calibration)) if calibration else (0, "")
@@ -167,17 +207,64 @@ class Client:
                         yield cuvil_pb2.LoadModelRequest(calibration_chunk=block)
 
         r = self._control.LoadModel(requests(), timeout=timeout)
-        return {"model": model_dict(r.model), "already_present": r.already_present,
-                "seconds": r.seconds}
+        model, waited = model_dict(r.model), 0.0
+        if wait:
+            t1 = time.monotonic()
+            model = self.wait_ready(name, r.model.version, timeout - (t1 - t0),
+                                    on_phase or (PhaseLine(name) if progress is True else None))
+            waited = time.monotonic() - t1
+        return {"model": model, "already_present": r.already_present, "seconds": r.seconds,
+                "state": model["state"], "phase": model["phase"], "wait_s": round(waited, 3)}
+
+    def wait_ready(self, name: str, version: str | None = None, timeout: float = 600.0,
+                   on_phase: PhaseProgress | None = None) -> dict[str, Any]:
+        """Wait while model `name` (its newest version unless `version`) is loading and
+        return its summary once READY. Raises LoadFailed with the daemon's reason when it
+        could not be built, and TimeoutError after `timeout` seconds naming the phase it was
+        in (the daemon goes on loading it). `on_phase` is told each new phase."""
+        deadline = time.monotonic() + timeout
+        phase = None
+        try:
+            while True:
+                model = self._find_model(name, version)
+                if on_phase and model["phase"] and model["phase"] != phase:
+                    on_phase(model["phase"])
+                phase = model["phase"]
+                if model["state"] != "loading":
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"model {name}:{model['version']} still loading after "
+                                       f"waiting {timeout:.1f} s (phase: "
+                                       f"{phase or 'unknown'}); cuvild goes on loading it")
+                time.sleep(min(POLL_S, left))
+        finally:
+            if isinstance(on_phase, PhaseLine):
+                on_phase.done()
+        if model["state"].startswith("unavailable"):
+            reason = model["state"].partition(": ")[2] or "unavailable"
+            raise LoadFailed(name, model["version"], reason)
+        return model
+
+    def _find_model(self, name: str, version: str | None) -> dict[str, Any]:
+        found = [m for m in self.models()
+                 if m["name"] == name and (not version or m["version"] == version)]
+        if not found:
+            label = f"{name}:{version}" if version else name
+            raise LoadFailed(name, version or "", f"model {label} is not registered (unloaded "
+                                                   "while it loaded?)")
+        return max(found, key=lambda m: m["created_at"])
 
     def load(self, name: str, model: Any, example_inputs: tuple[Any, ...],
              dynamic_shapes: Any = None, version: str | None = None, replace: bool = False,
              progress: Progress | bool | None = None, precision: str | None = None,
-             max_error: float | None = None,
-             calibration: list[Any] | None = None) -> dict[str, Any]:
+             max_error: float | None = None, calibration: list[Any] | None = None,
+             wait: bool = True, timeout: float = 600.0,
+             on_phase: PhaseProgress | None = None) -> dict[str, Any]:
         """Export `model` with its @partition annotations and upload it, with a precision
-        policy (see `load_file`); `calibration` is a list of samples, each the model's inputs
-        (a tensor, or a tuple of tensors in the model's order)."""
+        policy; `calibration` is a list of samples, each the model's inputs (a tensor, or a
+        tuple of tensors in the model's order). Waits until READY unless wait=False: see
+        `load_file` for that, `progress`, `on_phase` and `timeout`."""
         import torch
 
         from partitioner.annotate import export
@@ -192,8 +279,9 @@ class Client:
                 npz = Path(tmp) / "calibration.npz"
                 save_calibration(npz, names, calibration)
             return self.load_file(name, path, version=version, replace=replace,
-                                  progress=progress, precision=precision,
-                                  max_error=max_error, calibration=npz)
+                                  progress=progress, timeout=timeout, precision=precision,
+                                  max_error=max_error, calibration=npz, wait=wait,
+                                  on_phase=on_phase)
 
     def compare(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Latency and accuracy of a served model: torch eager fp32, the fp32 plan and the
@@ -206,7 +294,9 @@ class Client:
 
     def stats(self, interval: float = 1.0) -> dict[str, Any]:
         """What a person checks first: per model the request rate, p50/p99 of the recent
-        requests and errors; per device how busy it was; over `interval` seconds."""
+        requests and errors; per device how busy it was; over `interval` seconds. `loads`:
+        what the daemon's loads did since it started (archives read, plans made, parts
+        built, compiled, and restored from load records)."""
         import json
         import time
 
@@ -229,7 +319,8 @@ class Client:
                            "latency_ms": now.get("latency_ms")}
         devices = {d: (busy - first["devices"].get(d, 0.0)) / span
                    for d, busy in last["devices"].items()}
-        return {"interval_s": span, "models": models, "devices_busy": devices}
+        return {"interval_s": span, "models": models, "devices_busy": devices,
+                "loads": last.get("loads", {})}
 
     def models(self) -> list[dict[str, Any]]:
         r = self._control.ListModels(cuvil_pb2.ListModelsRequest(), timeout=self.timeout)

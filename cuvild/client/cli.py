@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from cuvild.client import Client, default_target
+from cuvild.client import Client, LoadFailed, default_target
 
 DTYPE_COLUMNS = ("fp32", "bf16", "fp16", "int8")
 
@@ -59,12 +59,19 @@ def models_table(models: list[dict[str, Any]]) -> str:
     def error(m: dict[str, Any]) -> str:
         return "-" if m["measured_error"] is None else f"{m['measured_error']:.1e}"
 
-    return format_table(
-        ["MODEL", "VERSION", "STATE", "PRECISION", "ERROR", "SIZE MB", "NODES", "ANNOTATED",
-         "SHA256", "INPUTS"],
-        [[m["name"], m["version"], m["state"].split(":")[0], policy(m), error(m),
+    def phase(m: dict[str, Any]) -> str:
+        return (m.get("phase") or "-") + (", warm" if m.get("warm") else "")
+
+    table = format_table(
+        ["MODEL", "VERSION", "STATE", "PHASE", "PRECISION", "ERROR", "SIZE MB", "NODES",
+         "ANNOTATED", "SHA256", "INPUTS"],
+        [[m["name"], m["version"], m["state"].split(":")[0], phase(m), policy(m), error(m),
           _num(m["size_bytes"] / 1e6), str(m["num_nodes"]), str(m["annotated_nodes"]),
           m["sha256"][:12], shapes(m["inputs"])] for m in models])
+    # a failed model's reason is too long for a column, and the first thing its owner needs
+    failed = [f"  {m['name']}:{m['version']} {m['state']}" for m in models
+              if m["state"].startswith("unavailable")]
+    return "\n".join([table, *failed])
 
 
 def print_status(status: dict[str, Any]) -> None:
@@ -110,19 +117,41 @@ def cmd_load(client: Client, args: argparse.Namespace) -> int:
     if args.calibration and not Path(args.calibration).is_file():
         print(f"cuvilctl: --calibration {args.calibration}: no such file", file=sys.stderr)
         return 1
-    result = client.load_file(args.name, args.file, version=args.version, replace=args.replace,
-                              progress=not args.json and sys.stderr.isatty() or None,
-                              precision=args.precision, max_error=args.max_error,
-                              calibration=args.calibration)
+    try:
+        result = client.load_file(args.name, args.file, version=args.version,
+                                  replace=args.replace,
+                                  progress=not args.json and sys.stderr.isatty() or None,
+                                  timeout=args.wait_timeout, precision=args.precision,
+                                  max_error=args.max_error, calibration=args.calibration,
+                                  wait=not args.no_wait)
+    except LoadFailed as e:
+        print(f"cuvilctl: {args.name} version {e.version} failed to load: {e}",
+              file=sys.stderr)
+        return 1
+    except TimeoutError as e:
+        print(f"cuvilctl: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        m = result["model"]
-        how = "already registered" if result["already_present"] else "registered"
-        print(f"{m['name']} version {m['version']} {how}: {m['num_nodes']} nodes "
-              f"({m['annotated_nodes']} annotated), sha256 {m['sha256'][:12]}, "
-              f"{result['seconds']:.2f} s")
+        print(load_text(result))
     return 0
+
+
+def load_text(result: dict[str, Any]) -> str:
+    m = result["model"]
+    how = "already registered" if result["already_present"] else "registered"
+    lines = [f"{m['name']} version {m['version']} {how}: {m['num_nodes']} nodes "
+             f"({m['annotated_nodes']} annotated), sha256 {m['sha256'][:12]}, "
+             f"{result['seconds']:.2f} s"]
+    if result["state"] == "ready":
+        warm = " (from its load record)" if m["warm"] else ""
+        lines.append(f"{m['name']} version {m['version']} ready{warm}: built in "
+                     f"{m['load_s']:.2f} s, waited {result['wait_s']:.2f} s")
+    elif result["state"] == "loading":
+        lines.append(f"{m['name']} version {m['version']} loading ({result['phase'] or 'queued'})"
+                     f"; `cuvilctl status` shows its phase")
+    return "\n".join(lines)
 
 
 def cmd_models(client: Client, args: argparse.Namespace) -> int:
@@ -343,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--calibration", metavar="FILE.npz", default=None,
                       help="calibration inputs, one array per model input, samples along "
                            "axis 0; int8 is tried only with them")
+    load.add_argument("--no-wait", action="store_true",
+                      help="return once uploaded, while the model still loads (default: wait "
+                           "until it is ready; a failed build exits 1 with the reason)")
+    load.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
+                      help="seconds for the upload and the build together (default 600)")
     load.add_argument("--json", action="store_true", help="machine-readable output")
     load.set_defaults(func=cmd_load)
     models = sub.add_parser("models", help="list registered models")

@@ -85,7 +85,7 @@ def run(client: Client) -> int:
     model, (x,) = reference("demo")
     print("demo: uploading DemoNet (backbone annotated @partition(device='npu'), head "
           "@partition(device='cpu'))")
-    client.load("demo", model, (x,))
+    client.load("demo", model, (x,), wait=False)  # wait_model shows its own progress
     state = wait_model(client, "demo")
     print()
     if state["state"] != "ready":
@@ -136,7 +136,7 @@ def policies(client: Client, model: Any, x: Any) -> bool:
         print(f"\ndemo: uploading DemoNet again as {name}: precision='auto', max_error="
               f"{budget:g}, {CALIBRATION} calibration inputs")
         client.load(name, model, (x,), precision="auto", max_error=budget,
-                    calibration=calibration)
+                    calibration=calibration, wait=False)
         if wait_model(client, name)["state"] != "ready":
             print(f"demo: {name} failed to load", file=sys.stderr)
             return False

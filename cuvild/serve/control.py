@@ -107,6 +107,9 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         served = self._models.get(record.name, record.version) if self._models else None
         if served is not None:
             summary.state = served.state.lower() + (f": {served.reason}" if served.reason else "")
+            # what `Client.load(wait=True)` and `cuvilctl status` show while it loads
+            summary.phase, summary.warm = served.phase, served.warm
+            summary.load_seconds = served.prepare_s
             accuracy = served.loaded.accuracy if served.loaded else None
             if accuracy is not None:  # the policy in force, and what the load measured
                 summary.precision, summary.max_error = accuracy.policy, accuracy.max_error or 0
@@ -138,8 +141,10 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                               "but cuvild is stopping; it loads at the next start")
         log.info("model %s:%s %s (%d bytes, %.2f s)", record.name, record.version,
                  "already registered" if present else "registered", record.size_bytes, seconds)
-        return cuvil_pb2.LoadModelResponse(model=record_to_pb(record), already_present=present,
-                                           seconds=seconds)
+        # The model as it is served now ("loading" and its phase, or "ready" when the same
+        # archive was loaded before), so a client that does not wait knows where it stands.
+        return cuvil_pb2.LoadModelResponse(model=self._summary(record),
+                                           already_present=present, seconds=seconds)
 
     def _receive(self, requests: Iterator[cuvil_pb2.LoadModelRequest],
                  stream: Any) -> tuple[ModelRecord, bool]:
@@ -240,7 +245,10 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         if self._metrics is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "metrics are off (metrics.enabled: false in the config)")
-        return cuvil_pb2.GetStatsResponse(stats_json=json.dumps(self._metrics.snapshot()))
+        stats = self._metrics.snapshot()
+        if self._models is not None:  # what loads did since start (cuvild/engine/warm.py)
+            stats["loads"] = dict(self._models.engine.counters)
+        return cuvil_pb2.GetStatsResponse(stats_json=json.dumps(stats))
 
     def _replan(self, served, objective: str):  # noqa: ANN001, ANN202
         """A fresh plan, priced with what measured parts taught the cost model (this model's

@@ -100,7 +100,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     def ServerReady(self, request, context):  # noqa: N802
-        return pb.ServerReadyResponse(ready=True)
+        """Ready once no registered model is still loading (each is READY or failed), as
+        Triton's strict readiness: a readiness probe holds traffic until then. A failed model
+        does not hold it; ModelReady and the model's state say which one failed."""
+        return pb.ServerReadyResponse(
+            ready=not any(m.state == "LOADING" for m in self.models.all()))
 
     def ServerMetadata(self, request, context):  # noqa: N802
         extensions = ["model_repository"] + (["system_shared_memory"] if self.shm_enabled else [])

@@ -68,11 +68,11 @@ def main() -> dict[str, Any]:
         daemon = DaemonProcess(work, config).start()
         with Client(daemon.target) as client:
             t0 = time.perf_counter()
-            cold = client.load_file("resnet18", res)
+            cold = client.load_file("resnet18", res, wait=False)  # the upload only
             out["resnet18_load_cold_s"] = time.perf_counter() - t0
             out["resnet18_daemon_cold_s"] = cold["seconds"]
             t0 = time.perf_counter()
-            warm = client.load_file("resnet18", res, version="2")
+            warm = client.load_file("resnet18", res, version="2", wait=False)
             out["resnet18_load_warm_s"] = time.perf_counter() - t0
             out["resnet18_daemon_warm_s"] = warm["seconds"]
             size = big.stat().st_size
@@ -80,7 +80,7 @@ def main() -> dict[str, Any]:
             seconds = transfer_only(daemon.target, big)
             out["upload_transfer_mb_s"] = size / 1e6 / seconds
             t0 = time.perf_counter()
-            client.load_file("big", big)
+            client.load_file("big", big, wait=False)
             out["upload_with_validation_mb_s"] = size / 1e6 / (time.perf_counter() - t0)
         daemon.stop()
         daemon.close()

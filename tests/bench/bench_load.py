@@ -174,7 +174,8 @@ def main(clients: int, requests: int) -> dict[str, Any]:
             result["rss_after_mib"] = round(rss_mib(pid), 1)
             # (b) health while 16 model loads wait on a model that is building
             with Client(daemon.target) as c:
-                c.load("slow", samples.MLP(width=64, depth=4).eval(), (torch.randn(1, 64),))
+                c.load("slow", samples.MLP(width=64, depth=4).eval(), (torch.randn(1, 64),),
+                       wait=False)  # still building while the loads below wait on it
             triton = grpcclient.InferenceServerClient(url=daemon.target)
             outcome: Counter = Counter()
 

@@ -353,9 +353,10 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
                 daemon.start()
                 controls[label] = control = Client(daemon.target, timeout=120)
                 model, inputs = reference("resnet18", 1)
-                control.load("resnet18", model, inputs)
+                control.load("resnet18", model, inputs, wait=False)  # timed below
                 torch.manual_seed(0)
-                control.load("tiny", MLP(width=16, depth=1).eval(), (torch.randn(1, 16),))
+                control.load("tiny", MLP(width=16, depth=1).eval(), (torch.randn(1, 16),),
+                             wait=False)
                 # One daemon at a time: runtimes are chosen by timing them, on a quiet host.
                 t0 = time.perf_counter()
                 wait_ready(control, {"resnet18", "tiny"}, daemon)

@@ -337,7 +337,8 @@ def test_stalled_uploads_are_cancelled_and_counted_once_for_every_listener(harde
 def test_health_answers_while_long_calls_fill_the_handlers(hardened):
     daemon, x, _ = hardened
     with Client(daemon.target) as client:  # a model still building holds its load calls
-        client.load("slow", samples.MLP(width=32, depth=3).eval(), (torch.randn(1, 32),))
+        client.load("slow", samples.MLP(width=32, depth=3).eval(), (torch.randn(1, 32),),
+                    wait=False)
     channel, stub = _inference(daemon.target)
     calls = [stub.RepositoryModelLoad.future(
         inference_pb2.RepositoryModelLoadRequest(model_name="slow"), timeout=120)
@@ -347,7 +348,7 @@ def test_health_answers_while_long_calls_fill_the_handlers(hardened):
         for _ in range(20):
             t0 = time.perf_counter()
             assert stub.ServerLive(inference_pb2.ServerLiveRequest(), timeout=2).live
-            assert stub.ServerReady(inference_pb2.ServerReadyRequest(), timeout=2).ready
+            stub.ServerReady(inference_pb2.ServerReadyRequest(), timeout=2)  # "slow" loads: no
             live.append(time.perf_counter() - t0)
         codes = []
         for call in calls:
