@@ -124,6 +124,33 @@ def feed_order(model_inputs: Sequence[str], part_inputs: Sequence[str]) -> list[
                        f"{list(part_inputs)}")
 
 
+def as_array(value: Any) -> Any:
+    """A numpy view of a host tensor (no copy unless it is not contiguous); arrays as they
+    are."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return value
+    return value.detach().contiguous().numpy()
+
+
+def like_inputs(inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
+    """A run's numpy outputs as torch tensors when its inputs were torch tensors, else as
+    numpy arrays: a worker that never imported torch runs OpenVINO and ONNX Runtime parts on
+    numpy views (cuvild/engine/worker.py)."""
+    import sys
+
+    import numpy as np
+
+    arrays = (isinstance(inputs[0], np.ndarray) if inputs
+              else "torch" not in sys.modules)
+    if arrays:
+        return list(outputs)
+    import torch
+
+    return [torch.from_numpy(a) for a in outputs]
+
+
 def read_meta(path: Path, runtime: str, format: int) -> dict[str, Any]:
     """A cache entry's own metadata file; RuntimeError when it was written in another format
     (the compile cache then rebuilds the entry)."""

@@ -20,13 +20,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import fx
+from typing import TYPE_CHECKING, Any
 
 from partitioner.profile import DeviceProfile
 from runtimes.base import fsync_dir, write_atomic
+
+if TYPE_CHECKING:  # torch is imported only to hash a graph: a worker that loads builds
+    from torch import fx  # from the cache need not import it (cuvild/engine/worker.py)
 
 log = logging.getLogger(__name__)
 PRIOR_KEEP = 20  # times and compile times kept per runtime: recent ones, so upgrades show
@@ -34,6 +34,8 @@ PRIOR_KEEP = 20  # times and compile times kept per runtime: recent ones, so upg
 
 def graph_digest(module: fx.GraphModule) -> str:
     """Hash of a part: its code and every weight's dtype, shape and bytes."""
+    import torch
+
     h = hashlib.sha256(module.code.encode())
     for name, tensor in sorted({**dict(module.named_buffers()),
                                 **dict(module.named_parameters())}.items()):

@@ -40,33 +40,35 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import fx
+import numpy as np
 
 from runtimes.base import (
     CompileError,
     CompileSpec,
     Executable,
     Runtime,
+    as_array,
     feed_order,
     installed,
+    like_inputs,
     read_meta,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch only to compile: a worker loading cached builds never imports it
     import onnxruntime as ort
+    import torch
+    from torch import fx
 
 MODEL = "part.onnx"
 META = "onnxruntime.json"
 META_FORMAT = 1
 EXPORTER_PACKAGES = ("onnx", "onnxscript")  # torch.onnx.export(dynamo=True) needs them
 
-# ONNX tensor element types -> torch dtypes, for binding output buffers.
+# ONNX tensor element types -> numpy dtypes, for binding output buffers.
 ONNX_DTYPES = {
-    "tensor(float)": torch.float32, "tensor(double)": torch.float64,
-    "tensor(float16)": torch.float16, "tensor(int64)": torch.int64,
-    "tensor(int32)": torch.int32, "tensor(int16)": torch.int16, "tensor(int8)": torch.int8,
-    "tensor(uint8)": torch.uint8, "tensor(bool)": torch.bool,
+    "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16",
+    "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(bool)": "bool",
 }
 
 
@@ -117,21 +119,21 @@ class ONNXExecutable(Executable):
         # (a non-contiguous input's contiguous copy lives nowhere else).
         alive = []
         for name, i in zip(self._inputs, self.feed, strict=True):
-            value = ort.OrtValue.ortvalue_from_numpy(inputs[i].detach().contiguous().numpy())
+            value = ort.OrtValue.ortvalue_from_numpy(as_array(inputs[i]))
             binding.bind_ortvalue_input(name, value)
             alive.append(value)
         if not self._static:
             for name, _, _ in self._outputs:
                 binding.bind_output(name, "cpu")
             self.session.run_with_iobinding(binding)
-            return [torch.from_numpy(v.numpy().copy()) for v in binding.get_outputs()]
+            return like_inputs(inputs, [v.numpy().copy() for v in binding.get_outputs()])
         outputs = []
         for name, shape, dtype in self._outputs:
-            out = torch.empty(shape, dtype=dtype)
-            binding.bind_output(name, "cpu", 0, out.numpy().dtype, list(shape), out.data_ptr())
+            out = np.empty(shape, dtype=dtype)
+            binding.bind_output(name, "cpu", 0, out.dtype, list(shape), out.ctypes.data)
             outputs.append(out)
         self.session.run_with_iobinding(binding)
-        return outputs
+        return like_inputs(inputs, outputs)
 
     def save(self, directory: Path) -> None:
         directory = Path(directory)
@@ -223,6 +225,8 @@ class ONNXRuntime(Runtime):
     def _build(self, part: fx.GraphModule, example: tuple[torch.Tensor, ...], workdir: Path,
                threads: int, calibration: list[list[torch.Tensor]] | None = None,
                ) -> ONNXExecutable:
+        import torch
+
         try:
             exported = torch.export.export(part, example)
             program = torch.onnx.export(exported, example, dynamo=True, verbose=False)

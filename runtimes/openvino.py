@@ -46,14 +46,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import fx
-
 from partitioner.profile import DeviceProfile
-from runtimes.base import CompileError, CompileSpec, Executable, Runtime, feed_order, read_meta
+from runtimes.base import (
+    CompileError,
+    CompileSpec,
+    Executable,
+    Runtime,
+    as_array,
+    feed_order,
+    like_inputs,
+    read_meta,
+)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch only to compile: a worker loading cached builds never imports it
     import openvino as ov
+    import torch
+    from torch import fx
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +165,6 @@ def compile_config(device: str, precision: str, threads: int) -> dict[str, Any]:
     return config
 
 
-def as_array(tensor: torch.Tensor) -> Any:
-    """A numpy view of a host tensor (no copy unless it is not contiguous)."""
-    return tensor.detach().contiguous().numpy()
-
-
 class OpenVINOExecutable(Executable):
     runtime = "openvino"
 
@@ -177,7 +180,7 @@ class OpenVINOExecutable(Executable):
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         arrays = [as_array(inputs[i]) for i in self.feed]
         result = self._request.infer(arrays, share_inputs=True, share_outputs=False)
-        return [torch.from_numpy(a) for a in result.to_tuple()]
+        return like_inputs(inputs, result.to_tuple())
 
     def save(self, directory: Path) -> None:
         ov = _openvino()
@@ -229,6 +232,8 @@ class OpenVINORuntime(Runtime):
         return self._core
 
     def supports(self, node: fx.Node) -> bool:
+        import torch
+
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             return True
         return str(node.target).rsplit(".", 1)[0] not in UNSUPPORTED_OPS
@@ -246,6 +251,8 @@ class OpenVINORuntime(Runtime):
 
     def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
         """Export, convert, reshape to the example shapes and compile for the device."""
+        import torch
+
         ov = _openvino()
         device = self._target(spec)
         example = tuple(t.detach() for t in spec.example_inputs)

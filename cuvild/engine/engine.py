@@ -167,10 +167,6 @@ class Engine:
         devices, software) comes back from its load record (cuvild/engine/warm.py) with
         nothing planned or compiled (cold=False: only so, else None); `progress` is told
         each phase."""
-        from cuvild.intake.safe_load import load_exported_program
-        from partitioner.plan import plan_model
-        from partitioner.split import split_program
-
         policy = policy or PrecisionPolicy()
         say = progress or (lambda phase: None)
         record_at = warm.directory(self.cache_dir, warm.key(
@@ -185,6 +181,10 @@ class Engine:
                 log.warning("model %s: load record not used (%s); building it again", key, e)
         if not cold:
             return None
+        from cuvild.intake.safe_load import load_exported_program  # (torch: cold path only)
+        from partitioner.plan import plan_model
+        from partitioner.split import split_program
+
         say("reading the archive")
         ep = load_exported_program(archive)
         self.counters["archive_loads"] += 1
@@ -246,7 +246,7 @@ class Engine:
         plan.notes += model.accuracy.notes
         self.models[key] = model
         try:
-            warm.write(record_at, model, expected)
+            warm.write(record_at, model, inputs, expected)
         except OSError as e:
             log.warning("model %s: load record not written (%s)", key, e)
         return model
@@ -305,7 +305,7 @@ class Engine:
         taught = []
         for route in model.routes:
             part = parts.get(route.id)
-            runs = sorted(route.measured_ms)
+            runs = sorted(route.measured_ms[:FEEDBACK_RUNS])  # (the runs that triggered it)
             if part is None or not part.class_ms or len(runs) < min_runs:
                 continue
             taught.append((route.device, route.runtime, part.class_ms,

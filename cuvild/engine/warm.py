@@ -4,7 +4,9 @@ A load derives a plan, a split, each part's runtime and precision (by compiling 
 candidates), an arena layout and torch eager's outputs on the check inputs. The record keeps
 all of it, in the compile cache (`loads/<key>/`), so a restart reads one JSON file, has each
 worker load its parts' cached executables (a `Restore` order: no archive, no split, nothing
-compiled or timed), and checks the model once end to end against the recorded eager outputs.
+compiled or timed), and checks the model once end to end against the recorded eager outputs
+on the recorded check inputs. None of it imports torch: in the daemon, nor in a worker whose
+parts run on OpenVINO or ONNX Runtime (cuvild/engine/views.py).
 
 The key holds everything the derivation depended on: the archive's digest, its input specs,
 the objective, the precision policy, the devices (kind, name, features, cores, runtimes) and
@@ -33,7 +35,8 @@ from cuvild.engine import precision
 from cuvild.engine.errors import InferError
 from cuvild.engine.layout import Slot, input_table
 from cuvild.engine.loaded import LoadedModel, Route, cut_bytes
-from cuvild.engine.orders import Built, Reply, Restore, Variant
+from cuvild.engine.orders import Built, RawTensor, Reply, Restore, Variant
+from cuvild.engine.views import NUMPY
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 FORMAT = 1
-RECORD, EXPECTED = "record.json", "expected.npz"
+RECORD, EXPECTED = "record.json", "check.npz"  # the check inputs and eager's outputs
 
 
 class Stale(RuntimeError):
@@ -87,12 +90,16 @@ def devices_of(record: dict[str, Any]) -> set[str]:
 
 
 def recordable(model: LoadedModel) -> bool:
+    """Static shapes, inputs and outputs numpy can hold (the check runs without torch), and
+    every part on a runtime that caches its builds."""
     return (not model.dynamic and model.accuracy is not None
+            and all(model.slots[n].dtype in NUMPY for n in model.inputs + model.outputs)
             and all(r.variants.get(r.precision) and r.variants[r.precision].part_key
                     and r.runtime != "torch" for r in model.routes))
 
 
-def write(where: Path, model: LoadedModel, expected: list[list[Any]]) -> None:
+def write(where: Path, model: LoadedModel, inputs: list[list[Any]],
+          expected: list[list[Any]]) -> None:
     """Record what the load derived (written to a temporary directory, then renamed)."""
     import numpy as np
 
@@ -114,8 +121,11 @@ def write(where: Path, model: LoadedModel, expected: list[list[Any]]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        np.savez(tmp / EXPECTED, **{f"o{i}_{j}": t.numpy() for i, outs in enumerate(expected)
-                                    for j, t in enumerate(outs)})
+        arrays = {f"i{i}_{j}": t.numpy() for i, xs in enumerate(inputs)
+                  for j, t in enumerate(xs)}
+        arrays |= {f"o{i}_{j}": t.numpy() for i, ys in enumerate(expected)
+                   for j, t in enumerate(ys)}
+        np.savez(tmp / EXPECTED, **arrays)
         (tmp / RECORD).write_text(json.dumps(record, indent=1))
         shutil.rmtree(where, ignore_errors=True)
         tmp.rename(where)
@@ -162,7 +172,7 @@ def restore(engine: Any, where: Path, record: dict[str, Any], key_: str, name: s
     engine.models[key_] = model  # (served only once the manager marks it READY)
     try:
         load_parts(engine, model)
-        _check(engine, model, where, policy)
+        _check(engine, model, where)
     except BaseException:
         engine.unload(key_)
         raise
@@ -192,25 +202,34 @@ def load_parts(engine: Any, model: LoadedModel, only_device: str | None = None) 
         engine.counters["restored"] += 1
 
 
-def _check(engine: Any, model: LoadedModel, where: Path, policy: PrecisionPolicy) -> None:
-    """Run the model on the check inputs: its outputs must still match torch eager's, as
-    recorded, within what the load measured (twice that, at least 1e-5, at most the budget)."""
+def _check(engine: Any, model: LoadedModel, where: Path) -> None:
+    """Run the model on the recorded check inputs (bytes in, bytes out: no torch): its
+    outputs must still match torch eager's, as recorded, within what the load measured
+    (twice that, at least 1e-5, at most the budget)."""
     import numpy as np
-    import torch
 
+    n_in, n_out = len(model.inputs), len(model.outputs)
     try:
         with np.load(where / EXPECTED, allow_pickle=False) as data:
-            expected = [[torch.from_numpy(data[f"o{i}_{j}"]) for j in range(len(model.outputs))]
-                        for i in range(len(data.files) // max(len(model.outputs), 1))]
+            rows = len(data.files) // max(n_in + n_out, 1)
+            inputs = [[data[f"i{i}_{j}"] for j in range(n_in)] for i in range(rows)]
+            expected = [[data[f"o{i}_{j}"] for j in range(n_out)] for i in range(rows)]
     except (OSError, ValueError, KeyError) as e:
-        raise Stale(f"the recorded outputs do not read ({e})") from None
-    inputs = precision.check_inputs(model, policy)
-    if len(inputs) != len(expected):
-        raise Stale("the record's check inputs changed")
+        raise Stale(f"the recorded check does not read ({e})") from None
+    errors, times = [], []
     try:
-        now = precision.check(engine, model, inputs, expected)
+        for xs, want in zip(inputs, expected, strict=True):
+            t0 = time.perf_counter()
+            got = engine.run(model, [RawTensor(x.tobytes(), str(x.dtype), x.shape) for x in xs],
+                             raw=True)
+            times.append((time.perf_counter() - t0) * 1e3)
+            errors.append(max((_error(np.frombuffer(g, w.dtype).reshape(w.shape), w)
+                               for g, w in zip(got, want, strict=True)), default=0.0))
     except InferError as e:
         raise Stale(f"the restored parts do not run: {e}") from None
+    now = precision.Check(max(errors, default=0.0),
+                          model.accuracy.chosen.top1 if model.accuracy.chosen else None,
+                          sorted(times)[len(times) // 2] if times else 0.0)
     recorded = model.accuracy.chosen.error if model.accuracy.chosen else 0.0
     bound = max(2 * recorded, 1e-5)
     if model.accuracy.max_error is not None:
@@ -219,3 +238,16 @@ def _check(engine: Any, model: LoadedModel, where: Path, policy: PrecisionPolicy
         raise Stale(f"outputs measure {now.error:.1e} from torch eager now, {recorded:.1e} "
                     "when recorded")
     model.accuracy.chosen = now
+
+
+def _error(out: Any, ref: Any) -> float:
+    """runtimes.base.relative_error, in numpy: max |a - b| / max |b| (integers: 1 when any
+    element differs)."""
+    import numpy as np
+
+    if out.shape != ref.shape or out.size == 0:
+        return float("inf") if out.shape != ref.shape else 0.0
+    if not np.issubdtype(ref.dtype, np.floating):
+        return float((out != ref).any())
+    ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
+    return float(np.abs(out64 - ref64).max() / max(np.abs(ref64).max(), 1e-12))

@@ -3,10 +3,11 @@
 It takes typed orders (cuvild/engine/orders.py) from a pipe and answers each with a Reply
 tagged with the order's id: on the main pipe, or on the `direct` pipe when the daemon's
 calling thread reads the reply itself. Runs (and Forgets) are answered by the loop that reads
-the pipe, in order; Builds, Chooses and Unloads, in their own order, by a second thread, so a
-bucket's build (seconds) never holds up the runs of the parts already built. Tensors never
-travel through the pipe, only references into shared memory: the arena's are wrapped in place
-(`torch.frombuffer`, once per place, then reused); a client's are checked on every use
+the pipe, in order; Builds, Restores, Chooses and Unloads, in their own order, by a second
+thread, so a bucket's build (seconds) never holds up the runs of the parts already built.
+Tensors never travel through the pipe, only references into shared memory: the arena's are
+wrapped in place (once per place, then reused: numpy arrays in a worker that never needed
+torch, cuvild/engine/views.py); a client's are checked on every use
 (cuvild/engine/clientmem.py).
 
 The same `serve` loop runs in a process (the default: a crashing compiler or driver takes down
@@ -26,6 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from cuvild.engine import views
 from cuvild.engine.clientmem import ClientObjects, Key, RegionGone
 from cuvild.engine.dtypes import nbytes
 from cuvild.engine.orders import (
@@ -116,14 +118,11 @@ class Worker:
         return view
 
     def _view(self, ref: TensorRef) -> Any:
-        import torch
-
         from cuvild.engine.arena import Segment
 
-        dtype = getattr(torch, ref.dtype)
         size = nbytes(ref.dtype, ref.shape)
         if size == 0:
-            return torch.empty(ref.shape, dtype=dtype)
+            return views.empty(ref.dtype, ref.shape)
         if ref.inode:  # pinned to the inode it was registered with: a replacement is refused
             raw = self.clients.get(ref.segment, ref.inode).view(ref.offset, size)
         else:  # the arena's segment names are never reused
@@ -132,36 +131,29 @@ class Worker:
                 seg = self.segments[ref.segment] = Segment(ref.segment, 0, create=False,
                                                            lock=False)
             raw = seg.view(ref.offset, size)
-        return torch.frombuffer(raw, dtype=dtype).view(ref.shape)
+        return views.frombuffer(raw, ref.dtype, ref.shape)
 
     def _input(self, ref: TensorRef) -> Any:
         """An input: in place, but a client's bytes in a worker thread as a fresh copy read
         through the descriptor (a shrunk object is a short read, not a SIGBUS)."""
         if not (ref.inode and self.in_process):
             return self.tensor(ref)
-        import torch
-
-        dtype, size = getattr(torch, ref.dtype), nbytes(ref.dtype, ref.shape)
-        if size == 0:
-            return torch.empty(ref.shape, dtype=dtype)
-        buf = torch.empty(size, dtype=torch.uint8)
-        self.clients.get(ref.segment, ref.inode).read(ref.offset, memoryview(buf.numpy()))
-        return buf.view(dtype).view(ref.shape)
+        size = nbytes(ref.dtype, ref.shape)
+        buf = bytearray(size)
+        if size:
+            self.clients.get(ref.segment, ref.inode).read(ref.offset, memoryview(buf))
+        return views.frombuffer(buf, ref.dtype, ref.shape) if size else views.empty(
+            ref.dtype, ref.shape)
 
     def _output(self, out: Any, ref: TensorRef) -> None:
         if tuple(out.shape) != tuple(ref.shape):
             raise ValueError(f"output shape {tuple(out.shape)} != planned {ref.shape}")
         if ref.inode and self.in_process:  # written through the descriptor, never mapped
-            import torch
-
-            data = out.to(getattr(torch, ref.dtype)).contiguous().reshape(-1)
-            if data.numel():
-                self.clients.get(ref.segment, ref.inode).write(
-                    ref.offset, memoryview(data.view(torch.uint8).numpy()))
+            data = views.as_bytes(out, ref.dtype)
+            if data.nbytes:
+                self.clients.get(ref.segment, ref.inode).write(ref.offset, data)
             return
-        dst = self.tensor(ref)
-        if dst.data_ptr() != out.data_ptr():  # the runtime did not write in place
-            dst.copy_(out)
+        views.copy_into(self.tensor(ref), out)
 
     def _drop_views(self, key: Key) -> None:
         for ref in [r for r in self.views if (r.segment, r.inode) == key]:
@@ -174,7 +166,12 @@ class Worker:
 
     # -- parts -------------------------------------------------------------------------
     def build(self, order: Build) -> Built:
+        import torch
+
         from cuvild.engine.build import build_model_part, forget, variants
+
+        if not self.in_process:  # this worker's cores (torch may be imported only now)
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
 
         try:
             built, tried = build_model_part(order, self.device, self.cache)
@@ -190,9 +187,8 @@ class Worker:
                      variants(built))
 
     def restore(self, order: Restore) -> Built:
-        """A part's executable straight from the compile cache (a load record's)."""
-        import torch
-
+        """A part's executable straight from the compile cache (a load record's): torch is
+        not imported for it (a loaded build needs no example tensors)."""
         from runtimes import registry
         from runtimes.base import CompileSpec
 
@@ -202,10 +198,7 @@ class Worker:
         if entry is None:
             raise LookupError(f"no cached {order.runtime} {rt.version()} build of part "
                               f"{order.part} (evicted, or built by another version)")
-        spec = CompileSpec(self.device, order.precision,
-                           [torch.zeros(shape, dtype=getattr(torch, dtype))
-                            for dtype, shape in order.shapes],
-                           threads=max(len(self.device.cores), 1))
+        spec = CompileSpec(self.device, order.precision, threads=max(len(self.device.cores), 1))
         self.parts[(order.model, order.part)] = rt.load(entry, spec)
         return Built(order.runtime, True)
 
@@ -329,10 +322,7 @@ def _pin(device: DeviceProfile) -> None:
     cores = device.cores or sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores)
     os.environ.update({"OMP_NUM_THREADS": str(len(cores)), "OMP_WAIT_POLICY": "PASSIVE",
-                       "KMP_BLOCKTIME": "0"})
-    import torch
-
-    torch.set_num_threads(len(cores))
+                       "KMP_BLOCKTIME": "0"})  # (torch, imported only to build, reads them)
 
 
 def _quiet() -> None:

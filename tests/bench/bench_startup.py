@@ -1,5 +1,12 @@
-"""Daemon readiness (cold: devices measured; warm: cached profile) and the measured CPU
-profile next to what a plain torch loop gives, in one run. `make bench` runs it."""
+"""Start-up, in one run (`make bench` runs it):
+
+- daemon readiness (cold: devices measured; warm: cached profile), and the measured CPU
+  profile next to what a plain torch loop gives;
+- per reference model (resnet18, bert4): the cold build (upload to READY) against the compile
+  time of the fastest single candidate, the time from `Client.load` returning to the first
+  correct result, a restart's time to serve it again (process start to model READY, from its
+  load record), and the daemon tree's memory (PSS, shared pages counted once) serving it,
+  after the cold load and after the restart, against one process running it eagerly."""
 
 from __future__ import annotations
 
@@ -65,7 +72,119 @@ def torch_loop(threads: int) -> dict[str, float]:
     return out
 
 
+def pss_mib(pids: list[int]) -> float:
+    """Proportional set size of these processes together (shared pages counted once)."""
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+def tree(pid: int) -> list[int]:
+    """A process and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").iterdir():
+            children = (task / "children").read_text().split()
+            todo += [int(c) for c in children]
+    return out
+
+
+EAGER = """
+import sys, torch
+from cuvild.client.samples import reference
+torch.set_num_threads({threads})
+model, x = reference("{name}")
+with torch.no_grad():
+    for _ in range(20):
+        model(*x)
+rollup = open("/proc/self/smaps_rollup").read().splitlines()
+print(sum(int(l.split()[1]) for l in rollup if l.startswith("Pss:")) / 1024)
+"""
+
+
+def model_startup(name: str, runs: int = 20) -> dict[str, Any]:
+    import subprocess
+
+    import torch
+
+    from cuvild.client.samples import reference
+
+    model, x = reference(name)
+    with torch.no_grad():
+        expected = model(*x)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="cuvil-bench-") as tmp:
+        root = Path(tmp)
+        work = root / "w"
+        work.mkdir()
+        config = daemon_config(work, root / "state", root,
+                               devices={"cpu": {"cores": None}, "emulated": []})
+        daemon = DaemonProcess(work, config).start()
+        try:
+            with Client(daemon.target) as client:
+                t0 = time.perf_counter()
+                loaded = client.load(name, model, x)
+                out["cold_load_s"] = time.perf_counter() - t0
+                out["cold_build_s"] = loaded["model"]["load_s"]
+                t0 = time.perf_counter()
+                (got,) = client.infer(name, x[0]).values()
+                torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+                out["load_return_to_first_result_s"] = time.perf_counter() - t0
+                candidates = [c for part in client.plan(name)["measured"].values()
+                              for c in part["candidates"]]
+                compiled = [c for c in candidates if c["status"] in ("ok", "inaccurate")
+                            and not c["cached"]]
+                by_part = {}
+                for part, m in client.plan(name)["measured"].items():
+                    times = [c["compile_s"] for c in m["candidates"]
+                             if c["status"] in ("ok", "inaccurate") and not c["cached"]]
+                    by_part[part] = min(times, default=0.0)
+                out["fastest_candidate_compile_s"] = sum(by_part.values())
+                out["candidates"] = {c["runtime"]: (c["status"], round(c["compile_s"], 2))
+                                     for c in candidates}
+                out["compiled"] = len(compiled)
+                for _ in range(runs):
+                    client.infer(name, x[0])
+                out["pss_after_cold_load_mib"] = pss_mib(tree(daemon.proc.pid))
+            daemon.stop()
+            again = DaemonProcess(work, config)
+            t0 = time.perf_counter()
+            again.start()
+            out["restart_daemon_ready_s"] = time.perf_counter() - t0
+            with Client(again.target) as client:
+                client.wait_ready(name, timeout=300)
+                out["restart_to_model_ready_s"] = time.perf_counter() - t0
+                (got,) = client.infer(name, x[0]).values()
+                torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+                out["restart_to_first_result_s"] = time.perf_counter() - t0
+                (summary,) = client.models()
+                out["restart_warm"] = summary["warm"]
+                out["restart_loads"] = client.stats(interval=0.01)["loads"]
+                for _ in range(runs):
+                    client.infer(name, x[0])
+                out["pss_after_restart_mib"] = pss_mib(tree(again.proc.pid))
+                out["pss_after_restart_daemon_mib"] = pss_mib([again.proc.pid])
+            again.stop()
+        finally:
+            daemon.close()
+    eager = subprocess.run([sys.executable, "-c", EAGER.format(
+        name=name, threads=len(os.sched_getaffinity(0)))], capture_output=True, text=True,
+        check=True, cwd=Path(__file__).resolve().parents[2])
+    out["pss_eager_mib"] = float(eager.stdout.strip().splitlines()[-1])
+    out["pss_ratio_cold"] = out["pss_after_cold_load_mib"] / out["pss_eager_mib"]
+    out["pss_ratio_restart"] = out["pss_after_restart_mib"] / out["pss_eager_mib"]
+    out["cold_build_vs_fastest_compile"] = (out["cold_build_s"]
+                                            / max(out["fastest_candidate_compile_s"], 1e-9))
+    return out
+
+
 def main() -> dict[str, Any]:
+    models = {name: model_startup(name) for name in ("resnet18", "bert4")}
     ready = readiness()
     loop = torch_loop(len(os.sched_getaffinity(0)))
     prof = ready["cpu_profile"]
@@ -79,6 +198,7 @@ def main() -> dict[str, Any]:
             "profile_mem_bw_gbs": prof["mem_bw_gbs"],
             "loop_read_gbs": loop["read_gbs"],
         },
+        "models": models,
     }
     return result
 
@@ -99,3 +219,16 @@ if __name__ == "__main__":
                   f"torch.matmul 2048^3 loop {c[f'loop_{key}_gflops']:.0f} GFLOP/s")
         print(f"  read bandwidth: profile {c['profile_mem_bw_gbs']:.1f} GB/s, "
               f"torch sum loop {c['loop_read_gbs']:.1f} GB/s")
+        for name, m in result["models"].items():
+            print(f"{name}: cold build {m['cold_build_s']:.2f} s vs fastest candidate's "
+                  f"compile {m['fastest_candidate_compile_s']:.2f} s "
+                  f"({m['cold_build_vs_fastest_compile']:.1f}x; tried {m['candidates']}); "
+                  f"load return -> first result {m['load_return_to_first_result_s']:.3f} s")
+            print(f"  restart -> daemon ready {m['restart_daemon_ready_s']:.2f} s, model READY "
+                  f"{m['restart_to_model_ready_s']:.2f} s, first result "
+                  f"{m['restart_to_first_result_s']:.2f} s (warm {m['restart_warm']}, "
+                  f"loads {m['restart_loads']})")
+            print(f"  PSS daemon tree: {m['pss_after_cold_load_mib']:.0f} MiB after the cold "
+                  f"load ({m['pss_ratio_cold']:.2f}x eager), {m['pss_after_restart_mib']:.0f} "
+                  f"MiB after a restart ({m['pss_ratio_restart']:.2f}x); eager process "
+                  f"{m['pss_eager_mib']:.0f} MiB")

@@ -95,6 +95,9 @@ def test_a_restart_plans_and_compiles_nothing(tmp_path, arena, model):
         assert second.plan.parts[0].runtime == "openvino"
         assert second.accuracy.chosen.error <= 1e-5
         served_right(engine, model)
+        # the worker runs its OpenVINO part on numpy views: torch never loaded there
+        maps = Path(f"/proc/{engine.workers['cpu0'].process.pid}/maps").read_text()
+        assert "libtorch" not in maps and "openvino" in maps
     finally:
         engine.close()
 

@@ -20,7 +20,7 @@ from cuvild.client import Client, LoadFailed, samples
 from protos import inference_pb2, inference_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
-from daemons import DaemonProcess, daemon_config  # noqa: E402
+from daemons import DaemonProcess, daemon_config, worker_processes  # noqa: E402
 
 pytestmark = pytest.mark.daemon
 BUILD_FAILED = r"InferError: building part p\d+ for cpu0 failed: .*fp16"
@@ -161,4 +161,7 @@ def test_a_restart_serves_from_the_load_record(make_daemon, tmp_path):
         assert client.stats(interval=0.01)["loads"] == {"restored": 1}
         (out,) = client.infer("onnpu", x).values()
         torch.testing.assert_close(out, expected)
+    # restored and served without torch, in the daemon and in its workers
+    for pid in [again.proc.pid] + [int(p.name) for p in worker_processes(again.proc.pid)]:
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
     assert "(from its load record)" in again.log()
