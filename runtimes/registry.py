@@ -7,6 +7,8 @@ costs nothing and shows up as a reason, not a crash.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from partitioner.profile import RUNTIMES_BY_KIND, DeviceProfile
 from runtimes.base import Runtime, RuntimeUnavailable
@@ -64,3 +66,40 @@ def allowed_runtimes(cfg_runtimes: dict[str, list[str]],
         if key in cfg_runtimes:
             return list(cfg_runtimes[key])
     return None
+
+
+def support(devices: Iterable[DeviceProfile],
+            cfg_runtimes: dict[str, list[str]]) -> dict[str, Callable[[Any], bool]]:
+    """Per device, whether one of the runtimes it may use can run a node: ops no runtime of a
+    device supports cost infinity there, so the planner places them elsewhere and says why."""
+    out: dict[str, Callable[[Any], bool]] = {}
+    for dev in devices:
+        allowed = allowed_runtimes(cfg_runtimes, dev)
+        usable = []
+        for name in candidates_for(dev, "fp32", "auto"):
+            if allowed is not None and name not in allowed:
+                continue
+            try:
+                usable.append(get(name))
+            except RuntimeUnavailable:
+                continue
+
+        def supported(cnode: Any, runtimes: list[Runtime] = usable) -> bool:
+            node = getattr(cnode, "fx_node", None)
+            return node is None or any(rt.supports(node) for rt in runtimes)
+
+        out[dev.id] = supported
+    return out
+
+
+def candidates_for(device: DeviceProfile, precision: str, wanted: str) -> list[str]:
+    names = list(BY_KIND.get(device.kind, ()))
+    if device.emulated and "torch" not in names:
+        names.append("torch")  # an emulated device runs on the host: the reference works
+    if device.runtimes:  # what the profile says can target this device
+        names = [n for n in names if n in device.runtimes]
+    if wanted != "auto":
+        if wanted not in RUNTIMES:
+            raise RuntimeUnavailable(f"unknown runtime {wanted!r}")
+        names = [wanted]
+    return names

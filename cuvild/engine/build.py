@@ -97,7 +97,7 @@ def build_model_part(order: Build, device: DeviceProfile,
                 # the budget, also when a restart builds only the one chosen
                 tolerance=None if precision == "fp32" else order.tolerance,
                 cache_tag=order.calibration_tag if precision == "int8" else "",
-                allowed=order.allowed)
+                allowed=order.allowed, floor_ms=(order.floor_ms or {}).get(precision))
             tried += [asdict(c) for c in b.candidates]
         except CompileError as e:
             if i == 0:

@@ -121,26 +121,8 @@ class Engine:
         self.counters: Counter[str] = Counter()
 
     def support(self) -> dict[str, Any]:
-        """Per device, whether one of its runtimes can run a node: ops no runtime of a device
-        supports cost infinity there, so the planner places them elsewhere and says why."""
-        from runtimes.base import RuntimeUnavailable
-        from runtimes.select import candidates_for
-
-        out: dict[str, Any] = {}
-        for dev in self.devices.values():
-            usable = []
-            for name in candidates_for(dev, "fp32", "auto"):
-                try:
-                    usable.append(registry.get(name))
-                except RuntimeUnavailable:
-                    continue
-
-            def supported(cnode: Any, runtimes: list[Any] = usable) -> bool:
-                node = getattr(cnode, "fx_node", None)
-                return node is None or any(rt.supports(node) for rt in runtimes)
-
-            out[dev.id] = supported
-        return out
+        """Per device, whether one of its runtimes can run a node (runtimes/registry.py)."""
+        return registry.support(self.devices.values(), self.runtimes)
 
     def worker(self, device_id: str) -> WorkerHandle:
         worker = self.workers.get(device_id)
@@ -327,6 +309,7 @@ class Engine:
         (time.monotonic(); None: build_timeout_s from now)."""
         policy = policy or model.policy or PrecisionPolicy()
         assignment = [(p.id, p.nodes) for p in model.plan.parts]
+        parts = {p.id: p for p in model.plan.parts}
         futures: list[tuple[Route, Future[Reply]]] = []
         for device, part_ids in model.parts_by_device.items():
             if only_device and device != only_device:
@@ -342,7 +325,10 @@ class Engine:
                     last=not model.base_key and i == len(part_ids) - 1,
                     tolerance=route.tolerance, calibration=policy.calibration,
                     calibration_tag=policy.calibration_tag,
-                    allowed=registry.allowed_runtimes(self.runtimes, self.devices[device])))))
+                    allowed=registry.allowed_runtimes(self.runtimes, self.devices[device]),
+                    floor_ms=None if model.base_key else precision.floors(
+                        parts[pid], self.devices[device], route.precisions or [route.precision])
+                    ))))
         model.policy = policy
         t0 = time.monotonic()
         deadline = t0 + self.build_timeout_s if deadline is None else deadline

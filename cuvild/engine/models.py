@@ -101,7 +101,7 @@ class ModelManager:
                 served.key, record.name, record.version,
                 self.registry.archive_path(record.sha256), record.inputs,
                 objective=self.objective, policy=self.policy(record),
-                progress=lambda phase: setattr(served, "phase", phase), cold=cold)
+                progress=lambda phase: self._phase(served, phase, t0), cold=cold)
         except Exception as e:  # noqa: BLE001 - a model that cannot be served says why
             served.state, served.reason = "UNAVAILABLE", f"{type(e).__name__}: {e}"
             served.phase = "failed"
@@ -121,6 +121,12 @@ class ModelManager:
         log.info("model %s ready in %.2f s%s: %s", served.key, served.prepare_s,
                  " (from its load record)" if loaded.warm else "",
                  ", ".join(f"{r.id}@{r.device}/{r.runtime}" for r in loaded.routes))
+
+    @staticmethod
+    def _phase(served: ServedModel, phase: str, t0: float) -> None:
+        served.phase = phase
+        log.debug("model %s: %s (%.2f s into its load)", served.key, phase,
+                  time.perf_counter() - t0)
 
     def policy(self, record: ModelRecord) -> PrecisionPolicy:
         """The record's precision policy, the daemon's defaults where it left them open."""

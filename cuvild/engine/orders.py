@@ -51,6 +51,7 @@ class Build:
     calibration: str = ""  # an .npz of the model's inputs, one row per sample ("": none)
     calibration_tag: str = ""  # its digest: int8 builds depend on it
     allowed: list[str] | None = None  # the runtimes `auto` may try (config engine.runtimes)
+    floor_ms: dict[str, float] | None = None  # per precision, the part's roofline time
 
 
 @dataclass(frozen=True, slots=True)

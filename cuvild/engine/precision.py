@@ -107,6 +107,15 @@ def at(class_ms: dict[str, float], device: DeviceProfile, precision: str) -> dic
     return {c: ms * fp32 / lower if c in COMPUTE_CLASSES else ms for c, ms in class_ms.items()}
 
 
+def floors(part: Part, device: DeviceProfile, precisions: list[str]) -> dict[str, float]:
+    """The part's roofline time on the device at each precision (the cost model's, before
+    any correction learned from measurements): a build's search stops near it."""
+    if not part.class_ms:
+        return {}
+    return {p: sum(at(part.class_ms, device, p).values()) + device.launch_us / 1e3
+            for p in precisions}
+
+
 def part_bound(budget: float) -> float:
     """The error a lower precision may show on a part's own outputs and still be tried end to
     end: a bound against broken builds, not the budget."""

@@ -199,3 +199,18 @@ def test_allowed_runtimes_by_device_id_then_kind():
     assert allowed_runtimes(cfg, CPU) == ["openvino", "onnxruntime"]
     assert allowed_runtimes(cfg, npu) == ["openvino"]
     assert allowed_runtimes({}, CPU) is None
+
+
+def test_a_candidate_near_the_roofline_floor_ends_the_search(tmp_path, quick_timing):
+    """With no history, the first accurate candidate within 1.25x of the part's roofline
+    floor skips the rest, saying why; a floor it does not reach skips nothing."""
+    module, samples, _ = part_and_samples()
+    far = build_part(module, CPU, "fp32", samples, CompileCache(tmp_path / "far"),
+                     floor_ms=1e-9)
+    assert all(c.status == "ok" for c in far.candidates)
+    near = build_part(module, CPU, "fp32", samples, CompileCache(tmp_path / "near"),
+                      floor_ms=1e6)
+    first, *rest = near.candidates
+    assert first.status == "ok" and near.runtime == first.runtime
+    assert rest and all(c.status == "skipped" for c in rest)
+    assert "within 1.25x of its roofline floor" in rest[0].reason
