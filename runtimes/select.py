@@ -172,7 +172,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
                cache: CompileCache, runtime: str = "auto", timeout_s: float = 300.0,
                threads: int | None = None, input_shapes: list[list[int]] | None = None,
                tolerance: float | None = None, cache_tag: str = "",
-               allowed: list[str] | None = None, floor_ms: float | None = None) -> BuiltPart:
+               allowed: list[str] | None = None, floor_ms: float | None = None,
+               progress: Callable[[str], None] | None = None) -> BuiltPart:
     """Compile (or load from cache) `part` for `device`; raise CompileError if nothing works.
 
     `samples()` returns real inputs for the part and torch eager's outputs for them, one
@@ -181,7 +182,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
     precision's TOLERANCE by default); `cache_tag` tells apart builds that depend on more
     than the part (int8: the calibration data). `allowed` limits the runtimes tried (None:
     every one that can target the device); `floor_ms`, the part's roofline time here, ends
-    the search early (see the module docstring).
+    the search early (see the module docstring); `progress` is told each runtime as it is
+    tried.
     """
     tolerance = TOLERANCE[precision] if tolerance is None else tolerance
     spec = CompileSpec(device=device, precision=precision,
@@ -213,6 +215,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
             if reason:
                 tried.append(Candidate(name, "skipped", reason, precision=precision))
                 continue
+        if progress:
+            progress(name)
         cand, exe = _try(name, part, spec, inputs, expected, cache, part_key, timeout_s)
         cand.precision = precision
         tried.append(cand)

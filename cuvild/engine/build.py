@@ -9,6 +9,7 @@ sample the user gave) is made only when something compiles.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -63,8 +64,9 @@ def forget(model: str) -> None:
     _splits.pop(model, None)
 
 
-def build_model_part(order: Build, device: DeviceProfile,
-                     cache: CompileCache) -> tuple[dict[str, BuiltPart], list[dict[str, Any]]]:
+def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
+                     told: Callable[[str], None] | None = None,
+                     ) -> tuple[dict[str, BuiltPart], list[dict[str, Any]]]:
     """The part built at each precision of the order that some runtime runs within its
     tolerance (the first precision must build: CompileError otherwise), and every candidate
     tried at every precision, for the reports."""
@@ -97,7 +99,8 @@ def build_model_part(order: Build, device: DeviceProfile,
                 # the budget, also when a restart builds only the one chosen
                 tolerance=None if precision == "fp32" else order.tolerance,
                 cache_tag=order.calibration_tag if precision == "int8" else "",
-                allowed=order.allowed, floor_ms=(order.floor_ms or {}).get(precision))
+                allowed=order.allowed, floor_ms=(order.floor_ms or {}).get(precision),
+                progress=told and (lambda name, p=precision: told(f"trying {name} at {p}")))
             tried += [asdict(c) for c in b.candidates]
         except CompileError as e:
             if i == 0:

@@ -310,25 +310,25 @@ class Engine:
         policy = policy or model.policy or PrecisionPolicy()
         assignment = [(p.id, p.nodes) for p in model.plan.parts]
         parts = {p.id: p for p in model.plan.parts}
+        todo = [(device, i, pid) for device, part_ids in model.parts_by_device.items()
+                if not only_device or device == only_device for i, pid in enumerate(part_ids)]
         futures: list[tuple[Route, Future[Reply]]] = []
-        for device, part_ids in model.parts_by_device.items():
-            if only_device and device != only_device:
-                continue
-            for i, pid in enumerate(part_ids):
-                route = next(r for r in model.routes if r.id == pid)
-                futures.append((route, self.worker(device).call(Build(
-                    model=model.key, part=pid, archive=model.archive, assignment=assignment,
-                    precisions=route.precisions or [route.precision],
-                    input_specs=model.input_specs, timeout_s=self.compile_timeout_s,
-                    split_key=model.base_key or model.key,
-                    input_shapes=model.part_input_shapes.get(pid),
-                    last=not model.base_key and i == len(part_ids) - 1,
-                    tolerance=route.tolerance, calibration=policy.calibration,
-                    calibration_tag=policy.calibration_tag,
-                    allowed=registry.allowed_runtimes(self.runtimes, self.devices[device]),
-                    floor_ms=None if model.base_key else precision.floors(
-                        parts[pid], self.devices[device], route.precisions or [route.precision])
-                    ))))
+        for k, (device, i, pid) in enumerate(todo, 1):
+            route = next(r for r in model.routes if r.id == pid)
+            label = f"building part {k} of {len(todo)} on {device}"
+            futures.append((route, self.worker(device).call(Build(
+                model=model.key, part=pid, archive=model.archive, assignment=assignment,
+                precisions=route.precisions or [route.precision],
+                input_specs=model.input_specs, timeout_s=self.compile_timeout_s,
+                split_key=model.base_key or model.key,
+                input_shapes=model.part_input_shapes.get(pid),
+                last=not model.base_key and i == len(model.parts_by_device[device]) - 1,
+                tolerance=route.tolerance, calibration=policy.calibration,
+                calibration_tag=policy.calibration_tag,
+                allowed=registry.allowed_runtimes(self.runtimes, self.devices[device]),
+                floor_ms=None if model.base_key else precision.floors(
+                    parts[pid], self.devices[device], route.precisions or [route.precision])),
+                told=progress and (lambda text, label=label: progress(f"{label}: {text}")))))
         model.policy = policy
         t0 = time.monotonic()
         deadline = t0 + self.build_timeout_s if deadline is None else deadline

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from cuvild.engine.orders import Envelope, Order, Reply, Run
+from cuvild.engine.orders import Envelope, Order, Progress, Reply, Run
 from cuvild.engine.worker import Worker, answer, process_main, serve
 from partitioner.profile import DeviceProfile
 
@@ -51,6 +51,7 @@ class WorkerHandle:
         self.in_process = in_process
         self._ids = itertools.count()
         self._pending: dict[int, Future[Reply]] = {}
+        self._told: dict[int, Any] = {}  # order id -> its progress callback
         self._send_lock = threading.Lock()
         self._direct_lock = threading.Lock()
         self._kill_lock = threading.Lock()
@@ -102,6 +103,12 @@ class WorkerHandle:
                 reply: Reply = conn.recv()
             except (EOFError, OSError):
                 break
+            if isinstance(reply.result, Progress):  # a Build's news; its reply comes later
+                told = self._told.get(reply.id)
+                if told is not None:
+                    told(reply.result.text)
+                continue
+            self._told.pop(reply.id, None)
             future = pending.pop(reply.id, None)
             if future is not None and not future.done():
                 future.set_result(reply)
@@ -118,13 +125,17 @@ class WorkerHandle:
         if generation == self.generation:
             self.broken = True
 
-    def call(self, order: Order) -> Future[Reply]:
-        """Send `order`; the future's `generation` is the worker's start it went to."""
+    def call(self, order: Order, told: Any = None) -> Future[Reply]:
+        """Send `order`; the future's `generation` is the worker's start it went to. `told`
+        is called with each Progress the order sends before its reply (on the reader's
+        thread)."""
         future: Future[Reply] = Future()
         with self._send_lock:
             rid = next(self._ids)
             future.generation = self.generation  # type: ignore[attr-defined]
             self._pending[rid] = future
+            if told is not None:
+                self._told[rid] = told
             try:
                 self.conn.send(Envelope(rid, order))
             except (OSError, ValueError, BrokenPipeError) as e:

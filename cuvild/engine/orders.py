@@ -136,9 +136,16 @@ class Ran:
 
 
 @dataclass(frozen=True, slots=True)
+class Progress:
+    """Sent while a Build runs, before its reply: what it is doing (e.g. "trying openvino")."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class Reply:
     id: int
-    result: Built | Ran | None = None
+    result: Built | Ran | Progress | None = None
     error: str = ""  # "ExceptionType: message" when the order failed
     kind: str = ""  # "invalid": the failure was the request's (a client region it names)
 

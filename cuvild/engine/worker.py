@@ -37,6 +37,7 @@ from cuvild.engine.orders import (
     Envelope,
     Forget,
     Order,
+    Progress,
     Ran,
     Reply,
     Restore,
@@ -72,6 +73,7 @@ class Worker:
         self.state = threading.Lock()
         self.abandoned = False
         self.current: int | None = None
+        self.told: Any = None  # while a Build runs: tells the daemon what it is doing
 
     def handle(self, order: Order) -> Built | Ran | None:
         if isinstance(order, Run):
@@ -174,7 +176,7 @@ class Worker:
             torch.set_num_threads(len(os.sched_getaffinity(0)))
 
         try:
-            built, tried = build_model_part(order, self.device, self.cache)
+            built, tried = build_model_part(order, self.device, self.cache, self.told)
         finally:
             if order.last:  # the model's other parts are not needed here any more
                 forget(order.split_key)
@@ -307,8 +309,16 @@ class Control:
                     return
                 envelope = self.orders.popleft()
             if isinstance(envelope.order, Build):
+                def told(text: str, envelope: Envelope = envelope) -> None:
+                    if not self.worker.abandoned:
+                        self.reply(envelope, Reply(envelope.id, Progress(text)))
+
                 with self.one_build or contextlib.nullcontext():
-                    answered = answer(self.worker, envelope)
+                    self.worker.told = told
+                    try:
+                        answered = answer(self.worker, envelope)
+                    finally:
+                        self.worker.told = None
             else:
                 with self.lock:
                     answered = answer(self.worker, envelope)

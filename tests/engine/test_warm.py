@@ -50,12 +50,13 @@ def arena():
     arena.close()
 
 
-def load(cache: Path, arena: Arena, model, policy=None):  # noqa: ANN001, ANN201
+def load(cache: Path, arena: Arena, model, policy=None, phases=None):  # noqa: ANN001, ANN201
     """A fresh engine (new worker processes) on `cache`, the model prepared in it."""
     _, _, _, archive, specs = model
     engine = Engine([CPU], cache, arena)
     try:
-        loaded = engine.prepare("mlp:1", "mlp", "1", archive, specs, policy=policy)
+        loaded = engine.prepare("mlp:1", "mlp", "1", archive, specs, policy=policy,
+                                progress=phases.append if phases is not None else None)
     except BaseException:
         engine.close()
         raise
@@ -75,9 +76,14 @@ def record_dir(cache: Path) -> Path:
 
 def test_a_restart_plans_and_compiles_nothing(tmp_path, arena, model):
     cache = tmp_path / "cache"
-    engine, first = load(cache, arena, model)
+    phases: list[str] = []
+    engine, first = load(cache, arena, model, phases=phases)
     try:
         assert not first.warm
+        # each phase, down to the runtime the worker is trying
+        assert phases[:3] == ["reading the archive", "planning", "building part 1 of 1 on cpu0"]
+        assert "building part 1 of 1 on cpu0: trying openvino at fp32" in phases, phases
+        assert phases[-1] == "checking end to end"
         assert engine.counters["archive_loads"] == 1 and engine.counters["planned"] == 1
         assert engine.counters["compiled"] == 1 and engine.counters["restored"] == 0
         served_right(engine, model)
@@ -86,9 +92,10 @@ def test_a_restart_plans_and_compiles_nothing(tmp_path, arena, model):
     record = json.loads((record_dir(cache) / warm.RECORD).read_text())
     assert [r["runtime"] for r in record["routes"]] == ["openvino"]
 
-    engine, second = load(cache, arena, model)
+    phases.clear()
+    engine, second = load(cache, arena, model, phases=phases)
     try:
-        assert second.warm
+        assert second.warm and phases == ["restoring from the load record"]
         counters = dict(engine.counters)
         assert counters == {"restored": 1}, counters  # no archive, plan, build or compile
         assert [r.runtime for r in second.routes] == ["openvino"]
