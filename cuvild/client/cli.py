@@ -267,6 +267,9 @@ def cmd_stats(client: Client, args: argparse.Namespace) -> int:
         print()
         print(format_table(["DEVICE", "BUSY"], [[d, f"{100 * b:.0f}%"] for d, b in
                                                 sorted(stats["devices_busy"].items())]))
+    if stats.get("loads"):  # since the daemon started: a warm restart restores, only
+        print("\nloads since start: " + ", ".join(f"{k} {v}" for k, v in
+                                                 sorted(stats["loads"].items())))
     return 0
 
 

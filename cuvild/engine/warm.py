@@ -203,15 +203,16 @@ def load_parts(engine: Any, model: LoadedModel, only_device: str | None = None) 
 
 
 def _check(engine: Any, model: LoadedModel, where: Path) -> None:
-    """Run the model on the recorded check inputs (bytes in, bytes out: no torch): its
-    outputs must still match torch eager's, as recorded, within what the load measured
-    (twice that, at least 1e-5, at most the budget)."""
+    """Run the model on the first recorded check input (bytes in, bytes out: no torch): its
+    outputs must still match torch eager's, as recorded, within what the load measured on
+    all of them (twice that, at least 1e-5, at most the budget). One input tells a part that
+    loads wrong (the load measured the rest), and a restart of a large model pays one run."""
     import numpy as np
 
     n_in, n_out = len(model.inputs), len(model.outputs)
     try:
         with np.load(where / EXPECTED, allow_pickle=False) as data:
-            rows = len(data.files) // max(n_in + n_out, 1)
+            rows = min(1, len(data.files) // max(n_in + n_out, 1))
             inputs = [[data[f"i{i}_{j}"] for j in range(n_in)] for i in range(rows)]
             expected = [[data[f"o{i}_{j}"] for j in range(n_out)] for i in range(rows)]
     except (OSError, ValueError, KeyError) as e:
@@ -227,17 +228,16 @@ def _check(engine: Any, model: LoadedModel, where: Path) -> None:
                                for g, w in zip(got, want, strict=True)), default=0.0))
     except InferError as e:
         raise Stale(f"the restored parts do not run: {e}") from None
-    now = precision.Check(max(errors, default=0.0),
-                          model.accuracy.chosen.top1 if model.accuracy.chosen else None,
-                          sorted(times)[len(times) // 2] if times else 0.0)
+    now = max(errors, default=0.0)
     recorded = model.accuracy.chosen.error if model.accuracy.chosen else 0.0
     bound = max(2 * recorded, 1e-5)
     if model.accuracy.max_error is not None:
         bound = min(bound, model.accuracy.max_error)
-    if not now.error <= bound:
-        raise Stale(f"outputs measure {now.error:.1e} from torch eager now, {recorded:.1e} "
-                    "when recorded")
-    model.accuracy.chosen = now
+    if not now <= bound:
+        raise Stale(f"outputs measure {now:.1e} from torch eager now, {recorded:.1e} when "
+                    "recorded")
+    log.debug("model %s: restored parts check out (error %.1e, %.2f ms)", model.key, now,
+              times[0] if times else 0.0)
 
 
 def _error(out: Any, ref: Any) -> float:

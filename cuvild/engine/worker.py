@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -68,6 +69,7 @@ class Worker:
         self.segments: dict[str, Any] = {}  # the daemon's arena segments, by name
         self.clients = ClientObjects(self._drop_views)
         self.views: dict[TensorRef, Any] = {}
+        self.numpy_views = False  # some views are numpy arrays (torch not imported then)
         # A worker thread the daemon gave up on (a part hung) answers nothing more; `current`
         # is the order it is running, whose reply still comes.
         self.state = threading.Lock()
@@ -112,11 +114,15 @@ class Worker:
         if ref.inode:
             self.clients.get(ref.segment, ref.inode).check(ref.offset,
                                                            nbytes(ref.dtype, ref.shape))
+        if self.numpy_views and "torch" in sys.modules:  # torch came (a build, a runtime
+            self.views.clear()  # that needs it): its parts get torch tensors from now on
+            self.numpy_views = False
         view = self.views.get(ref)
         if view is None:
             if len(self.views) >= MAX_VIEWS:
                 self.views.clear()
             view = self.views[ref] = self._view(ref)
+            self.numpy_views |= views.lean(ref.dtype)
         return view
 
     def _view(self, ref: TensorRef) -> Any:
