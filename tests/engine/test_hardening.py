@@ -442,8 +442,8 @@ def test_d_built_buckets_are_served_while_another_builds_process(make_engine, tm
     sent = threading.Event()
     call = WorkerHandle.call
 
-    def watched(self, order):
-        future = call(self, order)
+    def watched(self, order, told=None):
+        future = call(self, order, told)
         if getattr(order, "model", "").endswith("@5-32"):
             future.add_done_callback(lambda _: events.append("built"))
             sent.set()
