@@ -137,3 +137,14 @@ def daemon_config(workdir: Path, state_dir: Path, sock_dir: Path,
         else:
             config[key] = value
     return config
+
+
+def own_registry_daemon(workdir: Path, state_root: Path, sock_dir: Path) -> DaemonProcess:
+    """A started daemon with its own registry under `workdir`, seeded with the session's
+    measured device profiles (in `state_root`) when there are some."""
+    import shutil
+
+    state_dir = workdir / "state"
+    if (state_root / "profiles").exists():
+        shutil.copytree(state_root / "profiles", state_dir / "profiles")
+    return DaemonProcess(workdir, daemon_config(workdir, state_dir, sock_dir)).start()

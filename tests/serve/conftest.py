@@ -25,7 +25,7 @@ from protos import inference_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
-from daemons import DaemonProcess, daemon_config  # noqa: E402
+from daemons import DaemonProcess, daemon_config, own_registry_daemon  # noqa: E402
 from oip_helpers import (  # noqa: E402
     KEY_PREFIX,
     LIMITS,
@@ -41,10 +41,8 @@ from oip_helpers import (  # noqa: E402
 def env(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
         sock_dir: Path) -> Iterator[Env]:
     workdir = tmp_path_factory.mktemp("oip")
-    state_dir = workdir / "state"  # its own registry; the session's device profiles
-    if (state_root / "profiles").exists():
-        shutil.copytree(state_root / "profiles", state_dir / "profiles")
-    daemon = DaemonProcess(workdir, daemon_config(workdir, state_dir, sock_dir)).start()
+    state_dir = workdir / "state"
+    daemon = own_registry_daemon(workdir, state_root, sock_dir)
     if not (state_root / "profiles").exists() and (state_dir / "profiles").exists():
         shutil.copytree(state_dir / "profiles", state_root / "profiles")
     torch.manual_seed(0)

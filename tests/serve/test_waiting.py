@@ -5,7 +5,6 @@ One daemon for the module; each test loads its own models."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from cuvild.client import Client, LoadFailed, samples
 from protos import inference_pb2, inference_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
-from daemons import DaemonProcess, daemon_config, worker_processes  # noqa: E402
+from daemons import DaemonProcess, own_registry_daemon, worker_processes  # noqa: E402
 
 pytestmark = pytest.mark.daemon
 BUILD_FAILED = r"InferError: building part p\d+ for cpu0 failed: .*fp16"
@@ -41,11 +40,7 @@ class Overflow(torch.nn.Module):
 @pytest.fixture(scope="module")
 def daemon_w(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
              sock_dir: Path) -> Iterator[DaemonProcess]:
-    workdir = tmp_path_factory.mktemp("waiting")
-    state_dir = workdir / "state"  # its own registry; the session's device profiles
-    if (state_root / "profiles").exists():
-        shutil.copytree(state_root / "profiles", state_dir / "profiles")
-    daemon = DaemonProcess(workdir, daemon_config(workdir, state_dir, sock_dir)).start()
+    daemon = own_registry_daemon(tmp_path_factory.mktemp("waiting"), state_root, sock_dir)
     yield daemon
     daemon.close()
 
