@@ -123,7 +123,11 @@ def cmd_load(client: Client, args: argparse.Namespace) -> int:
                                   progress=not args.json and sys.stderr.isatty() or None,
                                   timeout=args.wait_timeout, precision=args.precision,
                                   max_error=args.max_error, calibration=args.calibration,
-                                  wait=not args.no_wait)
+                                  wait=not args.no_wait,
+                                  # --json: each phase a JSON line on stderr, for scripts
+                                  on_phase=(lambda phase: print(json.dumps(
+                                      {"model": args.name, "phase": phase}), file=sys.stderr,
+                                      flush=True)) if args.json else None)
     except LoadFailed as e:
         print(f"cuvilctl: {args.name} version {e.version} failed to load: {e}",
               file=sys.stderr)
@@ -380,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "until it is ready; a failed build exits 1 with the reason)")
     load.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
                       help="seconds for the upload and the build together (default 600)")
-    load.add_argument("--json", action="store_true", help="machine-readable output")
+    load.add_argument("--json", action="store_true", help="machine-readable output: the "
+                      "result on stdout; while waiting, each phase a JSON line on stderr")
     load.set_defaults(func=cmd_load)
     models = sub.add_parser("models", help="list registered models")
     models.add_argument("--json", action="store_true", help="machine-readable output")

@@ -59,8 +59,8 @@ class ModelManager:
 
     def start_workers(self) -> list[str]:
         """Start the workers the registered models' load records name, first thing at start:
-        a worker takes seconds to start (torch and its runtimes imported), which then overlap
-        the daemon's own start. Returns their device ids."""
+        a worker's start (a Python process, then its runtime's import) then overlaps the
+        daemon's own. Returns their device ids."""
         devices: set[str] = set()
         for record in self.registry.list():
             where = warm.directory(self.engine.cache_dir, warm.key(

@@ -110,6 +110,8 @@ def test_cuvilctl_load_waits_and_says_why_it_failed(daemon_w, tmp_path):
     result = json.loads(loaded.stdout)  # one document, printed once it is ready
     assert result["state"] == "ready" and result["model"]["name"] == "good"
     assert {"phase", "wait_s"} <= set(result)
+    phases = [json.loads(line) for line in loaded.stderr.splitlines() if line.startswith("{")]
+    assert phases and all(p["model"] == "good" and p["phase"] for p in phases)
     failed = cuvilctl(daemon_w.target, "load", "bad", str(bad))
     assert failed.returncode == 1
     assert "bad version 1 failed to load: InferError: building part" in failed.stderr
