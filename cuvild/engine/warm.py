@@ -134,10 +134,6 @@ def write(where: Path, model: LoadedModel, inputs: list[list[Any]],
         raise
 
 
-def drop(where: Path) -> None:
-    shutil.rmtree(where, ignore_errors=True)
-
-
 def restore(engine: Any, where: Path, record: dict[str, Any], key_: str, name: str,
             version: str, archive: str, input_specs: list[dict[str, Any]],
             policy: PrecisionPolicy) -> LoadedModel:
