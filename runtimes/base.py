@@ -15,12 +15,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
 
 from partitioner.profile import DeviceProfile
 
@@ -127,8 +130,6 @@ def feed_order(model_inputs: Sequence[str], part_inputs: Sequence[str]) -> list[
 def as_array(value: Any) -> Any:
     """A numpy view of a host tensor (no copy unless it is not contiguous); arrays as they
     are."""
-    import numpy as np
-
     if isinstance(value, np.ndarray):
         return value
     return value.detach().contiguous().numpy()
@@ -138,10 +139,6 @@ def like_inputs(inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
     """A run's numpy outputs as torch tensors when its inputs were torch tensors, else as
     numpy arrays: a worker that never imported torch runs OpenVINO and ONNX Runtime parts on
     numpy views (cuvild/engine/worker.py)."""
-    import sys
-
-    import numpy as np
-
     arrays = (isinstance(inputs[0], np.ndarray) if inputs
               else "torch" not in sys.modules)
     if arrays:

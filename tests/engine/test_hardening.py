@@ -154,23 +154,31 @@ def test_a_thread_worker_stuck_in_a_part_is_replaced(make_engine, tmp_path, monk
 
 
 # -- B: a killed worker's requests are retried -------------------------------------------
-def test_b_worker_killed_between_requests_is_retried_transparently(make_engine, tmp_path):
+def served_mlp(make_engine, tmp_path):  # noqa: ANN001, ANN201
+    """An MLP split over cpu0 and npu0, served once: (engine, model, its input)."""
     engine = make_engine()
     model, x = mlp()
     prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0", "npu0"])
     engine.infer("mlp", (x,))
-    os.kill(engine.workers["npu0"].process.pid, signal.SIGKILL)
-    (out,) = engine.infer("mlp", (x,))
+    return engine, model, x
+
+
+def assert_retried(engine, model, x, out) -> None:  # noqa: ANN001
+    """Eager's result, after exactly one restart of npu0's worker, and no block left."""
     torch.testing.assert_close(out, eager(model, x), **CLOSE)
     assert engine.workers["npu0"].restarts == 1
     assert engine.arena.in_use() == 0
 
 
+def test_b_worker_killed_between_requests_is_retried_transparently(make_engine, tmp_path):
+    engine, model, x = served_mlp(make_engine, tmp_path)
+    os.kill(engine.workers["npu0"].process.pid, signal.SIGKILL)
+    (out,) = engine.infer("mlp", (x,))
+    assert_retried(engine, model, x, out)
+
+
 def test_b_worker_killed_during_a_request_is_retried_transparently(make_engine, tmp_path):
-    engine = make_engine()
-    model, x = mlp()
-    prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0", "npu0"])
-    engine.infer("mlp", (x,))
+    engine, model, x = served_mlp(make_engine, tmp_path)
     pid = engine.workers["npu0"].process.pid
     os.kill(pid, signal.SIGSTOP)  # the request is surely inside the worker when it dies
     with ThreadPoolExecutor(1) as pool:
@@ -179,9 +187,7 @@ def test_b_worker_killed_during_a_request_is_retried_transparently(make_engine, 
         assert not pending.done()
         os.kill(pid, signal.SIGKILL)
         (out,) = pending.result(60)
-    torch.testing.assert_close(out, eager(model, x), **CLOSE)
-    assert engine.workers["npu0"].restarts == 1
-    assert engine.arena.in_use() == 0
+    assert_retried(engine, model, x, out)
 
 
 def test_b_worker_killed_under_load_fails_nothing_but_as_unavailable(make_engine, tmp_path):
@@ -243,15 +249,22 @@ def got(fd: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.frombuffer(bytearray(os.pread(fd, 4 * n, 4096)), dtype=torch.float32).view(shape)
 
 
-@pytest.mark.parametrize("in_process", [False, True], ids=["process", "thread"])
-def test_c_region_shrunk_before_use_is_invalid(make_engine, tmp_path, client_object,
-                                               in_process):
+def on_region(make_engine, tmp_path, client_object, in_process):  # noqa: ANN001, ANN201
+    """An MLP on cpu0 whose input and output are in a client's object: (engine, model, x,
+    the loaded model, (object name, its fd, input ref, output ref, output name))."""
     engine = make_engine(in_process=in_process)
     model, x = mlp()
     loaded = prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0"])
     name, fd, inode = client_object
     src, dst = refs(name, inode, tuple(x.shape))
-    out_name = loaded.outputs[0]
+    return engine, model, x, loaded, (name, fd, src, dst, loaded.outputs[0])
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["process", "thread"])
+def test_c_region_shrunk_before_use_is_invalid(make_engine, tmp_path, client_object,
+                                               in_process):
+    engine, model, x, loaded, (name, fd, src, dst, out_name) = on_region(
+        make_engine, tmp_path, client_object, in_process)
     os.ftruncate(fd, 0)
     with pytest.raises(BadRegion, match=rf"{name}.* is 0 bytes now") as info:
         engine.run(loaded, [src], {out_name: dst})
@@ -266,12 +279,8 @@ def test_c_region_shrunk_before_use_is_invalid(make_engine, tmp_path, client_obj
 @pytest.mark.parametrize("in_process", [False, True], ids=["process", "thread"])
 def test_c_region_shrunk_after_use_is_invalid_and_kills_nothing(make_engine, tmp_path,
                                                                 client_object, in_process):
-    engine = make_engine(in_process=in_process)
-    model, x = mlp()
-    loaded = prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0"])
-    name, fd, inode = client_object
-    src, dst = refs(name, inode, tuple(x.shape))
-    out_name = loaded.outputs[0]
+    engine, model, x, loaded, (name, fd, src, dst, out_name) = on_region(
+        make_engine, tmp_path, client_object, in_process)
     put(fd, x)
     engine.run(loaded, [src], {out_name: dst})  # mapped (process) or opened (thread) now
     torch.testing.assert_close(got(fd, tuple(x.shape)), eager(model, x), **CLOSE)
