@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "cuvild": {"partitioner", "runtimes.registry"},
     "cuvild.serve": {"cuvild", "cuvild.engine", "cuvild.intake", "partitioner", "runtimes",
                      "protos"},
-    "cuvild.engine": {"cuvild.intake", "partitioner", "runtimes"},
+    # (protos.fastpath: a worker serves fast-path sessions, cuvild/engine/sessions.py)
+    "cuvild.engine": {"cuvild.intake", "partitioner", "runtimes", "protos.fastpath"},
     # the registry persists with runtimes.base.write_atomic, the one atomic-write helper
     "cuvild.intake": {"partitioner", "runtimes.base"},
     # cuvilctl plans a local .pt2 offline: it opens it with the safe loader

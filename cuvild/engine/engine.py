@@ -400,13 +400,14 @@ class Engine:
 
     def run(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
             output_refs: dict[str, TensorRef] | None = None, raw: bool = False,
-            timeline: Timeline | None = None,
-            deadline: float | None = None) -> list[torch.Tensor | bytes | None]:
+            timeline: Timeline | None = None, deadline: float | None = None,
+            into: Sequence[memoryview] | None = None) -> list[torch.Tensor | bytes | None]:
         """Run one request of a resolved model (inputs already checked by `resolve`). Inputs
         are tensors or raw bytes (copied into the arena) or references into shared memory
         (read in place by the first part); outputs named in output_refs are written in place
         there (None is returned for them), the rest come back as fresh host tensors, or with
-        raw=True as bytes (the block is reused at once). A `timeline` list gets each part's
+        raw=True as bytes (the block is reused at once), or with `into` copied there (one place
+        per output; nothing is returned). A `timeline` list gets each part's
         dispatch and reply times (a traced request). `deadline` (time.monotonic()) bounds
         every wait of the request (None: run_timeout_s from now): RunTimeout after it. A
         request whose worker died runs once more when the worker is back; WorkerUnavailable
@@ -428,7 +429,7 @@ class Engine:
                     if monitor:
                         monitor.queued(model, time.perf_counter() - t0)
                     return self._attempts(model, inputs, output_refs, raw, timeline, deadline,
-                                          patient)
+                                          patient, into)
             finally:
                 self._in_flight.release()
         finally:
@@ -437,7 +438,8 @@ class Engine:
     def _attempts(self, model: LoadedModel,
                   inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
                   output_refs: dict[str, TensorRef], raw: bool, timeline: Timeline | None,
-                  deadline: float, patient: bool) -> list[torch.Tensor | bytes | None]:
+                  deadline: float, patient: bool,
+                  into: Sequence[memoryview] | None) -> list[torch.Tensor | bytes | None]:
         """The request in its block, run (twice at most: once more on a revived worker)."""
         block = self.arena.alloc(model.footprint)
         outstanding: Sequence[Future[Any]] = ()
@@ -474,6 +476,10 @@ class Engine:
                                                 f"was restarted, and the retry failed: "
                                                 f"{e}") from None
                     raise
+            if into is not None:
+                for name, place in zip(model.outputs, into, strict=True):
+                    place[:] = self._bytes(block, model.slots[name])
+                return []
             if raw:
                 return [None if n in output_refs else bytes(self._bytes(block, model.slots[n]))
                         for n in model.outputs]

@@ -20,13 +20,14 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import select
+import socket
 import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from cuvild.engine.orders import Envelope, Order, Progress, Reply, Run
+from cuvild.engine.orders import Attach, Envelope, Order, Progress, Reply, Run
 from cuvild.engine.worker import Worker, answer, process_main, serve
 from partitioner.profile import DeviceProfile
 
@@ -139,6 +140,28 @@ class WorkerHandle:
             try:
                 self.conn.send(Envelope(rid, order))
             except (OSError, ValueError, BrokenPipeError) as e:
+                self._broke(future.generation)  # type: ignore[attr-defined]
+                self._pending.pop(rid, None)
+                future.set_exception(WorkerDied(f"worker for {self.device.id} is gone: {e}"))
+        return future
+
+    def attach(self, order: Attach, fds: list[int]) -> Future[Reply]:
+        """Send a fast-path session to the worker process (cuvild/engine/sessions.py): the
+        order, then the client's socket and the session's memfd (SCM_RIGHTS) right behind
+        it on the pipe. The future completes when the session ends (or the worker dies)."""
+        from multiprocessing.reduction import sendfds
+
+        future: Future[Reply] = Future()
+        with self._send_lock:
+            rid = next(self._ids)
+            future.generation = self.generation  # type: ignore[attr-defined]
+            self._pending[rid] = future
+            try:
+                self.conn.send(Envelope(rid, order))
+                with socket.fromfd(self.conn.fileno(), socket.AF_UNIX,
+                                   socket.SOCK_STREAM) as pipe:
+                    sendfds(pipe, fds)
+            except (OSError, ValueError) as e:
                 self._broke(future.generation)  # type: ignore[attr-defined]
                 self._pending.pop(rid, None)
                 future.set_exception(WorkerDied(f"worker for {self.device.id} is gone: {e}"))

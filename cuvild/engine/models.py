@@ -152,6 +152,11 @@ class ModelManager:
                        and (not version or m.record.version == version)]
         return max(matches, key=lambda m: m.record.created_at) if matches else None
 
+    def current(self, served: ServedModel) -> bool:
+        """Whether `served` is still the one served under its key, and READY (a session's
+        per-request check: no lock, no scan)."""
+        return self._models.get(served.key) is served and served.state == "READY"
+
     def all(self) -> list[ServedModel]:
         with self._lock:
             return sorted(self._models.values(), key=lambda m: m.key)

@@ -101,7 +101,17 @@ class Forget:
     segments: list[tuple[str, int]]
 
 
-Order = Build | Run | Unload | Forget | Choose | Restore
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """Serve a fast-path session of a one-part model here: the client's socket and the
+    session's memfd follow this order on the pipe (SCM_RIGHTS)."""
+
+    model: str
+    part: str
+    layout: dict[str, Any]  # as the session's open reply gave it to the client
+
+
+Order = Build | Run | Unload | Forget | Choose | Restore | Attach
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from cuvild.engine import views
 from cuvild.engine.clientmem import ClientObjects, Key, RegionGone
 from cuvild.engine.dtypes import nbytes
 from cuvild.engine.orders import (
+    Attach,
     Build,
     Built,
     Choose,
@@ -46,6 +47,7 @@ from cuvild.engine.orders import (
     TensorRef,
     Unload,
 )
+from cuvild.engine.sessions import Sessions
 from partitioner.profile import DeviceProfile
 
 MAX_VIEWS = 4096  # tensor views kept per worker (arena blocks recur request after request)
@@ -267,13 +269,25 @@ def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,
             (direct if envelope.direct else conn).send(answered)
 
     control = Control(worker, lock, reply, BUILDS_IN_PROCESS if inline else None)
+    sessions: Sessions | None = None  # fast-path sessions served here, from the first Attach
     while True:
         try:
+            while sessions is not None and sessions.by_fd:
+                ended, pipe = sessions.wait(worker.parts, lock)
+                for rid in ended:  # an Attach's reply says its session is over
+                    reply(Envelope(rid, None), Reply(rid))  # type: ignore[arg-type]
+                if pipe:
+                    break
             envelope = conn.recv()
         except (EOFError, OSError):
             return
         if envelope is None:
             return
+        if isinstance(envelope.order, Attach):
+            sessions = sessions or Sessions(conn.fileno())
+            if not sessions.take(envelope, conn):
+                reply(envelope, Reply(envelope.id))  # over at once
+            continue
         if isinstance(envelope.order, CONTROL):
             control.put(envelope)
             continue

@@ -1,0 +1,186 @@
+"""Fast-path sessions served by a device worker itself (the wire: protos/fastpath.py).
+
+A model that is one part on a worker process has its fast-path sessions attached to that
+worker (cuvild/serve/fast.py opens them): the daemon passes the client's connection and the
+session's sealed memfd over the worker's pipe (SCM_RIGHTS), and from then on the client's
+doorbell wakes the worker, which runs the part on the slot's inputs in place and writes the
+outputs into the slot: one round trip between two processes per request, nothing pickled, no
+copy of the inputs. The worker's loop polls its pipe and its sessions' sockets together
+(`Sessions.wait`); a session ends when the client closes it (or dies), when its model is
+unloaded here (the client then opens a new one), or with the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import select
+import socket
+import struct
+import time
+from typing import Any
+
+from cuvild.engine import views
+from cuvild.engine.orders import Attach
+from protos import fastpath as wire
+
+# A session's counts, in a memfd of its own that the daemon and the worker share (the client
+# never gets it): requests done, failed, seconds run. The metrics read them.
+STATS = struct.Struct("<QQd")
+
+
+def fail(mm: mmap.mmap, layout: dict[str, Any], at: int, index: int, seq: int, slot: int,
+         code: str, error: str) -> None:
+    """Mark ring entry `index` (at offset `at`) FAILED with its error text."""
+    if len(error) > wire.MAX_ERROR_TEXT:
+        error = error[:wire.MAX_ERROR_TEXT] + "..."
+    text = json.dumps({"code": code, "error": error}).encode()[:wire.ERROR_BYTES]
+    where = layout["errors"] + index * wire.ERROR_BYTES
+    mm[where:where + len(text)] = text
+    wire.ENTRY.pack_into(mm, at, seq, slot, wire.FAILED, len(text))
+
+
+class Session:
+    def __init__(self, order: Attach, sock: socket.socket, memfd: int, stats_fd: int) -> None:
+        self.model, self.part, self.layout = order.model, order.part, order.layout
+        self.sock = sock
+        self.exe: Any = None  # the part's executable when the session first ran it
+        try:
+            self.mm = mmap.mmap(memfd, self.layout["size"])
+            self.stats = mmap.mmap(stats_fd, STATS.size)
+        finally:
+            os.close(memfd)
+            os.close(stats_fd)
+
+        def place(base: int, t: dict[str, Any]) -> Any:
+            raw = memoryview(self.mm)[base + t["offset"]:base + t["offset"] + t["nbytes"]]
+            return (views.frombuffer(raw, t["dtype"], tuple(t["shape"])) if t["nbytes"]
+                    else views.empty(t["dtype"], tuple(t["shape"])))
+
+        slots = self.layout["slots"]
+        self.inputs = [[place(b, t) for t in self.layout["inputs"]] for b in slots]
+        self.outputs = [[place(b, t) for t in self.layout["outputs"]] for b in slots]
+
+    def ring(self, parts: dict[tuple[str, str], Any]) -> bool:
+        """Serve one doorbell; False when the session is over."""
+        bell = self.read()
+        return bell is not None and self.answer(bell, parts)
+
+    def read(self) -> bytes | None:
+        """The next doorbell (blocking); None when the session is over."""
+        try:
+            bell = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
+        except OSError:
+            return None
+        return bell if len(bell) == wire.DOORBELL.size else None
+
+    def answer(self, bell: bytes, parts: dict[tuple[str, str], Any]) -> bool:
+        """Run the request rung for and answer it; False when the session is over."""
+        (seq,) = wire.DOORBELL.unpack(bell)
+        depth = self.layout["depth"]
+        index = seq % depth
+        at = self.layout["ring"] + index * wire.ENTRY_BYTES
+        got, slot, state, _ = wire.ENTRY.unpack_from(self.mm, at)
+        exe = parts.get((self.model, self.part))
+        if exe is None or (self.exe is not None and exe is not self.exe):
+            return False  # unloaded, or loaded again: the client opens a new session
+        self.exe = exe
+        try:
+            if got != seq or state != wire.SUBMITTED:
+                raise ValueError(f"ring entry {index} holds request {got} in state {state}, "
+                                 f"the doorbell rang for request {seq} (state "
+                                 f"{wire.SUBMITTED}: submitted)")
+            if slot >= depth:
+                raise ValueError(f"ring entry {index} names slot {slot}; the session has "
+                                 f"slots 0..{depth - 1}")
+        except ValueError as e:
+            self._fail(at, index, seq, slot, "INVALID_ARGUMENT", str(e))
+            return self._answer(bell)
+        t0 = time.perf_counter()
+        try:
+            outputs = exe.run(self.inputs[slot])
+            for out, place in zip(outputs, self.outputs[slot], strict=True):
+                views.copy_into(place, out)
+        except Exception as e:  # noqa: BLE001 - the request's failure, said to its client
+            self._fail(at, index, seq, slot, "INTERNAL",
+                       f"part {self.part} failed: {type(e).__name__}: {e}")
+            return self._answer(bell)
+        done, failed, busy = STATS.unpack_from(self.stats)
+        STATS.pack_into(self.stats, 0, done + 1, failed, busy + time.perf_counter() - t0)
+        wire.ENTRY.pack_into(self.mm, at, seq, slot, wire.DONE, 0)
+        return self._answer(bell)
+
+    def _answer(self, bell: bytes) -> bool:
+        try:
+            self.sock.sendall(bell)
+            return True
+        except OSError:
+            return False  # the client died mid-request
+
+    def _fail(self, at: int, index: int, seq: int, slot: int, code: str, error: str) -> None:
+        done, failed, busy = STATS.unpack_from(self.stats)
+        STATS.pack_into(self.stats, 0, done, failed + 1, busy)
+        fail(self.mm, self.layout, at, index, seq, slot, code, error)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.stats.close()
+        self.inputs = self.outputs = []
+        try:
+            self.mm.close()
+        except BufferError:  # a runtime still holds its last input: it goes with the worker
+            pass
+
+
+class Sessions:
+    """A worker's attached sessions, polled with its pipe."""
+
+    def __init__(self, pipe_fd: int) -> None:
+        self.by_fd: dict[int, tuple[int, Session]] = {}  # socket fd -> (order id, session)
+        self.poll = select.poll()
+        self.pipe_fd = pipe_fd
+        self.poll.register(pipe_fd, select.POLLIN)
+
+    def take(self, envelope: Any, conn: Any) -> bool:
+        """An Attach order: its three descriptors (the client's socket, the session's memfd,
+        its counts' memfd) follow it on the pipe. False if the session could not be taken
+        (answer the order at once: the client sees EOF and opens a new one)."""
+        from multiprocessing.reduction import recvfds
+
+        try:
+            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as pipe:
+                sock_fd, memfd, stats_fd = recvfds(pipe, 3)
+        except (OSError, RuntimeError, ValueError):
+            return False
+        sock = socket.socket(fileno=sock_fd)
+        try:
+            session = Session(envelope.order, sock, memfd, stats_fd)
+        except Exception:  # noqa: BLE001
+            sock.close()
+            return False
+        self.by_fd[sock.fileno()] = (envelope.id, session)
+        self.poll.register(sock.fileno(), select.POLLIN)
+        return True
+
+    def wait(self, parts: dict[tuple[str, str], Any], lock: Any) -> tuple[list[int], bool]:
+        """Serve the sessions rung until the pipe has an order or a session ended; returns
+        the Attach order ids of the sessions that ended, and whether the pipe is ready."""
+        while True:
+            ended, pipe = [], False
+            for fd, _ in self.poll.poll():
+                if fd == self.pipe_fd:
+                    pipe = True
+                elif fd in self.by_fd:
+                    with lock:
+                        alive = self.by_fd[fd][1].ring(parts)
+                    if not alive:
+                        ended.append(self.end(fd))
+            if pipe or ended:
+                return ended, pipe
+
+    def end(self, fd: int) -> int:
+        rid, session = self.by_fd.pop(fd)
+        self.poll.unregister(fd)
+        session.close()
+        return rid
