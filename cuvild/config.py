@@ -71,6 +71,7 @@ class Config:
     insecure_loopback: bool = False
     shm_allowed_uids: list[int] = field(default_factory=list)
     shm_allow_tcp_clients: bool = False
+    fast_path: bool = True  # same-host sessions on the unix socket (cuvild/serve/fast.py)
     max_in_flight: int = 4
     objective: str = "latency"
     compile_timeout_s: float = 300.0
@@ -121,7 +122,8 @@ _SCHEMA: dict[str, Any] = {
         "rpc_threads": (int, 32),
     },
     "shm": {"allowed_uids": (list, []), "allow_tcp_clients": (bool, False),
-            "max_regions_per_caller": (int, 64), "max_bytes_per_caller": (int, 16 << 30)},
+            "max_regions_per_caller": (int, 64), "max_bytes_per_caller": (int, 16 << 30),
+            "fast_path": (bool, True)},
     "engine": {"max_in_flight": (int, 4), "objective": (str, "latency"),
                "compile_timeout_s": ((int, float), 300), "workers": (str, "process"),
                "precision": (str, "fp32"), "max_error": ((int, float), 0.01),
@@ -390,6 +392,7 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         insecure_loopback=raw["listen"]["insecure_loopback"],
         shm_allowed_uids=list(uids),
         shm_allow_tcp_clients=raw["shm"]["allow_tcp_clients"],
+        fast_path=raw["shm"]["fast_path"],
         max_in_flight=eng["max_in_flight"],
         objective=eng["objective"],
         compile_timeout_s=float(eng["compile_timeout_s"]),

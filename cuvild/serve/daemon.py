@@ -95,6 +95,7 @@ class Daemon:
         self.regions: Any = None
         self.arena: Arena | None = None
         self.front: Front | None = None
+        self.fast: Any = None  # cuvild.serve.fast.FastPath, when shm.fast_path
         self.metrics: Any = None  # cuvild.serve.metrics.Metrics, when metrics.enabled
         self.tracer: Any = None  # cuvild.serve.tracing.Tracer, when tracing.exporter is set
         self.uploads: Uploads | None = None  # one count of uploads for every listener
@@ -195,6 +196,10 @@ class Daemon:
             log.debug("workers for %s starting (named by load records)", ", ".join(started))
         self.regions = Regions(self.cfg.shm_allowed_uids, self.cfg.shm_max_regions,
                                self.cfg.shm_max_bytes)
+        if self.cfg.fast_path:
+            from cuvild.serve.fast import FastPath
+
+            self.fast = FastPath(self.models)
         self._observe(engine)
 
     def _caller_gone(self, uid: int) -> None:
@@ -212,7 +217,9 @@ class Daemon:
             from cuvild.serve.metrics import Metrics
 
             self.metrics = Metrics()
-            self.metrics.watch(self.models, self.regions)
+            self.metrics.watch(self.models, self.regions, self.fast)
+            if self.fast is not None:
+                self.fast.metrics = self.metrics
             engine.monitor = self.metrics
             if cfg.metrics_listen:
                 try:
@@ -275,7 +282,8 @@ class Daemon:
         self._start_engine()
         try:
             self.front = Front(self.cfg.unix_socket, self.cfg.max_connections,
-                               self.cfg.max_connections_per_uid, on_last_close=self._caller_gone)
+                               self.cfg.max_connections_per_uid, on_last_close=self._caller_gone,
+                               on_session=self.fast.accept if self.fast else None)
         except OSError as e:
             self.models.engine.close()
             self.arena.close()
@@ -286,6 +294,9 @@ class Daemon:
                 self.servers.append(self._build_server(tcp=True))
             for server in self.servers:
                 server.start()
+            # Registered models are LOADING before the first connection: a client that comes
+            # back after a restart waits for its model rather than hearing it is unknown.
+            self.models.restore()
             self.front.start()
         except BaseException:
             self.front.close()
@@ -308,7 +319,6 @@ class Daemon:
         sdnotify.notify(f"READY=1\nSTATUS=serving on unix:{self.cfg.unix_socket}\n"
                         f"MAINPID={os.getpid()}")
         sdnotify.start_watchdog(self.alive, self.stop_event)
-        self.models.restore()  # registered models come back from the compile cache
         while not self.stop_event.is_set():
             if self.reload_requested.wait(timeout=0.2):
                 self.reload_requested.clear()
@@ -326,6 +336,8 @@ class Daemon:
         stops = [server.stop(grace=DRAIN_GRACE_S) for server in self.servers]
         for stopped in stops:
             stopped.wait()
+        if self.fast is not None:  # after gRPC's drain: the sessions' last runs finish
+            self.fast.close()
         if self.front is not None:
             self.front.close()
         if self.models is not None:

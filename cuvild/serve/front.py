@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from protos.fastpath import MAGIC
+
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -55,16 +57,28 @@ class _Link:
     nonce: str
     pending: dict[socket.socket, bytearray] = field(default_factory=dict)
     shut: set[socket.socket] = field(default_factory=set)  # read ends that saw EOF
+    seen: bool = False  # the client's first bytes came (a fast-path session's are its magic)
 
     def other(self, s: socket.socket) -> socket.socket:
         return self.inner if s is self.client else self.client
+
+    def held(self) -> bool:
+        """gRPC greets first (its SETTINGS frame): that waits until the client spoke (a
+        fast-path client must never get it) or gRPC closed (a silent client gets both)."""
+        return not self.seen and self.inner not in self.shut
 
 
 class Front:
     def __init__(self, public_path: str, max_connections: int | None = None,
                  max_per_uid: int | None = None,
-                 on_last_close: Callable[[int], None] | None = None) -> None:
+                 on_last_close: Callable[[int], None] | None = None,
+                 on_session: Callable[[socket.socket, int, bytes, Callable[[], None]], None]
+                 | None = None) -> None:
+        """`on_session(sock, uid, first_bytes, done)` takes a connection that opens a
+        fast-path session (cuvild/serve/fast.py); it calls `done()` once it closed it."""
         self.public_path = public_path
+        self.on_session = on_session
+        self._count_lock = threading.Lock()  # sessions end on their own threads
         self.max_connections = max_connections or MAX_CONNECTIONS
         self.max_per_uid = max_per_uid or MAX_PER_UID
         self.on_last_close = on_last_close
@@ -207,8 +221,9 @@ class Front:
         client.setblocking(False)
         inner.setblocking(False)
         link = _Link(client, inner, uid, nonce)
-        self._uids[nonce] = uid
-        self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+        with self._count_lock:
+            self._uids[nonce] = uid
+            self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
         for s in (client, inner):
             self._links[s] = link
             self._arm(s, READ)
@@ -230,7 +245,23 @@ class Front:
             n = 0
         if not n:
             link.shut.add(s)
-        elif not link.pending.get(dst):  # the usual case: straight through, no copy
+            link.seen = link.seen or s is link.client
+            self._flush(link, dst)
+            return
+        if not link.seen and s is link.client:
+            link.seen = True
+            if (self.on_session is not None and n >= len(MAGIC)
+                    and self._view[:len(MAGIC)] == MAGIC):
+                self._hand_off(link, bytes(self._view[:n]))
+                return
+            self._flush(link, s)  # gRPC's greeting, held until now
+            if s not in self._links:
+                return
+        elif link.held():
+            link.pending.setdefault(dst, bytearray()).extend(self._view[:n])
+            self._watch(link, s)
+            return
+        if not link.pending.get(dst):  # the usual case: straight through, no copy
             try:
                 sent = dst.send(self._view[:n])
             except BlockingIOError:
@@ -244,6 +275,16 @@ class Front:
         else:
             link.pending[dst].extend(self._view[:n])
         self._flush(link, dst)
+
+    def _hand_off(self, link: _Link, first: bytes) -> None:
+        """A fast-path session: the client's socket leaves the relay (gRPC never sees it);
+        it keeps counting as the uid's connection until the session calls `done`."""
+        for s in (link.client, link.inner):
+            self._links.pop(s, None)
+            self._arm(s, 0)
+        link.inner.close()
+        assert self.on_session is not None
+        self.on_session(link.client, link.uid, first, lambda: self._release(link))
 
     def _flush(self, link: _Link, dst: socket.socket) -> None:
         """Send what waits for dst; pass an EOF on once its bytes are out; re-arm both."""
@@ -268,10 +309,10 @@ class Front:
     def _watch(self, link: _Link, s: socket.socket) -> None:
         """Read s unless it saw EOF or its bytes still wait for the other side (backpressure);
         write s while bytes wait for it."""
-        events = 0
-        if s not in link.shut and not link.pending.get(link.other(s)):
+        events, held = 0, link.held()
+        if s not in link.shut and (held or not link.pending.get(link.other(s))):
             events |= READ
-        if link.pending.get(s):
+        if link.pending.get(s) and not held:
             events |= WRITE
         self._arm(s, events)
 
@@ -297,13 +338,19 @@ class Front:
                 self._arm(s, 0)
             _shutdown(s, socket.SHUT_RDWR)
             s.close()
-        if self._uids.pop(link.nonce, None) is None:
-            return
-        left = self._per_uid[link.uid] - 1
-        if left:
-            self._per_uid[link.uid] = left
-            return
-        del self._per_uid[link.uid]
+        self._release(link)
+
+    def _release(self, link: _Link) -> None:
+        """The link's connection is closed: it counts no more; a uid's last one runs
+        on_last_close."""
+        with self._count_lock:
+            if self._uids.pop(link.nonce, None) is None:
+                return
+            left = self._per_uid[link.uid] - 1
+            if left:
+                self._per_uid[link.uid] = left
+                return
+            del self._per_uid[link.uid]
         if self.on_last_close is not None:
             try:
                 self.on_last_close(link.uid)

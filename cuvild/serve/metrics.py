@@ -20,7 +20,7 @@ import logging
 import statistics
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -37,6 +37,14 @@ MODEL = ("model", "version")
 BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
            2.5, 5.0, 10.0, 60.0)
 RECENT = 1000  # end-to-end times kept per model for stats' p50/p99
+
+
+class FastPath(Protocol):
+    """The fast path's sessions (cuvild/serve/fast.py), as the metrics read them."""
+
+    def sessions(self) -> int: ...
+
+    def counts(self) -> dict[tuple[str, str], list[int]]: ...
 
 
 class Metrics:
@@ -67,6 +75,7 @@ class Metrics:
                             "is its busy fraction", ("device",), registry=r)
         self._recent: dict[tuple[str, str], collections.deque[float]] = {}
         self._children: dict[tuple[str, ...], Any] = {}  # labels() resolved once per series
+        self.fast: FastPath | None = None  # its sessions' counts, read when asked
         self._server: Any = None
         self._started = time.monotonic()
 
@@ -105,8 +114,9 @@ class Metrics:
         self._child(self.busy, route.device).inc(seconds)
 
     # -- read when scraped -----------------------------------------------------------------
-    def watch(self, models: ModelManager, regions: Regions) -> None:
-        self.registry.register(_State(models, regions))
+    def watch(self, models: ModelManager, regions: Regions, fast: FastPath | None = None) -> None:
+        self.fast = fast
+        self.registry.register(_State(models, regions, fast))
 
     def serve(self, listen: str) -> str:
         """Serve /metrics on HOST:PORT (a bare PORT: loopback); returns where."""
@@ -145,6 +155,13 @@ class Metrics:
                     "p50": statistics.median(times) * 1e3,
                     "p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
                     "n": len(times)}
+        # Fast-path requests a worker ran on the session's memory count here too.
+        for (name, version), (done, failed) in (self.fast.counts() if self.fast else {}).items():
+            entry = models.setdefault(f"{name}:{version}", {"success": 0, "failure": 0,
+                                                            "inferences": 0})
+            entry["success"] += done
+            entry["failure"] += failed
+            entry["inferences"] += done
         busy = {s.labels["device"]: s.value for m in self.busy.collect() for s in m.samples
                 if s.name == "cuvil_device_busy_seconds_total"}
         return {"at": time.monotonic() - self._started, "models": models, "devices": busy}
@@ -153,8 +170,8 @@ class Metrics:
 class _State(Collector):
     """Gauges read at scrape time from what the daemon holds: nothing to update per request."""
 
-    def __init__(self, models: ModelManager, regions: Regions) -> None:
-        self.models, self.regions = models, regions
+    def __init__(self, models: ModelManager, regions: Regions, fast: FastPath | None) -> None:
+        self.models, self.regions, self.fast = models, regions, fast
 
     def collect(self) -> Iterator[Any]:
         engine = self.models.engine
@@ -171,6 +188,17 @@ class _State(Collector):
         states: dict[str, int] = collections.Counter(m.state for m in served)
         yield _gauge("cuvil_models", "Models by state", [([s], n) for s, n in states.items()],
                      ["state"])
+        if self.fast is not None:
+            yield _gauge("cuvil_fast_path_sessions", "Same-host fast-path sessions open",
+                         [([], self.fast.sessions())])
+            ran = CounterMetricFamily(
+                "cuvil_fast_path_requests", "Fast-path requests a worker ran on the session's "
+                "memory (not in the request counters and histograms above)",
+                labels=[*MODEL, "outcome"])
+            for (name, version), (done, failed) in self.fast.counts().items():
+                ran.add_metric([name, version, "success"], done)
+                ran.add_metric([name, version, "failure"], failed)
+            yield ran
         yield _gauge("cuvil_model_build_seconds", "How long a model's last load took (plan, "
                      "compile, check)", [([m.record.name, m.record.version], m.prepare_s)
                                          for m in served if m.prepare_s], list(MODEL))

@@ -1,0 +1,382 @@
+"""The same-host fast path, the daemon's side (the wire: protos/fastpath.py).
+
+A client that opens a session on the unix socket (the front hands it over on its first bytes,
+after SO_PEERCRED and the per-uid connection limits, cuvild/serve/front.py) gets a sealed memfd
+holding a request ring and the model's input and output slots; from then on a request is a
+ring entry and an 8-byte doorbell on its own connection, read by the session's thread, which
+runs the request itself: no gRPC, no protobuf, no thread hand-off, nothing pickled, no check
+of the request's shapes (they were fixed when the session opened). Inputs are copied once
+into the arena, as raw OIP inputs are, and outputs once into the slot: the client never maps
+the daemon's arena, and the daemon never maps an object the client can shrink (the memfd is
+sealed), so no client can make the daemon fault.
+
+The session ends when its connection closes (the client closed it or died: its memory goes
+with the last mapping, its connection counts no more), or when the daemon stops.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from cuvild.engine.dtypes import nbytes
+from cuvild.engine.errors import InferError
+from cuvild.engine.orders import Attach, RawTensor
+from cuvild.engine.sessions import STATS, fail
+from cuvild.engine.sessions import Session as WorkerSession
+from cuvild.serve.errors import CODES
+from protos import fastpath as wire
+
+if TYPE_CHECKING:
+    from cuvild.engine.loaded import LoadedModel
+    from cuvild.engine.models import ModelManager, ServedModel
+    from cuvild.serve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _align(n: int) -> int:
+    return (n + wire.ALIGN - 1) // wire.ALIGN * wire.ALIGN
+
+
+def _recv_exact(sock: socket.socket, n: int, have: bytes = b"") -> bytes:
+    data = bytearray(have)
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError("the client closed the session")
+        data += chunk
+    return bytes(data)
+
+
+def layout(served: ServedModel, model: LoadedModel, depth: int) -> dict[str, Any]:
+    """Where the ring, the error texts and each slot's inputs and outputs lie in the memfd."""
+    tensors: dict[str, list[dict[str, Any]]] = {"inputs": [], "outputs": []}
+    at = 0
+    for kind, specs, graph in (("inputs", served.record.inputs, model.inputs),
+                               ("outputs", served.record.outputs, model.outputs)):
+        for spec, name in zip(specs, graph, strict=True):
+            slot = model.slots[name]
+            size = nbytes(slot.dtype, slot.shape)
+            tensors[kind].append({"name": spec["name"], "dtype": slot.dtype,
+                                  "shape": list(slot.shape), "offset": at, "nbytes": size})
+            at += _align(size)
+    slot_bytes = max(_align(at), wire.ALIGN)
+    ring = 0
+    errors = _align(depth * wire.ENTRY_BYTES)
+    first = _align(errors + depth * wire.ERROR_BYTES)
+    return {"ok": True, "name": served.record.name, "version": served.record.version,
+            "depth": depth, "ring": ring, "entry_bytes": wire.ENTRY_BYTES, "errors": errors,
+            "error_bytes": wire.ERROR_BYTES,
+            "slots": [first + k * slot_bytes for k in range(depth)],
+            "size": max(first + depth * slot_bytes, mmap.PAGESIZE), **tensors}
+
+
+class Session:
+    """One client's session: its connection, its memfd mapped here, its thread."""
+
+    def __init__(self, fast: FastPath, sock: socket.socket, uid: int, served: ServedModel,
+                 depth: int, done: Callable[[], None]) -> None:
+        assert served.loaded is not None
+        self.fast, self.sock, self.uid, self.served, self.done = fast, sock, uid, served, done
+        self.ended = False
+        self.model = served.loaded
+        self.model_id = (served.record.name, served.record.version)
+        self.layout = layout(served, self.model, depth)
+        fd = os.memfd_create(f"cuvild-session-{served.record.name}",
+                             os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, self.layout["size"])
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the client cannot shrink it under us
+            self.mm = mmap.mmap(fd, self.layout["size"])
+            reply = json.dumps(self.layout).encode()
+            socket.send_fds(sock, [wire.LENGTH.pack(len(reply)) + reply], [fd])
+            stats_fd = os.memfd_create("cuvild-session-counts", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(stats_fd, mmap.PAGESIZE)
+                self.stats = mmap.mmap(stats_fd, STATS.size)
+                self.attached = self._attach(fd, stats_fd)
+                self.inline = None if self.attached else self._inline(fd, stats_fd)
+            finally:
+                os.close(stats_fd)
+        finally:
+            os.close(fd)  # the mapping here, the client's and a worker's descriptors keep it
+        if self.attached:  # the worker serves it: only the counts stay mapped here
+            self.mm.close()
+            return
+        view = memoryview(self.mm)
+        # Per slot, the inputs as the engine takes raw bytes and the outputs' places.
+        self.inputs = [[RawTensor(view[base + t["offset"]:base + t["offset"] + t["nbytes"]],
+                                  t["dtype"], tuple(t["shape"]))  # type: ignore[arg-type]
+                        for t in self.layout["inputs"]] for base in self.layout["slots"]]
+        self.outputs = [[view[base + t["offset"]:base + t["offset"] + t["nbytes"]]
+                         for t in self.layout["outputs"]] for base in self.layout["slots"]]
+        self.batch = (self.layout["inputs"][0]["shape"] or [1])[0] if self.layout["inputs"] else 1
+
+    def _attach(self, memfd: int, stats_fd: int) -> bool:
+        """Hand a one-part model's session to its worker process (cuvild/engine/sessions.py:
+        the client's doorbell then wakes the worker itself); False where the daemon serves
+        it (several parts, thread workers, a worker being restarted)."""
+        engine = self.fast.models.engine
+        if engine.in_process or len(self.model.routes) != 1:
+            return False
+        route = self.model.routes[0]
+        worker = engine.workers.get(route.device)
+        if worker is None or not worker.alive() or not engine._usable[route.device].is_set():
+            return False
+        ended = worker.attach(Attach(self.model.key, route.id, self.layout),
+                              [self.sock.fileno(), memfd, stats_fd])
+        if ended.done() and ended.exception() is not None:
+            return False
+        self.sock.close()  # the worker has it now
+        ended.add_done_callback(lambda _: self.close())
+        return True
+
+    def _inline(self, memfd: int, stats_fd: int) -> tuple[Any, Any, threading.Lock] | None:
+        """A one-part model on a worker thread (`engine.workers: thread`): this session's
+        thread runs the part itself, under the worker's lock, straight on the session's
+        memory (cuvild/engine/sessions.py), as a worker process would."""
+        engine = self.fast.models.engine
+        if not engine.in_process or len(self.model.routes) != 1:
+            return None
+        route = self.model.routes[0]
+        worker, lock = engine.worker(route.device)._inline
+        return WorkerSession(Attach(self.model.key, route.id, self.layout), self.sock,
+                             os.dup(memfd), os.dup(stats_fd)), worker, lock
+
+    def serve(self) -> None:
+        if self.inline is not None:
+            return self._serve_inline(*self.inline)
+        try:
+            while True:
+                try:
+                    bell = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
+                except OSError:
+                    break
+                if len(bell) < wire.DOORBELL.size:
+                    break  # closed (a partial doorbell is a client that died mid-write)
+                (seq,) = wire.DOORBELL.unpack(bell)
+                self.handle(seq)
+                try:
+                    self.sock.sendall(bell)
+                except OSError:
+                    break  # the client died mid-request: its session ends here
+        finally:
+            self.close()
+
+    def _serve_inline(self, session: WorkerSession, worker: Any, lock: threading.Lock) -> None:
+        try:
+            while (bell := session.read()) is not None and self.fast.models.current(
+                    self.served):  # (unloaded or reloaded: the client opens a new one)
+                with lock:
+                    if worker.abandoned or not session.answer(bell, worker.parts):
+                        break
+        finally:
+            session.close()
+            self.close()
+
+    def handle(self, seq: int) -> None:
+        depth = self.layout["depth"]
+        index = seq % depth
+        at = self.layout["ring"] + index * wire.ENTRY_BYTES
+        got, slot, state, _ = wire.ENTRY.unpack_from(self.mm, at)
+        t0 = time.perf_counter()
+        name, version = self.served.record.name, self.served.record.version
+        try:
+            if got != seq or state != wire.SUBMITTED:
+                raise Refused("INVALID_ARGUMENT", f"ring entry {index} holds request {got} in "
+                              f"state {state}, the doorbell rang for request {seq} "
+                              f"(state {wire.SUBMITTED}: submitted)")
+            if slot >= depth:
+                raise Refused("INVALID_ARGUMENT", f"ring entry {index} names slot {slot}; the "
+                              f"session has slots 0..{depth - 1}")
+            if not self.fast.models.current(self.served):
+                raise self._gone()
+            self.fast.models.engine.run(self.model, self.inputs[slot],
+                                        into=self.outputs[slot])
+        except (Refused, InferError) as e:
+            code = e.code if isinstance(e, Refused) else CODES.get(
+                getattr(e, "kind", "internal"), CODES["internal"]).name
+            self._fail(at, index, seq, slot, code, str(e))
+            if self.fast.metrics:
+                self.fast.metrics.failed(name, version, code)
+            return
+        except Exception as e:  # a bug: said as such, the session goes on
+            log.exception("fast path: request %d of a session on %s failed", seq, name)
+            self._fail(at, index, seq, slot, "INTERNAL", f"{type(e).__name__}: {e}")
+            return
+        wire.ENTRY.pack_into(self.mm, at, seq, slot, wire.DONE, 0)
+        if self.fast.metrics:
+            seconds = time.perf_counter() - t0
+            self.fast.metrics.computed(self.model, seconds)
+            self.fast.metrics.succeeded(name, version, seconds, self.batch)
+
+    def _gone(self) -> Refused:
+        served = self.fast.models.get(self.served.record.name, self.served.record.version)
+        if served is not None and served is not self.served:
+            return Refused(wire.RELOADED, f"model {self.served.key} was loaded again since "
+                           "this session opened: open a new session")
+        if served is None:
+            return Refused("NOT_FOUND", f"model {self.served.key} was unloaded")
+        return Refused("UNAVAILABLE", f"model {self.served.key} is "
+                       f"{self.served.state.lower()}: {self.served.reason}")
+
+    def _fail(self, at: int, index: int, seq: int, slot: int, code: str, error: str) -> None:
+        fail(self.mm, self.layout, at, index, seq, slot, code, error)
+
+    def counts(self) -> tuple[int, int]:
+        """Requests done and failed that a worker ran on this session's memory (the others
+        are in the request metrics already)."""
+        if not (self.attached or self.inline) or self.stats.closed:
+            return 0, 0
+        done, failed, _ = STATS.unpack_from(self.stats)
+        return done, failed
+
+    def close(self) -> None:
+        self.ended = True
+        self.fast.forget(self)
+        try:
+            self.sock.close()
+        finally:
+            self.done()
+        self.stats.close()
+        self.inputs, self.outputs = [], []
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still out (a request in flight at shutdown)
+            log.debug("fast-path session memory still referenced; it goes with the process")
+
+
+class FastPath:
+    """The sessions of one daemon."""
+
+    def __init__(self, models: ModelManager, metrics: Metrics | None = None) -> None:
+        self.models, self.metrics = models, metrics
+        self._sessions: set[Session] = set()  # served here, by their threads
+        self._attached: set[Session] = set()  # served by their model's worker process
+        # (name, version) -> requests done, failed, of ended sessions
+        self._ended: dict[tuple[str, str], list[int]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def sessions(self) -> int:
+        return len(self._sessions) + len(self._attached)
+
+    def accept(self, sock: socket.socket, uid: int, first: bytes,
+               done: Callable[[], None]) -> None:
+        """A connection whose first bytes are the fast path's magic (the front's hand-off):
+        open its session on a thread of its own."""
+        threading.Thread(target=self._open, args=(sock, uid, first, done),
+                         name=f"fast-{uid}", daemon=True).start()
+
+    def _open(self, sock: socket.socket, uid: int, first: bytes,
+              done: Callable[[], None]) -> None:
+        try:
+            sock.setblocking(True)
+            sock.settimeout(10.0)  # for the open; a session then waits as long as it likes
+            head = _recv_exact(sock, wire.OPEN.size, first[:wire.OPEN.size])
+            magic, version, length = wire.OPEN.unpack(head)
+            if version != wire.VERSION:
+                raise Refused("FAILED_PRECONDITION", f"fast path version {version}: this "
+                              f"cuvild speaks {wire.VERSION}")
+            if length > wire.MAX_OPEN_BYTES:
+                raise Refused("INVALID_ARGUMENT", f"open request of {length} bytes (at most "
+                              f"{wire.MAX_OPEN_BYTES})")
+            body = _recv_exact(sock, length, first[wire.OPEN.size:])
+            served, depth = self._model(json.loads(body))
+            sock.settimeout(None)
+            if self._closed:
+                raise Refused("UNAVAILABLE", "cuvild is stopping")
+            # (not under the lock: an attached session may end, and forget itself, at once)
+            session = Session(self, sock, uid, served, depth, done)
+            with self._lock:
+                if not session.ended:
+                    (self._attached if session.attached else self._sessions).add(session)
+        except (Refused, ValueError, EOFError, OSError) as e:
+            code = e.code if isinstance(e, Refused) else "INVALID_ARGUMENT"
+            log.debug("fast path: refused a session of uid %d: %s", uid, e)
+            reply = json.dumps({"ok": False, "code": code, "error": str(e)}).encode()
+            try:
+                sock.sendall(wire.LENGTH.pack(len(reply)) + reply)
+            except OSError:
+                pass
+            sock.close()
+            done()
+            return
+        log.debug("fast path: uid %d opened a session on %s%s", uid, served.key,
+                  " (served by its worker)" if session.attached else "")
+        if not session.attached:
+            session.serve()
+
+    def _model(self, request: Any) -> tuple[ServedModel, int]:
+        if not isinstance(request, dict) or not isinstance(request.get("model"), str):
+            raise Refused("INVALID_ARGUMENT", 'open request: expected {"model": name, ...}')
+        name, version = request["model"], str(request.get("version") or "")
+        depth = request.get("depth", 1)
+        if isinstance(depth, bool) or not isinstance(depth, int) or not (
+                1 <= depth <= wire.MAX_DEPTH):
+            raise Refused("INVALID_ARGUMENT", f"depth {depth!r}: 1..{wire.MAX_DEPTH}")
+        served = self.models.get(name, version)
+        what = repr(name) + (f" version {version!r}" if version else "")
+        if served is None:
+            raise Refused("NOT_FOUND", f"unknown model {what}")
+        if served.state != "READY" or served.loaded is None:
+            raise Refused("UNAVAILABLE", f"model {served.key} is {served.state.lower()}"
+                          + (f": {served.reason}" if served.reason else " (still loading)"))
+        if served.loaded.dynamic:
+            raise Refused("FAILED_PRECONDITION", f"model {served.key} has dynamic input "
+                          "shapes: the fast path serves static-shape models (use the Open "
+                          "Inference Protocol)")
+        return served, depth
+
+    def forget(self, session: Session) -> None:
+        done, failed = session.counts()
+        with self._lock:
+            if session in self._sessions or session in self._attached:
+                totals = self._ended.setdefault(session.model_id, [0, 0])
+                totals[0] += done
+                totals[1] += failed
+            self._sessions.discard(session)
+            self._attached.discard(session)
+
+    def counts(self) -> dict[tuple[str, str], list[int]]:
+        """Per model (name, version), the fast-path requests done and failed that a worker
+        ran on a session's memory (ended sessions' and open ones'), for the metrics."""
+        with self._lock:
+            totals = {k: list(v) for k, v in self._ended.items()}
+            sessions = list(self._sessions | self._attached)
+        for session in sessions:
+            done, failed = session.counts()
+            entry = totals.setdefault(session.model_id, [0, 0])
+            entry[0] += done
+            entry[1] += failed
+        return totals
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End every session (a request running finishes first); wait for them a while."""
+        with self._lock:
+            self._closed = True
+            sessions = list(self._sessions)
+        for session in sessions:
+            try:
+                session.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        while self._sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
