@@ -6,12 +6,14 @@ import hashlib
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from cuvild.config import default_socket
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -118,11 +120,22 @@ def profile_dict(dev: cuvil_pb2.DeviceProfile) -> dict[str, Any]:
 
 
 class Client:
-    """A connection to one cuvild. `target` is `unix:///path/to.sock` or `host:port`."""
+    """A connection to one cuvild. `target` is `unix:///path/to.sock` or `host:port`.
+    fast=True (or a `unix+fast://` target) runs `infer` on the same-host fast path
+    (cuvild/client/fast.py): a session per thread and model, no gRPC per request."""
 
-    def __init__(self, target: str | None = None, timeout: float = 30.0) -> None:
-        self.target = target or default_target()
+    def __init__(self, target: str | None = None, timeout: float = 30.0,
+                 fast: bool = False) -> None:
+        target = target or default_target()
+        if target.startswith("unix+fast:"):
+            target, fast = "unix:" + target.removeprefix("unix+fast:"), True
+        if fast and not target.startswith("unix:"):
+            raise ValueError(f"the fast path runs on the daemon's unix socket, not {target}")
+        self.target, self.fast = target, fast
         self.timeout = timeout
+        self._sessions = threading.local()  # fast path: this thread's session per model
+        self._every_session: list[Any] = []  # every thread's, for close()
+        self._sessions_lock = threading.Lock()
         self._channel = grpc.insecure_channel(self.target)
         self._control = cuvil_pb2_grpc.ControlStub(self._channel)
         self._infer = inference_pb2_grpc.GRPCInferenceServiceStub(self._channel)
@@ -130,6 +143,10 @@ class Client:
         self._metadata: dict[str, dict[str, Any]] = {}
 
     def close(self) -> None:
+        with self._sessions_lock:
+            sessions, self._every_session = self._every_session, []
+        for session in sessions:  # every thread's: a pool's threads outlive the client
+            session.close()
         if self._region is not None:
             self._region.close()
         self._channel.close()
@@ -356,9 +373,12 @@ class Client:
               version: str | None = None) -> dict[str, Any]:
         """Run a model. `inputs`: a tensor, a sequence in the model's order, or a dict by
         input name. Returns {output name: torch tensor}. shm=True passes inputs and outputs
-        through a shared-memory region instead of the gRPC message."""
+        through a shared-memory region instead of the gRPC message. On the fast path
+        (Client(fast=True)) errors are FastPathError, with the same status names."""
         from cuvild.client.infer_io import ClientRegion, run_infer
 
+        if self.fast:
+            return self._fast_infer(name, inputs, version or "")
         if name not in self._metadata:
             self._metadata[name] = self.metadata(name)
         if shm and self._region is None:
@@ -368,3 +388,27 @@ class Client:
         return run_infer(self._infer, name, inputs, self._region if shm else None,
                          version=version or "", metadata=self._metadata[name],
                          timeout=self.timeout)
+
+    def session(self, name: str, version: str = "") -> Any:
+        """This thread's fast-path session on model `name` (opened on first use)."""
+        from cuvild.client.fast import FastSession
+
+        sessions = getattr(self._sessions, "open", None)
+        if sessions is None:
+            sessions = self._sessions.open = {}
+        session = sessions.get((name, version))
+        if session is None:
+            path = self.target.removeprefix("unix://").removeprefix("unix:")
+            session = sessions[(name, version)] = FastSession(path, name, version,
+                                                              timeout=self.timeout)
+            with self._sessions_lock:
+                self._every_session.append(session)
+        return session
+
+    def _fast_infer(self, name: str, inputs: Any, version: str) -> dict[str, Any]:
+        import torch
+
+        session = self.session(name, version)
+        outputs = session.run(inputs)
+        return {spec["name"]: torch.from_numpy(out) if isinstance(out, np.ndarray) else out
+                for spec, out in zip(session.outputs, outputs, strict=True)}

@@ -334,7 +334,17 @@ def cmd_infer(client: Client, args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             print(f"cuvilctl: --input {path}: {e}", file=sys.stderr)
             return 1
-    outputs = client.infer(args.name, arrays, shm=args.shm)
+    if args.fast:
+        from cuvild.client.fast import FastPathError
+
+        try:
+            with Client(client.target, client.timeout, fast=True) as fast:
+                outputs = fast.infer(args.name, arrays)
+        except (FastPathError, ValueError) as e:
+            print(f"cuvilctl: {e}", file=sys.stderr)
+            return 1
+    else:
+        outputs = client.infer(args.name, arrays, shm=args.shm)
     if args.output:
         for name, tensor in outputs.items():
             np.save(Path(args.output) / f"{name}.npy", tensor.numpy())
@@ -425,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--input", action="append", default=[], metavar="FILE.npy",
                        help="one per model input, in order")
     infer.add_argument("--shm", action="store_true", help="pass tensors via shared memory")
+    infer.add_argument("--fast", action="store_true", help="use the same-host fast path "
+                       "(a session on the unix socket, no gRPC per request; docs/FASTPATH.md)")
     infer.add_argument("--output", metavar="DIR", help="also save outputs as DIR/NAME.npy")
     infer.add_argument("--json", action="store_true", help="machine-readable output")
     infer.set_defaults(func=cmd_infer)

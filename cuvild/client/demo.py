@@ -3,8 +3,9 @@
 Starts cuvild with the demo layout (CPU worker on one core, an NPU emulated by OpenVINO's CPU
 plugin on the other) in a temporary state dir, loads the built-in DemoNet (a ResNet-style
 backbone annotated `@partition(device="npu")`, its head `@partition(device="cpu")`), prints the
-plan, runs inference through the Open Inference Protocol with tensors in shared memory,
-checks the result against torch eager, compares latency with eager in the same run; then
+plan, runs inference through the Open Inference Protocol with tensors in shared memory and
+through the same-host fast path, checks the results against torch eager, compares latency
+with eager in the same run; then
 loads the same model under `precision="auto"` at two error budgets with calibration inputs
 and shows each plan's precisions, latency and error on held-out inputs next to fp32; stops.
 """
@@ -101,9 +102,18 @@ def run(client: Client) -> int:
     ok = error <= 1e-4
     print(f"demo: output via shared memory vs torch eager: max relative error {error:.1e} "
           f"({'OK' if ok else 'MISMATCH'})")
+    fast = Client(client.target, client.timeout, fast=True)  # the same-host fast path
+    fast_error = float((fast.infer("demo", x)["output0"] - expected).abs().max()
+                       / expected.abs().max())
+    ok = ok and fast_error <= 1e-4
+    print(f"demo: output via the fast path vs torch eager: max relative error "
+          f"{fast_error:.1e} ({'OK' if fast_error <= 1e-4 else 'MISMATCH'})")
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    rounds = {"cuvild (OIP, shm)": [], "cuvild (OIP, raw)": [], "torch eager": []}
+    rounds = {"cuvild (fast path)": [], "cuvild (OIP, shm)": [], "cuvild (OIP, raw)": [],
+              "torch eager": []}
     for _ in range(3):  # interleaved, so drift on a shared host hits all alike
+        rounds["cuvild (fast path)"].append(
+            median_ms(lambda: fast.infer("demo", x), ROUNDS // 2))
         rounds["cuvild (OIP, shm)"].append(
             median_ms(lambda: client.infer("demo", x, shm=True), ROUNDS // 2))
         rounds["cuvild (OIP, raw)"].append(median_ms(lambda: client.infer("demo", x),
@@ -114,6 +124,7 @@ def run(client: Client) -> int:
     rows = [[k, f"{statistics.median(v):.2f}", f"{statistics.median(v) / eager:.2f}"]
             for k, v in rounds.items()]
     print(format_table(["PATH", "p50 ms", "vs eager"], rows))
+    fast.close()
     measured = client.plan("demo")["measured"]
     print("\n" + format_table(["PART", "DEVICE", "RUNTIME", "PREDICTED ms", "MEASURED ms"],
                               [[p, m["device"], m["runtime"], f"{m['predicted_ms']:.2f}",

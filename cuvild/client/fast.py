@@ -1,0 +1,267 @@
+"""The same-host fast path, the client's side: `FastSession` (the wire: protos/fastpath.py).
+
+A session is opened once per model on the daemon's unix socket and maps the daemon's sealed
+memfd: then each request copies its inputs into a slot, writes a ring entry and rings an
+8-byte doorbell; the reply is the same 8 bytes back, the outputs are in the slot. No gRPC,
+no protobuf. A session is for one thread at a time (`Client(fast=True)` keeps one per thread
+and model). When the daemon restarts, or the model is loaded again, the next request opens
+a new session and is sent again (inference is idempotent), waiting up to `timeout` for the
+daemon and the model to be back; past that it fails with FastPathError("UNAVAILABLE").
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from protos import fastpath as wire
+
+
+class FastPathError(RuntimeError):
+    """A fast-path request or session failed; `code` is a gRPC status name (NOT_FOUND,
+    INVALID_ARGUMENT, UNAVAILABLE, ...), as the Open Inference Protocol path would say."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class _Gone(Exception):
+    """The daemon closed the session (it stopped or restarted)."""
+
+
+def _array(mm: mmap.mmap, at: int, dtype: str, shape: list[int]) -> Any:
+    """A view of the session's memory: numpy where it has the dtype, else torch's."""
+    count = int(np.prod(shape)) if shape else 1
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError:  # bfloat16 and such
+        import torch
+
+        buf = memoryview(mm)[at:at + count * torch.empty((), dtype=getattr(
+            torch, dtype)).element_size()]
+        return torch.frombuffer(buf, dtype=getattr(torch, dtype)).view(shape)
+    return np.frombuffer(mm, np_dtype, count, at).reshape(shape)
+
+
+class FastSession:
+    def __init__(self, socket_path: str, model: str, version: str = "", depth: int = 1,
+                 timeout: float = 30.0) -> None:
+        self.path, self.model, self.version = socket_path, model, version
+        self.depth, self.timeout = depth, timeout
+        self.sock: socket.socket | None = None
+        self.mm: mmap.mmap | None = None
+        self.layout: dict[str, Any] = {}
+        self._seq = 0
+        self.opened = 0  # sessions opened: 1, then one more per re-open
+        self._open(time.monotonic() + timeout)
+
+    @property
+    def inputs(self) -> list[dict[str, Any]]:
+        return self.layout["inputs"]
+
+    @property
+    def outputs(self) -> list[dict[str, Any]]:
+        return self.layout["outputs"]
+
+    # -- the session ---------------------------------------------------------------------
+    def _open(self, deadline: float) -> None:
+        """Open a session, waiting for the daemon (restarting) and the model (loading)."""
+        while True:
+            try:
+                return self._open_once()
+            except FastPathError as e:
+                if e.code != "UNAVAILABLE" or time.monotonic() >= deadline:
+                    raise
+            except (FileNotFoundError, ConnectionError, TimeoutError, _Gone) as e:  # (reset:
+                # the front refused it, over a connection limit)
+                if time.monotonic() >= deadline:
+                    raise FastPathError("UNAVAILABLE", f"cannot open a session on "
+                                        f"{self.path}: {e}") from None
+            time.sleep(0.05)
+
+    def _open_once(self) -> None:
+        self._close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds: list[int] = []
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self.path)
+            body = json.dumps({"model": self.model, "version": self.version,
+                               "depth": self.depth}).encode()
+            sock.sendall(wire.OPEN.pack(wire.MAGIC, wire.VERSION, len(body)) + body)
+            data, fds, _, _ = socket.recv_fds(sock, wire.MAX_OPEN_BYTES, 1)
+            if not data:
+                raise _Gone("the daemon closed the connection")
+            (length,) = wire.LENGTH.unpack(data[:wire.LENGTH.size].ljust(wire.LENGTH.size,
+                                                                         b"\0"))
+            if length > wire.MAX_OPEN_BYTES:
+                raise FastPathError("UNIMPLEMENTED", f"{self.path} does not serve the fast "
+                                    "path (shm.fast_path: false, or an older cuvild)")
+            data = bytearray(data)
+            while len(data) < wire.LENGTH.size + length:
+                chunk = sock.recv(wire.LENGTH.size + length - len(data))
+                if not chunk:
+                    raise _Gone("the daemon closed the connection while opening")
+                data += chunk
+            try:
+                reply = json.loads(bytes(data[wire.LENGTH.size:]))
+            except ValueError:
+                raise FastPathError("UNIMPLEMENTED", f"{self.path} does not serve the fast "
+                                    "path (shm.fast_path: false, or an older cuvild)") from None
+            if not reply.get("ok"):
+                raise FastPathError(reply.get("code", "UNKNOWN"), reply.get("error", ""))
+            if len(fds) != 1:
+                raise FastPathError("INTERNAL", "the session's memory did not arrive")
+            self.mm = mmap.mmap(fds[0], reply["size"])
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.settimeout(None)
+        self._wait = -1.0  # the SO_RCVTIMEO set on this socket (none yet)
+        self.sock, self.layout = sock, reply
+        self.opened += 1
+        mm = self.mm
+        self._in = [[_array(mm, base + t["offset"], t["dtype"], t["shape"])
+                     for t in reply["inputs"]] for base in reply["slots"]]
+        self._out = [[_array(mm, base + t["offset"], t["dtype"], t["shape"])
+                      for t in reply["outputs"]] for base in reply["slots"]]
+
+    def _close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.mm is not None:
+            self._in = self._out = []
+            try:
+                self.mm.close()
+            except BufferError:  # a caller still holds a view of it: it goes with that
+                pass
+            self.mm = None
+
+    def close(self) -> None:
+        self._close()
+
+    def __enter__(self) -> FastSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests --------------------------------------------------------------------------
+    def ordered(self, inputs: Any) -> list[Any]:
+        """Inputs as the model takes them: a tensor, a sequence in order, or a dict by name."""
+        names = [t["name"] for t in self.inputs]
+        if isinstance(inputs, Mapping):
+            missing = [n for n in names if n not in inputs]
+            if missing or len(inputs) != len(names):
+                raise FastPathError("INVALID_ARGUMENT", f"model {self.model} takes inputs "
+                                    f"{names}, got {sorted(inputs)}")
+            return [inputs[n] for n in names]
+        if not isinstance(inputs, Sequence) or hasattr(inputs, "shape"):
+            inputs = [inputs]
+        if len(inputs) != len(names):
+            raise FastPathError("INVALID_ARGUMENT", f"model {self.model} takes "
+                                f"{len(names)} inputs, got {len(inputs)}")
+        return list(inputs)
+
+    def run(self, inputs: Any, timeout: float | None = None) -> list[Any]:
+        """One request; returns the outputs in the model's order, as fresh numpy arrays
+        (torch tensors for dtypes numpy lacks)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        values = self.ordered(inputs)
+        for attempt in (1, 2):
+            if self.sock is None:
+                self._open(deadline)
+            try:
+                return self._request(values, deadline)
+            except _Gone:
+                if attempt == 2:
+                    raise FastPathError("UNAVAILABLE", "the daemon closed the session twice "
+                                        "during one request") from None
+            except FastPathError as e:
+                if e.code != wire.RELOADED or attempt == 2:
+                    raise
+            self._close()  # a re-open: the daemon restarted, or the model was loaded again
+        raise AssertionError("unreachable")
+
+    def _request(self, values: list[Any], deadline: float) -> list[Any]:
+        assert self.sock is not None and self.mm is not None
+        self._seq += 1
+        seq, slot = self._seq, 0
+        index = seq % self.layout["depth"]
+        for spec, place, value in zip(self.inputs, self._in[slot], values, strict=True):
+            self._put(spec, place, value)
+        at = self.layout["ring"] + index * self.layout["entry_bytes"]
+        wire.ENTRY.pack_into(self.mm, at, seq, slot, wire.SUBMITTED, 0)
+        return self._ring(seq, slot, at, index, deadline)
+
+    def _ring(self, seq: int, slot: int, at: int, index: int, deadline: float) -> list[Any]:
+        """Send the doorbell for ring entry `index` (seq) and read the answer."""
+        assert self.sock is not None and self.mm is not None
+        bell = wire.DOORBELL.pack(seq)
+        # The wait's limit is the kernel's (SO_RCVTIMEO, set when it changes): a blocking
+        # socket reads the answer in one system call, where a Python timeout polls first.
+        wait = max(0.001, round(deadline - time.monotonic(), 2))
+        try:
+            if wait != self._wait:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack(
+                    "ll", int(wait), int(wait % 1 * 1e6)))
+                self._wait = wait
+            self.sock.sendall(bell)
+            answer = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
+        except (BlockingIOError, TimeoutError):
+            answer = b""
+            timed_out = True
+        except OSError as e:
+            raise _Gone(str(e)) from None
+        else:
+            timed_out = False
+        if timed_out or 0 < len(answer) < wire.DOORBELL.size:
+            self._close()  # a late answer would be taken for the next request's
+            raise FastPathError("DEADLINE_EXCEEDED", f"model {self.model}: no answer in "
+                                "time")
+        if not answer:
+            raise _Gone("the daemon closed the session")
+        got, _, state, error_len = wire.ENTRY.unpack_from(self.mm, at)
+        if answer != bell or got != seq:
+            self._close()
+            raise FastPathError("INTERNAL", f"the answer was for request "
+                                f"{wire.DOORBELL.unpack(answer)[0]}, not {seq}")
+        if state == wire.DONE:
+            return [np.array(out) if isinstance(out, np.ndarray) else out.clone()
+                    for out in self._out[slot]]
+        where = self.layout["errors"] + index * self.layout["error_bytes"]
+        try:
+            error = json.loads(bytes(self.mm[where:where + error_len]))
+        except ValueError:
+            error = {"code": "INTERNAL", "error": f"request {seq} failed (state {state})"}
+        raise FastPathError(error.get("code", "UNKNOWN"), error.get("error", ""))
+
+    def _put(self, spec: dict[str, Any], place: Any, value: Any) -> None:
+        if hasattr(value, "detach"):  # a torch tensor
+            value = value.detach().cpu()
+            if isinstance(place, np.ndarray):
+                value = value.numpy()
+        else:
+            value = np.asarray(value)
+        dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
+        if list(value.shape) != spec["shape"] or dtype != spec["dtype"]:
+            raise FastPathError("INVALID_ARGUMENT", f"input {spec['name']!r}: {dtype}"
+                                f"{list(value.shape)}, model {self.model} takes "
+                                f"{spec['dtype']}{spec['shape']}")
+        if isinstance(place, np.ndarray):
+            np.copyto(place, value)
+        else:
+            place.copy_(value)
