@@ -1,0 +1,594 @@
+"""The same-host fast path (protos/fastpath.py, cuvild/serve/fast.py, cuvild/client/fast.py):
+the outputs torch eager gives, through Client(fast=True) and FastSession, on process and on
+thread workers; many sessions at once; clients that die mid-request; a daemon that restarts
+and a model loaded again under an open session; and the wire spoken by hand, where a bad ring
+entry or open request is refused and the session or daemon goes on. Two daemons for the
+module (process workers; thread workers with small connection limits); the restart and
+`fast_path: false` tests start their own."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import cuvild
+from cuvild.client import Client, samples
+from cuvild.client.fast import FastPathError, FastSession
+from protos import fastpath as wire
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
+from daemons import ROOT, DaemonProcess, daemon_config, read_text, worker_processes  # noqa: E402
+from oip_helpers import SHM_DIR, Pair  # noqa: E402
+
+pytestmark = pytest.mark.daemon
+# Builds try one runtime (the fast path does not care which one runs a part); every daemon
+# of the module shares one compile cache, so a model built once is not compiled again.
+RUNTIMES = {"cpu": ["openvino"]}
+PER_UID = 4  # the thread daemon's limits.max_connections_per_uid
+IDLE_S = 3  # and its limits.idle_timeout_s (gRPC's: a session has none)
+TWO_CORES = len(os.sched_getaffinity(0)) >= 2  # the emulated NPU has a core of its own
+# Where a session is served: a one-part model's worker process, a one-part model's worker
+# thread in the daemon, or the daemon's session thread through the engine (two parts).
+PATHS = [("procs", "mlp"), ("threads", "mlp"), ("procs", "split")]
+NEEDS_TWO_CORES = "the two-part model needs two cores (the emulated NPU has one of its own)"
+
+
+def on_path(request: pytest.FixtureRequest, which: str, name: str) -> Served:
+    if name == "split" and not TWO_CORES:
+        pytest.skip(NEEDS_TWO_CORES)
+    return request.getfixturevalue(which)
+
+
+class Split(torch.nn.Module):
+    """Two parts in two worker processes: the body on the emulated NPU, the head on the CPU
+    (the session's request crosses both, not just the one worker of a single-part model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = cuvild.partition(device="npu")(torch.nn.Linear(16, 32))
+        self.head = cuvild.partition(device="cpu")(
+            torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(32, 8)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@dataclass
+class Served:
+    daemon: DaemonProcess
+    models: dict[str, tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
+
+    @property
+    def path(self) -> str:
+        return str(self.daemon.socket_path)
+
+
+def eager(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        out = model(*inputs)
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def close_to(got: list[Any], expected: list[torch.Tensor]) -> None:
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(torch.as_tensor(g), e, rtol=1e-4, atol=1e-5)
+
+
+def eventually(check: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def session_memory(daemon: DaemonProcess) -> int:
+    """Session memfds mapped in the daemon and its workers (a memfd is never in /dev/shm:
+    /proc/<pid>/maps is where it shows). A part's runtime may hold its last input, so the
+    last session that ran a part may stay mapped until that part's next request."""
+    pids = [daemon.proc.pid] + [int(p.name) for p in worker_processes(daemon.proc.pid)]
+    return sum(read_text(Path(f"/proc/{pid}/maps")).count("memfd:cuvild-session")
+               for pid in pids)
+
+
+def server_ends(daemon: DaemonProcess) -> int:
+    """Connections open on the daemon's side of its unix socket (the daemon's or a worker's
+    descriptor: /proc/net/unix names the socket's path for each accepted one)."""
+    path = str(daemon.socket_path)
+    return sum(1 for line in read_text(Path("/proc/net/unix")).splitlines()
+               if line.endswith(" " + path) and line.split()[5] == "03")  # SS_CONNECTED
+
+
+def arena_objects(daemon: DaemonProcess) -> set[str]:
+    return {p.name for p in SHM_DIR.glob(f"cuvil-{daemon.proc.pid}-*")}
+
+
+def start(workdir: Path, state_root: Path, sock_dir: Path, cache: Path,
+          **extra: Any) -> DaemonProcess:
+    """A started daemon with its own registry, seeded with the session's device profiles."""
+    state_dir = workdir / "state"
+    if (state_root / "profiles").exists():
+        shutil.copytree(state_root / "profiles", state_dir / "profiles")
+    engine = {"runtimes": RUNTIMES, **extra.pop("engine", {})}
+    config = daemon_config(workdir, state_dir, sock_dir, cache_dir=str(cache), engine=engine,
+                           **extra)
+    daemon = DaemonProcess(workdir, config).start()
+    if not (state_root / "profiles").exists() and (state_dir / "profiles").exists():
+        shutil.copytree(state_dir / "profiles", state_root / "profiles")
+    return daemon
+
+
+def load(daemon: DaemonProcess, models: dict[str, Any]) -> None:
+    with Client(daemon.target) as client:
+        for name, (model, inputs) in models.items():
+            result = client.load(name, model, inputs)
+            assert result["state"] == "ready", daemon.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fast-cache")
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir: Path,
+          cache: Path) -> Iterator[Served]:
+    """Process workers (the default): a one-part MLP, a wider one, a two-input model and
+    (with two cores) a two-part model."""
+    daemon = start(tmp_path_factory.mktemp("fast"), state_root, sock_dir, cache)
+    torch.manual_seed(0)
+    models = {"mlp": (samples.MLP(width=16, depth=1).eval(), (torch.randn(2, 16),)),
+              "wide": (samples.MLP(width=64, depth=2).eval(), (torch.randn(4, 64),)),
+              "pair": (Pair().eval(), (torch.randn(2, 8), torch.randn(2, 4)))}
+    if TWO_CORES:
+        models["split"] = (Split().eval(), (torch.randn(3, 16),))
+    try:
+        load(daemon, models)
+        yield Served(daemon, models)
+    finally:
+        daemon.close()
+
+
+@pytest.fixture(scope="module")
+def threads(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir: Path,
+            cache: Path) -> Iterator[Served]:
+    """Thread workers (parts run in the daemon), a small per-uid connection limit and a
+    short idle timeout."""
+    daemon = start(tmp_path_factory.mktemp("fast-threads"), state_root, sock_dir, cache,
+                   engine={"workers": "thread"},
+                   limits={"max_connections_per_uid": PER_UID, "idle_timeout_s": IDLE_S})
+    torch.manual_seed(0)
+    models = {"mlp": (samples.MLP(width=16, depth=1).eval(), (torch.randn(2, 16),)),
+              "pair": (Pair().eval(), (torch.randn(2, 8), torch.randn(2, 4)))}
+    try:
+        load(daemon, models)
+        yield Served(daemon, models)
+    finally:
+        daemon.close()
+
+
+# -- the wire by hand ------------------------------------------------------------------------
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    return sock.recv(n, socket.MSG_WAITALL) if n else b""
+
+
+def open_raw(path: str, body: bytes | dict[str, Any], version: int = wire.VERSION,
+             pause: float = 0.0) -> tuple[socket.socket, dict[str, Any], Any]:
+    """Open a session as another language would: (socket, reply, the memfd mapped or None);
+    `pause` seconds between connect and the open request."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(15)
+    sock.connect(path)
+    time.sleep(pause)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sock.sendall(wire.OPEN.pack(wire.MAGIC, version, len(data)) + data)
+    head, fds, _, _ = socket.recv_fds(sock, wire.LENGTH.size, 1)
+    (length,) = wire.LENGTH.unpack(head + recv_exact(sock, wire.LENGTH.size - len(head)))
+    reply = json.loads(recv_exact(sock, length))
+    mm = None
+    if fds:
+        mm = mmap.mmap(fds[0], reply["size"])
+        for fd in fds:
+            os.close(fd)
+    return sock, reply, mm
+
+
+def ring(sock: socket.socket, mm: Any, reply: dict[str, Any], seq: int, slot: int,
+         state: int = wire.SUBMITTED, entry_seq: int | None = None) -> tuple[int, Any]:
+    """Write ring entry seq % depth, ring for `seq`; (the entry's state, its error JSON)."""
+    index = seq % reply["depth"]
+    at = reply["ring"] + index * reply["entry_bytes"]
+    wire.ENTRY.pack_into(mm, at, seq if entry_seq is None else entry_seq, slot, state, 0)
+    sock.sendall(wire.DOORBELL.pack(seq))
+    assert recv_exact(sock, wire.DOORBELL.size) == wire.DOORBELL.pack(seq)
+    got, _, state, error_len = wire.ENTRY.unpack_from(mm, at)
+    assert got == seq  # the daemon's answer names the request it was rung for
+    if state != wire.FAILED:
+        return state, None
+    where = reply["errors"] + index * reply["error_bytes"]
+    return state, json.loads(bytes(mm[where:where + error_len]))
+
+
+def slot_tensor(mm: Any, base: int, spec: dict[str, Any]) -> np.ndarray:
+    count = int(np.prod(spec["shape"]))
+    return np.frombuffer(mm, spec["dtype"], count, base + spec["offset"]).reshape(spec["shape"])
+
+
+# -- outputs ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["mlp", "wide", "pair", "split"])
+def test_process_workers_match_eager(procs, name):
+    if name not in procs.models:
+        pytest.skip(NEEDS_TWO_CORES)
+    model, inputs = procs.models[name]
+    expected = eager(model, inputs)
+    with Client(procs.daemon.target, fast=True) as client:
+        got = client.infer(name, inputs)
+        assert list(got) == [f"output{i}" for i in range(len(expected))]
+        close_to(list(got.values()), expected)
+        assert all(isinstance(t, torch.Tensor) for t in got.values())
+        session = client.session(name)
+        close_to(list(client.infer(name, list(inputs)).values()), expected)  # a sequence
+        by_name = dict(zip((t["name"] for t in session.inputs), inputs, strict=True))
+        close_to(list(client.infer(name, by_name).values()), expected)  # a dict
+        if len(inputs) == 1:
+            close_to(list(client.infer(name, inputs[0]).values()), expected)  # one tensor
+        assert client.session(name) is session and session.opened == 1  # one per thread
+    with FastSession(procs.path, name, depth=3) as session:
+        for _ in range(5):  # past the ring's end: entries are reused
+            out = session.run([x.numpy() for x in inputs])
+            assert all(isinstance(o, np.ndarray) for o in out)
+            close_to(out, expected)
+        assert [t["shape"] for t in session.outputs] == [list(e.shape) for e in expected]
+
+
+def test_thread_workers_match_eager(threads):
+    with Client(f"unix+fast://{threads.path}") as client:  # the target says fast
+        assert client.fast
+        for name, (model, inputs) in threads.models.items():
+            expected = eager(model, inputs)
+            close_to(list(client.infer(name, inputs).values()), expected)
+            names = [t["name"] for t in client.session(name).inputs]
+            close_to(list(client.infer(name, dict(zip(names, inputs, strict=True))).values()),
+                     expected)
+    model, inputs = threads.models["mlp"]
+    with FastSession(threads.path, "mlp", version="1") as session:
+        close_to(session.run(inputs[0]), eager(model, inputs))
+        assert session.layout["version"] == "1"
+
+
+@pytest.mark.parametrize("which, count", [("procs", 8), ("threads", PER_UID)])
+def test_concurrent_sessions_each_get_their_own_outputs(request, which, count):
+    """Threads with distinct inputs, half sharing one Client (a session per thread), half
+    with their own; Client.close() ends every thread's session, threads still alive."""
+    served = request.getfixturevalue(which)
+    model, _ = served.models["mlp"]
+    shared = Client(served.daemon.target, fast=True)
+    errors: list[str] = []
+    finished, closed = threading.Barrier(count + 1), threading.Event()
+
+    def worker(i: int) -> None:
+        client = shared if i % 2 else Client(served.daemon.target, fast=True)
+        x = torch.randn(2, 16, generator=torch.Generator().manual_seed(100 + i))
+        expected = eager(model, (x,))
+        try:
+            for _ in range(40):
+                close_to(list(client.infer("mlp", x).values()), expected)
+        except Exception as e:  # noqa: BLE001 - told to the test below
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+        if client is not shared:
+            client.close()
+        finished.wait(60)
+        closed.wait(60)  # alive while the shared client closes
+
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+    kept = session_memory(served.daemon)
+    for t in pool:
+        t.start()
+    try:
+        finished.wait(120)
+        assert not errors, errors
+        half = count // 2  # the shared client's sessions, their threads still alive
+        assert eventually(lambda: server_ends(served.daemon) == half), server_ends(served.daemon)
+        shared.close()
+        assert eventually(lambda: server_ends(served.daemon) == 0), server_ends(served.daemon)
+        assert eventually(lambda: session_memory(served.daemon) <= kept + 1)  # mlp's last
+    finally:
+        shared.close()
+        closed.set()
+        for t in pool:
+            t.join(60)
+
+
+# -- clients that die, a daemon that restarts, a model loaded again -------------------------
+KILLED = """
+import sys
+import numpy as np
+from cuvild.client.fast import FastSession
+session = FastSession(sys.argv[1], "mlp")
+x = np.ones((2, 16), np.float32)
+session.run(x)
+print("open", flush=True)
+while True:
+    session.run(x)
+"""
+
+
+@pytest.mark.parametrize("which", ["threads", "procs"])
+def test_killed_clients_leave_no_session_connection_or_memory(request, which):
+    """Clients SIGKILLed mid-request, as many as the thread daemon's uid may hold: each
+    session and its connection end with its client (there, the limit's sessions open again)
+    and its memory goes; /dev/shm holds the daemon's arena and nothing more."""
+    served = request.getfixturevalue(which)
+    daemon, (model, inputs) = served.daemon, served.models["mlp"]
+    expected = eager(model, inputs)
+    before, kept = arena_objects(daemon), session_memory(daemon)
+    clients = [subprocess.Popen([sys.executable, "-c", KILLED, served.path], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(PER_UID)]
+    try:
+        for proc in clients:
+            assert proc.stdout.readline() == "open\n", proc.stderr.read()
+        assert server_ends(daemon) == PER_UID and session_memory(daemon) >= PER_UID
+        time.sleep(0.2)  # each mid-loop: most likely waiting on its answer
+    finally:
+        for proc in clients:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert eventually(lambda: server_ends(daemon) == 0), server_ends(daemon)
+    assert eventually(lambda: session_memory(daemon) <= kept + 1), session_memory(daemon)
+    sessions = [FastSession(served.path, "mlp", timeout=15) for _ in range(PER_UID)]
+    try:
+        for session in sessions:
+            close_to(session.run(inputs), expected)
+        if which == "threads":
+            with pytest.raises(FastPathError) as err:  # one more than the uid may hold
+                FastSession(served.path, "mlp", timeout=1)
+            assert err.value.code == "UNAVAILABLE"
+    finally:
+        for session in sessions:
+            session.close()
+    with Client(daemon.target, fast=True) as client:
+        close_to(list(client.infer("mlp", inputs).values()), expected)
+    with Client(daemon.target) as client:  # and the Open Inference Protocol
+        close_to(list(client.infer("mlp", inputs).values()), expected)
+    assert eventually(lambda: session_memory(daemon) <= kept + 1), session_memory(daemon)
+    assert arena_objects(daemon) == before
+    assert not [p.name for p in SHM_DIR.iterdir() if "session" in p.name]
+    assert daemon.proc.poll() is None
+
+
+def test_a_restarted_daemon_serves_the_open_session(make_daemon, cache):
+    """The daemon stops under an open session and a new one starts on its socket and state:
+    the session's next request waits for it, re-opens once and is answered."""
+    torch.manual_seed(3)
+    model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
+    expected = eager(model, (x,))
+    settings = {"cache_dir": str(cache), "engine": {"runtimes": RUNTIMES}}
+    first = make_daemon(**settings)
+    load(first, {"mlp": (model, (x,))})
+    session = FastSession(str(first.socket_path), "mlp", timeout=120)
+    close_to(session.run(x), expected)
+    assert first.stop() == 0
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["out"] = session.run(x)
+        except Exception as e:  # noqa: BLE001 - told to the test below
+            result["error"] = e
+
+    waiting = threading.Thread(target=run)
+    waiting.start()  # while no daemon serves
+    second = make_daemon(state_dir=first.state_dir, listen={"unix": str(first.socket_path)},
+                         **settings)
+    waiting.join(150)
+    assert "error" not in result, f"{result.get('error')!r}\n{second.log()[-3000:]}"
+    close_to(result["out"], expected)
+    assert session.opened == 2
+    close_to(session.run(x), expected)
+    assert session.opened == 2
+    session.close()
+
+
+@pytest.mark.parametrize("which, name", PATHS)
+def test_a_model_loaded_again_reopens_the_session_and_an_unloaded_one_is_not_found(request,
+                                                                                     which, name):
+    """Loaded again under the same version (replace): the session's next request re-opens
+    and is sent again, on the new weights or the new layout; unloaded: NOT_FOUND."""
+    served = on_path(request, which, name)
+    torch.manual_seed(4)
+    x = torch.randn(2, 16)
+    kind = Split if name == "split" else lambda: samples.MLP(width=16, depth=1)
+    old, new, swap = kind().eval(), kind().eval(), f"swap_{name}"
+    load(served.daemon, {swap: (old, (x,))})
+    with FastSession(served.path, swap) as session, \
+            Client(served.daemon.target, fast=True) as client:
+        close_to(session.run(x), eager(old, (x,)))
+        close_to(list(client.infer(swap, x).values()), eager(old, (x,)))
+        with Client(served.daemon.target) as control:
+            assert control.load(swap, new, (x,), replace=True)["state"] == "ready"
+        close_to(session.run(x), eager(new, (x,)))  # RELOADED: re-opened, sent again
+        assert session.opened == 2
+        close_to(list(client.infer(swap, x).values()), eager(new, (x,)))
+        narrow, x8 = samples.MLP(width=8, depth=1).eval(), torch.randn(2, 8)
+        with Client(served.daemon.target) as control:  # loaded again with another layout
+            assert control.load(swap, narrow, (x8,), replace=True)["state"] == "ready"
+        with pytest.raises(FastPathError) as err:  # re-opened: the old input fits no more
+            session.run(x)
+        assert err.value.code == "INVALID_ARGUMENT" and "takes float32[2, 8]" in str(err.value)
+        assert session.opened == 3
+        close_to(session.run(x8), eager(narrow, (x8,)))
+        with Client(served.daemon.target) as control:
+            control.unload(swap)
+        for call in (lambda: session.run(x8), lambda: client.infer(swap, x)):
+            with pytest.raises(FastPathError) as err:
+                call()
+            assert err.value.code == "NOT_FOUND", err.value
+    with pytest.raises(FastPathError) as err:
+        FastSession(served.path, swap)
+    assert err.value.code == "NOT_FOUND"
+
+
+def test_the_fast_path_turned_off_is_unimplemented_and_grpc_serves(make_daemon, cache):
+    torch.manual_seed(5)
+    model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
+    daemon = make_daemon(cache_dir=str(cache), engine={"runtimes": RUNTIMES},
+                         shm={"fast_path": False})
+    load(daemon, {"mlp": (model, (x,))})
+    with pytest.raises(FastPathError) as err:
+        FastSession(str(daemon.socket_path), "mlp", timeout=5)
+    assert err.value.code == "UNIMPLEMENTED", err.value
+    with Client(daemon.target, fast=True) as client, pytest.raises(FastPathError) as err:
+        client.infer("mlp", x)
+    assert err.value.code == "UNIMPLEMENTED"
+    with Client(daemon.target) as client:
+        close_to(list(client.infer("mlp", x).values()), eager(model, (x,)))
+        close_to(list(client.infer("mlp", x, shm=True).values()), eager(model, (x,)))
+
+
+# -- refused, and the daemon goes on ---------------------------------------------------------
+def test_bad_inputs_and_unknown_models_are_refused(procs):
+    model, inputs = procs.models["mlp"]
+    x = inputs[0]
+    with Client(procs.daemon.target, fast=True) as client:
+        bad = {"shape": torch.randn(3, 16), "dtype": x.double(), "count": [x, x],
+               "names": {"y": x}, "too many names": {"x": x, "y": x}}
+        for what, value in bad.items():
+            with pytest.raises(FastPathError) as err:
+                client.infer("mlp", value)
+            assert err.value.code == "INVALID_ARGUMENT", what
+        assert "float64[2, 16], model mlp takes float32[2, 16]" in str(
+            pytest.raises(FastPathError, client.infer, "mlp", x.double()).value)
+        for name, version in (("nothing", None), ("mlp", "9")):
+            with pytest.raises(FastPathError) as err:
+                client.infer(name, x, version=version)
+            assert err.value.code == "NOT_FOUND" and repr(name) in str(err.value)
+        close_to(list(client.infer("mlp", x).values()), eager(model, inputs))
+        assert client.session("mlp").opened == 1  # a refused request keeps the session
+
+
+@pytest.mark.parametrize("which, name", PATHS)
+@pytest.mark.parametrize("case", ["slot past depth", "seq not rung", "not submitted"])
+def test_a_bad_ring_entry_fails_alone(request, which, name, case):
+    """Entries a buggy or hostile client writes: FAILED, INVALID_ARGUMENT naming the entry or
+    slot; the next good request on the same session is answered."""
+    served = on_path(request, which, name)
+    model, inputs = served.models[name]
+    sock, reply, mm = open_raw(served.path, {"model": name, "depth": 2})
+    try:
+        assert reply["ok"] and reply["depth"] == 2 and len(reply["slots"]) == 2, reply
+        assert mm is not None and len(mm) == reply["size"]
+        seq = 7  # ring entry 1
+        if case == "slot past depth":
+            state, error = ring(sock, mm, reply, seq, slot=5)
+            assert "names slot 5; the session has slots 0..1" in error["error"]
+        elif case == "seq not rung":
+            state, error = ring(sock, mm, reply, seq, slot=0, entry_seq=seq + 100)
+            assert f"ring entry 1 holds request {seq + 100}" in error["error"]
+            assert f"rang for request {seq}" in error["error"]
+        else:
+            state, error = ring(sock, mm, reply, seq, slot=0, state=wire.FREE)
+            assert f"ring entry 1 holds request {seq} in state {wire.FREE}" in error["error"]
+        assert state == wire.FAILED and error["code"] == "INVALID_ARGUMENT", error
+        base = reply["slots"][1]
+        (spec,) = reply["inputs"]
+        slot_tensor(mm, base, spec)[...] = inputs[0].numpy()
+        state, error = ring(sock, mm, reply, seq + 1, slot=1)
+        assert state == wire.DONE, error
+        close_to([slot_tensor(mm, base, t).copy() for t in reply["outputs"]],
+                 eager(model, inputs))
+    finally:
+        sock.close()
+        mm.close()
+
+
+@pytest.mark.parametrize("body, version, code, says", [
+    (b"{not json", wire.VERSION, "INVALID_ARGUMENT", "Expecting property name"),
+    (b"[]", wire.VERSION, "INVALID_ARGUMENT", '{"model": name'),
+    ({"depth": 1}, wire.VERSION, "INVALID_ARGUMENT", '{"model": name'),
+    ({"model": "mlp", "depth": 0}, wire.VERSION, "INVALID_ARGUMENT", "depth 0: 1..64"),
+    ({"model": "mlp", "depth": 65}, wire.VERSION, "INVALID_ARGUMENT", "depth 65: 1..64"),
+    ({"model": "mlp", "depth": "2"}, wire.VERSION, "INVALID_ARGUMENT", "depth '2'"),
+    ({"model": "mlp"}, 2, "FAILED_PRECONDITION", "fast path version 2: this cuvild speaks 1"),
+    ({"model": "nothing"}, wire.VERSION, "NOT_FOUND", "unknown model 'nothing'"),
+])
+def test_a_bad_open_request_is_refused(procs, body, version, code, says):
+    sock, reply, mm = open_raw(procs.path, body, version)
+    try:
+        assert mm is None and reply["ok"] is False, reply
+        assert reply["code"] == code and says in reply["error"], reply
+        assert sock.recv(1) == b""  # and the daemon closed the socket
+    finally:
+        sock.close()
+    model, inputs = procs.models["mlp"]
+    with FastSession(procs.path, "mlp") as session:
+        close_to(session.run(inputs), eager(model, inputs))
+
+
+def test_a_client_slow_to_open_gets_its_session_and_nothing_else(procs):
+    """gRPC greets a connection first (a SETTINGS frame, on the front's inner socket): the
+    front holds that until the client spoke, so a late open request still gets only the
+    fast path's reply."""
+    model, inputs = procs.models["mlp"]
+    sock, reply, mm = open_raw(procs.path, {"model": "mlp"}, pause=0.5)
+    try:
+        assert reply["ok"] and mm is not None, reply
+        base, (spec,) = reply["slots"][0], reply["inputs"]
+        slot_tensor(mm, base, spec)[...] = inputs[0].numpy()
+        assert ring(sock, mm, reply, 1, slot=0) == (wire.DONE, None)
+        close_to([slot_tensor(mm, base, t).copy() for t in reply["outputs"]],
+                 eager(model, inputs))
+    finally:
+        sock.close()
+        mm.close()
+
+
+def test_an_idle_session_stays_and_a_silent_connection_is_closed(threads):
+    """gRPC's idle timeout is not the session's: one idle past it still serves, unopened
+    again; a connection that never speaks gets gRPC's greeting, then its close."""
+    model, inputs = threads.models["mlp"]
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.settimeout(IDLE_S + 10)
+    silent.connect(threads.path)
+    with FastSession(threads.path, "mlp") as session:
+        close_to(session.run(inputs), eager(model, inputs))
+        got = b""
+        while chunk := silent.recv(4096):
+            got += chunk
+        silent.close()
+        assert got[3:4] == b"\x04"  # an HTTP/2 SETTINGS frame
+        time.sleep(1.5)  # the session was idle past the timeout too
+        close_to(session.run(inputs), eager(model, inputs))
+        assert session.opened == 1
+
+
+def test_an_open_request_too_long_is_refused(procs):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(15)
+    try:
+        sock.connect(procs.path)
+        sock.sendall(wire.OPEN.pack(wire.MAGIC, wire.VERSION, wire.MAX_OPEN_BYTES + 1))
+        (length,) = wire.LENGTH.unpack(recv_exact(sock, wire.LENGTH.size))
+        reply = json.loads(recv_exact(sock, length))
+        assert reply["code"] == "INVALID_ARGUMENT" and "at most 65536" in reply["error"]
+    finally:
+        sock.close()
