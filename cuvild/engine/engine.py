@@ -7,9 +7,9 @@ lifetimes do not overlap share bytes), and have each device's worker build its p
 Data path: `resolve` checks a request's inputs against the model's input table (once) and,
 for a dynamic-shape model, picks the bucket for its shapes (cuvild/engine/buckets.py); `run`
 takes a block, puts the inputs in it, dispatches each part to its worker as soon as its inputs
-are ready (cuvild/engine/request.py), reads the outputs and gives the block back. No planning,
-compiling or file I/O, and no lock but the arena's and a count of requests in flight (a
-bucket's first request builds it under that model's own lock).
+are ready (cuvild/engine/request.py), reads the outputs and gives the block back; raw inputs
+to one part on a worker process take a lane instead (cuvild/engine/lanes.py). No planning,
+compiling or file I/O, and no lock but the arena's and a count of requests in flight.
 
 Every request has a deadline (by default `run_timeout_s` from its start): every wait of it
 ends there with RunTimeout, and a worker that gave no reply for all of it is restarted. A
@@ -42,6 +42,7 @@ from cuvild.engine.errors import (
     WorkerUnavailable,
 )
 from cuvild.engine.handle import WorkerDied, WorkerHandle
+from cuvild.engine.lanes import Lanes
 from cuvild.engine.layout import (
     BadInput,
     Slot,
@@ -117,6 +118,7 @@ class Engine:
         self.compile_timeout_s = compile_timeout_s
         self.corrections = CorrectionStore(corrections_path)
         self.monitor: Monitor | None = None
+        self.lanes = Lanes()  # one-part models' requests with raw inputs (lanes.py)
         # loads' "archive_loads", "planned", parts "built", "compiled", "restored" (warm.py)
         self.counters: Counter[str] = Counter()
 
@@ -354,6 +356,7 @@ class Engine:
 
     def unload(self, key: str) -> None:
         model = self.models.pop(key, None)
+        self.lanes.drop(key)
         if model is None:
             return
         with self._buckets_lock:
@@ -428,6 +431,10 @@ class Engine:
                 with self._counted():
                     if monitor:
                         monitor.queued(model, time.perf_counter() - t0)
+                    if not output_refs and timeline is None:  # one part, raw bytes in?
+                        done = self.lanes.run(self, model, inputs, raw, into, deadline)
+                        if done is not None:
+                            return done
                     return self._attempts(model, inputs, output_refs, raw, timeline, deadline,
                                           patient, into)
             finally:

@@ -33,13 +33,24 @@ FEEDBACK_RUNS = 20  # a part's measured runs that teach the cost model (once per
 Timeline = list[tuple["Route", int, int]]
 
 
+def measured(engine: Any, model: LoadedModel, route: Route, run_ms: float) -> None:
+    """A part's run time, as its worker measured it: kept (the last 100), told to the
+    monitor, and once per load, at FEEDBACK_RUNS runs, taught to the cost model."""
+    route.measured_ms.append(run_ms)
+    del route.measured_ms[:-100]
+    if engine.monitor:
+        engine.monitor.part(model, route, run_ms / 1e3)
+    if len(route.measured_ms) == FEEDBACK_RUNS and not route.fed_back:
+        route.fed_back = True
+        engine.corrections.later(engine.feedback, model.key)
+
+
 def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
               timeline: Timeline | None, deadline: float, patient: bool) -> None:
     """Run the request's parts (`engine`: the Engine, which imports this module)."""
     def ref(name: str) -> TensorRef:
         return refs.get(name) or engine._ref(block, model.slots[name])
 
-    monitor = engine.monitor
     dispatched: dict[str, int] = {}  # perf_counter_ns, for a timeline
     sent: dict[str, float] = {}  # time.monotonic() of each part's dispatch
     ready = set(model.inputs)
@@ -56,16 +67,9 @@ def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, Ten
         if not reply.ok or reply.result is None:
             error = BadRegion if reply.kind == "invalid" else InferError
             return error(f"{where} failed: {reply.error}")
-        run_ms = reply.result.run_ms  # type: ignore[union-attr]
-        route.measured_ms.append(run_ms)
-        del route.measured_ms[:-100]
-        if monitor:
-            monitor.part(model, route, run_ms / 1e3)
+        measured(engine, model, route, reply.result.run_ms)  # type: ignore[union-attr]
         if timeline is not None:
             timeline.append((route, dispatched[route.id], time.perf_counter_ns()))
-        if len(route.measured_ms) == FEEDBACK_RUNS and not route.fed_back:
-            route.fed_back = True
-            engine.corrections.later(engine.feedback, model.key)
         ready.update(route.outputs)
         return None
 

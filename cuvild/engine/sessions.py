@@ -19,11 +19,44 @@ import select
 import socket
 import struct
 import time
-from typing import Any
+import weakref
+from typing import TYPE_CHECKING, Any
 
 from cuvild.engine import views
+from cuvild.engine.dtypes import nbytes
 from cuvild.engine.orders import Attach
 from protos import fastpath as wire
+
+if TYPE_CHECKING:
+    from cuvild.engine.loaded import LoadedModel
+
+def _align(n: int) -> int:
+    return (n + wire.ALIGN - 1) // wire.ALIGN * wire.ALIGN
+
+
+def slot_layout(model: LoadedModel, inputs: list[str], outputs: list[str],
+                depth: int) -> dict[str, Any]:
+    """Where a session's ring, error texts and each slot's inputs and outputs lie in its
+    memfd (protos/fastpath.py); `inputs`, `outputs`: the names the session's client uses, in
+    the model's order."""
+    tensors: dict[str, list[dict[str, Any]]] = {"inputs": [], "outputs": []}
+    at = 0
+    for kind, names, graph in (("inputs", inputs, model.inputs),
+                               ("outputs", outputs, model.outputs)):
+        for name, value in zip(names, graph, strict=True):
+            slot = model.slots[value]
+            size = nbytes(slot.dtype, slot.shape)
+            tensors[kind].append({"name": name, "dtype": slot.dtype,
+                                  "shape": list(slot.shape), "offset": at, "nbytes": size})
+            at += _align(size)
+    slot_bytes = max(_align(at), wire.ALIGN)
+    errors = _align(depth * wire.ENTRY_BYTES)
+    first = _align(errors + depth * wire.ERROR_BYTES)
+    return {"depth": depth, "ring": 0, "entry_bytes": wire.ENTRY_BYTES, "errors": errors,
+            "error_bytes": wire.ERROR_BYTES,
+            "slots": [first + k * slot_bytes for k in range(depth)],
+            "size": max(first + depth * slot_bytes, mmap.PAGESIZE), **tensors}
+
 
 # A session's counts, in a memfd of its own that the daemon and the worker share (the client
 # never gets it): requests done, failed, seconds run. The metrics read them.
@@ -45,7 +78,7 @@ class Session:
     def __init__(self, order: Attach, sock: socket.socket, memfd: int, stats_fd: int) -> None:
         self.model, self.part, self.layout = order.model, order.part, order.layout
         self.sock = sock
-        self.exe: Any = None  # the part's executable when the session first ran it
+        self.exe: Any = None  # a weak reference to the part the session first ran
         try:
             self.mm = mmap.mmap(memfd, self.layout["size"])
             self.stats = mmap.mmap(stats_fd, STATS.size)
@@ -83,9 +116,10 @@ class Session:
         at = self.layout["ring"] + index * wire.ENTRY_BYTES
         got, slot, state, _ = wire.ENTRY.unpack_from(self.mm, at)
         exe = parts.get((self.model, self.part))
-        if exe is None or (self.exe is not None and exe is not self.exe):
+        if exe is None or (self.exe is not None and exe is not self.exe()):
             return False  # unloaded, or loaded again: the client opens a new session
-        self.exe = exe
+        if self.exe is None:  # (weakly: an unloaded part is not kept alive by a session)
+            self.exe = weakref.ref(exe)
         try:
             if got != seq or state != wire.SUBMITTED:
                 raise ValueError(f"ring entry {index} holds request {got} in state {state}, "

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.dtypes import nbytes
 from cuvild.engine.errors import InferError
+from cuvild.engine.lanes import one_part
 from cuvild.engine.orders import Attach, RawTensor
-from cuvild.engine.sessions import STATS, fail
+from cuvild.engine.sessions import STATS, fail, slot_layout
 from cuvild.engine.sessions import Session as WorkerSession
 from cuvild.serve.errors import CODES
 from protos import fastpath as wire
@@ -50,10 +50,6 @@ class Refused(Exception):
         self.code = code
 
 
-def _align(n: int) -> int:
-    return (n + wire.ALIGN - 1) // wire.ALIGN * wire.ALIGN
-
-
 def _recv_exact(sock: socket.socket, n: int, have: bytes = b"") -> bytes:
     data = bytearray(have)
     while len(data) < n:
@@ -65,26 +61,10 @@ def _recv_exact(sock: socket.socket, n: int, have: bytes = b"") -> bytes:
 
 
 def layout(served: ServedModel, model: LoadedModel, depth: int) -> dict[str, Any]:
-    """Where the ring, the error texts and each slot's inputs and outputs lie in the memfd."""
-    tensors: dict[str, list[dict[str, Any]]] = {"inputs": [], "outputs": []}
-    at = 0
-    for kind, specs, graph in (("inputs", served.record.inputs, model.inputs),
-                               ("outputs", served.record.outputs, model.outputs)):
-        for spec, name in zip(specs, graph, strict=True):
-            slot = model.slots[name]
-            size = nbytes(slot.dtype, slot.shape)
-            tensors[kind].append({"name": spec["name"], "dtype": slot.dtype,
-                                  "shape": list(slot.shape), "offset": at, "nbytes": size})
-            at += _align(size)
-    slot_bytes = max(_align(at), wire.ALIGN)
-    ring = 0
-    errors = _align(depth * wire.ENTRY_BYTES)
-    first = _align(errors + depth * wire.ERROR_BYTES)
+    """The session's memory, with the model's tensors under the protocol's names."""
     return {"ok": True, "name": served.record.name, "version": served.record.version,
-            "depth": depth, "ring": ring, "entry_bytes": wire.ENTRY_BYTES, "errors": errors,
-            "error_bytes": wire.ERROR_BYTES,
-            "slots": [first + k * slot_bytes for k in range(depth)],
-            "size": max(first + depth * slot_bytes, mmap.PAGESIZE), **tensors}
+            **slot_layout(model, [t["name"] for t in served.record.inputs],
+                          [t["name"] for t in served.record.outputs], depth)}
 
 
 class Session:
@@ -133,7 +113,7 @@ class Session:
         the client's doorbell then wakes the worker itself); False where the daemon serves
         it (several parts, thread workers, a worker being restarted)."""
         engine = self.fast.models.engine
-        if engine.in_process or len(self.model.routes) != 1:
+        if engine.in_process or not one_part(self.model):
             return False
         route = self.model.routes[0]
         worker = engine.workers.get(route.device)
@@ -152,7 +132,7 @@ class Session:
         thread runs the part itself, under the worker's lock, straight on the session's
         memory (cuvild/engine/sessions.py), as a worker process would."""
         engine = self.fast.models.engine
-        if not engine.in_process or len(self.model.routes) != 1:
+        if not engine.in_process or not one_part(self.model):
             return None
         route = self.model.routes[0]
         worker, lock = engine.worker(route.device)._inline

@@ -4,11 +4,13 @@ with a fixed plan (contiguous chunks of the graph, one per device)."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import torch
 
 import cuvild
+from cuvild.engine.arena import Arena
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
 from partitioner.plan import Part, Plan
@@ -41,3 +43,16 @@ def prepare(engine: Engine, tmp: Path, name: str, model, inputs, devices: list[s
     torch.export.save(ep, path)
     return engine.prepare(name, name, "1", path, summarize(ep)["inputs"],
                           plan=chunked_plan(ep, devices))
+
+
+def close_all(made: list[tuple[Engine, Arena]]) -> None:
+    """Close the engines and arenas a test made, waking any worker it left stopped."""
+    for engine, arena in made:
+        for handle in engine.workers.values():
+            if not handle.in_process and handle.process.pid:
+                try:
+                    os.kill(handle.process.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        engine.close()
+        arena.close()

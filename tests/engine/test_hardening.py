@@ -37,7 +37,7 @@ from cuvild.engine.orders import TensorRef, Unload
 from partitioner.profile import DeviceProfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_helpers.py
-from engine_helpers import CORES, device, prepare  # noqa: E402
+from engine_helpers import CORES, close_all, device, prepare  # noqa: E402
 
 DEVICES = [device(d) for d in ["cpu0", "npu0"]]
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}
@@ -66,15 +66,7 @@ def make_engine(tmp_path):
         return engine
 
     yield make
-    for engine, arena in made:
-        for handle in engine.workers.values():  # a test may leave one stopped
-            if not handle.in_process and handle.process.pid:
-                try:
-                    os.kill(handle.process.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-        engine.close()
-        arena.close()
+    close_all(made)
 
 
 def mlp():
