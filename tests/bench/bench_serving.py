@@ -319,16 +319,30 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int,
         channel.close()
         front_channel.close()
         infer_channel.close()
-        for session in sessions.values():
-            session.close()
 
     def eager() -> Any:  # timed after the others: torch's spinning pool would slow them
         with torch.inference_mode():
             return model(x)
 
-    local = {"torch eager (in-process)": eager, **in_process_parts(model, x, chosen)}
-    samples.update(interleaved(local, rounds, gap_s=0))
-    idle.update(interleaved(local, rounds))
+    try:
+        local = {"torch eager (in-process)": eager, **in_process_parts(model, x, chosen)}
+        samples.update(interleaved(local, rounds, gap_s=0))
+        idle.update(interleaved(local, rounds))
+        # Each daemon's fast path against its part in this process, the two alone in turn
+        # (both stay warm, as in a client's loop): the path's own cost, without the wake-ups
+        # that ten other runners in turn cost every one of them.
+        pairs = {}
+        for label in sessions:
+            part = f"{chosen[label]} part (in-process)"
+            if part in local:
+                got = interleaved({"fast": fast[f"fast path ({label})"], "part": local[part]},
+                                  rounds, gap_s=0)
+                fast_ms, part_ms = (statistics.median(got[k]) for k in ("fast", "part"))
+                pairs[label] = {"runtime": chosen[label], "fast_p50_ms": fast_ms,
+                                "part_p50_ms": part_ms, "above_ms": fast_ms - part_ms}
+    finally:
+        for session in sessions.values():
+            session.close()
     results = {name: stats(values) for name, values in samples.items()}
     results_idle = {name: stats(values) for name, values in idle.items()}
     for res in (results, results_idle):
@@ -342,7 +356,7 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int,
                 r["above_part_ms"] = r["p50_ms"] - res[part]["p50_ms"]
     return {"model": "MLP(width=16, depth=1)", "input": [1, 16], "payload_bytes": len(payload),
             "rel_error": error, "baseline": "grpcio echo (same bytes)", "results": results,
-            "results_after_idle": results_idle}
+            "results_after_idle": results_idle, "fast_vs_part": pairs}
 
 
 def in_process_parts(model: Any, x: Any, chosen: dict[str, str]) -> dict[str, Callable[[], Any]]:
@@ -360,11 +374,10 @@ def in_process_parts(model: Any, x: Any, chosen: dict[str, str]) -> dict[str, Ca
     cpu = DeviceProfile(id="cpu0", kind="cpu", cores=sorted(os.sched_getaffinity(0)))
     spec = CompileSpec(device=cpu, precision="fp32", example_inputs=[x],
                        threads=len(cpu.cores))
-    xn = x.numpy()
-    out = {}
+    out = {}  # (torch inputs, as a worker that built its parts has them)
     for runtime in sorted(set(chosen.values()) - {"torch"}):
         exe = registry.get(runtime).compile(part, spec)
-        out[f"{runtime} part (in-process)"] = lambda exe=exe: exe.run([xn])[0]
+        out[f"{runtime} part (in-process)"] = lambda exe=exe: exe.run([x])[0]
     return out
 
 
@@ -493,6 +506,11 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{name:<40} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ratio']:7.2f} "
               f"{r['p99_ratio']:7.2f} {above} {i['p50_ms']:8.3f} {i['p99_ms']:8.3f} "
               f"{i['p50_ratio']:7.2f}")
+    print("\nthe fast path against its part run in this process, the two alone in turn "
+          "(goal: <= 0.15 ms above)")
+    for label, r in b["fast_vs_part"].items():
+        print(f"  {label:<32} fast path {r['fast_p50_ms']:.3f} ms, {r['runtime']} part "
+              f"{r['part_p50_ms']:.3f} ms: {r['above_ms']:+.3f} ms")
     print(f"\n(c) {CLIENTS} concurrent client processes, the tiny model, back to back")
     print(f"{'path (daemon)':<40} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for name, r in result["concurrent"].items():
