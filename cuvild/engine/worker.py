@@ -8,7 +8,9 @@ thread, so a bucket's build (seconds) never holds up the runs of the parts alrea
 Tensors never travel through the pipe, only references into shared memory: the arena's are
 wrapped in place (once per place, then reused: numpy arrays in a worker that never needed
 torch, cuvild/engine/views.py); a client's are checked on every use
-(cuvild/engine/clientmem.py).
+(cuvild/engine/clientmem.py). Fast-path sessions and the engine's lanes attached to a worker
+process (`Attach`, cuvild/engine/sessions.py) are served by the same loop, which then polls
+the pipe and their sockets together.
 
 The same `serve` loop runs in a process (the default: a crashing compiler or driver takes down
 its worker and not the daemon) or in a thread of the daemon (`engine.workers: thread`, and
