@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 NUMPY = {"float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+NUMPY_RUNTIMES = {"openvino", "onnxruntime"}  # they take numpy arrays and answer in kind
 
 
 def lean(dtype: str) -> bool:
