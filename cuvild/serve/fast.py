@@ -3,15 +3,18 @@
 A client that opens a session on the unix socket (the front hands it over on its first bytes,
 after SO_PEERCRED and the per-uid connection limits, cuvild/serve/front.py) gets a sealed memfd
 holding a request ring and the model's input and output slots; from then on a request is a
-ring entry and an 8-byte doorbell on its own connection, read by the session's thread, which
-runs the request itself: no gRPC, no protobuf, no thread hand-off, nothing pickled, no check
-of the request's shapes (they were fixed when the session opened). Inputs are copied once
-into the arena, as raw OIP inputs are, and outputs once into the slot: the client never maps
-the daemon's arena, and the daemon never maps an object the client can shrink (the memfd is
-sealed), so no client can make the daemon fault.
+ring entry and an 8-byte doorbell on its own connection: no gRPC, no protobuf, nothing
+pickled, no check of the request's shapes (they were fixed when the session opened). Who
+answers the doorbell: for a one-part model, its worker process itself (the session is
+attached to it, cuvild/engine/sessions.py) or, on a worker thread, the session's thread, both
+running the part on the slot in place; for any other model, the session's thread through
+`Engine.run` (inputs copied once into the arena, as raw OIP inputs are, outputs once into the
+slot). The client never maps the daemon's arena, and no process of ours maps an object the
+client can shrink (the memfd is sealed), so no client can make the daemon or a worker fault.
 
 The session ends when its connection closes (the client closed it or died: its memory goes
-with the last mapping, its connection counts no more), or when the daemon stops.
+with the last mapping, its connection counts no more), when its model is unloaded or loaded
+again (the client opens a new one), or with its worker or the daemon.
 """
 
 from __future__ import annotations
