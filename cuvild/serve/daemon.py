@@ -254,7 +254,8 @@ class Daemon:
             ("limits.max_connections_per_uid", new.max_connections_per_uid,
              self.cfg.max_connections_per_uid),
             ("limits.idle_timeout_s", new.idle_timeout_s, self.cfg.idle_timeout_s),
-            ("limits.rpc_threads", new.rpc_threads, self.cfg.rpc_threads)) if a != b]
+            ("limits.rpc_threads", new.rpc_threads, self.cfg.rpc_threads),
+            ("shm.fast_path", new.fast_path, self.cfg.fast_path)) if a != b]
         if restart_only:
             log.warning("reload: %s take(s) effect on restart", ", ".join(restart_only))
         if self.regions is not None:  # per-caller caps apply to the next registration

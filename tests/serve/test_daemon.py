@@ -133,9 +133,11 @@ def test_sighup_reloads_and_survives_bad_config(make_daemon):
     d = make_daemon()
     config = yaml.safe_load(d.config_path.read_text())
     config["log_level"] = "warning"
+    config.setdefault("shm", {})["fast_path"] = False  # read at start only: said so
     d.config_path.write_text(yaml.safe_dump(config))
     d.signal(signal.SIGHUP)
     d.wait_for("config reloaded", timeout=60)
+    assert "reload: shm.fast_path take(s) effect on restart" in d.log()
     d.config_path.write_text("listen: {unix: 7}\n")
     d.signal(signal.SIGHUP)
     d.wait_for("reload failed", timeout=60)
