@@ -25,16 +25,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cuvild.engine import views
+from cuvild.engine.arena import align
 from cuvild.engine.dtypes import nbytes
 from cuvild.engine.orders import Attach
 from protos import fastpath as wire
 
 if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel
-
-def _align(n: int) -> int:
-    return (n + wire.ALIGN - 1) // wire.ALIGN * wire.ALIGN
-
 
 def slot_layout(model: LoadedModel, inputs: list[str], outputs: list[str],
                 depth: int) -> dict[str, Any]:
@@ -50,10 +47,10 @@ def slot_layout(model: LoadedModel, inputs: list[str], outputs: list[str],
             size = nbytes(slot.dtype, slot.shape)
             tensors[kind].append({"name": name, "dtype": slot.dtype,
                                   "shape": list(slot.shape), "offset": at, "nbytes": size})
-            at += _align(size)
-    slot_bytes = max(_align(at), wire.ALIGN)
-    errors = _align(depth * wire.ENTRY_BYTES)
-    first = _align(errors + depth * wire.ERROR_BYTES)
+            at += align(size, wire.ALIGN)
+    slot_bytes = max(align(at, wire.ALIGN), wire.ALIGN)
+    errors = align(depth * wire.ENTRY_BYTES, wire.ALIGN)
+    first = align(errors + depth * wire.ERROR_BYTES, wire.ALIGN)
     return {"depth": depth, "ring": 0, "entry_bytes": wire.ENTRY_BYTES, "errors": errors,
             "error_bytes": wire.ERROR_BYTES,
             "slots": [first + k * slot_bytes for k in range(depth)],
