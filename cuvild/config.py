@@ -78,6 +78,9 @@ class Config:
     workers: str = "process"
     precision: str = "fp32"  # the precision policy of a model loaded without one
     max_error: float = 0.01  # the error budget of "auto" when a load gives none
+    # dynamic batching of models whose first dimension is dynamic (max_batch 1: off)
+    max_batch: int = 8
+    max_delay_us: int = 500
     metrics_enabled: bool = True
     metrics_listen: str | None = None  # HOST:PORT of /metrics (None: no endpoint)
     tracing_exporter: str | None = None  # "file" | "otlp" | None (off)
@@ -128,7 +131,8 @@ _SCHEMA: dict[str, Any] = {
                "compile_timeout_s": ((int, float), 300), "workers": (str, "process"),
                "precision": (str, "fp32"), "max_error": ((int, float), 0.01),
                "run_timeout_s": ((int, float), 60), "max_buckets": (int, 8),
-               "max_dim": (int, 4096), "runtimes": (dict, {})},
+               "max_dim": (int, 4096), "runtimes": (dict, {}),
+               "batching": {"max_batch": (int, 8), "max_delay_us": (int, 500)}},
     "metrics": {"enabled": (bool, True), "listen": ((str, int, type(None)), None)},
     "tracing": {"exporter": ((str, type(None)), None), "path": ((str, type(None)), None),
                 "endpoint": ((str, type(None)), None), "sample_rate": ((int, float), 1.0)},
@@ -344,6 +348,10 @@ def parse(data: Any, path: str = "<memory>") -> Config:
     if eng["precision"] not in ("fp32", "auto"):
         raise ConfigError("engine.precision", f"expected fp32 or auto, got {eng['precision']!r}")
     _check_runtimes(eng["runtimes"])
+    batching = eng["batching"]
+    if not 1 <= batching["max_batch"] <= 1024 or not 0 <= batching["max_delay_us"] <= 10**6:
+        raise ConfigError("engine.batching", f"expected max_batch in [1, 1024] (1: off) and "
+                          f"max_delay_us in [0, 1000000], got {batching}")
     if not 0 < eng["max_error"] < 1:
         raise ConfigError("engine.max_error", f"expected a relative error in (0, 1), got "
                           f"{eng['max_error']!r}")
@@ -399,6 +407,8 @@ def parse(data: Any, path: str = "<memory>") -> Config:
         workers=eng["workers"],
         precision=eng["precision"],
         max_error=float(eng["max_error"]),
+        max_batch=eng["batching"]["max_batch"],
+        max_delay_us=eng["batching"]["max_delay_us"],
         metrics_enabled=raw["metrics"]["enabled"],
         metrics_listen=metrics_listen,
         tracing_exporter=raw["tracing"]["exporter"],

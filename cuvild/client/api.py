@@ -70,7 +70,26 @@ def model_dict(m: cuvil_pb2.ModelSummary) -> dict[str, Any]:
             "precision": m.precision or "default", "max_error": m.max_error or None,
             "calibration_inputs": m.calibration_inputs,
             "measured_error": m.measured_error if m.measured_error >= 0 else None,
-            "phase": m.phase, "warm": m.warm, "load_s": round(m.load_seconds, 3)}
+            "phase": m.phase, "warm": m.warm, "load_s": round(m.load_seconds, 3),
+            "batching": {"state": m.batching or None, "max_batch": m.max_batch or None,
+                         "max_delay_us": m.max_delay_us or None,
+                         "sizes": {int(k): v for k, v in sorted(m.batch_sizes.items())},
+                         "requests": m.batched_requests,
+                         "queue_ms": {"p50": m.queue_ms_p50, "p99": m.queue_ms_p99}}}
+
+
+def batching_fields(batching: dict[str, int] | bool | None) -> tuple[int, int]:
+    """(max_batch, max_delay_us) for a load's header: 0 takes the daemon's default, a
+    max_batch of 1 is off. ValueError names an unknown key."""
+    if batching is None or batching is True:
+        return 0, 0
+    if batching is False:
+        return 1, 0
+    unknown = set(batching) - {"max_batch", "max_delay_us"}
+    if unknown:
+        raise ValueError(f"batching: unknown keys {sorted(unknown)}; expected max_batch, "
+                         "max_delay_us")
+    return int(batching.get("max_batch", 0)), int(batching.get("max_delay_us", 0))
 
 
 def _digest(path: Path) -> tuple[int, str]:
@@ -187,12 +206,16 @@ class Client:
                   timeout: float = 600.0, precision: str | None = None,
                   max_error: float | None = None,
                   calibration: str | os.PathLike[str] | None = None, wait: bool = True,
-                  on_phase: PhaseProgress | None = None) -> dict[str, Any]:
+                  on_phase: PhaseProgress | None = None,
+                  batching: dict[str, int] | bool | None = None) -> dict[str, Any]:
         """Upload a .pt2 archive saved by torch.export.save (or cuvild.export + save).
 
         `precision`: "fp32" (exact) or "auto" (the fastest plan whose outputs stay within
         `max_error` of torch eager fp32); None takes the daemon's default. `calibration`: an
         .npz with one array per model input name, samples along axis 0 (int8 needs it).
+        `batching`: {"max_batch": 8, "max_delay_us": 500} merges concurrent requests of a
+        model whose first dimension is dynamic into one run (docs/BATCHING.md); False turns
+        it off; None or a missing key takes the daemon's engine.batching.
 
         wait=True (the default) returns once the model is READY, so the next infer runs;
         LoadFailed if the daemon could not build it, TimeoutError if upload and build take
@@ -205,12 +228,14 @@ class Client:
         size, digest = _digest(path)
         cal_size, cal_digest = _digest(Path(calibration)) if calibration else (0, "")
         report = print_progress if progress is True else progress or None
+        max_batch, max_delay_us = batching_fields(batching)
 
         def requests() -> Iterator[cuvil_pb2.LoadModelRequest]:
             yield cuvil_pb2.LoadModelRequest(header=cuvil_pb2.LoadModelHeader(
                 name=name, version=version or "", sha256=digest, size_bytes=size,
                 replace=replace, precision=precision or "", max_error=max_error or 0.0,
-                calibration_bytes=cal_size, calibration_sha256=cal_digest))
+                calibration_bytes=cal_size, calibration_sha256=cal_digest,
+                max_batch=max_batch, max_delay_us=max_delay_us))
             sent = 0
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(CHUNK_BYTES), b""):
@@ -277,11 +302,13 @@ class Client:
              progress: Progress | bool | None = None, precision: str | None = None,
              max_error: float | None = None, calibration: list[Any] | None = None,
              wait: bool = True, timeout: float = 600.0,
-             on_phase: PhaseProgress | None = None) -> dict[str, Any]:
+             on_phase: PhaseProgress | None = None,
+             batching: dict[str, int] | bool | None = None) -> dict[str, Any]:
         """Export `model` with its @partition annotations and upload it, with a precision
         policy; `calibration` is a list of samples, each the model's inputs (a tensor, or a
         tuple of tensors in the model's order). Waits until READY unless wait=False: see
-        `load_file` for that, `progress`, `on_phase` and `timeout`."""
+        `load_file` for that, `progress`, `on_phase`, `timeout` and `batching` (which needs
+        a dynamic first dimension: `dynamic_shapes`)."""
         import torch
 
         from partitioner.annotate import export
@@ -298,7 +325,7 @@ class Client:
             return self.load_file(name, path, version=version, replace=replace,
                                   progress=progress, timeout=timeout, precision=precision,
                                   max_error=max_error, calibration=npz, wait=wait,
-                                  on_phase=on_phase)
+                                  on_phase=on_phase, batching=batching)
 
     def compare(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Latency and accuracy of a served model: torch eager fp32, the fp32 plan and the

@@ -71,7 +71,21 @@ def models_table(models: list[dict[str, Any]]) -> str:
     # a failed model's reason is too long for a column, and the first thing its owner needs
     failed = [f"  {m['name']}:{m['version']} {m['state']}" for m in models
               if m["state"].startswith("unavailable")]
-    return "\n".join([table, *failed])
+    return "\n".join([table, *failed, *filter(None, map(batching_line, models))])
+
+
+def batching_line(m: dict[str, Any]) -> str:
+    """A served model's batching: its settings, the batch sizes run and the queue wait."""
+    b = m.get("batching") or {}
+    if not b.get("state") or b["state"] == "off":
+        return ""
+    where = f"  {m['name']}:{m['version']} batching {b['state']}"
+    if b["state"] != "on":
+        return where
+    sizes = " ".join(f"{k}x{v}" for k, v in b["sizes"].items()) or "none yet"
+    return (f"{where}: max_batch {b['max_batch']}, max_delay {b['max_delay_us']} us; "
+            f"{b['requests']} requests, runs by rows {sizes}; queue wait p50 "
+            f"{b['queue_ms']['p50']:.2f} ms, p99 {b['queue_ms']['p99']:.2f} ms")
 
 
 def print_status(status: dict[str, Any]) -> None:
@@ -124,6 +138,8 @@ def cmd_load(client: Client, args: argparse.Namespace) -> int:
                                   timeout=args.wait_timeout, precision=args.precision,
                                   max_error=args.max_error, calibration=args.calibration,
                                   wait=not args.no_wait,
+                                  batching={"max_batch": args.max_batch or 0,
+                                            "max_delay_us": args.max_delay_us or 0},
                                   # --json: each phase a JSON line on stderr, for scripts
                                   on_phase=(lambda phase: print(json.dumps(
                                       {"model": args.name, "phase": phase}), file=sys.stderr,
@@ -389,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--calibration", metavar="FILE.npz", default=None,
                       help="calibration inputs, one array per model input, samples along "
                            "axis 0; int8 is tried only with them")
+    load.add_argument("--max-batch", type=int, default=None, metavar="N",
+                      help="merge concurrent requests into runs of up to N rows (needs a "
+                           "dynamic first dimension; 1: off; default: the daemon's "
+                           "engine.batching.max_batch)")
+    load.add_argument("--max-delay-us", type=int, default=None, metavar="US",
+                      help="how long the oldest queued request waits for others (default: "
+                           "the daemon's engine.batching.max_delay_us)")
     load.add_argument("--no-wait", action="store_true",
                       help="return once uploaded, while the model still loads (default: wait "
                            "until it is ready; a failed build exits 1 with the reason)")

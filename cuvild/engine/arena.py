@@ -20,8 +20,11 @@ import re
 import secrets
 import stat
 import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -182,6 +185,24 @@ class Arena:
                 else:
                     merged.append((off, size))
             holes[:] = merged
+
+    def free_after(self, block: Block, outstanding: Sequence[Future[Any]]) -> None:
+        """Free the block once every future (a part still running on it) is done."""
+        left = [f for f in outstanding if not f.done()]
+        if not left:
+            self.free(block)
+            return
+        count, lock = [len(left)], threading.Lock()
+
+        def done(_: Future[Any]) -> None:
+            with lock:
+                count[0] -= 1
+                last = count[0] == 0
+            if last:
+                self.free(block)
+
+        for future in left:
+            future.add_done_callback(done)
 
     def in_use(self) -> int:
         with self._mutex:

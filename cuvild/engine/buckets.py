@@ -106,7 +106,7 @@ def build(engine: Engine, model: LoadedModel, shapes: Shapes,
                               total, model.archive, specs,
                               parts_by_device=model.parts_by_device, base_key=model.key,
                               shapes=shapes)
-        variant.policy = model.policy
+        variant.policy, variant.batcher = model.policy, model.batcher
         variant.cut_bytes = cut_bytes(variant)
         variant.part_input_shapes = {
             p.id: [list(values[n].shape) for n in p.inputs] for p in model.split.parts}

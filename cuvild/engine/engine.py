@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cuvild.engine import buckets, precision, warm
 from cuvild.engine.arena import Arena, Block
+from cuvild.engine.batching import Batching, batcher_for
 from cuvild.engine.corrections import CorrectionStore
 from cuvild.engine.errors import (
     BadRegion,
@@ -85,6 +86,8 @@ class Monitor(Protocol):
     def queued(self, model: LoadedModel, seconds: float) -> None: ...
 
     def part(self, model: LoadedModel, route: Route, seconds: float) -> None: ...
+
+    def batched(self, model: LoadedModel, rows: int, waits: list[float]) -> None: ...
 
 
 class Engine:
@@ -143,14 +146,15 @@ class Engine:
     def prepare(self, key: str, name: str, version: str, archive: Path,
                 input_specs: list[dict[str, Any]], objective: str = "latency",
                 plan: Plan | None = None, policy: PrecisionPolicy | None = None,
-                progress: Callable[[str], None] | None = None,
-                cold: bool = True) -> LoadedModel | None:
+                progress: Callable[[str], None] | None = None, cold: bool = True,
+                batching: Batching | None = None) -> LoadedModel | None:
         """Plan, split, lay out and build a registered model, settle each part's precision
         under the policy (cuvild/engine/precision.py) and check the whole model against
         torch eager; returns it ready to serve. A model loaded before (same archive, policy,
         devices, software) comes back from its load record (cuvild/engine/warm.py) with
         nothing planned or compiled (cold=False: only so, else None); `progress` is told
-        each phase."""
+        each phase. `batching`: how to merge concurrent requests of a model whose first
+        dimension is dynamic (cuvild/engine/batching.py; None or max_batch 1: not at all)."""
         policy = policy or PrecisionPolicy()
         say = progress or (lambda phase: None)
         record_at = warm.directory(self.cache_dir, warm.key(
@@ -195,6 +199,9 @@ class Engine:
         model.cut_bytes = cut_bytes(model)
         if dynamic:  # its buckets are built at each part's own precision
             model.policy = policy
+            if batching is not None and batching.max_batch > 1:
+                say("checking that its rows can be batched")
+                batcher_for(model, ep, batching)
             self.models[key] = model
             return model
         parts = {p.id: p for p in plan.parts}
@@ -374,6 +381,9 @@ class Engine:
         if segments:
             for worker in list(self.workers.values()):
                 worker.call(Forget(segments))
+            for model in list(self.models.values()):
+                if model.batcher is not None and not model.base_key:
+                    model.batcher.forget(set(segments))
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -410,11 +420,20 @@ class Engine:
         (read in place by the first part); outputs named in output_refs are written in place
         there (None is returned for them), the rest come back as fresh host tensors, or with
         raw=True as bytes (the block is reused at once), or with `into` copied there (one place
-        per output; nothing is returned). A `timeline` list gets each part's
-        dispatch and reply times (a traced request). `deadline` (time.monotonic()) bounds
+        per output; nothing is returned). A `timeline` list gets each part's dispatch and
+        reply times (a traced request: never batched). `deadline` (time.monotonic()) bounds
         every wait of the request (None: run_timeout_s from now): RunTimeout after it. A
         request whose worker died runs once more when the worker is back; WorkerUnavailable
-        if that fails too."""
+        if that fails too. A batched model's requests share runs (engine/batching.py)."""
+        if model.batcher is not None and timeline is None:
+            return model.batcher.run(self, model, inputs, output_refs or {}, raw, into,
+                                     deadline)
+        return self._run(model, inputs, output_refs, raw, timeline, deadline, into)
+
+    def _run(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
+             output_refs: dict[str, TensorRef] | None, raw: bool, timeline: Timeline | None,
+             deadline: float | None, into: Sequence[memoryview] | None) -> list[Any]:
+        """One run of the model, as `run` describes."""
         output_refs = output_refs or {}
         monitor = self.monitor
         t0 = time.perf_counter() if monitor else 0.0
@@ -493,7 +512,7 @@ class Engine:
             return [None if n in output_refs else self._view(block, model.slots[n]).clone()
                     for n in model.outputs]
         finally:
-            self._free(block, outstanding)
+            self.arena.free_after(block, outstanding)
 
     def _await(self, lost: WorkerLost, deadline: float) -> None:
         """Wait for the dead workers' restart, by the deadline."""
@@ -502,24 +521,6 @@ class Engine:
             if not self._usable[device].wait(max(0.0, deadline - time.monotonic())):
                 raise RunTimeout(f"{lost}; its worker was not back in "
                                  f"{time.monotonic() - t0:.1f} s (the request's deadline)")
-
-    def _free(self, block: Block, outstanding: Sequence[Future[Any]]) -> None:
-        """Give the block back, once no part the request gave up on can write it."""
-        left = [f for f in outstanding if not f.done()]
-        if not left:
-            self.arena.free(block)
-            return
-        count, lock = [len(left)], threading.Lock()
-
-        def done(_: Future[Any]) -> None:
-            with lock:
-                count[0] -= 1
-                last = count[0] == 0
-            if last:
-                self.arena.free(block)
-
-        for future in left:
-            future.add_done_callback(done)
 
     @contextlib.contextmanager
     def _counted(self) -> Iterator[None]:

@@ -68,6 +68,10 @@ class LoadedModel:
     cut_bytes: int = 0  # bytes one request hands from part to part through the arena
     accuracy: Any = None  # what the load measured end to end (precision.Accuracy)
     warm: bool = False  # loaded from its load record (cuvild/engine/warm.py)
+    # Dynamic batching (cuvild/engine/batching.py): the model's queue, shared by its buckets,
+    # or why it is not batched ("" when it was not asked)
+    batcher: Any = None
+    unbatched: str = ""
 
 
 def cut_bytes(model: LoadedModel) -> int:

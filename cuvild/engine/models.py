@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cuvild.engine import warm
+from cuvild.engine.batching import Batching
 from cuvild.engine.engine import Engine, LoadedModel
 from cuvild.engine.precision import PrecisionPolicy
 from cuvild.intake.registry import ModelRecord, Registry
@@ -47,11 +48,13 @@ class ServedModel:
 
 class ModelManager:
     def __init__(self, registry: Registry, engine: Engine, objective: str = "latency",
-                 precision: str = "fp32", max_error: float = 1e-2) -> None:
+                 precision: str = "fp32", max_error: float = 1e-2,
+                 batching: Batching | None = None) -> None:
         self.registry = registry
         self.engine = engine
         self.objective = objective
         self.default_policy = PrecisionPolicy(precision, max_error)  # engine.precision/max_error
+        self.default_batching = batching or Batching(1)  # engine.batching (1: off)
         self._models: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
@@ -101,7 +104,8 @@ class ModelManager:
                 served.key, record.name, record.version,
                 self.registry.archive_path(record.sha256), record.inputs,
                 objective=self.objective, policy=self.policy(record),
-                progress=lambda phase: self._phase(served, phase, t0), cold=cold)
+                progress=lambda phase: self._phase(served, phase, t0), cold=cold,
+                batching=self.batching(record))
         except Exception as e:  # noqa: BLE001 - a model that cannot be served says why
             served.state, served.reason = "UNAVAILABLE", f"{type(e).__name__}: {e}"
             served.phase = "failed"
@@ -135,6 +139,11 @@ class ModelManager:
         return PrecisionPolicy(record.precision or self.default_policy.mode,
                                record.max_error or self.default_policy.max_error,
                                calibration, record.calibration[:16])
+
+    def batching(self, record: ModelRecord) -> Batching:
+        """The record's batching, the daemon's engine.batching where it left it open (0)."""
+        return Batching(record.max_batch or self.default_batching.max_batch,
+                        record.max_delay_us or self.default_batching.max_delay_us)
 
     def remove(self, name: str, version: str = "") -> None:
         with self._lock:

@@ -55,6 +55,8 @@ class ModelRecord:
     max_error: float = 0.0  # the budget of "auto" (0: the daemon's default)
     calibration: str = ""  # sha256 of the calibration .npz ("": none)
     calibration_inputs: int = 0
+    max_batch: int = 0  # rows merged into one run (0: the daemon's default; 1: not batched)
+    max_delay_us: int = 0  # the oldest request's wait for others (0: the daemon's default)
 
 
 class _Incoming:
@@ -143,6 +145,8 @@ class Upload:
 
 
 MAX_CALIBRATION_INPUTS = 1024
+MAX_BATCH = 1024
+MAX_DELAY_US = 1_000_000
 POLICIES = ("", "fp32", "auto")
 
 
@@ -156,6 +160,12 @@ def check_policy(header: dict[str, Any], max_bytes: int) -> None:
             budget == 0 or 0 < budget < 1):
         raise RegistryError("invalid", f"max_error: expected a relative error in (0, 1) (or 0 "
                                        f"for the daemon's default), got {budget!r}")
+    if not 0 <= header["max_batch"] <= MAX_BATCH:
+        raise RegistryError("invalid", f"max_batch: expected 0 (the daemon's default), 1 (not "
+                                       f"batched) to {MAX_BATCH}, got {header['max_batch']}")
+    if not 0 <= header["max_delay_us"] <= MAX_DELAY_US:
+        raise RegistryError("invalid", f"max_delay_us: expected 0 (the daemon's default) to "
+                                       f"{MAX_DELAY_US}, got {header['max_delay_us']}")
     size = header["calibration_bytes"]
     if size < 0 or size > max_bytes:
         raise RegistryError("invalid", f"calibration_bytes: expected 0 to {max_bytes}, got "
@@ -265,7 +275,7 @@ class Registry:
             raise RegistryError("invalid", f"size_bytes {size} exceeds limits.max_model_bytes "
                                            f"{self.max_model_bytes}")
         header = {"precision": "", "max_error": 0.0, "calibration_bytes": 0,
-                  "calibration_sha256": "", **header}
+                  "calibration_sha256": "", "max_batch": 0, "max_delay_us": 0, **header}
         check_policy(header, self.max_model_bytes)
         header = {**header, "sha256": sha, "version": header["version"] or "1",
                   "calibration_sha256": header["calibration_sha256"].lower()}
@@ -284,7 +294,14 @@ class Registry:
                 calibration_tmp: Path | None = None) -> tuple[ModelRecord, bool]:
         key = (header["name"], header["version"])
         policy = {"precision": header["precision"], "max_error": header["max_error"],
-                  "calibration": header["calibration_sha256"] if calibration_tmp else ""}
+                  "calibration": header["calibration_sha256"] if calibration_tmp else "",
+                  "max_batch": header["max_batch"], "max_delay_us": header["max_delay_us"]}
+        static = [i["name"] for i in summary.get("inputs", []) if i["shape"][:1] != [-1]]
+        if header["max_batch"] > 1 and static:
+            raise RegistryError("invalid", f"max_batch {header['max_batch']}: input "
+                                           f"{static[0]!r} has no dynamic first dimension; "
+                                           "export the model with dynamic_shapes={...: {0: "
+                                           "torch.export.Dim('batch')}} to batch it")
         with self._lock:
             self._check_conflict(header)  # another upload may have won meanwhile
             existing = self._records.get(key)

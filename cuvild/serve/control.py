@@ -22,7 +22,7 @@ from protos import cuvil_pb2, cuvil_pb2_grpc
 from runtimes.profiling.measure import ProfileResult, ProfilingError
 
 if TYPE_CHECKING:
-    from cuvild.engine.models import ModelManager
+    from cuvild.engine.models import ModelManager, ServedModel
     from cuvild.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,25 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                 summary.precision, summary.max_error = accuracy.policy, accuracy.max_error or 0
                 if accuracy.chosen is not None:
                     summary.measured_error = accuracy.chosen.error
+            self._batching(summary, served)
         return summary
+
+    def _batching(self, summary: cuvil_pb2.ModelSummary, served: ServedModel) -> None:
+        """The batching in force for a served model, and what it has done."""
+        asked = self._models.batching(served.record)  # type: ignore[union-attr]
+        summary.max_batch, summary.max_delay_us = asked.max_batch, asked.max_delay_us
+        loaded = served.loaded
+        if loaded is None or not loaded.dynamic:  # (a static model has nothing to batch)
+            return
+        if loaded.batcher is None:
+            summary.batching = f"off: {loaded.unbatched}" if loaded.unbatched else "off"
+            return
+        stats = loaded.batcher.stats()
+        summary.batching = "on"
+        summary.batch_sizes.update(stats["sizes"])
+        summary.batched_requests = stats["requests"]
+        summary.queue_ms_p50, summary.queue_ms_p99 = (stats["queue_ms"]["p50"],
+                                                      stats["queue_ms"]["p99"])
 
     def LoadModel(self, request_iterator: Iterator[cuvil_pb2.LoadModelRequest],
                   context: grpc.ServicerContext) -> cuvil_pb2.LoadModelResponse:
@@ -156,7 +174,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             "name": h.name, "version": h.version, "sha256": h.sha256,
             "size_bytes": h.size_bytes, "replace": h.replace, "precision": h.precision,
             "max_error": h.max_error, "calibration_bytes": h.calibration_bytes,
-            "calibration_sha256": h.calibration_sha256})
+            "calibration_sha256": h.calibration_sha256, "max_batch": h.max_batch,
+            "max_delay_us": h.max_delay_us})
         try:
             for message in requests:
                 stream.active = time.monotonic()

@@ -172,6 +172,7 @@ class Daemon:
                                            require_client_auth=ca is not None)
 
     def _start_engine(self) -> None:
+        from cuvild.engine.batching import Batching
         from cuvild.engine.engine import Engine
         from cuvild.engine.models import ModelManager
         from cuvild.serve.regions import Regions
@@ -190,7 +191,8 @@ class Daemon:
                         corrections_path=self.cfg.state_dir / "corrections"
                         / f"{profiles.fingerprint}.json")
         self.models = ModelManager(self.registry, engine, self.cfg.objective,
-                                   self.cfg.precision, self.cfg.max_error)
+                                   self.cfg.precision, self.cfg.max_error,
+                                   Batching(self.cfg.max_batch, self.cfg.max_delay_us))
         started = self.models.start_workers()
         if started:
             log.debug("workers for %s starting (named by load records)", ", ".join(started))
@@ -255,7 +257,9 @@ class Daemon:
              self.cfg.max_connections_per_uid),
             ("limits.idle_timeout_s", new.idle_timeout_s, self.cfg.idle_timeout_s),
             ("limits.rpc_threads", new.rpc_threads, self.cfg.rpc_threads),
-            ("shm.fast_path", new.fast_path, self.cfg.fast_path)) if a != b]
+            ("shm.fast_path", new.fast_path, self.cfg.fast_path),
+            ("engine.batching", (new.max_batch, new.max_delay_us),
+             (self.cfg.max_batch, self.cfg.max_delay_us))) if a != b]
         if restart_only:
             log.warning("reload: %s take(s) effect on restart", ", ".join(restart_only))
         if self.regions is not None:  # per-caller caps apply to the next registration

@@ -36,6 +36,7 @@ MODEL = ("model", "version")
 # From a tenth of a millisecond to a minute: CPU parts of tiny models up to cold NPU calls.
 BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
            2.5, 5.0, 10.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # rows per batched run
 RECENT = 1000  # end-to-end times kept per model for stats' p50/p99
 
 
@@ -73,6 +74,12 @@ class Metrics:
                                  "arena", MODEL, registry=r)
         self.busy = Counter("cuvil_device_busy_seconds", "Seconds a device ran parts; rate() "
                             "is its busy fraction", ("device",), registry=r)
+        self.batch_rows = Histogram("cuvil_batch_size", "Rows per run of a batched model "
+                                    "(requests merged by the dynamic batcher)", MODEL,
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.batch_queue = Histogram("cuvil_batch_queue_duration_seconds", "Time a request "
+                                     "waited in its model's batch queue", MODEL,
+                                     buckets=BUCKETS, registry=r)
         self._recent: dict[tuple[str, str], collections.deque[float]] = {}
         self._children: dict[tuple[str, ...], Any] = {}  # labels() resolved once per series
         self.fast: FastPath | None = None  # its sessions' counts, read when asked
@@ -112,6 +119,12 @@ class Metrics:
         self._child(self.parts, model.name, model.version, route.id, route.device,
                     route.runtime).observe(seconds)
         self._child(self.busy, route.device).inc(seconds)
+
+    def batched(self, model: LoadedModel, rows: int, waits: list[float]) -> None:
+        self._child(self.batch_rows, model.name, model.version).observe(rows)
+        queue = self._child(self.batch_queue, model.name, model.version)
+        for wait in waits:
+            queue.observe(wait)
 
     # -- read when scraped -----------------------------------------------------------------
     def watch(self, models: ModelManager, regions: Regions, fast: FastPath | None = None) -> None:

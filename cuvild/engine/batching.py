@@ -1,0 +1,357 @@
+"""Dynamic batching: concurrent requests to one model merged into one run, and split back.
+
+A model is batched when its first input dimension is dynamic in every input and output (one
+symbol: the batch) and a batch of rows gives each row what that row gives alone (checked once
+at load on torch eager: `check`); its settings (`Batching`) come from its load or the daemon's
+`engine.batching`. Each request is queued with the bucket its own shapes resolved to; only
+requests whose rows have the same shape and dtype merge.
+
+Who runs a batch: no thread of its own. A queued request's thread becomes the leader when no
+other leads and fewer batches of the model run than it has devices (one batch per pipeline
+stage). The leader waits until the oldest queued request has waited `max_delay_us`, or the
+rows queued reach `max_batch`, then takes the oldest requests that fit (first come, first
+served), hands leadership on and runs them: inputs gathered into one buffer per input (client
+shared-memory inputs read in place, without mapping them), the model's bucket for the merged
+shapes (built once, on first use: cuvild/engine/buckets.py), one run, and each request's
+rows scattered back (into its client region where it named one). A request alone in a model
+that is otherwise idle is not held back: it runs at once as it would unbatched, with no copy.
+
+Bounds: a request waits at most `max_delay_us` plus the batches ahead of it (while batches
+are running, the queue grows and the next batch is taken at once); a request past its
+deadline leaves the queue with RunTimeout and takes nobody with it. A request whose client
+region cannot be read or written fails alone. A batch whose run fails is run again one request
+at a time, so that each request gets its own answer, unless it timed out or its worker could
+not be brought back: then every request of it gets the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cuvild.engine.clientmem import ClientObjects, RegionGone
+from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
+from cuvild.engine.orders import RawTensor, TensorRef
+from cuvild.engine.views import as_bytes
+
+log = logging.getLogger(__name__)
+Engine = Any  # cuvild/engine/engine.py, which imports this module
+
+
+@dataclass(frozen=True)
+class Batching:
+    """`max_batch`: rows merged into one run at most (1: off); `max_delay_us`: how long the
+    oldest queued request may wait for others."""
+
+    max_batch: int = 8
+    max_delay_us: int = 500
+
+
+def batcher_for(model: Any, ep: Any, settings: Batching) -> None:
+    """Give a dynamic-shape model its batcher, or say why it gets none (`model.unbatched`)."""
+    low = min((lo for _, d, lo, _ in model.dynamic if d == 0), default=1)
+    model.unbatched = batch_symbol(ep) or check(ep, model.input_specs, low)
+    if model.unbatched:
+        log.warning("model %s is not batched: %s", model.key, model.unbatched)
+    else:  # one batch in flight per pipeline stage
+        model.batcher = Batcher(model.key, settings, len(model.parts_by_device))
+
+
+def batch_symbol(ep: Any) -> str:
+    """Why the exported program cannot be batched ("" when it can): the first dimension of
+    every user input and output must be the same symbol."""
+    nodes = {n.name: n for n in ep.graph.nodes}
+    sig = ep.graph_signature
+    output = next(n for n in ep.graph.nodes if n.op == "output")
+    names = [(f"input {n}", nodes[n].meta.get("val")) for n in sig.user_inputs]
+    names += [(f"output {i}", getattr(v, "meta", {}).get("val"))
+              for i, v in enumerate(output.args[0][:len(sig.user_outputs)])]
+    symbols = set()
+    for what, val in names:
+        shape = getattr(val, "shape", None)
+        if not shape or isinstance(shape[0], int):
+            return (f"{what} has no dynamic first dimension (export it with "
+                    "dynamic_shapes={...: {0: torch.export.Dim('batch')}})")
+        symbols.add(str(shape[0]))
+    if len(symbols) > 1:
+        return f"the inputs' and outputs' first dimensions differ ({', '.join(sorted(symbols))})"
+    return ""
+
+
+def check(ep: Any, specs: list[dict[str, Any]], low: int) -> str:
+    """Why batching would change this model's results ("" when it would not): two rows run
+    together on torch eager must each give what they give alone (a model that mixes rows,
+    say normalisation across the batch, cannot be batched)."""
+    import torch
+
+    module = ep.module()
+    torch.manual_seed(0)
+    rows = max(2, low)
+
+    def sample(spec: dict[str, Any], n: int) -> torch.Tensor:
+        shape = [n] + [d if d >= 0 else 2 for d in spec["shape"][1:]]
+        dtype = getattr(torch, spec["dtype"])
+        if dtype.is_floating_point:
+            return torch.randn(shape).to(dtype)
+        return torch.randint(0, 2, shape, dtype=dtype)
+
+    try:
+        with torch.no_grad():
+            batch = [sample(s, rows * 2) for s in specs]
+            together = _flat(module(*batch))
+            alone = [_flat(module(*[t[i * rows:(i + 1) * rows] for t in batch]))
+                     for i in range(2)]
+    except Exception as e:  # noqa: BLE001 - a model that cannot run apart is not batched
+        return f"running its rows apart failed ({type(e).__name__}: {e})"
+    for k, out in enumerate(together):
+        expect = torch.cat([a[k] for a in alone])
+        if out.shape != expect.shape or not torch.allclose(out.float(), expect.float(),
+                                                           rtol=1e-4, atol=1e-5):
+            return f"output {k}: rows run together differ from the same rows run apart"
+    return ""
+
+
+def _flat(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+class Pending:
+    """One queued request."""
+
+    __slots__ = ("arrived", "deadline", "done", "error", "gap", "given", "inputs", "into",
+                 "model", "output_refs", "raw", "result", "rows", "sig")
+
+    def __init__(self, model: Any, inputs: Sequence[Any], output_refs: dict[str, TensorRef],
+                 raw: bool, into: Sequence[memoryview] | None, given: float | None,
+                 default_s: float) -> None:
+        self.model, self.inputs, self.output_refs = model, inputs, output_refs
+        self.raw, self.into, self.given = raw, into, given  # given: the caller's deadline
+        self.rows = model.shapes[0][0]
+        self.sig = tuple((spec.dtype, shape[1:]) for spec, shape
+                         in zip(model.table, model.shapes, strict=True))
+        self.arrived = time.monotonic()
+        self.deadline = self.arrived + default_s if given is None else given
+        self.gap = 0.0  # since the request queued before it
+        self.done = False
+        self.result: list[Any] = []
+        self.error: BaseException | None = None
+
+
+class Batcher:
+    """The queue of one batched model (shared by its buckets)."""
+
+    def __init__(self, base_key: str, settings: Batching, instances: int = 1) -> None:
+        self.base_key, self.settings = base_key, settings
+        self.delay = settings.max_delay_us / 1e6
+        self.instances = max(1, instances)
+        self._queue: deque[Pending] = deque()
+        self._cond = threading.Condition()
+        self._leading = False
+        self._running = 0
+        self._last = 0.0  # when the last request queued
+        self._objects = ClientObjects(lambda key: None)  # clients' regions, read and written
+        self._objects_lock = threading.Lock()
+        self.sizes: Counter[int] = Counter()  # rows per run -> runs
+        self.requests = 0
+        self.waits: deque[float] = deque(maxlen=1000)  # the last queue waits, seconds
+
+    # -- the request's side ----------------------------------------------------------------
+    def run(self, engine: Engine, model: Any, inputs: Sequence[Any],
+            output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
+            deadline: float | None) -> list[Any]:
+        """Run one request of `model` (its bucket) in a batch; what Engine.run returns."""
+        me = Pending(model, inputs, output_refs, raw, into, deadline, engine.run_timeout_s)
+        if me.rows >= self.settings.max_batch:
+            return engine._run(model, inputs, output_refs, raw, None, deadline, into)
+        with self._cond:
+            me.gap, self._last = me.arrived - self._last, me.arrived
+            self._queue.append(me)
+            self._cond.notify_all()
+        while True:
+            with self._cond:
+                while not me.done and (self._leading or self._running >= self.instances):
+                    left = me.deadline - time.monotonic()
+                    if left <= 0 and me in self._queue:
+                        self._queue.remove(me)
+                        raise RunTimeout(f"model {self.base_key}: waited "
+                                         f"{time.monotonic() - me.arrived:.1f} s in the batch "
+                                         "queue (the request's deadline)")
+                    self._cond.wait(max(left, 0.01))
+                if me.done:
+                    if me.error is not None:
+                        raise me.error
+                    return me.result
+                self._leading = True
+                batch = self._take()
+                self._leading = False
+                self._running += bool(batch)
+                self._cond.notify_all()
+            if batch:
+                try:
+                    self._run(engine, batch)
+                finally:
+                    with self._cond:
+                        self._running -= 1
+                        for p in batch:
+                            p.done = True
+                        self._cond.notify_all()
+
+    def _take(self) -> list[Pending]:
+        """Wait until a batch is due (under the lock) and take it off the queue: the oldest
+        request and those after it with rows of its shape, up to max_batch rows."""
+        while self._queue:
+            now = time.monotonic()
+            head = self._queue[0]
+            if head.deadline <= now:  # its own thread raises the RunTimeout
+                self._queue.popleft()
+                head.done, head.error = True, RunTimeout(
+                    f"model {self.base_key}: waited {now - head.arrived:.1f} s in the batch "
+                    "queue (the request's deadline)")
+                continue
+            queued = sum(p.rows for p in self._queue if p.sig == head.sig)
+            idle = self._running == 0 and len(self._queue) == 1 and head.gap > self.delay
+            due = head.arrived + self.delay
+            if queued >= self.settings.max_batch or now >= due or idle:
+                break
+            self._cond.wait(min(due, head.deadline) - now)
+        batch, rows = [], 0
+        for p in self._queue:
+            if p.sig == self._queue[0].sig and rows + p.rows <= self.settings.max_batch:
+                batch.append(p)
+                rows += p.rows
+        for p in batch:
+            self._queue.remove(p)
+        return batch
+
+    # -- the leader's side: one batch -------------------------------------------------------
+    def _run(self, engine: Engine, batch: list[Pending]) -> None:
+        """Run the batch and give each request its answer (result or error)."""
+        start = time.monotonic()
+        rows = sum(p.rows for p in batch)
+        waits = [start - p.arrived for p in batch]
+        with self._cond:
+            self.sizes[rows] += 1
+            self.requests += len(batch)
+            self.waits.extend(waits)
+        if engine.monitor:
+            engine.monitor.batched(batch[0].model, rows, waits)
+        if len(batch) == 1:  # alone: as unbatched, no copy
+            self._alone(engine, batch[0])
+            return
+        try:
+            self._merged(engine, batch, rows)
+        except (RunTimeout, WorkerUnavailable) as e:
+            for p in batch:
+                if p.error is None:
+                    p.error = e
+        except InferError as e:  # which request's inputs? each runs alone to tell
+            log.warning("model %s: a batch of %d requests failed (%s); running them one by "
+                        "one", self.base_key, len(batch), e)
+            for p in batch:
+                if p.error is None:
+                    self._alone(engine, p)
+
+    @staticmethod
+    def _alone(engine: Engine, p: Pending) -> None:
+        try:
+            p.result = engine._run(p.model, p.inputs, p.output_refs, p.raw, None, p.given,
+                                   p.into)
+        except Exception as e:  # noqa: BLE001 - the request's own answer
+            p.error = e
+
+    def _merged(self, engine: Engine, batch: list[Pending], rows: int) -> None:
+        from cuvild.engine import buckets
+
+        base = engine.models.get(self.base_key)
+        if base is None:
+            raise InferError(f"model {self.base_key} is not loaded any more")
+        first = batch[0].model
+        shapes = tuple((rows, *shape[1:]) for shape in first.shapes)
+        given = [p.given for p in batch]  # None: the engine's own (a silent worker is hung)
+        deadline = None if None in given else max(given)  # type: ignore[type-var]
+        model = buckets.bucket(engine, base, shapes, deadline)
+        inputs = []
+        for i, name in enumerate(model.inputs):
+            slot = model.slots[name]
+            buf = memoryview(bytearray(slot.nbytes))
+            at = 0
+            for p in batch:
+                n = slot.nbytes * p.rows // rows
+                if p.error is None:
+                    try:
+                        self._read(engine, p.inputs[i], buf[at:at + n], slot.dtype)
+                    except RegionGone as e:
+                        p.error = BadRegion(str(e))
+                at += n
+            inputs.append(RawTensor(buf, slot.dtype, slot.shape))  # type: ignore[arg-type]
+        outs = [memoryview(bytearray(model.slots[n].nbytes)) for n in model.outputs]
+        engine._run(model, inputs, {}, False, None, deadline, outs)
+        at_row = 0
+        for p in batch:
+            if p.error is None:
+                try:
+                    p.result = self._scatter(model, outs, p, at_row, rows)
+                except RegionGone as e:
+                    p.error = BadRegion(str(e))
+            at_row += p.rows
+
+    def _read(self, engine: Engine, value: Any, out: memoryview, dtype: str) -> None:
+        if isinstance(value, RawTensor):
+            out[:] = memoryview(value.data).cast("B")
+        elif isinstance(value, TensorRef):
+            if value.inode:  # a client's region: read, never mapped
+                with self._objects_lock:
+                    self._objects.get(value.segment, value.inode).read(value.offset, out)
+            else:
+                out[:] = engine.arena.segments[value.segment].view(value.offset, len(out))
+        else:
+            out[:] = as_bytes(value, dtype)
+
+    def _scatter(self, model: Any, outs: list[memoryview], p: Pending, at_row: int,
+                 rows: int) -> list[Any]:
+        """Request p's rows of each output: into its region or `into`, or as its result."""
+        result = []
+        for k, name in enumerate(model.outputs):
+            per_row = len(outs[k]) // rows
+            mine = outs[k][at_row * per_row:(at_row + p.rows) * per_row]
+            ref = p.output_refs.get(name)
+            if ref is not None:
+                with self._objects_lock:
+                    self._objects.get(ref.segment, ref.inode).write(ref.offset, mine)
+                result.append(None)
+            elif p.into is not None:
+                p.into[k][:] = mine
+            elif p.raw:
+                result.append(bytes(mine))
+            else:
+                import torch
+
+                slot = p.model.slots[name]
+                result.append(torch.frombuffer(bytearray(mine), dtype=getattr(
+                    torch, slot.dtype)).view(slot.shape))
+        return [] if p.into is not None else result
+
+    # -- what it did -------------------------------------------------------------------------
+    def forget(self, keys: set[tuple[str, int]]) -> None:
+        """Close these client objects (their regions were unregistered)."""
+        with self._objects_lock:
+            self._objects.forget(keys)
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            waits = sorted(self.waits)
+            sizes = dict(sorted(self.sizes.items()))
+            queued = len(self._queue)
+
+        def at(q: float) -> float:
+            return round(waits[min(len(waits) - 1, int(q * len(waits)))] * 1e3, 3) if waits else 0.0
+
+        return {"max_batch": self.settings.max_batch,
+                "max_delay_us": self.settings.max_delay_us, "sizes": sizes,
+                "requests": self.requests, "queued": queued,
+                "queue_ms": {"p50": at(0.5), "p99": at(0.99), "max": at(1.0)}}
