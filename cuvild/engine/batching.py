@@ -14,14 +14,16 @@ served), hands leadership on and runs them: inputs gathered into one buffer per 
 shared-memory inputs read in place, without mapping them), the model's bucket for the merged
 shapes (built once, on first use: cuvild/engine/buckets.py), one run, and each request's
 rows scattered back (into its client region where it named one). A request alone in a model
-that is otherwise idle is not held back: it runs at once as it would unbatched, with no copy.
+that is otherwise idle (no request queued and no batch ended within the delay before it) is
+not held back: it runs at once as it would unbatched, with no copy.
 
-Bounds: a request waits at most `max_delay_us` plus the batches ahead of it (while batches
-are running, the queue grows and the next batch is taken at once); a request past its
-deadline leaves the queue with RunTimeout and takes nobody with it. A request whose client
-region cannot be read or written fails alone. A batch whose run fails is run again one request
-at a time, so that each request gets its own answer, unless it timed out or its worker could
-not be brought back: then every request of it gets the same error.
+Bounds: a request waits at most the batches ahead of it plus `max_delay_us` (when a batch
+ends, the next one waits up to the delay for the callers just answered to send again, unless
+it is full already); a request past its deadline leaves the queue with RunTimeout and takes
+nobody with it. A request whose client region cannot be read or written fails alone. A batch
+whose run fails is run again one request at a time, so that each request gets its own
+answer, unless it timed out or its worker could not be brought back: then every request of
+it gets the same error.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class Pending:
     """One queued request."""
 
     __slots__ = ("arrived", "deadline", "done", "error", "gap", "given", "inputs", "into",
-                 "model", "output_refs", "raw", "result", "rows", "sig")
+                 "model", "output_refs", "raw", "result", "rows", "sig", "taken")
 
     def __init__(self, model: Any, inputs: Sequence[Any], output_refs: dict[str, TensorRef],
                  raw: bool, into: Sequence[memoryview] | None, given: float | None,
@@ -136,8 +138,8 @@ class Pending:
                          in zip(model.table, model.shapes, strict=True))
         self.arrived = time.monotonic()
         self.deadline = self.arrived + default_s if given is None else given
-        self.gap = 0.0  # since the request queued before it
-        self.done = False
+        self.gap = 0.0  # since the request queued, or the batch ended, before it
+        self.done = self.taken = False
         self.result: list[Any] = []
         self.error: BaseException | None = None
 
@@ -153,7 +155,8 @@ class Batcher:
         self._cond = threading.Condition()
         self._leading = False
         self._running = 0
-        self._last = 0.0  # when the last request queued
+        self._last = 0.0  # when the last request queued, or the last batch ended
+        self._ended = 0.0  # when the last batch ended
         self._objects = ClientObjects(lambda key: None)  # clients' regions, read and written
         self._objects_lock = threading.Lock()
         self.sizes: Counter[int] = Counter()  # rows per run -> runs
@@ -174,7 +177,8 @@ class Batcher:
             self._cond.notify_all()
         while True:
             with self._cond:
-                while not me.done and (self._leading or self._running >= self.instances):
+                while not me.done and (me.taken or self._leading
+                                       or self._running >= self.instances):
                     left = me.deadline - time.monotonic()
                     if left <= 0 and me in self._queue:
                         self._queue.remove(me)
@@ -187,8 +191,10 @@ class Batcher:
                         raise me.error
                     return me.result
                 self._leading = True
-                batch = self._take()
-                self._leading = False
+                try:
+                    batch = self._take()
+                finally:
+                    self._leading = False
                 self._running += bool(batch)
                 self._cond.notify_all()
             if batch:
@@ -197,6 +203,7 @@ class Batcher:
                 finally:
                     with self._cond:
                         self._running -= 1
+                        self._last = self._ended = time.monotonic()  # (callers send again)
                         for p in batch:
                             p.done = True
                         self._cond.notify_all()
@@ -215,7 +222,8 @@ class Batcher:
                 continue
             queued = sum(p.rows for p in self._queue if p.sig == head.sig)
             idle = self._running == 0 and len(self._queue) == 1 and head.gap > self.delay
-            due = head.arrived + self.delay
+            # (a request that waited for a batch ahead waits for company from the batch end)
+            due = max(head.arrived, self._ended) + self.delay
             if queued >= self.settings.max_batch or now >= due or idle:
                 break
             self._cond.wait(min(due, head.deadline) - now)
@@ -226,6 +234,7 @@ class Batcher:
                 rows += p.rows
         for p in batch:
             self._queue.remove(p)
+            p.taken = True  # its thread waits for it, and leads no other batch meanwhile
         return batch
 
     # -- the leader's side: one batch -------------------------------------------------------

@@ -92,3 +92,11 @@ def part_stats(model: LoadedModel) -> dict[str, Any]:
                      "measured_ms": ms[len(ms) // 2] if ms else None,
                      "candidates": r.built.candidates if r.built else []}
     return out
+
+
+def bucket_stats(model: LoadedModel) -> list[dict[str, Any]]:
+    """A dynamic-shape model's buckets, most recently used last: the input shapes, and where
+    each part runs for them (the runtime is chosen per bucket, by timing it at its shapes)."""
+    return [{"shapes": [list(s) for s in shapes], "key": variant.key,
+             "parts": [{**stats, "id": part} for part, stats in part_stats(variant).items()]}
+            for shapes, variant in list(model.variants.items())]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 import cuvild
+from cuvild.engine.loaded import bucket_stats
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
 from cuvild.intake.summary import inspect_archive
 from cuvild.serve.errors import abort
@@ -43,6 +44,19 @@ def record_to_pb(record: ModelRecord) -> cuvil_pb2.ModelSummary:
     fields.pop("calibration")  # a file's digest: the count says what a user needs to know
     specs = {k: [cuvil_pb2.TensorSpec(**t) for t in fields.pop(k)] for k in ("inputs", "outputs")}
     return cuvil_pb2.ModelSummary(state="registered", measured_error=-1, **fields, **specs)
+
+
+def buckets_text(buckets: list[dict[str, Any]]) -> str:
+    """A dynamic-shape model's buckets for `cuvilctl partition`: shapes -> part on device."""
+    lines = ["", "buckets (built per input shape; a part's runtime is chosen per bucket):"]
+    for b in buckets:
+        shapes = " ".join("x".join(map(str, s)) for s in b["shapes"])
+        parts = ", ".join(
+            f"{p['id']} {p['device']}/{p['runtime']}"
+            + (f" {p['measured_ms']:.2f} ms" if p["measured_ms"] is not None else "")
+            for p in b["parts"])
+        lines.append(f"  {shapes}: {parts}")
+    return "\n".join(lines if buckets else [*lines, "  none built yet"]) + "\n"
 
 
 class ControlService(cuvil_pb2_grpc.ControlServicer):
@@ -231,8 +245,11 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         else:
             plan = served.loaded.plan
             measured = self._models.engine.stats(served.key)
-        return cuvil_pb2.GetPlanResponse(plan_json=json.dumps(plan.to_dict()),
-                                         explain=report.explain(plan),
+        shown, explain = plan.to_dict(), report.explain(plan)
+        if not request.replan and served.loaded is not None and served.loaded.dynamic:
+            shown["buckets"] = bucket_stats(served.loaded)  # where each input shape runs
+            explain += buckets_text(shown["buckets"])
+        return cuvil_pb2.GetPlanResponse(plan_json=json.dumps(shown), explain=explain,
                                          measured_json=json.dumps(measured),
                                          dot=report.to_dot(plan))
 

@@ -1,7 +1,8 @@
-"""Concurrent clients for tests/bench/bench_serving.py: N client processes (each its own
-interpreter, so the clients' own Python does not share one GIL) send requests back to back
-for a fixed time, all starting at once; the result is the requests completed per second in
-all and the latency percentiles over every request.
+"""Concurrent clients for tests/bench/bench_serving.py and bench_batching.py: N client
+processes (each its own interpreter, so the clients' own Python does not share one GIL) warm
+up, wait for each other at a barrier, then send requests back to back for a fixed time, all
+starting at once; the result is the requests completed per second in all and the latency
+percentiles over every request.
 
 Paths: "oip" (tritonclient, raw contents, one channel per client), "fast" (the same-host fast
 path, `cuvild.client.fast.FastSession`, one session per client).
@@ -19,8 +20,8 @@ from typing import Any
 WARMUP = 20
 
 
-def _client(path: str, target: str, model: str, shape: list[int], start_at: float,
-            seconds: float, out: Any) -> None:
+def _client(path: str, target: str, model: str, shape: list[int], ready: Any,
+            seconds: float, out: Any, warmup: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import numpy as np
 
@@ -43,12 +44,11 @@ def _client(path: str, target: str, model: str, shape: list[int], start_at: floa
             inp = grpcclient.InferInput(name, shape, "FP32")
             inp.set_data_from_numpy(x)
             client.infer(model, [inp])
-    for _ in range(WARMUP):
+    for _ in range(warmup):
         once()
-    while time.time() < start_at:
-        time.sleep(0.001)
+    ready.wait()  # every client warm: none is still warming up while the others are timed
     latencies = []
-    end = start_at + seconds
+    end = time.time() + seconds
     while True:
         t0 = time.perf_counter()
         once()
@@ -59,18 +59,20 @@ def _client(path: str, target: str, model: str, shape: list[int], start_at: floa
 
 
 def load(path: str, target: str, model: str, shape: list[int], clients: int = 16,
-         seconds: float = 4.0) -> dict[str, Any]:
-    """Requests per second and latency over `clients` processes on `path` for `seconds`."""
+         seconds: float = 4.0, warmup: int = WARMUP) -> dict[str, Any]:
+    """Requests per second and latency over `clients` processes on `path` for `seconds`,
+    after `warmup` requests each."""
     import numpy as np
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    start_at = time.time() + 3.0 + 0.4 * clients  # every client started and warm by then
-    procs = [ctx.Process(target=_client, args=(path, target, model, shape, start_at, seconds,
-                                               out), daemon=True) for _ in range(clients)]
+    ready = ctx.Barrier(clients)
+    procs = [ctx.Process(target=_client, args=(path, target, model, shape, ready, seconds,
+                                               out, warmup), daemon=True)
+             for _ in range(clients)]
     for p in procs:
         p.start()
-    per_client = [out.get(timeout=120 + seconds) for _ in procs]
+    per_client = [out.get(timeout=600 + seconds) for _ in procs]
     for p in procs:
         p.join(30)
     every = [ms for lat in per_client for ms in lat]

@@ -80,6 +80,11 @@ def test_concurrent_protocol_requests_share_runs(make_daemon):
                                  d.target, "status"], capture_output=True, text=True,
                                 timeout=60)
         assert "b:1 batching on: max_batch 8" in status.stdout, status.stdout
+        plan = client.plan("b")  # which bucket runs where
+        sizes = sorted(b["shapes"][0][0] for b in plan["plan"]["buckets"])
+        assert set(stats["sizes"]) | {1, 2} <= set(sizes), (sizes, stats)
+        assert all(p["runtime"] for b in plan["plan"]["buckets"] for p in b["parts"])
+        assert "buckets (built per input shape" in plan["explain"]
     samples = scrape(port)
     assert series(samples, "cuvil_batch_size_count", model="b") == sum(stats["sizes"].values())
     assert series(samples, "cuvil_batch_size_sum", model="b") == sum(
