@@ -1,13 +1,15 @@
 """Read a torch.export graph into a CostGraph: shapes from the fake tensors in node.meta["val"].
 
 Symbolic sizes are replaced by their hints (the example inputs' sizes), so costs are those of
-the example batch. getitem nodes that pick one value from a tuple result are folded into the
-op that produced the tuple: a cut between them would move a tuple no runtime can compile as a
-part boundary, and the plan still lists their names in the producer's part.
+the example batch, or by the sizes given (`sizes`: a dynamic-shape model planned for one
+concrete shape, say a batch of 8). getitem nodes that pick one value from a tuple result are
+folded into the op that produced the tuple: a cut between them would move a tuple no runtime
+can compile as a part boundary, and the plan still lists their names in the producer's part.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from math import prod
 from typing import Any
 
@@ -23,12 +25,23 @@ DTYPE_NAMES = {
     torch.bool: "bool",
 }  # fmt: skip
 SCALAR_BYTES = 8  # a SymInt or Python number crossing a cut
+# The sizes a build_costgraph call gives its symbols, by name (None: the hints).
+_SIZES: ContextVar[dict[str, int] | None] = ContextVar("sizes", default=None)
 # Shape queries read no data: a cut into one moves nothing but the dependency.
 SHAPE_QUERIES = {"sym_size", "sym_numel", "sym_stride", "sym_storage_offset"}
 
 
-def build_costgraph(ep: Any) -> CostGraph:
-    """CostGraph of an ExportedProgram; node names are the graph's own."""
+def build_costgraph(ep: Any, sizes: dict[str, int] | None = None) -> CostGraph:
+    """CostGraph of an ExportedProgram; node names are the graph's own. `sizes`: symbol name
+    ("s0") -> size, used instead of the hints."""
+    token = _SIZES.set(sizes or None)
+    try:
+        return _build(ep)
+    finally:
+        _SIZES.reset(token)
+
+
+def _build(ep: Any) -> CostGraph:
     graph = ep.graph_module.graph
     params, user_inputs = _placeholder_kinds(ep)
     compute = [n for n in graph.nodes if n.op == "call_function"]
@@ -173,6 +186,12 @@ def _short_name(target: Any) -> str:
 def _hint(size: Any) -> int:
     if isinstance(size, int):
         return size
+    given = _SIZES.get()
+    expr = getattr(getattr(size, "node", None), "expr", None)
+    if given and expr is not None and hasattr(expr, "free_symbols"):
+        known = {sym: given[sym.name] for sym in expr.free_symbols if sym.name in given}
+        if len(known) == len(expr.free_symbols):
+            return int(expr.xreplace(known))
     try:
         return int(optimization_hint(size))
     except Exception:  # an unbacked size has no hint: cost it as 1, like torch's own fallback

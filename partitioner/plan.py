@@ -87,6 +87,7 @@ def plan_model(
     support: dict[str, Support] | None = None,
     method: str = "auto",
     corrections: Corrections | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> Plan:
     """Plan a model (ExportedProgram or CostGraph) on devices (profiles, dicts or a YAML path).
 
@@ -95,11 +96,12 @@ def plan_model(
     node's `fx_node` is the graph node when the graph came from a program) or a collection
     of op names it cannot run; devices without an entry run everything. `corrections` are
     what measured parts taught the cost model (partitioner/corrections.py); the plan's notes
-    say which applied.
+    say which applied. `sizes` prices a dynamic-shape program at these sizes of its symbols
+    ("s0" -> 8) instead of its example's.
     Raises PlacementError when a strict annotation cannot be honoured or no device can run
     a node, ValueError on bad profiles or arguments.
     """
-    graph = model if isinstance(model, CostGraph) else _costgraph(model)
+    graph = model if isinstance(model, CostGraph) else _costgraph(model, sizes)
     if isinstance(devices, (str, Path)):
         devices = load_profiles(devices)
     elif any(isinstance(d, dict) for d in devices):
@@ -199,7 +201,7 @@ def _dominant_dtype(graph: CostGraph, nodes: list[int]) -> str:
 _FLOATS = ("fp32", "bf16", "fp16", "int8")
 
 
-def _costgraph(model: Any) -> CostGraph:
+def _costgraph(model: Any, sizes: dict[str, int] | None = None) -> CostGraph:
     from partitioner.fxgraph import build_costgraph  # imports torch: only for a real model
 
-    return build_costgraph(model)
+    return build_costgraph(model, sizes)

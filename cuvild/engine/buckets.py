@@ -1,5 +1,7 @@
 """A dynamic-shape model's buckets: the model laid out and built for one concrete input shape,
-on that shape's first request, and kept for the next.
+on that shape's first request, and kept for the next. A model the engine planned is planned
+again per bucket, at the bucket's sizes (`plan_for`): a large batch may run on another device
+than a single request.
 
 Bounded both ways. A dynamic dimension above the engine's `max_dim` is refused (BadInput)
 before anything is built for it. A model keeps at most `max_buckets` buckets: when a build
@@ -92,25 +94,30 @@ def build(engine: Engine, model: LoadedModel, shapes: Shapes,
             variant = model.variants.get(shapes)
         if variant is not None:
             return variant
+        plan, split, own = plan_for(engine, model, shapes)
         dtypes = [getattr(torch, s.dtype) for s in model.table]
         with torch.no_grad():
-            values = model.split.trace(*[torch.zeros(shape, dtype=dt)
-                                         for shape, dt in zip(shapes, dtypes, strict=True)])
-        slots, footprint, total = layout(values, model.split)
+            values = split.trace(*[torch.zeros(shape, dtype=dt)
+                                   for shape, dt in zip(shapes, dtypes, strict=True)])
+        slots, footprint, total = layout(values, split)
         tag = "x".join("-".join(map(str, shape)) for shape in shapes)
         specs = [{**s, "shape": list(shape)}
                  for s, shape in zip(model.input_specs, shapes, strict=True)]
-        variant = LoadedModel(f"{model.key}@{tag}", model.name, model.version, model.plan,
-                              engine._routes(model.plan, model.split), model.inputs,
-                              model.outputs, input_table(specs, []), slots, footprint,
-                              total, model.archive, specs,
-                              parts_by_device=model.parts_by_device, base_key=model.key,
-                              shapes=shapes)
+        routes = engine._routes(plan, split)
+        by_device: dict[str, list[str]] = {}
+        for route in routes:
+            by_device.setdefault(route.device, []).append(route.id)
+        variant = LoadedModel(f"{model.key}@{tag}", model.name, model.version, plan, routes,
+                              model.inputs, model.outputs, input_table(specs, []), slots,
+                              footprint, total, model.archive, specs,
+                              parts_by_device=by_device, base_key=model.key, shapes=shapes,
+                              own_split=own)
         variant.policy, variant.batcher = model.policy, model.batcher
         variant.cut_bytes = cut_bytes(variant)
         variant.part_input_shapes = {
-            p.id: [list(values[n].shape) for n in p.inputs] for p in model.split.parts}
-        log.info("building %s for input shapes %s", model.key, [list(s) for s in shapes])
+            p.id: [list(values[n].shape) for n in p.inputs] for p in split.parts}
+        log.info("building %s for input shapes %s%s", model.key, [list(s) for s in shapes],
+                 ": " + ", ".join(f"{r.id}@{r.device}" for r in routes) if own else "")
         engine._build(variant, deadline=deadline)
         with engine._buckets_lock:
             model.variants[shapes] = variant
@@ -119,6 +126,41 @@ def build(engine: Engine, model: LoadedModel, shapes: Shapes,
         return variant
     finally:
         model.variant_lock.release()
+
+
+def plan_for(engine: Engine, model: LoadedModel, shapes: Shapes) -> tuple[Any, Any, bool]:
+    """A bucket's plan and split, and whether they are its own: a model the engine planned
+    is planned again at the bucket's shapes (a batch of 8 may be placed on another device
+    than a request of 1); where that places every node as the model's plan does, the
+    model's own are used (and its split shared in the workers)."""
+    if model.program is None or len(engine.devices) < 2:
+        return model.plan, model.split, False
+    from partitioner.plan import plan_model
+    from partitioner.split import split_program
+
+    plan = plan_model(model.program, list(engine.devices.values()), objective=model.objective,
+                      support=engine.support(), corrections=engine.corrections.snapshot(),
+                      sizes=sizes_of(model.program, model.dynamic, shapes))
+    if placement(plan) == placement(model.plan):
+        return model.plan, model.split, False
+    return plan, split_program(model.program, [(p.id, p.nodes) for p in plan.parts]), True
+
+
+def placement(plan: Any) -> dict[str, str]:
+    return {node: part.device for part in plan.parts for node in part.nodes}
+
+
+def sizes_of(program: Any, dynamic: list[tuple[int, int, int, int]],
+             shapes: Shapes) -> dict[str, int]:
+    """The size each symbol of the program's inputs has at `shapes` ("s0" -> 8)."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    names = program.graph_signature.user_inputs
+    sizes = {}
+    for i, d, _, _ in dynamic:
+        expr = nodes[names[i]].meta["val"].shape[d].node.expr
+        if expr.is_Symbol:
+            sizes[str(expr)] = shapes[i][d]
+    return sizes
 
 
 def evict(engine: Engine, model: LoadedModel) -> None:

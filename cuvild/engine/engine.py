@@ -176,7 +176,7 @@ class Engine:
         say("reading the archive")
         ep = load_exported_program(archive)
         self.counters["archive_loads"] += 1
-        corrections = self.corrections.snapshot()
+        corrections, planned = self.corrections.snapshot(), plan is None
         if plan is None:
             say("planning")
             plan = plan_model(ep, list(self.devices.values()), objective=objective,
@@ -193,12 +193,12 @@ class Engine:
                             list(split.inputs), list(split.outputs),
                             input_table(input_specs, dynamic), slots, footprint, total,
                             str(archive), input_specs, dynamic=dynamic,
-                            split=split if dynamic else None)
+                            split=split if dynamic else None, objective=objective)
         for route in model.routes:
             model.parts_by_device.setdefault(route.device, []).append(route.id)
         model.cut_bytes = cut_bytes(model)
-        if dynamic:  # its buckets are built at each part's own precision
-            model.policy = policy
+        if dynamic:  # its buckets are planned and built at their shapes (buckets.py)
+            model.policy, model.program = policy, ep if planned else None  # (else: one plan)
             if batching is not None and batching.max_batch > 1:
                 say("checking that its rows can be batched")
                 batcher_for(model, ep, batching)
@@ -329,9 +329,9 @@ class Engine:
                 model=model.key, part=pid, archive=model.archive, assignment=assignment,
                 precisions=route.precisions or [route.precision],
                 input_specs=model.input_specs, timeout_s=self.compile_timeout_s,
-                split_key=model.base_key or model.key,
+                split_key=model.split_key,
                 input_shapes=model.part_input_shapes.get(pid),
-                last=not model.base_key and i == len(model.parts_by_device[device]) - 1,
+                last=model.split_key == model.key and i == len(model.parts_by_device[device]) - 1,
                 tolerance=route.tolerance, calibration=policy.calibration,
                 calibration_tag=policy.calibration_tag,
                 allowed=registry.allowed_runtimes(self.runtimes, self.devices[device]),

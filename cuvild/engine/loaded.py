@@ -68,10 +68,22 @@ class LoadedModel:
     cut_bytes: int = 0  # bytes one request hands from part to part through the arena
     accuracy: Any = None  # what the load measured end to end (precision.Accuracy)
     warm: bool = False  # loaded from its load record (cuvild/engine/warm.py)
+    # A dynamic-shape model the engine planned keeps its program: each bucket is planned
+    # again at its own shapes (cuvild/engine/buckets.py), and one placed otherwise has its
+    # own split (own_split)
+    program: Any = None
+    objective: str = "latency"
+    own_split: bool = False
     # Dynamic batching (cuvild/engine/batching.py): the model's queue, shared by its buckets,
     # or why it is not batched ("" when it was not asked)
     batcher: Any = None
     unbatched: str = ""
+
+    @property
+    def split_key(self) -> str:
+        """What a worker caches this model's split under: a bucket shares its model's,
+        unless it was planned apart."""
+        return self.base_key if self.base_key and not self.own_split else self.key
 
 
 def cut_bytes(model: LoadedModel) -> int:

@@ -79,6 +79,52 @@ def warm(target: str, model: str, max_batch: int) -> None:
     client.close()
 
 
+def ceiling(max_batch: int, rounds: int = 8) -> dict[str, Any]:
+    """What batching can gain on this host at most: resnet18 compiled in this process by each
+    CPU runtime at batch 1 and at max_batch, timed in turn (no serving at all); the gain is
+    max_batch runs of 1 image against one run of max_batch images."""
+    import statistics
+
+    import torch
+    from bench_runtimes import THREADS, build
+
+    from cuvild.client.samples import ResNet18
+    from partitioner.profile import DeviceProfile
+    from partitioner.split import split_program
+    from runtimes.base import CompileSpec
+
+    torch.manual_seed(0)
+    model = ResNet18().eval()
+    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=list(range(THREADS)))
+    out: dict[str, Any] = {}
+    for runtime in ("openvino", "onnxruntime"):
+        per_image = {}
+        for n in (1, max_batch):
+            x = torch.randn(n, 3, 224, 224)
+            ep = torch.export.export(model, (x,))
+            part = split_program(ep, {nd.name: "all" for nd in ep.graph.nodes
+                                      if nd.op == "call_function"}).parts[0].module
+            spec = CompileSpec(device=cpu, precision="fp32", example_inputs=[x],
+                               threads=THREADS)
+            try:
+                exe, _ = build(runtime, "fp32", part, spec)
+            except Exception as e:  # noqa: BLE001 - a runtime this host lacks is reported
+                per_image = {"error": f"{type(e).__name__}: {e}"[:200]}
+                break
+            for _ in range(2):
+                exe.run([x])
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                exe.run([x])
+                times.append((time.perf_counter() - t0) * 1e3)
+            per_image[n] = statistics.median(times) / n
+        if "error" not in per_image:
+            per_image["gain"] = per_image[1] / per_image[max_batch]
+        out[runtime] = per_image
+    return out
+
+
 def main(max_batch: int, max_delay_us: int, seconds: float) -> dict[str, Any]:
     import torch
     from daemons import DaemonProcess, daemon_config
@@ -126,8 +172,9 @@ def main(max_batch: int, max_delay_us: int, seconds: float) -> dict[str, Any]:
         finally:
             daemon.stop()
             daemon.close()
-    return {"cpu": cpu_line(), "max_batch": max_batch, "max_delay_us": max_delay_us,
-            "load_s": t1 - t0, "warm_s": warm_s, "results": results,
+    limit = ceiling(max_batch)  # after the daemon: nothing else runs meanwhile
+    return {"cpu": cpu_line(), "max_batch": max_batch, "ceiling": limit,
+            "max_delay_us": max_delay_us, "load_s": t1 - t0, "warm_s": warm_s, "results": results,
             "batching": {n: m["batching"] for n, m in served.items()},
             "buckets": {n: {"x".join(map(str, b["shapes"][0])): [
                 (p["runtime"], p["measured_ms"]) for p in b["parts"]] for b in bs}
@@ -158,6 +205,13 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{name}: " + ", ".join(f"{shape} {runtime} {ms:.1f} ms" if ms else
                                       f"{shape} {runtime}" for shape, parts in buckets.items()
                                       for runtime, ms in parts))
+    for runtime, c in result["ceiling"].items():
+        if "error" in c:
+            print(f"in-process {runtime}: {c['error']}")
+            continue
+        print(f"in-process {runtime}: {c['1']:.1f} ms an image at batch 1, "
+              f"{c[str(result['max_batch'])]:.1f} at batch {result['max_batch']}: batching "
+              f"gains at most {c['gain']:.2f}x on this host")
     on16, off16 = r["on 16"], r["off 16"]
     on1, off1 = r["on 1"], r["off 1"]
     print(f"goals: 16 clients throughput {on16['per_s'] / off16['per_s']:.2f}x (>= 1.5), p99 "
@@ -173,7 +227,7 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=SECONDS)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    out = main(args.max_batch, args.max_delay_us, args.seconds)
+    out = json.loads(json.dumps(main(args.max_batch, args.max_delay_us, args.seconds)))
     if args.json:
         print(json.dumps(out, indent=1))
     print_table(out)

@@ -16,15 +16,18 @@ import pytest
 import torch
 
 import cuvild
+from cuvild.client.samples import MLP
 from cuvild.engine.arena import SHM_DIR, Arena
 from cuvild.engine.batching import Batching
 from cuvild.engine.engine import Engine
 from cuvild.engine.errors import BadRegion, RunTimeout
+from cuvild.engine.loaded import bucket_stats
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.summary import summarize
+from partitioner.profile import DeviceProfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_helpers.py
-from engine_helpers import chunked_plan, close_all, device  # noqa: E402
+from engine_helpers import CORES, chunked_plan, close_all, device  # noqa: E402
 
 
 class Rows(torch.nn.Module):
@@ -281,3 +284,39 @@ def test_a_request_past_its_deadline_leaves_the_queue_alone(make, tmp_path):
     assert isinstance(hasty, RunTimeout) and "batch queue" in str(hasty)
     assert not isinstance(patient, Exception), patient
     torch.testing.assert_close(patient[0], engine.infer("late", (x,))[0])
+
+
+def test_a_batch_is_planned_at_its_own_size(tmp_path):
+    """Each bucket is planned at its shapes: with a slow CPU and a fast accelerator that
+    costs 10 ms a call, one row runs on the CPU and a merged batch of 64 on the accelerator;
+    both answer like eager, and the plan says which bucket runs where."""
+    slow = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"],
+                         peak_gflops={"fp32": 0.2}, mem_bw_gbs=20.0, link_bw_gbs=10.0,
+                         link_latency_us=1.0, launch_us=1.0)
+    wide = DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:],
+                         runtimes=["torch"], peak_gflops={"fp32": 10000.0},
+                         mem_bw_gbs=1000.0, link_bw_gbs=10.0, link_latency_us=1.0,
+                         launch_us=10_000.0)
+    arena = Arena(f"{os.getpid()}-batplan")
+    engine = Engine([slow, wide], tmp_path / "cache", arena)
+    try:
+        torch.manual_seed(4)
+        model = MLP(width=256, depth=2).eval()  # 0.26 MFLOP a row
+        ep = cuvild.export(model, (torch.randn(2, 256),), dynamic_shapes=({0: batch_dim()},))
+        torch.export.save(ep, tmp_path / "planned.pt2")
+        loaded = engine.prepare("planned", "planned", "1", tmp_path / "planned.pt2",
+                                summarize(ep)["inputs"], batching=Batching(64, 1000))
+        assert {p.device for p in loaded.plan.parts} == {"cpu0"}  # priced at the example's 2
+        for rows in (1, 64):
+            x = torch.randn(rows, 256)
+            (got,) = engine.infer("planned", (x,))
+            with torch.no_grad():
+                torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-5)
+        where = {b["shapes"][0][0]: {p["device"] for p in b["parts"]}
+                 for b in bucket_stats(loaded)}
+        assert where == {1: {"cpu0"}, 64: {"npu0"}}, where
+        assert loaded.variants[((64, 256),)].own_split
+        assert not loaded.variants[((1, 256),)].own_split
+    finally:
+        engine.close()
+        arena.close()
