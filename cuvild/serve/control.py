@@ -143,7 +143,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             summary.batching = f"off: {loaded.unbatched}" if loaded.unbatched else "off"
             return
         stats = loaded.batcher.stats()
-        summary.batching = "on"
+        summary.batching, summary.max_batch = "on", stats["max_batch"]  # (within the range)
         summary.batch_sizes.update(stats["sizes"])
         summary.batched_requests = stats["requests"]
         summary.queue_ms_p50, summary.queue_ms_p99 = (stats["queue_ms"]["p50"],

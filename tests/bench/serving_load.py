@@ -59,9 +59,9 @@ def _client(path: str, target: str, model: str, shape: list[int], ready: Any,
 
 
 def load(path: str, target: str, model: str, shape: list[int], clients: int = 16,
-         seconds: float = 4.0, warmup: int = WARMUP) -> dict[str, Any]:
+         seconds: float = 4.0, warmup: int = WARMUP, keep: bool = False) -> dict[str, Any]:
     """Requests per second and latency over `clients` processes on `path` for `seconds`,
-    after `warmup` requests each."""
+    after `warmup` requests each (keep: every latency too, for `merged`)."""
     import numpy as np
 
     ctx = mp.get_context("spawn")
@@ -80,4 +80,17 @@ def load(path: str, target: str, model: str, shape: list[int], clients: int = 16
     span = max(seconds, max(sum(lat) for lat in per_client) / 1e3)
     return {"clients": clients, "seconds": span, "requests": len(every),
             "per_s": len(every) / span, "p50_ms": statistics.median(every),
-            "p99_ms": float(np.percentile(every, 99))}
+            "p99_ms": float(np.percentile(every, 99)), **({"latencies_ms": every} if keep
+                                                          else {})}
+
+
+def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of `load` as one: requests over the time of all, percentiles over every
+    request."""
+    import numpy as np
+
+    every = [ms for run in runs for ms in run["latencies_ms"]]
+    span = sum(run["seconds"] for run in runs)
+    return {"clients": runs[0]["clients"], "seconds": span, "requests": len(every),
+            "per_s": len(every) / span, "p50_ms": statistics.median(every),
+            "p99_ms": float(np.percentile(every, 99)), "runs": len(runs)}

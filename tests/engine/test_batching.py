@@ -265,6 +265,9 @@ def test_models_whose_rows_mix_or_have_no_batch_are_not_batched(make, tmp_path):
     off = load(engine, tmp_path, "off", Rows().eval(), torch.randn(2, 16), {0: batch_dim()},
                batching=Batching(1))
     assert off.batcher is None and off.unbatched == ""
+    capped = load(engine, tmp_path, "capped", Rows().eval(), torch.randn(2, 16),
+                  {0: batch_dim(high=4)}, batching=Batching(8))
+    assert capped.batcher.settings.max_batch == 4  # never a batch past the exported range
 
 
 def test_a_request_past_its_deadline_leaves_the_queue_alone(make, tmp_path):
