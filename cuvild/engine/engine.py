@@ -5,11 +5,11 @@ devices, split it, lay out every crossing tensor in one arena block per request 
 lifetimes do not overlap share bytes), and have each device's worker build its parts.
 
 Data path: `resolve` checks a request's inputs against the model's input table (once) and,
-for a dynamic-shape model, picks the bucket for its shapes (cuvild/engine/buckets.py); `run`
-takes a block, puts the inputs in it, dispatches each part to its worker as soon as its inputs
-are ready (cuvild/engine/request.py), reads the outputs and gives the block back; raw inputs
-to one part on a worker process take a lane instead (cuvild/engine/lanes.py). No planning,
-compiling or file I/O, and no lock but the arena's and a count of requests in flight.
+for a dynamic-shape model, picks the bucket for its shapes (buckets.py); a batched model's
+request queues to share a run (batching.py); `run` takes a block, puts the inputs in it,
+dispatches each part to its worker as soon as its inputs are ready (request.py), reads the
+outputs, gives the block back; raw inputs to one part on a worker process take a lane instead
+(lanes.py). No planning, compiling or file I/O, and only short locks (a batch waits apart).
 
 Every request has a deadline (by default `run_timeout_s` from its start): every wait of it
 ends there with RunTimeout, and a worker that gave no reply for all of it is restarted. A
