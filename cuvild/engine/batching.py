@@ -14,8 +14,9 @@ served), hands leadership on and runs them: inputs gathered into one buffer per 
 shared-memory inputs read in place, without mapping them), the model's bucket for the merged
 shapes (built once, on first use: cuvild/engine/buckets.py), one run, and each request's
 rows scattered back (into its client region where it named one). A request alone in a model
-that is otherwise idle (no request queued and no batch ended within the delay before it) is
-not held back: it runs at once as it would unbatched, with no copy.
+that is otherwise idle (no other request was in flight with it since the last batch began,
+or none arrived and no batch ended within the delay before it) is not held back: it runs at
+once as it would unbatched, with no copy (a lone client pays no delay).
 
 Bounds: a request waits at most the batches ahead of it plus `max_delay_us` (when a batch
 ends, the next one waits up to the delay for the callers just answered to send again, unless
@@ -161,6 +162,8 @@ class Batcher:
         self._running = 0
         self._last = 0.0  # when the last request queued, or the last batch ended
         self._ended = 0.0  # when the last batch ended
+        self._in_flight = 0  # requests queued or in a running batch
+        self._peak = 0  # the most in flight at once since the last batch was taken
         self._objects = ClientObjects(lambda key: None)  # clients' regions, read and written
         self._objects_lock = threading.Lock()
         self.sizes: Counter[int] = Counter()  # rows per run -> runs
@@ -178,6 +181,8 @@ class Batcher:
         with self._cond:
             me.gap, self._last = me.arrived - self._last, me.arrived
             self._queue.append(me)
+            self._in_flight += 1
+            self._peak = max(self._peak, self._in_flight)
             self._cond.notify_all()
         while True:
             with self._cond:
@@ -186,6 +191,7 @@ class Batcher:
                     left = me.deadline - time.monotonic()
                     if left <= 0 and me in self._queue:
                         self._queue.remove(me)
+                        self._in_flight -= 1
                         raise RunTimeout(f"model {self.base_key}: waited "
                                          f"{time.monotonic() - me.arrived:.1f} s in the batch "
                                          "queue (the request's deadline)")
@@ -208,6 +214,7 @@ class Batcher:
                     with self._cond:
                         self._running -= 1
                         self._last = self._ended = time.monotonic()  # (callers send again)
+                        self._in_flight -= len(batch)
                         for p in batch:
                             p.done = True
                         self._cond.notify_all()
@@ -220,12 +227,16 @@ class Batcher:
             head = self._queue[0]
             if head.deadline <= now:  # its own thread raises the RunTimeout
                 self._queue.popleft()
+                self._in_flight -= 1
                 head.done, head.error = True, RunTimeout(
                     f"model {self.base_key}: waited {now - head.arrived:.1f} s in the batch "
                     "queue (the request's deadline)")
                 continue
             queued = sum(p.rows for p in self._queue if p.sig == head.sig)
-            idle = self._running == 0 and len(self._queue) == 1 and head.gap > self.delay
+            # alone, and no company to wait for: none was in flight with it since the last
+            # batch began, or none arrived (and no batch ended) within the delay before it
+            idle = self._running == 0 and len(self._queue) == 1 and (
+                self._peak <= 1 or head.gap > self.delay)
             # (a request that waited for a batch ahead waits for company from the batch end)
             due = max(head.arrived, self._ended) + self.delay
             if queued >= self.settings.max_batch or now >= due or idle:
@@ -239,6 +250,7 @@ class Batcher:
         for p in batch:
             self._queue.remove(p)
             p.taken = True  # its thread waits for it, and leads no other batch meanwhile
+        self._peak = self._in_flight  # (counted again until the next batch)
         return batch
 
     # -- the leader's side: one batch -------------------------------------------------------

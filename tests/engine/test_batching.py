@@ -6,11 +6,14 @@ differ never merge; failures and deadlines that stay with their request."""
 from __future__ import annotations
 
 import os
+import struct
 import sys
 import threading
 import time
 from multiprocessing import shared_memory
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -18,9 +21,10 @@ import torch
 import cuvild
 from cuvild.client.samples import MLP
 from cuvild.engine.arena import SHM_DIR, Arena
-from cuvild.engine.batching import Batching
+from cuvild.engine.batching import Batcher, Batching
 from cuvild.engine.engine import Engine
-from cuvild.engine.errors import BadRegion, RunTimeout
+from cuvild.engine.errors import BadRegion, InferError, RunTimeout
+from cuvild.engine.layout import InputSpec, Slot
 from cuvild.engine.loaded import bucket_stats
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.summary import summarize
@@ -196,36 +200,39 @@ def test_client_regions_are_read_and_written_per_request(make, tmp_path):
     engine.forget_segments(keys)
 
 
-def test_a_trickle_waits_at_most_the_delay(make, tmp_path):
-    """Requests one at a time to an idle model run at once; a trickle faster than the delay
-    waits for it, never longer than the delay and the run ahead of it."""
+def test_a_request_waits_at_most_the_delay_and_the_run_ahead(make, tmp_path):
+    """Requests one at a time to an idle model run at once, trickling or back to back from
+    one client; clients that overlap wait for each other, never longer than the delay and
+    the run ahead of them."""
     torch.manual_seed(2)
     engine = make()
     delay = 0.15
     loaded = load(engine, tmp_path, "trickle", Rows().eval(), torch.randn(2, 16),
                   {0: batch_dim()}, batching=Batching(64, int(delay * 1e6)))
     x = torch.randn(1, 16)
-    for _ in range(5):  # alone, and apart: never held back
+    for k in range(10):  # a trickle, then back to back: nobody else to wait for
         engine.infer("trickle", (x,))
-        time.sleep(delay * 1.5)
+        time.sleep(delay * 1.5 if k < 5 else 0)
     waits = list(loaded.batcher.waits)
     assert max(waits) < delay / 2, waits
+    assert loaded.batcher.stats()["sizes"] == {1: 10}
     loaded.batcher.waits.clear()
     done: list[float] = []
 
-    def one() -> None:
-        t0 = time.monotonic()
-        engine.infer("trickle", (x,))
-        done.append(time.monotonic() - t0)
+    def client() -> None:
+        for _ in range(6):
+            t0 = time.monotonic()
+            engine.infer("trickle", (x,))
+            done.append(time.monotonic() - t0)
 
     threads = []
-    for _ in range(8):  # a request every 30 ms: a batch cannot fill up, the delay ends it
-        threads.append(threading.Thread(target=one))
+    for _ in range(4):  # clients joining 2 ms apart: a batch cannot fill up, the delay ends it
+        threads.append(threading.Thread(target=client))
         threads[-1].start()
-        time.sleep(0.03)
+        time.sleep(0.002)
     for t in threads:
         t.join(60)
-    assert len(done) == 8
+    assert len(done) == 24
     runs = [ms for v in loaded.variants.values() for r in v.routes for ms in r.measured_ms]
     bound = delay + max(runs) / 1e3 + 0.25  # the delay, one run ahead, this host's jitter
     assert max(loaded.batcher.waits) < bound, (list(loaded.batcher.waits), bound)
@@ -270,23 +277,91 @@ def test_models_whose_rows_mix_or_have_no_batch_are_not_batched(make, tmp_path):
     assert capped.batcher.settings.max_batch == 4  # never a batch past the exported range
 
 
-def test_a_request_past_its_deadline_leaves_the_queue_alone(make, tmp_path):
-    engine = make(threads=True)
-    loaded = load(engine, tmp_path, "late", Rows().eval(), torch.randn(2, 16),
-                  {0: batch_dim()}, batching=Batching(8, 500_000))
-    x = torch.randn(1, 16)
-    engine.infer("late", (x,))  # builds bucket 1; the model is now busy-looking: no idle rule
-    model_ = engine.resolve(loaded, [("float32", (1, 16))])
+class HeldEngine:
+    """What a Batcher needs of the engine, with runs that wait for `go` and fail on the
+    inputs in `bad`: queue states that real runs pass through too quickly to test."""
 
-    def call(i: int):  # noqa: ANN202
-        time.sleep(0.05 * i)  # the patient one first: it leads, and waits out the delay
-        deadline = time.monotonic() + (60 if i == 0 else 0.1)
-        return engine.run(model_, [x], deadline=deadline)
+    def __init__(self) -> None:
+        self.run_timeout_s, self.monitor = 60.0, None
+        self.models = {"m": SimpleNamespace(key="m")}  # the base model, loaded
+        self.go = threading.Event()
+        self.bad: set[bytes] = set()
 
-    patient, hasty = at_once(2, call)
-    assert isinstance(hasty, RunTimeout) and "batch queue" in str(hasty)
-    assert not isinstance(patient, Exception), patient
-    torch.testing.assert_close(patient[0], engine.infer("late", (x,))[0])
+    def _run(self, model, inputs, output_refs, raw, timeline, deadline, into):  # noqa: ANN001, ANN202
+        self.go.wait(30)
+        data = [bytes(memoryview(i.data).cast("B")) for i in inputs]
+        if any(self.bad & {d[k:k + 8] for k in range(0, len(d), 8)} for d in data):
+            raise InferError("the part failed on these inputs")
+        for place, d in zip(into or [], data, strict=False):
+            place[:] = d
+        return [] if into is not None else data
+
+
+def held_model(rows: int) -> Any:
+    """A bucket as the Batcher sees it: one float32 input of `rows` x 2, the output alike."""
+    spec = InputSpec("x", "float32", (-1, 2), ((0, 1, 64),))
+    return SimpleNamespace(key=f"m@{rows}", base_key="m", shapes=((rows, 2),), table=[spec],
+                           inputs=["x"], outputs=["y"], slots={"x": Slot("float32", (rows, 2)),
+                                                              "y": Slot("float32", (rows, 2))})
+
+
+def row(value: float) -> bytes:
+    return struct.pack("<2f", value, value)
+
+
+def held_run(batcher: Batcher, engine: HeldEngine, value: float, seconds: float,
+             results: dict[float, Any]) -> None:
+    try:
+        results[value] = batcher.run(engine, held_model(1),
+                                     [RawTensor(row(value), "float32", (1, 2))], {}, True, None,
+                                     time.monotonic() + seconds)
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        results[value] = e
+
+
+def test_a_request_past_its_deadline_leaves_the_queue_alone():
+    engine, batcher, results = HeldEngine(), Batcher("m", Batching(8, 0)), {}
+    first = threading.Thread(target=held_run, args=(batcher, engine, 1.0, 60, results))
+    first.start()
+    time.sleep(0.1)  # its run holds the model: the next ones queue behind it
+    hasty = threading.Thread(target=held_run, args=(batcher, engine, 2.0, 0.2, results))
+    patient = threading.Thread(target=held_run, args=(batcher, engine, 3.0, 60, results))
+    hasty.start()
+    patient.start()
+    hasty.join(10)
+    assert isinstance(results[2.0], RunTimeout) and "batch queue" in str(results[2.0])
+    engine.go.set()
+    first.join(10)
+    patient.join(10)
+    assert results[1.0] == [row(1.0)]
+    assert results[3.0] == [row(3.0)]  # the hasty one took nobody with it
+    assert batcher.stats()["requests"] == 2 and batcher.stats()["queued"] == 0
+
+
+def test_a_failed_batch_is_run_again_one_request_at_a_time(monkeypatch):
+    """A merged run that fails is run again request by request: only the request whose rows
+    fail gets the error."""
+    from cuvild.engine import buckets
+
+    monkeypatch.setattr(buckets, "bucket", lambda engine, base, shapes, deadline:
+                        held_model(shapes[0][0]))
+    engine, batcher, results = HeldEngine(), Batcher("m", Batching(8, 0)), {}
+    engine.bad = {row(2.0)}
+    first = threading.Thread(target=held_run, args=(batcher, engine, 1.0, 60, results))
+    first.start()
+    time.sleep(0.1)  # held: the next three queue, and then run together
+    others = [threading.Thread(target=held_run, args=(batcher, engine, v, 60, results))
+              for v in (2.0, 3.0, 4.0)]
+    for t in others:
+        t.start()
+    time.sleep(0.1)
+    engine.go.set()
+    for t in [first, *others]:
+        t.join(10)
+    assert isinstance(results[2.0], InferError) and "failed on these inputs" in str(results[2.0])
+    for v in (1.0, 3.0, 4.0):
+        assert results[v] == [row(v)], results
+    assert batcher.stats()["sizes"][3] == 1  # the three did share a run first
 
 
 def test_a_batch_is_planned_at_its_own_size(tmp_path):
