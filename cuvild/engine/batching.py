@@ -145,7 +145,7 @@ class Pending:
         self.deadline = self.arrived + default_s if given is None else given
         self.gap = 0.0  # since the request queued, or the batch ended, before it
         self.done = self.taken = False
-        self.result: list[Any] = []
+        self.result: list[Any] | None = None  # (None: not answered yet)
         self.error: BaseException | None = None
 
 
@@ -199,7 +199,7 @@ class Batcher:
                 if me.done:
                     if me.error is not None:
                         raise me.error
-                    return me.result
+                    return me.result  # type: ignore[return-value]
                 self._leading = True
                 try:
                     batch = self._take()
@@ -217,6 +217,9 @@ class Batcher:
                         self._in_flight -= len(batch)
                         for p in batch:
                             p.done = True
+                            if p.error is None and p.result is None:  # (the leader failed)
+                                p.error = InferError(f"model {self.base_key}: its batch "
+                                                     "ended without an answer for it")
                         self._cond.notify_all()
 
     def _take(self) -> list[Pending]:
@@ -280,6 +283,11 @@ class Batcher:
             for p in batch:
                 if p.error is None:
                     self._alone(engine, p)
+        except Exception as e:  # a bug: every request not yet answered gets it, not nothing
+            log.exception("model %s: a batch of %d requests failed", self.base_key, len(batch))
+            for p in batch:
+                if p.error is None and p.result is None:
+                    p.error = e
 
     @staticmethod
     def _alone(engine: Engine, p: Pending) -> None:

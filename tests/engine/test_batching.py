@@ -286,9 +286,12 @@ class HeldEngine:
         self.models = {"m": SimpleNamespace(key="m")}  # the base model, loaded
         self.go = threading.Event()
         self.bad: set[bytes] = set()
+        self.broken = False  # merged runs fail with an error no engine run raises (a bug)
 
     def _run(self, model, inputs, output_refs, raw, timeline, deadline, into):  # noqa: ANN001, ANN202
         self.go.wait(30)
+        if self.broken and into is not None:
+            raise TypeError("a bug")
         data = [bytes(memoryview(i.data).cast("B")) for i in inputs]
         if any(self.bad & {d[k:k + 8] for k in range(0, len(d), 8)} for d in data):
             raise InferError("the part failed on these inputs")
@@ -338,15 +341,17 @@ def test_a_request_past_its_deadline_leaves_the_queue_alone():
     assert batcher.stats()["requests"] == 2 and batcher.stats()["queued"] == 0
 
 
-def test_a_failed_batch_is_run_again_one_request_at_a_time(monkeypatch):
+@pytest.mark.parametrize("broken", [False, True], ids=["failing rows", "a bug"])
+def test_a_failed_batch_is_run_again_one_request_at_a_time(monkeypatch, broken):
     """A merged run that fails is run again request by request: only the request whose rows
-    fail gets the error."""
+    fail gets the error. An error that is no engine's (a bug) reaches every request of the
+    batch: none is answered with nothing."""
     from cuvild.engine import buckets
 
     monkeypatch.setattr(buckets, "bucket", lambda engine, base, shapes, deadline:
                         held_model(shapes[0][0]))
     engine, batcher, results = HeldEngine(), Batcher("m", Batching(8, 0)), {}
-    engine.bad = {row(2.0)}
+    engine.bad, engine.broken = {row(2.0)}, broken
     first = threading.Thread(target=held_run, args=(batcher, engine, 1.0, 60, results))
     first.start()
     time.sleep(0.1)  # held: the next three queue, and then run together
@@ -358,6 +363,10 @@ def test_a_failed_batch_is_run_again_one_request_at_a_time(monkeypatch):
     engine.go.set()
     for t in [first, *others]:
         t.join(10)
+    assert results[1.0] == [row(1.0)]  # (alone: no merged run)
+    if broken:
+        assert all(isinstance(results[v], TypeError) for v in (2.0, 3.0, 4.0)), results
+        return
     assert isinstance(results[2.0], InferError) and "failed on these inputs" in str(results[2.0])
     for v in (1.0, 3.0, 4.0):
         assert results[v] == [row(v)], results
