@@ -11,8 +11,8 @@ other leads and fewer batches of the model run than it has devices (one batch pe
 stage). The leader waits until the oldest queued request has waited `max_delay_us`, or the
 rows queued reach `max_batch`, then takes the oldest requests that fit (first come, first
 served), hands leadership on and runs them: inputs gathered into one buffer per input (client
-shared-memory inputs read in place, without mapping them), the model's bucket for the merged
-shapes (built once, on first use: cuvild/engine/buckets.py), one run, and each request's
+regions read without mapping them: clientmem.py DaemonRegions), the model's bucket for the
+merged shapes (built once, on first use: cuvild/engine/buckets.py), one run, and each request's
 rows scattered back (into its client region where it named one). A request alone in a model
 that is otherwise idle (no other request was in flight with it since the last batch began,
 or none arrived and no batch ended within the delay before it) is not held back: it runs at
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cuvild.engine.clientmem import ClientObjects, RegionGone
+from cuvild.engine.clientmem import RegionGone
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.engine.views import as_bytes
@@ -164,8 +164,6 @@ class Batcher:
         self._ended = 0.0  # when the last batch ended
         self._in_flight = 0  # requests queued or in a running batch
         self._peak = 0  # the most in flight at once since the last batch was taken
-        self._objects = ClientObjects(lambda key: None)  # clients' regions, read and written
-        self._objects_lock = threading.Lock()
         self.sizes: Counter[int] = Counter()  # rows per run -> runs
         self.requests = 0
         self.waits: deque[float] = deque(maxlen=1000)  # the last queue waits, seconds
@@ -328,7 +326,7 @@ class Batcher:
         for p in batch:
             if p.error is None:
                 try:
-                    p.result = self._scatter(model, outs, p, at_row, rows)
+                    p.result = self._scatter(engine, model, outs, p, at_row, rows)
                 except RegionGone as e:
                     p.error = BadRegion(str(e))
             at_row += p.rows
@@ -338,14 +336,14 @@ class Batcher:
             out[:] = memoryview(value.data).cast("B")
         elif isinstance(value, TensorRef):
             if value.inode:  # a client's region: read, never mapped
-                with self._objects_lock:
-                    self._objects.get(value.segment, value.inode).read(value.offset, out)
+                engine.regions.read(value.segment, value.inode, value.offset, out)
             else:
                 out[:] = engine.arena.segments[value.segment].view(value.offset, len(out))
         else:
             out[:] = as_bytes(value, dtype)
 
-    def _scatter(self, model: Any, outs: list[memoryview], p: Pending, at_row: int,
+    @staticmethod
+    def _scatter(engine: Engine, model: Any, outs: list[memoryview], p: Pending, at_row: int,
                  rows: int) -> list[Any]:
         """Request p's rows of each output: into its region or `into`, or as its result."""
         result = []
@@ -354,8 +352,7 @@ class Batcher:
             mine = outs[k][at_row * per_row:(at_row + p.rows) * per_row]
             ref = p.output_refs.get(name)
             if ref is not None:
-                with self._objects_lock:
-                    self._objects.get(ref.segment, ref.inode).write(ref.offset, mine)
+                engine.regions.write(ref.segment, ref.inode, ref.offset, mine)
                 result.append(None)
             elif p.into is not None:
                 p.into[k][:] = mine
@@ -370,11 +367,6 @@ class Batcher:
         return [] if p.into is not None else result
 
     # -- what it did -------------------------------------------------------------------------
-    def forget(self, keys: set[tuple[str, int]]) -> None:
-        """Close these client objects (their regions were unregistered)."""
-        with self._objects_lock:
-            self._objects.forget(keys)
-
     def stats(self) -> dict[str, Any]:
         with self._cond:
             waits = sorted(self.waits)

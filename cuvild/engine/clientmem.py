@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -148,3 +149,25 @@ class ClientObjects:
         """Close what no runtime views any more (OpenVINO's infer request holds its last
         input until the next run)."""
         self.closing = [obj for obj in self.closing if not obj.close()]
+
+
+class DaemonRegions:
+    """Client objects the daemon itself reads and writes (a batch's gather and scatter, a
+    lane's inputs and outputs): never mapped, so no client can make the daemon fault; shared
+    by the daemon's threads."""
+
+    def __init__(self) -> None:
+        self._objects = ClientObjects(lambda key: None)
+        self._lock = threading.Lock()
+
+    def read(self, name: str, inode: int, offset: int, out: memoryview) -> None:
+        with self._lock:  # (held while its descriptor is used: `forget` closes it)
+            self._objects.get(name, inode).read(offset, out)
+
+    def write(self, name: str, inode: int, offset: int, data: memoryview) -> None:
+        with self._lock:
+            self._objects.get(name, inode).write(offset, data)
+
+    def forget(self, keys: set[Key]) -> None:
+        with self._lock:
+            self._objects.forget(keys)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from cuvild.engine import buckets, precision, warm
 from cuvild.engine.arena import Arena, Block
 from cuvild.engine.batching import Batching, batcher_for
+from cuvild.engine.clientmem import DaemonRegions
 from cuvild.engine.corrections import CorrectionStore
 from cuvild.engine.errors import (
     BadRegion,
@@ -122,6 +123,7 @@ class Engine:
         self.corrections = CorrectionStore(corrections_path)
         self.monitor: Monitor | None = None
         self.lanes = Lanes()  # one-part models' requests with raw inputs (lanes.py)
+        self.regions = DaemonRegions()  # clients' regions the daemon reads and writes itself
         # loads' "archive_loads", "planned", parts "built", "compiled", "restored" (warm.py)
         self.counters: Counter[str] = Counter()
 
@@ -381,9 +383,7 @@ class Engine:
         if segments:
             for worker in list(self.workers.values()):
                 worker.call(Forget(segments))
-            for model in list(self.models.values()):
-                if model.batcher is not None and not model.base_key:
-                    model.batcher.forget(set(segments))
+            self.regions.forget(set(segments))
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -450,8 +450,8 @@ class Engine:
                 with self._counted():
                     if monitor:
                         monitor.queued(model, time.perf_counter() - t0)
-                    if not output_refs and timeline is None:  # one part, raw bytes in?
-                        done = self.lanes.run(self, model, inputs, raw, into, deadline)
+                    if timeline is None:  # one part on a worker process: a lane?
+                        done = self.lanes.run(self, model, inputs, output_refs, raw, into, deadline)
                         if done is not None:
                             return done
                     return self._attempts(model, inputs, output_refs, raw, timeline, deadline,

@@ -1,9 +1,11 @@
 """Lanes: the engine's own fast-path sessions to a one-part model's worker process.
 
-A request with raw inputs (an OIP request's bytes) to a model that is one part on a worker
-process takes a lane: the daemon is then the session's client (cuvild/engine/sessions.py):
-it copies the inputs into the lane's slot, rings an 8-byte doorbell on a socketpair and reads
-the outputs from the slot. Nothing is pickled and no arena block is taken: a pickled `Run` and
+A request to a model that is one part on a worker process takes a lane when its inputs are
+raw bytes (an OIP request's) or in clients' shared-memory regions: the daemon is then the
+session's client (cuvild/engine/sessions.py): it copies the inputs into the lane's slot (a
+client's region read with preadv, never mapped), rings an 8-byte doorbell on a socketpair
+and reads the outputs from the slot (or writes them into the client's region). Nothing is
+pickled and no arena block is taken: a pickled `Run` and
 its `Reply` through multiprocessing's pipes measured 0.26 ms a round trip on the 2-core dev
 host, the doorbell 0.07 ms. A lane carries one request at a time; a model gets lanes as its
 concurrent requests need them (at most the engine's requests in flight). A lane whose worker
@@ -23,8 +25,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.errors import InferError, RunTimeout, WorkerLost
-from cuvild.engine.orders import Attach, RawTensor
+from cuvild.engine.clientmem import RegionGone
+from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
+from cuvild.engine.orders import Attach, RawTensor, TensorRef
 from cuvild.engine.request import measured
 from cuvild.engine.sessions import STATS, slot_layout
 from protos import fastpath as wire
@@ -71,12 +74,21 @@ class Lane:
     def usable(self) -> bool:
         return not self.closed and not self.ended.done()
 
-    def run(self, engine: Any, inputs: Sequence[RawTensor], raw: bool,
-            into: Sequence[memoryview] | None, deadline: float) -> list[Any]:
-        """One request; RunTimeout, WorkerLost (the lane is then closed) or InferError."""
+    def run(self, engine: Any, inputs: Sequence[RawTensor | TensorRef],
+            output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
+            deadline: float) -> list[Any]:
+        """One request; RunTimeout, WorkerLost (the lane is then closed), BadRegion or
+        InferError. Inputs in a client's region are read into the slot, outputs named in
+        `output_refs` written from it (engine.regions: never mapped in the daemon)."""
         route = self.route
         for place, value in zip(self.inputs, inputs, strict=True):
-            place[:] = value.data
+            if isinstance(value, TensorRef):
+                try:
+                    engine.regions.read(value.segment, value.inode, value.offset, place)
+                except RegionGone as e:
+                    raise BadRegion(f"part {route.id} on {route.device}: {e}") from None
+            else:
+                place[:] = value.data
         self.seq += 1
         wire.ENTRY.pack_into(self.mm, 0, self.seq, 0, wire.SUBMITTED, 0)
         busy = STATS.unpack_from(self.stats)[2]
@@ -104,6 +116,8 @@ class Lane:
             text = bytes(self.mm[self.layout["errors"]:self.layout["errors"] + error_len])
             raise InferError(f"{where} failed: {json.loads(text or b'{}').get('error', '')}")
         measured(engine, self.model, route, (STATS.unpack_from(self.stats)[2] - busy) * 1e3)
+        if output_refs:
+            return self._written(engine, output_refs, raw)
         if into is not None:
             for place, out in zip(into, self.outputs, strict=True):
                 place[:] = out
@@ -114,6 +128,28 @@ class Lane:
 
         return [torch.frombuffer(bytearray(out), dtype=getattr(torch, t["dtype"])).view(
             t["shape"]) for out, t in zip(self.outputs, self.layout["outputs"], strict=True)]
+
+    def _written(self, engine: Any, output_refs: dict[str, TensorRef], raw: bool) -> list[Any]:
+        """Outputs named in `output_refs` written into their regions (None for them), the
+        others as bytes (raw) or tensors."""
+        out: list[Any] = []
+        for name, place, t in zip(self.model.outputs, self.outputs, self.layout["outputs"],
+                                  strict=True):
+            ref = output_refs.get(name)
+            if ref is not None:
+                try:
+                    engine.regions.write(ref.segment, ref.inode, ref.offset, place)
+                except RegionGone as e:
+                    raise BadRegion(f"output {name}: {e}") from None
+                out.append(None)
+            elif raw:
+                out.append(bytes(place))
+            else:
+                import torch
+
+                out.append(torch.frombuffer(bytearray(place), dtype=getattr(
+                    torch, t["dtype"])).view(t["shape"]))
+        return out
 
     def close(self) -> None:
         self.closed = True
@@ -154,17 +190,20 @@ class Lanes:
         except OSError:
             return None
 
-    def run(self, engine: Any, model: LoadedModel, inputs: Sequence[Any], raw: bool,
-            into: Sequence[memoryview] | None, deadline: float) -> list[Any] | None:
+    def run(self, engine: Any, model: LoadedModel, inputs: Sequence[Any],
+            output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
+            deadline: float) -> list[Any] | None:
         """The request on a lane of `model`; None where it takes none (then, as after its
-        worker died, the engine runs it the usual way: that one waits for the worker)."""
-        if not all(isinstance(v, RawTensor) for v in inputs):
+        worker died, the engine runs it the usual way: that one waits for the worker).
+        Inputs are raw bytes or in clients' regions; outputs may be written into theirs."""
+        if not all(isinstance(v, RawTensor) or isinstance(v, TensorRef) and v.inode
+                   for v in inputs) or any(not r.inode for r in output_refs.values()):
             return None
         lane = self.take(engine, model)
         if lane is None:
             return None
         try:
-            return lane.run(engine, inputs, raw, into, deadline)
+            return lane.run(engine, inputs, output_refs, raw, into, deadline)
         except WorkerLost as e:
             engine._revive_later(model.routes[0].device)
             log.warning("model %s: %s; running the request again once its worker is back",

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +18,9 @@ import pytest
 import torch
 
 from cuvild.client.samples import MLP
-from cuvild.engine.arena import Arena
-from cuvild.engine.engine import Engine, RunTimeout
-from cuvild.engine.orders import RawTensor
+from cuvild.engine.arena import SHM_DIR, Arena
+from cuvild.engine.engine import BadRegion, Engine, RunTimeout
+from cuvild.engine.orders import RawTensor, TensorRef
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import close_all, device, prepare  # noqa: E402
@@ -80,6 +81,38 @@ def test_raw_requests_to_one_part_take_a_lane_and_no_arena_block(make_engine, tm
     x = torch.randn(3, 64)
     torch.testing.assert_close(engine.infer("mlp", (x,))[0], eager(model, x), **CLOSE)
     assert lanes(engine) == 1
+
+
+def test_client_region_requests_take_a_lane_too(make_engine, tmp_path):
+    """Inputs and outputs in a client's region (OIP shared memory) take a lane: the daemon
+    reads the inputs into the slot and writes the outputs into the region, mapping neither;
+    a region shrunk under its request fails that request alone, and the lane serves on."""
+    engine, loaded, model = served(make_engine, tmp_path)
+    region = shared_memory.SharedMemory(create=True, size=2 * 3 * 64 * 4)
+    inode = os.stat(SHM_DIR / region.name).st_ino
+    try:
+        inp = TensorRef(region.name, 0, "float32", (3, 64), inode)
+        out = {loaded.outputs[0]: TensorRef(region.name, 3 * 64 * 4, "float32", (3, 64), inode)}
+        for _ in range(3):
+            x = torch.randn(3, 64)
+            region.buf[:x.numel() * 4] = x.numpy().tobytes()
+            assert engine.run(loaded, [inp], out, raw=True) == [None]
+            got = np.frombuffer(region.buf, np.float32)[3 * 64:].reshape(3, 64).copy()
+            torch.testing.assert_close(torch.from_numpy(got), eager(model, x), **CLOSE)
+            assert engine.arena.in_use() == 0
+        assert lanes(engine) == 1
+        fd = os.open(SHM_DIR / region.name, os.O_RDWR)
+        os.ftruncate(fd, 64)
+        os.close(fd)
+        with pytest.raises(BadRegion, match="is 64 bytes now"):
+            engine.run(loaded, [inp], out, raw=True)
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(result(engine, loaded, x), eager(model, x), **CLOSE)
+        assert lanes(engine) == 1  # the same lane: a bad region is not a lost worker
+    finally:
+        region.close()
+        region.unlink()
+        engine.forget_segments([(region.name, inode)])
 
 
 def test_several_parts_or_a_worker_thread_take_no_lane(make_engine, tmp_path):
