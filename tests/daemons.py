@@ -119,6 +119,10 @@ class DaemonProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+            # A killed daemon cannot remove its arena (its next start would reclaim it): the
+            # harness that killed it does, so that a test run leaves no shared memory.
+            for leftover in Path("/dev/shm").glob(f"cuvil-{self.proc.pid}-*"):
+                leftover.unlink(missing_ok=True)
         self.notify.close()
 
 
