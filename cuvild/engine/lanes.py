@@ -116,22 +116,15 @@ class Lane:
             text = bytes(self.mm[self.layout["errors"]:self.layout["errors"] + error_len])
             raise InferError(f"{where} failed: {json.loads(text or b'{}').get('error', '')}")
         measured(engine, self.model, route, (STATS.unpack_from(self.stats)[2] - busy) * 1e3)
-        if output_refs:
-            return self._written(engine, output_refs, raw)
-        if into is not None:
+        if into is not None and not output_refs:
             for place, out in zip(into, self.outputs, strict=True):
                 place[:] = out
             return []
-        if raw:
-            return [bytes(out) for out in self.outputs]
-        import torch
+        return self._outputs(engine, output_refs, raw)
 
-        return [torch.frombuffer(bytearray(out), dtype=getattr(torch, t["dtype"])).view(
-            t["shape"]) for out, t in zip(self.outputs, self.layout["outputs"], strict=True)]
-
-    def _written(self, engine: Any, output_refs: dict[str, TensorRef], raw: bool) -> list[Any]:
+    def _outputs(self, engine: Any, output_refs: dict[str, TensorRef], raw: bool) -> list[Any]:
         """Outputs named in `output_refs` written into their regions (None for them), the
-        others as bytes (raw) or tensors."""
+        others as bytes (raw) or fresh tensors."""
         out: list[Any] = []
         for name, place, t in zip(self.model.outputs, self.outputs, self.layout["outputs"],
                                   strict=True):
