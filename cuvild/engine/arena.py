@@ -204,6 +204,23 @@ class Arena:
         for future in left:
             future.add_done_callback(done)
 
+    # A request's tensors in its block (`slot`: a cuvild/engine/layout.py Slot).
+    def ref(self, block: Block, slot: Any) -> Any:
+        from cuvild.engine.orders import TensorRef
+
+        return TensorRef(block.segment, block.offset + slot.offset, slot.dtype, slot.shape)
+
+    def bytes(self, block: Block, slot: Any) -> memoryview:
+        return self.segments[block.segment].view(block.offset + slot.offset, slot.nbytes)
+
+    def tensor(self, block: Block, slot: Any) -> Any:
+        import torch
+
+        if slot.nbytes == 0:
+            return torch.empty(slot.shape, dtype=getattr(torch, slot.dtype))
+        raw = self.bytes(block, slot)
+        return torch.frombuffer(raw, dtype=getattr(torch, slot.dtype)).view(slot.shape)
+
     def in_use(self) -> int:
         with self._mutex:
             free = sum(size for holes in self._free.values() for _, size in holes)

@@ -7,9 +7,10 @@ lifetimes do not overlap share bytes), and have each device's worker build its p
 Data path: `resolve` checks a request's inputs against the model's input table (once) and,
 for a dynamic-shape model, picks the bucket for its shapes (buckets.py); a batched model's
 request queues to share a run (batching.py); `run` takes a block, puts the inputs in it,
-dispatches each part to its worker as soon as its inputs are ready (request.py), reads the
-outputs, gives the block back; raw inputs to one part on a worker process take a lane instead
-(lanes.py). No planning, compiling or file I/O, and only short locks (a batch waits apart).
+rings each part's worker as soon as its inputs are ready (bells.py; request.py sends pickled
+orders where bells do not fit), reads the outputs, gives the block back; raw inputs to one
+part on a worker process take a lane instead (lanes.py). No planning, compiling or file I/O,
+and only short locks (a batch waits apart).
 
 Every request has a deadline (by default `run_timeout_s` from its start): every wait of it
 ends there with RunTimeout, and a worker that gave no reply for all of it is restarted. A
@@ -32,8 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cuvild.engine import buckets, precision, warm
-from cuvild.engine.arena import Arena, Block
+from cuvild.engine.arena import Arena
 from cuvild.engine.batching import Batching, batcher_for
+from cuvild.engine.bells import Bells
 from cuvild.engine.clientmem import DaemonRegions
 from cuvild.engine.corrections import CorrectionStore
 from cuvild.engine.errors import (
@@ -47,7 +49,6 @@ from cuvild.engine.handle import WorkerDied, WorkerHandle
 from cuvild.engine.lanes import Lanes
 from cuvild.engine.layout import (
     BadInput,
-    Slot,
     check_inputs,
     dynamic_dims,
     input_table,
@@ -123,6 +124,7 @@ class Engine:
         self.corrections = CorrectionStore(corrections_path)
         self.monitor: Monitor | None = None
         self.lanes = Lanes()  # one-part models' requests with raw inputs (lanes.py)
+        self.bells = Bells()  # the other requests' parts on worker processes (bells.py)
         self.regions = DaemonRegions()  # clients' regions the daemon reads and writes itself
         # loads' "archive_loads", "planned", parts "built", "compiled", "restored" (warm.py)
         self.counters: Counter[str] = Counter()
@@ -365,7 +367,7 @@ class Engine:
 
     def unload(self, key: str) -> None:
         model = self.models.pop(key, None)
-        self.lanes.drop(key)
+        self.lanes.drop(key), self.bells.drop(key)
         if model is None:
             return
         with self._buckets_lock:
@@ -477,11 +479,12 @@ class Engine:
                 # (again for the retry: a later part may have reused a spent input's bytes)
                 for name, value in zip(model.inputs, inputs, strict=True):
                     if isinstance(value, RawTensor):
-                        self._bytes(block, model.slots[name])[:] = value.data
+                        self.arena.bytes(block, model.slots[name])[:] = value.data
                     elif not isinstance(value, TensorRef):
-                        self._view(block, model.slots[name]).copy_(value)
+                        self.arena.tensor(block, model.slots[name]).copy_(value)
                 try:
-                    run_parts(self, model, block, refs, timeline, deadline, patient)
+                    if not self.bells.run(self, model, block, refs, timeline, deadline, patient):
+                        run_parts(self, model, block, refs, timeline, deadline, patient)
                     break
                 except RunTimeout as e:
                     outstanding = e.outstanding
@@ -504,12 +507,12 @@ class Engine:
                     raise
             if into is not None:
                 for name, place in zip(model.outputs, into, strict=True):
-                    place[:] = self._bytes(block, model.slots[name])
+                    place[:] = self.arena.bytes(block, model.slots[name])
                 return []
             if raw:
-                return [None if n in output_refs else bytes(self._bytes(block, model.slots[n]))
+                return [None if n in output_refs else bytes(self.arena.bytes(block, model.slots[n]))
                         for n in model.outputs]
-            return [None if n in output_refs else self._view(block, model.slots[n]).clone()
+            return [None if n in output_refs else self.arena.tensor(block, model.slots[n]).clone()
                     for n in model.outputs]
         finally:
             self.arena.free_after(block, outstanding)
@@ -531,20 +534,6 @@ class Engine:
         finally:
             with self._active_lock:
                 self._active -= 1
-
-    def _ref(self, block: Block, slot: Slot) -> TensorRef:
-        return TensorRef(block.segment, block.offset + slot.offset, slot.dtype, slot.shape)
-
-    def _bytes(self, block: Block, slot: Slot) -> memoryview:
-        return self.arena.segments[block.segment].view(block.offset + slot.offset, slot.nbytes)
-
-    def _view(self, block: Block, slot: Slot) -> torch.Tensor:
-        import torch
-
-        if slot.nbytes == 0:
-            return torch.empty(slot.shape, dtype=getattr(torch, slot.dtype))
-        raw = self._bytes(block, slot)
-        return torch.frombuffer(raw, dtype=getattr(torch, slot.dtype)).view(slot.shape)
 
     def _hung(self, device: str, generation: int) -> bool:
         """Kill start `generation` of a worker that gave no reply for a request's whole

@@ -103,8 +103,9 @@ class Forget:
 
 @dataclass(frozen=True, slots=True)
 class Attach:
-    """Serve a fast-path session of a one-part model here: the client's socket and the
-    session's memfd follow this order on the pipe (SCM_RIGHTS)."""
+    """Serve a fast-path session of a one-part model here, or with layout "kind" "bell" an
+    engine's bell for one part (cuvild/engine/sessions.py): the client's socket, the
+    session's memfd and its counts' memfd follow this order on the pipe (SCM_RIGHTS)."""
 
     model: str
     part: str

@@ -49,7 +49,7 @@ def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, Ten
               timeline: Timeline | None, deadline: float, patient: bool) -> None:
     """Run the request's parts (`engine`: the Engine, which imports this module)."""
     def ref(name: str) -> TensorRef:
-        return refs.get(name) or engine._ref(block, model.slots[name])
+        return refs.get(name) or engine.arena.ref(block, model.slots[name])
 
     dispatched: dict[str, int] = {}  # perf_counter_ns, for a timeline
     sent: dict[str, float] = {}  # time.monotonic() of each part's dispatch

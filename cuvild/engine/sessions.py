@@ -7,7 +7,8 @@ doorbell wakes the worker, which runs the part on the slot's inputs in place and
 outputs into the slot: one round trip between two processes per request, nothing pickled, no
 copy of the inputs. The worker's loop polls its pipe and its sessions' sockets together
 (`Sessions.wait`); a session ends when the client closes it (or dies), when its model is
-unloaded here (the client then opens a new one), or with the worker.
+unloaded here (the client then opens a new one), or with the worker. The engine's bells
+(cuvild/engine/bells.py) are served the same way, by `BellSession`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def slot_layout(model: LoadedModel, inputs: list[str], outputs: list[str],
 # A session's counts, in a memfd of its own that the daemon and the worker share (the client
 # never gets it): requests done, failed, seconds run. The metrics read them.
 STATS = struct.Struct("<QQd")
+# A bell's request record (cuvild/engine/bells.py), one page: seq, state, error_len, the
+# arena block's offset, its segment's name's length and the count of tensors elsewhere; the
+# name at BELL_NAME; the error text (JSON: kind, error) at BELL_ERRORS; from BELL_ELSEWHERE,
+# each tensor in a client's region: TENSOR_AT (0 input, 1 output; its index; the object's
+# inode; the offset; its name's length) and the name.
+BELL = struct.Struct("<QIIQHH")
+BELL_NAME, BELL_ERRORS, BELL_ELSEWHERE = 64, 320, 1344
+TENSOR_AT = struct.Struct("<BHQQH")
 
 
 def fail(mm: mmap.mmap, layout: dict[str, Any], at: int, index: int, seq: int, slot: int,
@@ -179,11 +188,85 @@ class Session:
             pass
 
 
-class Sessions:
-    """A worker's attached sessions, polled with its pipe."""
+class BellSession:
+    """A bell: the engine's doorbell for one part of a model, whose tensors lie in the
+    request's arena block at offsets fixed at load (the order's layout: "inputs" and
+    "outputs", each offset, dtype, shape). The record names the block; the part runs as a
+    `Run` would, on views of the block (made once per place, then reused), and fails as one
+    would (a part not built here, unloaded under its request, says so). The engine ends a
+    bell by closing its socket."""
 
-    def __init__(self, pipe_fd: int) -> None:
-        self.by_fd: dict[int, tuple[int, Session]] = {}  # socket fd -> (order id, session)
+    def __init__(self, order: Attach, sock: socket.socket, memfd: int, stats_fd: int,
+                 worker: Any) -> None:
+        self.model, self.part, self.worker, self.sock = order.model, order.part, worker, sock
+        self.places = {kind: [(t["offset"], t["dtype"], tuple(t["shape"]))
+                              for t in order.layout[kind]] for kind in ("inputs", "outputs")}
+        try:
+            self.mm = mmap.mmap(memfd, mmap.PAGESIZE)
+            self.stats = mmap.mmap(stats_fd, STATS.size)
+        finally:
+            os.close(memfd)
+            os.close(stats_fd)
+
+    def ring(self, parts: dict[tuple[str, str], Any]) -> bool:
+        from cuvild.engine.orders import Run, TensorRef
+
+        try:
+            bell = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
+        except OSError:
+            return False
+        if len(bell) != wire.DOORBELL.size:
+            return False
+        (seq,) = wire.DOORBELL.unpack(bell)
+        got, state, _, offset, name_len, elsewhere = BELL.unpack_from(self.mm, 0)
+        done, failed, busy = STATS.unpack_from(self.stats)
+        try:
+            if got != seq or state != wire.SUBMITTED:
+                raise ValueError(f"the record holds request {got} in state {state}, the bell "
+                                 f"rang for request {seq}")
+            segment = bytes(self.mm[BELL_NAME:BELL_NAME + name_len]).decode()
+            refs = {kind: [TensorRef(segment, offset + at, dtype, shape)
+                           for at, dtype, shape in places]
+                    for kind, places in self.places.items()}
+            at = BELL_ELSEWHERE
+            for _ in range(elsewhere):  # in clients' regions: checked and mapped as a Run's
+                kind, index, inode, where, length = TENSOR_AT.unpack_from(self.mm, at)
+                name = bytes(self.mm[at + TENSOR_AT.size:at + TENSOR_AT.size + length])
+                at += TENSOR_AT.size + length
+                ref = refs[("inputs", "outputs")[kind]][index]
+                refs[("inputs", "outputs")[kind]][index] = TensorRef(
+                    name.decode(), where, ref.dtype, ref.shape, inode)
+            ran = self.worker.run(Run(self.model, self.part, refs["inputs"], refs["outputs"]))
+        except Exception as e:  # noqa: BLE001 - the request's failure, told to the engine
+            error = f"{type(e).__name__}: {e}"[:wire.MAX_ERROR_TEXT]
+            text = json.dumps({"kind": getattr(e, "kind", ""), "error": error}).encode()[
+                :BELL_ELSEWHERE - BELL_ERRORS]
+            self.mm[BELL_ERRORS:BELL_ERRORS + len(text)] = text
+            BELL.pack_into(self.mm, 0, seq, wire.FAILED, len(text), offset, name_len, elsewhere)
+            STATS.pack_into(self.stats, 0, done, failed + 1, busy)
+        else:
+            BELL.pack_into(self.mm, 0, seq, wire.DONE, 0, offset, name_len, elsewhere)
+            STATS.pack_into(self.stats, 0, done + 1, failed, busy + ran.run_ms / 1e3)
+        try:
+            self.sock.sendall(bell)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+        self.stats.close()
+        self.mm.close()
+
+
+class Sessions:
+    """A worker's attached sessions (fast-path sessions, lanes, bells), polled with its
+    pipe."""
+
+    def __init__(self, pipe_fd: int, worker: Any = None) -> None:
+        self.worker = worker
+        self.by_fd: dict[int, tuple[int, Session | BellSession]] = {}  # socket fd -> (order
+        # id, session)
         self.poll = select.poll()
         self.pipe_fd = pipe_fd
         self.poll.register(pipe_fd, select.POLLIN)
@@ -200,8 +283,11 @@ class Sessions:
         except (OSError, RuntimeError, ValueError):
             return False
         sock = socket.socket(fileno=sock_fd)
+        order = envelope.order
         try:
-            session = Session(envelope.order, sock, memfd, stats_fd)
+            session: Session | BellSession = (
+                BellSession(order, sock, memfd, stats_fd, self.worker)
+                if order.layout.get("kind") == "bell" else Session(order, sock, memfd, stats_fd))
         except Exception:  # noqa: BLE001
             sock.close()
             return False

@@ -8,9 +8,10 @@ thread, so a bucket's build (seconds) never holds up the runs of the parts alrea
 Tensors never travel through the pipe, only references into shared memory: the arena's are
 wrapped in place (once per place, then reused: numpy arrays in a worker that never needed
 torch, cuvild/engine/views.py); a client's are checked on every use
-(cuvild/engine/clientmem.py). Fast-path sessions and the engine's lanes attached to a worker
-process (`Attach`, cuvild/engine/sessions.py) are served by the same loop, which then polls
-the pipe and their sockets together.
+(cuvild/engine/clientmem.py). Fast-path sessions, the engine's lanes and its bells (a part
+of a request rung through a record naming its arena block) attached to a worker process
+(`Attach`, cuvild/engine/sessions.py) are served by the same loop, which then polls the
+pipe and their sockets together.
 
 The same `serve` loop runs in a process (the default: a crashing compiler or driver takes down
 its worker and not the daemon) or in a thread of the daemon (`engine.workers: thread`, and
@@ -286,7 +287,7 @@ def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,
         if envelope is None:
             return
         if isinstance(envelope.order, Attach):
-            sessions = sessions or Sessions(conn.fileno())
+            sessions = sessions or Sessions(conn.fileno(), worker)
             if not sessions.take(envelope, conn):
                 reply(envelope, Reply(envelope.id))  # over at once
             continue

@@ -1,5 +1,8 @@
-"""Engine figures, one run: handoff cost per cut, 2-part vs 1-part latency, and pipelined
-throughput over two single-core devices vs one (emulated NPU on OpenVINO + CPU)."""
+"""Engine figures, one run: handoff cost per cut, 2-part vs 1-part latency, pipelined
+throughput over two single-core devices vs one (emulated NPU on OpenVINO + CPU), and the
+parts of a request rung (cuvild/engine/bells.py) against sent as pickled Runs
+(cuvild/engine/request.py), taken in turn: a tiny two-part MLP's latency (where the hand-off
+is most of it) and two-part resnet18's latency and throughput."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cuvild  # noqa: E402
-from cuvild.client.samples import reference  # noqa: E402
+from cuvild.client.samples import MLP, reference  # noqa: E402
 from cuvild.engine.arena import Arena  # noqa: E402
 from cuvild.engine.engine import Engine  # noqa: E402
 from cuvild.intake.summary import summarize  # noqa: E402
@@ -102,6 +105,29 @@ def latency(engine: Engine, key: str, x: torch.Tensor, n: int = 20) -> float:
     return statistics.median(samples)
 
 
+def bells_vs_runs(engine: Engine, keys: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Each model's p50 latency, and at 4 in flight its throughput, with its parts rung
+    and with them sent as Runs (the engine's bells turned off for the turn), in turn."""
+    rung = engine.bells.run
+    off = lambda *args, **kwargs: False  # noqa: E731 - every request takes the Run path
+    out: dict[str, Any] = {}
+    for key, x in keys.items():
+        n = 400 if x.numel() < 1000 else 20
+        lat: dict[str, list[float]] = {"bells": [], "runs": []}
+        tput: dict[str, list[float]] = {"bells": [], "runs": []}
+        for _ in range(3):
+            for way in lat:
+                engine.bells.run = rung if way == "bells" else off  # type: ignore[method-assign]
+                lat[way].append(latency(engine, key, x, n))
+                tput[way].append(run_load(engine, key, x, 4, 2.0))
+        engine.bells.run = rung  # type: ignore[method-assign]
+        p50 = {w: statistics.median(v) for w, v in lat.items()}
+        rps = {w: statistics.median(v) for w, v in tput.items()}
+        out[key] = {"p50_ms": p50, "rps_at_4": rps, "p50_ratio": p50["bells"] / p50["runs"],
+                    "rps_ratio": rps["bells"] / rps["runs"]}
+    return out
+
+
 def main() -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="cuvil-bench-"))
     arena = Arena(f"{os.getpid()}-bench")
@@ -138,6 +164,13 @@ def main() -> dict[str, Any]:
         result["throughput_rps"] = tput
         result["pipelined_speedup_at_4"] = tput["two_devices_4"] / tput["one_device_4"]
         result["stats"] = engine.stats("two")
+        torch.manual_seed(0)
+        mlp, y = MLP(width=16, depth=2).eval(), torch.randn(1, 16)
+        mep = cuvild.export(mlp, (y,))
+        torch.export.save(mep, tmp / "mlp.pt2")
+        engine.prepare("tiny", "mlp", "1", tmp / "mlp.pt2", summarize(mep)["inputs"],
+                       plan=chunked(mep, ["npu0", "cpu0"]))
+        result["bells_vs_runs"] = bells_vs_runs(engine, {"tiny": y, "two": x})
     finally:
         engine.close()
         arena.close()
@@ -166,3 +199,8 @@ if __name__ == "__main__":
         print(f"  in flight {depth}: one device {t[f'one_device_{depth}']:.1f} req/s, two "
               f"pipelined devices {t[f'two_devices_{depth}']:.1f} req/s")
     print(f"pipelined speedup at 4 in flight: {r['pipelined_speedup_at_4']:.2f}x")
+    print("parts rung (bells) vs sent as pickled Runs, in turn:")
+    for key, b in r["bells_vs_runs"].items():
+        print(f"  {key}: p50 {b['p50_ms']['bells']:.3f} vs {b['p50_ms']['runs']:.3f} ms "
+              f"({b['p50_ratio']:.2f}x); at 4 in flight {b['rps_at_4']['bells']:.0f} vs "
+              f"{b['rps_at_4']['runs']:.0f} req/s ({b['rps_ratio']:.2f}x)")

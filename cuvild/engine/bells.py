@@ -1,0 +1,304 @@
+"""Bells: the parts of a request rung in their worker processes, not sent as pickled orders.
+
+Each part of a model on a worker process gets bells in its worker (cuvild/engine/sessions.py
+`BellSession`): a socketpair and a one-page record. Where the part's tensors lie in a
+request's arena block is fixed at load (the model's slots, cuvild/engine/layout.py) and told
+to the worker once, when the bell is made; so a request rings a part by writing its block's
+place into the record (seq, offset, segment) and sending 8 bytes, and the worker answers
+with the same 8 bytes once the part's outputs are in the block. A pickled `Run` and its
+`Reply` cost 0.26 ms a round trip through multiprocessing's pipes on the 2-core dev host, a
+doorbell 0.07 ms, and no reader thread stands between the worker and the request.
+
+A request holds one set of bells, a bell per part, for its run; a model gets sets as its
+concurrent requests need them (at most the engine's requests in flight). Parts run as soon
+as their inputs are ready (independent parts at once, their bells polled together), by the
+request's deadline, as `request.run_parts` does it for pickled orders: a part past the
+deadline fails the request with RunTimeout (and its bell, closed once its late answer comes,
+holds the block until then); a worker that died fails it with WorkerLost (the engine runs it
+again once the worker is back).
+
+A request's tensors in clients' regions (OIP shared memory) are named in the record after
+the block (object, inode, offset), and the worker checks and maps them as it would a `Run`'s:
+read and written in place, never copied by the daemon. A record they do not fit in (about
+40 tensors of short names) goes as `Run`s.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
+from cuvild.engine.orders import Attach, TensorRef
+from cuvild.engine.request import Timeline, measured
+from cuvild.engine.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
+from protos import fastpath as wire
+
+if TYPE_CHECKING:
+    from cuvild.engine.arena import Block
+    from cuvild.engine.handle import WorkerHandle
+    from cuvild.engine.loaded import LoadedModel, Route
+
+
+
+class Bell:
+    """One part's bell in its worker."""
+
+    def __init__(self, worker: WorkerHandle, model: LoadedModel, route: Route) -> None:
+        def places(names: list[str]) -> list[dict[str, Any]]:
+            return [{"offset": model.slots[n].offset, "dtype": model.slots[n].dtype,
+                     "shape": list(model.slots[n].shape)} for n in names]
+
+        self.route, self.device = route, route.device
+        self.names = {"inputs": route.inputs, "outputs": route.outputs}
+        layout = {"kind": "bell", "inputs": places(route.inputs),
+                  "outputs": places(route.outputs)}
+        ours, theirs = socket.socketpair()
+        memfd = os.memfd_create(f"cuvild-bell-{model.name}", os.MFD_CLOEXEC)
+        stats_fd = os.memfd_create("cuvild-bell-counts", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(memfd, mmap.PAGESIZE)
+            os.ftruncate(stats_fd, mmap.PAGESIZE)
+            self.mm = mmap.mmap(memfd, mmap.PAGESIZE)
+            self.stats = mmap.mmap(stats_fd, STATS.size)
+            self.ended = worker.attach(Attach(model.key, route.id, layout),
+                                       [theirs.fileno(), memfd, stats_fd])
+        finally:
+            theirs.close()
+            os.close(memfd)
+            os.close(stats_fd)
+        self.generation: int = getattr(self.ended, "generation", 0)
+        self.sock, self.seq, self.busy, self.closed = ours, 0, 0.0, False
+
+    def usable(self) -> bool:
+        return not self.closed and not self.ended.done()
+
+    def record(self, block: Block, refs: dict[str, TensorRef]) -> bool:
+        """Write the request's record: its block, and its tensors in clients' regions;
+        False if they do not fit in it."""
+        name = block.segment.encode()
+        at, count = BELL_ELSEWHERE, 0
+        if len(name) > BELL_ERRORS - BELL_NAME:
+            return False
+        for kind, names in enumerate(self.names.values()):
+            for index, tensor in enumerate(names):
+                ref = refs.get(tensor)
+                if ref is None:
+                    continue
+                where = ref.segment.encode()
+                if at + TENSOR_AT.size + len(where) > mmap.PAGESIZE:
+                    return False
+                TENSOR_AT.pack_into(self.mm, at, kind, index, ref.inode, ref.offset,
+                                    len(where))
+                at += TENSOR_AT.size
+                self.mm[at:at + len(where)] = where
+                at, count = at + len(where), count + 1
+        self.mm[BELL_NAME:BELL_NAME + len(name)] = name
+        self.seq += 1
+        BELL.pack_into(self.mm, 0, self.seq, wire.SUBMITTED, 0, block.offset, len(name),
+                       count)
+        return True
+
+    def ring(self) -> None:
+        self.busy = STATS.unpack_from(self.stats)[2]
+        self.sock.sendall(wire.DOORBELL.pack(self.seq))
+
+    def answer(self) -> tuple[InferError | None, float]:
+        """The answer to the last ring, once it came (the socket is readable): the part's
+        failure (None: done; BadRegion for a client's region that no longer holds its
+        bytes) and its run time in ms. WorkerLost if the worker died."""
+        where = f"part {self.route.id} on {self.device} ({self.route.runtime})"
+        try:
+            answer = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
+        except OSError:
+            answer = b""
+        if answer != wire.DOORBELL.pack(self.seq):
+            self.close()
+            raise WorkerLost(f"{where} failed: its worker died", {self.device})
+        _, state, error_len, _, _, _ = BELL.unpack_from(self.mm, 0)
+        if state != wire.DONE:
+            text = bytes(self.mm[BELL_ERRORS:BELL_ERRORS + error_len]).decode(errors="replace")
+            try:
+                said = json.loads(text)
+            except ValueError:
+                said = {"error": text}
+            error = BadRegion if said.get("kind") == "invalid" else InferError
+            return error(f"{where} failed: {said.get('error', '')}"), 0.0
+        return None, (STATS.unpack_from(self.stats)[2] - self.busy) * 1e3
+
+    def late(self) -> Future[Any]:
+        """A future that completes once this bell's worker can no longer write the block of
+        the ring that timed out: its answer came, or the worker died. The bell then closes."""
+        future: Future[Any] = Future()
+
+        def wait() -> None:
+            try:
+                self.sock.settimeout(None)
+                self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
+            except OSError:
+                pass
+            self.close()
+            future.set_result(None)
+
+        self.closed = True  # never taken again
+        threading.Thread(target=wait, name="bell-late", daemon=True).start()
+        return future
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+        for mm in (self.mm, self.stats):
+            mm.close()
+
+
+class Bells:
+    """Every model's idle sets of bells."""
+
+    def __init__(self) -> None:
+        self._idle: dict[str, list[dict[str, Bell]]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, engine: Any, model: LoadedModel) -> dict[str, Bell] | None:
+        """An idle set of `model`'s bells, by part (made if none is idle); None where its
+        parts cannot be rung: worker threads, a worker being restarted."""
+        if engine.in_process or model.evicted:
+            return None
+        for device in {r.device for r in model.routes}:
+            worker = engine.workers.get(device)
+            if worker is None or not worker.alive() or not engine._usable[device].is_set():
+                return None
+        with self._lock:
+            idle = self._idle.get(model.key)
+            while idle:
+                bells = idle.pop()
+                if all(b.usable() for b in bells.values()):
+                    return bells
+                _close(bells)
+        made: dict[str, Bell] = {}
+        try:
+            for route in model.routes:
+                made[route.id] = Bell(engine.workers[route.device], model, route)
+        except OSError:
+            _close(made)
+            return None
+        return made
+
+    def give(self, engine: Any, model: LoadedModel, bells: dict[str, Bell]) -> None:
+        if (not all(b.usable() for b in bells.values())
+                or engine.models.get(model.key) is not model):
+            _close(bells)
+            return
+        with self._lock:
+            self._idle.setdefault(model.key, []).append(bells)
+
+    def drop(self, key: str) -> None:
+        """Close the bells of model `key` (unloaded)."""
+        with self._lock:
+            sets = self._idle.pop(key, [])
+        for bells in sets:
+            _close(bells)
+
+    def run(self, engine: Any, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
+            timeline: Timeline | None, deadline: float, patient: bool) -> bool:
+        """Run the request's parts on bells; False where it takes none (the caller then
+        sends them the usual way). `refs`: the request's tensors in clients' regions."""
+        if any(not r.inode for r in refs.values()):
+            return False
+        bells = self.take(engine, model)
+        if bells is None:
+            return False
+        try:
+            if not all(b.record(block, refs) for b in bells.values()):
+                return False
+            ring_parts(engine, model, bells, timeline, deadline, patient)
+            return True
+        finally:
+            self.give(engine, model, bells)
+
+
+def ring_parts(engine: Any, model: LoadedModel, bells: dict[str, Bell],
+               timeline: Timeline | None, deadline: float, patient: bool) -> None:
+    """Ring each part once its inputs are ready (its record written); wait for the answers
+    by the deadline."""
+    ready = set(model.inputs)
+    waiting = list(model.routes)
+    running: dict[int, tuple[Route, Bell, int, float]] = {}  # fd -> route, bell, ns, sent
+    failure: InferError | None = None
+    dead: set[str] = set()
+    poll = select.poll()
+    try:
+        while waiting or running:
+            for route in [r for r in waiting if all(i in ready for i in r.inputs)
+                          ] if failure is None else []:
+                waiting.remove(route)
+                t0 = time.monotonic()
+                if not engine._usable[route.device].wait(max(0.0, deadline - t0)):
+                    raise RunTimeout(f"part {route.id} on {route.device}: its worker was being "
+                                     f"restarted and was not back in {time.monotonic() - t0:.1f}"
+                                     " s (the request's deadline)")
+                bell = bells[route.id]
+                try:
+                    bell.ring()
+                except OSError:
+                    dead.add(route.device)
+                    failure = failure or WorkerLost(f"part {route.id} on {route.device} "
+                                                    "failed: its worker died", dead)
+                    continue
+                running[bell.sock.fileno()] = (route, bell, time.perf_counter_ns(),
+                                               time.monotonic())
+                poll.register(bell.sock.fileno(), select.POLLIN)
+            if not running:
+                break
+            events = poll.poll(max(0.0, deadline - time.monotonic()) * 1e3)
+            if not events:
+                raise _expired(engine, running, patient)
+            for fd, _ in events:
+                route, bell, sent_ns, _ = running.pop(fd)
+                poll.unregister(fd)
+                try:
+                    error, run_ms = bell.answer()
+                except WorkerLost as e:
+                    dead.add(route.device)
+                    failure = failure or WorkerLost(str(e), dead)
+                    continue
+                if error is not None:
+                    failure = failure or error
+                    continue
+                measured(engine, model, route, run_ms)
+                if timeline is not None:
+                    timeline.append((route, sent_ns, time.perf_counter_ns()))
+                ready.update(route.outputs)
+    except RunTimeout as e:
+        e.outstanding = [bell.late() for _, bell, _, _ in running.values()]
+        raise
+    finally:
+        for device in dead:
+            engine._revive_later(device)
+    if failure is not None:
+        raise failure
+
+
+def _expired(engine: Any, running: dict[int, tuple[Route, Bell, int, float]],
+             patient: bool) -> RunTimeout:
+    """The deadline passed with parts out: the first rung is named; with a patient request,
+    their workers are taken as hung (killed and restarted)."""
+    route, _, _, sent = min(running.values(), key=lambda r: r[3])
+    killed = patient and any([engine._hung(b.device, b.generation)
+                              for _, b, _, _ in running.values()])
+    return RunTimeout(f"part {route.id} on {route.device} ({route.runtime}) gave no reply in "
+                      f"{time.monotonic() - sent:.1f} s (the request's deadline)"
+                      + ("; its worker was stopped and is being restarted" if killed else ""))
+
+
+def _close(bells: dict[str, Bell] | Sequence[Bell]) -> None:
+    for bell in (bells.values() if isinstance(bells, dict) else bells):
+        if not bell.closed:
+            bell.close()

@@ -1,0 +1,179 @@
+"""Bells (cuvild/engine/bells.py): the parts of a split model on worker processes are rung
+through their records in shared memory, not sent as pickled orders, and every promise of the
+usual path still holds: eager's outputs whatever the inputs are (raw bytes, tensors, client
+regions read in place), each caller its own rows, a retry on a worker that died, a deadline
+that frees the block only once the late part is done, nothing left behind on unload."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cuvild.client.samples import MLP
+from cuvild.engine.arena import SHM_DIR, Arena
+from cuvild.engine.engine import BadRegion, Engine, RunTimeout
+from cuvild.engine.orders import RawTensor, Run, TensorRef
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import close_all, device, prepare  # noqa: E402
+
+CLOSE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.fixture
+def split(tmp_path):
+    """An MLP in two parts, cpu0 then npu0, each on a worker process; pickled Runs fail."""
+    arena = Arena(f"{os.getpid()}-bells")
+    engine = Engine([device("cpu0"), device("npu0")], tmp_path / "cache", arena,
+                    max_in_flight=4)
+    torch.manual_seed(0)
+    model = MLP(width=64, depth=2).eval()
+    loaded = prepare(engine, tmp_path, "mlp", model, (torch.randn(3, 64),), ["cpu0", "npu0"])
+    assert len(loaded.routes) == 2
+    sent: list[Run] = []
+    for handle in engine.workers.values():  # every Run from here on is counted
+        for name in ("run", "call"):
+            original = getattr(handle, name)
+
+            def counted(order, *args, original=original, **kwargs):  # noqa: ANN001, ANN202
+                if isinstance(order, Run):
+                    sent.append(order)
+                return original(order, *args, **kwargs)
+
+            setattr(handle, name, counted)
+    yield engine, loaded, model, sent
+    close_all([(engine, arena)])
+
+
+def eager(model, x):  # noqa: ANN001, ANN201
+    with torch.no_grad():
+        return model(x)
+
+
+def raw(engine: Engine, loaded, x: torch.Tensor, **kwargs) -> torch.Tensor:  # noqa: ANN001
+    (data,) = engine.run(loaded, [RawTensor(x.numpy().tobytes(), "float32", tuple(x.shape))],
+                         raw=True, **kwargs)
+    return torch.from_numpy(np.frombuffer(data, np.float32).reshape(x.shape).copy())
+
+
+def idle_sets(engine: Engine) -> int:
+    return sum(len(v) for v in engine.bells._idle.values())
+
+
+def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(split):
+    """Client regions are named in the record and mapped by the worker, as a Run's are."""
+    engine, loaded, model, sent = split
+    before = [len(r.measured_ms) for r in loaded.routes]
+    for _ in range(3):
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
+        y = torch.randn(3, 64)
+        torch.testing.assert_close(engine.infer("mlp", (y,))[0], eager(model, y), **CLOSE)
+    assert sent == []  # no pickled Run: every part was rung
+    assert idle_sets(engine) == 1  # one set of bells, a bell per part, taken six times
+    assert [len(r.measured_ms) - b for r, b in zip(loaded.routes, before, strict=True)] == [6, 6]
+    assert engine.arena.in_use() == 0
+
+    region = shared_memory.SharedMemory(create=True, size=2 * 3 * 64 * 4)
+    inode = os.stat(SHM_DIR / region.name).st_ino
+    try:
+        inp = TensorRef(region.name, 0, "float32", (3, 64), inode)
+        out = {loaded.outputs[0]: TensorRef(region.name, 3 * 64 * 4, "float32", (3, 64), inode)}
+        x = torch.randn(3, 64)
+        region.buf[:x.numel() * 4] = x.numpy().tobytes()
+        assert engine.run(loaded, [inp], out, raw=True) == [None]
+        got = np.frombuffer(region.buf, np.float32)[3 * 64:].reshape(3, 64).copy()
+        torch.testing.assert_close(torch.from_numpy(got), eager(model, x), **CLOSE)
+        assert sent == []
+        fd = os.open(SHM_DIR / region.name, os.O_RDWR)  # shrunk under the next request
+        os.ftruncate(fd, 64)
+        os.close(fd)
+        with pytest.raises(BadRegion, match="is 64 bytes now"):
+            engine.run(loaded, [inp], out, raw=True)
+    finally:
+        region.close()
+        region.unlink()
+        engine.forget_segments([(region.name, inode)])
+    x = torch.randn(3, 64)  # a bad region is not a lost worker: the same bells serve on
+    torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
+    assert idle_sets(engine) == 1 and engine.arena.in_use() == 0
+
+
+def test_a_traced_request_is_rung_and_gets_its_timeline(split):
+    engine, loaded, model, sent = split
+    timeline: list = []
+    x = torch.randn(3, 64)
+    (out,) = engine.run(loaded, [x], timeline=timeline)
+    torch.testing.assert_close(out, eager(model, x), **CLOSE)
+    assert [route.id for route, _, _ in timeline] == ["p0", "p1"] and sent == []
+    assert all(dispatched <= replied for _, dispatched, replied in timeline)
+
+
+def test_concurrent_requests_each_get_their_own_rows(split):
+    engine, loaded, model, sent = split
+    inputs = [torch.randn(3, 64) for _ in range(60)]
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(lambda x: raw(engine, loaded, x), inputs))
+    for x, out in zip(inputs, outs, strict=True):
+        torch.testing.assert_close(out, eager(model, x), **CLOSE)
+    assert 1 <= idle_sets(engine) <= 4 and sent == []  # at most the requests in flight
+    assert engine.arena.in_use() == 0
+
+
+def test_a_worker_killed_under_a_bell_is_retried(split):
+    engine, loaded, model, _ = split
+    raw(engine, loaded, torch.randn(3, 64))
+    pid = engine.workers["npu0"].process.pid
+    os.kill(pid, signal.SIGSTOP)  # the request is surely in the second part when it dies
+    x = torch.randn(3, 64)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(raw, engine, loaded, x)
+        time.sleep(0.3)
+        assert not pending.done()
+        os.kill(pid, signal.SIGKILL)
+        torch.testing.assert_close(pending.result(60), eager(model, x), **CLOSE)
+    assert engine.workers["npu0"].restarts == 1
+    y = torch.randn(3, 64)  # new bells, to the restarted worker
+    torch.testing.assert_close(raw(engine, loaded, y), eager(model, y), **CLOSE)
+    assert idle_sets(engine) == 1
+
+
+def test_a_part_past_the_deadline_holds_the_block_until_it_answers(split):
+    engine, loaded, model, _ = split
+    raw(engine, loaded, torch.randn(3, 64))
+    pid = engine.workers["npu0"].process.pid
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(RunTimeout, match="part p1 on npu0"):
+        raw(engine, loaded, torch.randn(3, 64), deadline=time.monotonic() + 1.0)
+    assert time.monotonic() - t0 < 3.0
+    assert idle_sets(engine) == 0  # its late answer would be nobody's
+    assert engine.arena.in_use() > 0  # the stopped part may still write the block
+    os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while engine.arena.in_use():
+        assert time.monotonic() < deadline, "the block was never given back"
+        time.sleep(0.02)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
+
+
+def test_unload_ends_the_bells_in_the_workers(split):
+    engine, loaded, _, _ = split
+    raw(engine, loaded, torch.randn(3, 64))
+    (bells,) = engine.bells._idle["mlp"]
+    engine.unload("mlp")
+    assert idle_sets(engine) == 0
+    deadline = time.monotonic() + 10
+    while not all(b.ended.done() for b in bells.values()):  # the workers let them go
+        assert time.monotonic() < deadline, "a worker kept a bell"
+        time.sleep(0.02)
