@@ -171,17 +171,17 @@ class Bells:
         parts cannot be rung: worker threads, a worker being restarted."""
         if engine.in_process or model.evicted:
             return None
-        for device in {r.device for r in model.routes}:
-            worker = engine.workers.get(device)
-            if worker is None or not worker.alive() or not engine._usable[device].is_set():
-                return None
-        with self._lock:
+        with self._lock:  # (an idle bell whose worker died is over: not usable)
             idle = self._idle.get(model.key)
             while idle:
                 bells = idle.pop()
                 if all(b.usable() for b in bells.values()):
                     return bells
                 _close(bells)
+        for device in {r.device for r in model.routes}:
+            worker = engine.workers.get(device)
+            if worker is None or not worker.alive() or not engine._usable[device].is_set():
+                return None
         made: dict[str, Bell] = {}
         try:
             for route in model.routes:

@@ -167,17 +167,17 @@ class Lanes:
         not take lanes: several parts, a worker thread, a worker being restarted."""
         if engine.in_process or not one_part(model) or model.evicted:
             return None
-        route = model.routes[0]
-        worker = engine.workers.get(route.device)
-        if worker is None or not worker.alive() or not engine._usable[route.device].is_set():
-            return None
-        with self._lock:
+        with self._lock:  # (an idle lane whose worker died is over: not usable)
             idle = self._idle.get(model.key)
             while idle:
                 lane = idle.pop()
                 if lane.usable():
                     return lane
                 lane.close()
+        route = model.routes[0]
+        worker = engine.workers.get(route.device)
+        if worker is None or not worker.alive() or not engine._usable[route.device].is_set():
+            return None
         try:
             return Lane(worker, model, route)
         except OSError:
