@@ -453,7 +453,8 @@ class Engine:
                     if monitor:
                         monitor.queued(model, time.perf_counter() - t0)
                     if timeline is None:  # one part on a worker process: a lane?
-                        done = self.lanes.run(self, model, inputs, output_refs, raw, into, deadline)
+                        done = self.lanes.run(self, model, inputs, output_refs, raw, into,
+                                              deadline, patient)
                         if done is not None:
                             return done
                     return self._attempts(model, inputs, output_refs, raw, timeline, deadline,

@@ -64,6 +64,7 @@ class Lane:
             theirs.close()
             os.close(memfd)
             os.close(stats_fd)
+        self.generation: int = getattr(self.ended, "generation", 0)
         self.sock, self.seq, self.wait, self.closed = ours, 0, -1.0, False
         base, view = self.layout["slots"][0], memoryview(self.mm)
         self.inputs = [view[base + t["offset"]:base + t["offset"] + t["nbytes"]]
@@ -185,10 +186,12 @@ class Lanes:
 
     def run(self, engine: Any, model: LoadedModel, inputs: Sequence[Any],
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
-            deadline: float) -> list[Any] | None:
+            deadline: float, patient: bool = False) -> list[Any] | None:
         """The request on a lane of `model`; None where it takes none (then, as after its
         worker died, the engine runs it the usual way: that one waits for the worker).
-        Inputs are raw bytes or in clients' regions; outputs may be written into theirs."""
+        Inputs are raw bytes or in clients' regions; outputs may be written into theirs.
+        A patient request (its deadline at least the engine's run_timeout_s) that gets no
+        answer by then takes the worker as hung: it is killed and restarted."""
         if not all(isinstance(v, RawTensor) or isinstance(v, TensorRef) and v.inode
                    for v in inputs) or any(not r.inode for r in output_refs.values()):
             return None
@@ -197,6 +200,10 @@ class Lanes:
             return None
         try:
             return lane.run(engine, inputs, output_refs, raw, into, deadline)
+        except RunTimeout as e:
+            if patient and engine._hung(lane.route.device, lane.generation):
+                raise RunTimeout(f"{e}; its worker was stopped and is being restarted") from None
+            raise
         except WorkerLost as e:
             engine._revive_later(model.routes[0].device)
             log.warning("model %s: %s; running the request again once its worker is back",

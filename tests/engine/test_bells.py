@@ -177,3 +177,20 @@ def test_unload_ends_the_bells_in_the_workers(split):
     while not all(b.ended.done() for b in bells.values()):  # the workers let them go
         assert time.monotonic() < deadline, "a worker kept a bell"
         time.sleep(0.02)
+
+
+def test_a_worker_hung_under_a_patient_request_is_restarted(split):
+    engine, loaded, model, _ = split
+    engine.run_timeout_s = 1.0
+    raw(engine, loaded, torch.randn(3, 64))
+    os.kill(engine.workers["npu0"].process.pid, signal.SIGSTOP)
+    with pytest.raises(RunTimeout, match="part p1 on npu0 .* stopped and is being restarted"):
+        raw(engine, loaded, torch.randn(3, 64))  # no deadline of its own: patient
+    engine.run_timeout_s = 60.0  # (the restart rebuilds its parts: seconds)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
+    assert engine.workers["npu0"].restarts == 1
+    deadline = time.monotonic() + 10
+    while engine.arena.in_use():  # the killed part's block is given back
+        assert time.monotonic() < deadline, "the block was never given back"
+        time.sleep(0.02)

@@ -178,3 +178,18 @@ def test_unload_ends_the_lanes_and_their_sessions_in_the_worker(make_engine, tmp
     while not lane.ended.done():  # the worker saw the lane close and let its part go
         assert time.monotonic() < deadline, "the worker kept the lane's session"
         time.sleep(0.02)
+
+
+def test_a_worker_hung_under_a_patient_request_is_restarted(make_engine, tmp_path):
+    """A request that gave the engine its whole run_timeout_s and got no answer takes the
+    worker as hung: it is killed and restarted, and serving goes on."""
+    engine, loaded, model = served(make_engine, tmp_path)
+    engine.run_timeout_s = 1.0
+    result(engine, loaded, torch.randn(3, 64))
+    os.kill(engine.workers["cpu0"].process.pid, signal.SIGSTOP)
+    with pytest.raises(RunTimeout, match="stopped and is being restarted"):
+        result(engine, loaded, torch.randn(3, 64))  # no deadline of its own: patient
+    engine.run_timeout_s = 60.0  # (the restart rebuilds its parts: seconds)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(result(engine, loaded, x), eager(model, x), **CLOSE)
+    assert engine.workers["cpu0"].restarts == 1
