@@ -11,6 +11,8 @@ with interleaved rounds.
     against a bare grpcio unary echo (a separate process on a unix socket) of the same bytes;
     the same echo through cuvild's unix-socket front (cuvild/serve/front.py) prices the relay;
     the same request bytes as a bare grpcio ModelInfer price the server without tritonclient;
+    tritonclient's infer against a Python servicer that parses the request and answers it
+    without running anything (in the echo's process) is the protocol's floor in Python;
     the fast path against the same part compiled and run in this process.
     Timed back to back (how BASELINES.md measured the echo) and after 5 ms idle per call
     (every thread and process hop then pays a wake-up: more hops, more cost).
@@ -62,11 +64,24 @@ def echo_server(path: str) -> None:
     import grpc
 
     from cuvild.serve.front import Front
+    from protos import inference_pb2, inference_pb2_grpc
+
+    class NoOp(inference_pb2_grpc.GRPCInferenceServiceServicer):
+        """The Open Inference Protocol's floor in Python: ModelInfer parsed and answered with
+        the tiny model's output shape, nothing run."""
+
+        def ModelInfer(self, request, context):  # noqa: N802
+            response = inference_pb2.ModelInferResponse(model_name=request.model_name,
+                                                        id=request.id)
+            response.outputs.add(name="output0", datatype="FP32", shape=[1, 16])
+            response.raw_output_contents.append(bytes(64))
+            return response
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)  # bytes
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("echo.Echo",
                                                                           {"Echo": echo}),))
+    inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(NoOp(), server)
     server.add_insecure_port(f"unix:{path}")
     front = Front(f"{path}.front")
     server.add_insecure_port(f"unix:{front.inner_path}")
@@ -291,6 +306,13 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int,
     def live() -> Any:
         return client.is_server_live()
 
+    noop_client = grpcclient.InferenceServerClient(url=echo_target)
+
+    def noop() -> Any:  # tritonclient's infer against a servicer that runs nothing
+        inp = grpcclient.InferInput(in_name, list(xn.shape), "FP32")
+        inp.set_data_from_numpy(xn)
+        return noop_client.infer("tiny", [inp]).as_numpy("output0")
+
     # The same request bytes as a bare grpcio call: the server's own cost, without
     # tritonclient's work in this process (building the request, reading the response).
     infer_channel = grpc.insecure_channel(clients_target)
@@ -310,6 +332,7 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int,
         f"infer ({n})": lambda c=c: infer(c) for n, c in clients.items()}
     runners.update(fast)
     runners.update({"grpcio ModelInfer (same bytes)": grpc_infer,
+                    "infer, no-op servicer (the floor)": noop,
                     "tritonclient ServerLive": live, "grpcio echo (same bytes)": echo,
                     "grpcio echo via cuvild front": echo_front})
     try:  # back to back (as the echo baseline in BASELINES.md), then after 5 ms idle each
@@ -319,6 +342,7 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int,
         channel.close()
         front_channel.close()
         infer_channel.close()
+        noop_client.close()
 
     def eager() -> Any:  # timed after the others: torch's spinning pool would slow them
         with torch.inference_mode():
@@ -506,6 +530,13 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{name:<40} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ratio']:7.2f} "
               f"{r['p99_ratio']:7.2f} {above} {i['p50_ms']:8.3f} {i['p99_ms']:8.3f} "
               f"{i['p50_ratio']:7.2f}")
+    floor = b["results"].get("infer, no-op servicer (the floor)")
+    if floor:
+        print(f"infer against the floor (a Python servicer that runs nothing, "
+              f"{floor['p50_ms']:.3f} ms = {floor['p50_ratio']:.2f}x the echo): " + ", ".join(
+                  f"{n.removeprefix('infer ')} {r['p50_ms'] / floor['p50_ms']:.2f}x p50, "
+                  f"{r['p99_ms'] / floor['p99_ms']:.2f}x p99"
+                  for n, r in b["results"].items() if n.startswith("infer (")))
     print("\nthe fast path against its part run in this process, the two alone in turn "
           "(goal: <= 0.15 ms above)")
     for label, r in b["fast_vs_part"].items():
