@@ -356,6 +356,10 @@ def _pin(device: DeviceProfile) -> None:
     os.sched_setaffinity(0, cores)
     os.environ.update({"OMP_NUM_THREADS": str(len(cores)), "OMP_WAIT_POLICY": "PASSIVE",
                        "KMP_BLOCKTIME": "0"})  # (torch, imported only to build, reads them)
+    if "torch" in sys.modules:  # imported already (with the spawning program's main module):
+        import torch  # its pool was sized for every core; this thread runs the parts
+
+        torch.set_num_threads(len(cores))
 
 
 def _quiet() -> None:

@@ -193,3 +193,20 @@ def test_measured_parts_teach_the_cost_model_and_survive_a_restart(tmp_path):
         assert part.predicted_ms < 0.5 * measured  # what the profile alone predicted
     finally:
         arena.close()
+
+
+def test_a_worker_sizes_torch_for_its_own_cores_when_torch_came_first():
+    """A worker spawned by a program that imported torch gets torch with the spawning
+    module, its thread pool sized for every core; pinned to fewer, that pool's threads
+    share a core and each parallel op waits a scheduler slice (a tiny MLP took 8 ms a run
+    instead of 0.1 ms on one core of the dev host). The worker sizes it for its own cores."""
+    import subprocess
+
+    code = ("import os, torch\n"
+            "from cuvild.engine.worker import _pin\n"
+            "from partitioner.profile import DeviceProfile\n"
+            f"_pin(DeviceProfile(id='cpu0', kind='cpu', cores=[{CORES[0]}]))\n"
+            "print(torch.get_num_threads(), sorted(os.sched_getaffinity(0)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=120, check=True)
+    assert out.stdout.split() == ["1", f"[{CORES[0]}]"]
