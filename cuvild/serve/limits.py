@@ -84,10 +84,15 @@ class Uploads:
             self._free.release()
 
     def _watch(self) -> None:
+        """Watch the uploads in progress; gone once there are none (the next one starts it
+        again): the daemon keeps no thread that wakes for nothing."""
         while True:
             time.sleep(min(1.0, self.idle_s / 4))
             now = time.monotonic()
             with self._lock:
+                if not self._streams:
+                    self._watchdog = None
+                    return
                 streams = list(self._streams)
             for s in streams:
                 if s.why is not None:

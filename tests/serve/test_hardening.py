@@ -333,6 +333,23 @@ def test_stalled_uploads_are_cancelled_and_counted_once_for_every_listener(harde
             channel.close()
 
 
+def test_the_upload_watchdog_goes_with_the_last_upload():
+    """No daemon thread wakes for nothing: the watchdog lives while uploads do."""
+    from cuvild.serve.limits import Uploads
+
+    class Context:
+        def cancel(self) -> None:
+            pass
+
+    uploads = Uploads(slots=2, idle_s=0.2, max_s=60)
+    for _ in range(2):  # and comes back with the next upload
+        with uploads.slot(Context()):
+            watchdog = uploads._watchdog
+            assert watchdog is not None and watchdog.is_alive()
+        watchdog.join(timeout=5)
+        assert not watchdog.is_alive() and uploads._watchdog is None
+
+
 # -- 7. long calls cannot starve health ---------------------------------------------------------
 def test_health_answers_while_long_calls_fill_the_handlers(hardened):
     daemon, x, _ = hardened
