@@ -6,7 +6,8 @@ cuvild/client/fast.py is the Python client and cuvild/serve/fast.py the daemon's
 
 1. Open. Connect to the daemon's unix socket (the one gRPC clients use) and send, in one
    write, `OPEN` (magic b"CUVF", version, length) and that many bytes of JSON:
-   {"model": name, "version": "" (the newest), "depth": ring entries (1..64)}.
+   {"model": name, "version": "" (the newest), "depth": ring entries (1..64), "shapes": one
+   list of sizes per input (required for a dynamic-shape model: the session serves those)}.
 2. The daemon answers `LENGTH` and that many bytes of JSON. With "ok": true the same message
    carries one file descriptor (SCM_RIGHTS): a sealed memfd (it cannot be shrunk or grown)
    that the client maps read-write, whole ("size" bytes). The JSON gives its layout:

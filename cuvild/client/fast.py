@@ -3,10 +3,13 @@
 A session is opened once per model on the daemon's unix socket and maps the daemon's sealed
 memfd: then each request copies its inputs into a slot, writes a ring entry and rings an
 8-byte doorbell; the reply is the same 8 bytes back, the outputs are in the slot. No gRPC,
-no protobuf. A session is for one thread at a time (`Client(fast=True)` keeps one per thread
-and model). When the daemon restarts, or the model is loaded again, the next request opens
-a new session and is sent again (inference is idempotent), waiting up to `timeout` for the
-daemon and the model to be back; past that it fails with FastPathError("UNAVAILABLE").
+no protobuf. A dynamic-shape model's session is opened for the shapes of its first request
+(or `shapes`), and opened again for a request of other shapes: keep them fixed (a batch
+size, a sequence length) and it opens once. A session is for one thread at a time
+(`Client(fast=True)` keeps one per thread and model). When the daemon restarts, or the model
+is loaded again, the next request opens a new session and is sent again (inference is
+idempotent), waiting up to `timeout` for the daemon and the model to be back; past that it
+fails with FastPathError("UNAVAILABLE").
 """
 
 from __future__ import annotations
@@ -54,12 +57,16 @@ def _array(mm: mmap.mmap, at: int, dtype: str, shape: list[int]) -> Any:
 
 class FastSession:
     def __init__(self, socket_path: str, model: str, version: str = "", depth: int = 1,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, shapes: Sequence[Sequence[int]] | None = None) -> None:
+        """`shapes`: a dynamic-shape model's input shapes to open the session for (else those
+        of its first request)."""
         self.path, self.model, self.version = socket_path, model, version
         self.depth, self.timeout = depth, timeout
+        self.shapes = [list(s) for s in shapes] if shapes is not None else None
         self.sock: socket.socket | None = None
         self.mm: mmap.mmap | None = None
         self.layout: dict[str, Any] = {}
+        self.dynamic = False  # the model's shapes are dynamic: a session has the request's
         self._seq = 0
         self.opened = 0  # sessions opened: 1, then one more per re-open
         self._open(time.monotonic() + timeout)
@@ -96,7 +103,9 @@ class FastSession:
             sock.settimeout(self.timeout)
             sock.connect(self.path)
             body = json.dumps({"model": self.model, "version": self.version,
-                               "depth": self.depth}).encode()
+                               "depth": self.depth, **({"shapes": self.shapes}
+                                                       if self.shapes is not None else {})
+                               }).encode()
             sock.sendall(wire.OPEN.pack(wire.MAGIC, wire.VERSION, len(body)) + body)
             data, fds, _, _ = socket.recv_fds(sock, wire.MAX_OPEN_BYTES, 1)
             if not data:
@@ -117,6 +126,10 @@ class FastSession:
             except ValueError:
                 raise FastPathError("UNIMPLEMENTED", f"{self.path} does not serve the fast "
                                     "path (shm.fast_path: false, or an older cuvild)") from None
+            if not reply.get("ok") and reply.get("dynamic") and self.shapes is None:
+                self.dynamic, self.layout = True, {"inputs": reply["inputs"]}
+                sock.close()  # opened for the first request's shapes
+                return
             if not reply.get("ok"):
                 raise FastPathError(reply.get("code", "UNKNOWN"), reply.get("error", ""))
             if len(fds) != 1:
@@ -131,6 +144,7 @@ class FastSession:
         sock.settimeout(None)
         self._wait = -1.0  # the SO_RCVTIMEO set on this socket (none yet)
         self.sock, self.layout = sock, reply
+        self.dynamic = bool(reply.get("dynamic"))
         self.opened += 1
         mm = self.mm
         self._in = [[_array(mm, base + t["offset"], t["dtype"], t["shape"])
@@ -181,6 +195,11 @@ class FastSession:
         (torch tensors for dtypes numpy lacks)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         values = self.ordered(inputs)
+        if self.dynamic:  # a session per set of shapes
+            shapes = [list(getattr(v, "shape", np.shape(v))) for v in values]
+            if shapes != self.shapes:
+                self.shapes = shapes
+                self._close()
         for attempt in (1, 2):
             if self.sock is None:
                 self._open(deadline)

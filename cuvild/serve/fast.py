@@ -1,16 +1,19 @@
 """The same-host fast path, the daemon's side (the wire: protos/fastpath.py).
 
-A client that opens a session on the unix socket (the front hands it over on its first bytes,
-after SO_PEERCRED and the per-uid connection limits, cuvild/serve/front.py) gets a sealed memfd
-holding a request ring and the model's input and output slots; from then on a request is a
-ring entry and an 8-byte doorbell on its own connection: no gRPC, no protobuf, nothing
-pickled, no check of the request's shapes (they were fixed when the session opened). Who
-answers the doorbell: for a one-part model, its worker process itself (the session is
-attached to it, cuvild/engine/sessions.py) or, on a worker thread, the session's thread, both
-running the part on the slot in place; for any other model, the session's thread through
-`Engine.run` (inputs copied once into the arena, as raw OIP inputs are, outputs once into the
-slot). The client never maps the daemon's arena, and no process of ours maps an object the
-client can shrink (the memfd is sealed), so no client can make the daemon or a worker fault.
+A client that opens a session on the unix socket (the front hands it over on its first
+bytes, after SO_PEERCRED and the per-uid connection limits, cuvild/serve/front.py) gets a
+sealed memfd holding a request ring and the model's input and output slots; from then on a
+request is a ring entry and an 8-byte doorbell on its own connection: no gRPC, no protobuf,
+nothing pickled, no check of the request's shapes (they were fixed when the session opened:
+a dynamic-shape model's session is opened for its client's shapes, and serves the model's
+bucket for them, cuvild/engine/buckets.py). Who answers the doorbell: for a one-part model,
+its worker process itself (the session is attached to it, cuvild/engine/sessions.py) or, on
+a worker thread, the session's thread, both running the part on the slot in place; for any
+other model, and for a batched one (its requests queue to share runs with other clients'),
+the session's thread through `Engine.run` (inputs copied once into the arena, as raw OIP
+inputs are, outputs once into the slot). The client never maps the daemon's arena, and no
+process of ours maps an object the client can shrink (the memfd is sealed), so no client can
+make the daemon or a worker fault.
 
 The session ends when its connection closes (the client closed it or died: its memory goes
 with the last mapping, its connection counts no more), when its model is unloaded or loaded
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import InferError
 from cuvild.engine.lanes import one_part
+from cuvild.engine.layout import BadInput
 from cuvild.engine.orders import Attach, RawTensor
 from cuvild.engine.sessions import STATS, fail, slot_layout
 from cuvild.engine.sessions import Session as WorkerSession
@@ -45,12 +49,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+OPEN_BUILD_S = 600.0  # a new bucket's build, waited for by the session that opens it
 
 
 class Refused(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, **said: Any) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.said = code, said  # (more for the client's reply)
 
 
 def _recv_exact(sock: socket.socket, n: int, have: bytes = b"") -> bytes:
@@ -66,6 +71,7 @@ def _recv_exact(sock: socket.socket, n: int, have: bytes = b"") -> bytes:
 def layout(served: ServedModel, model: LoadedModel, depth: int) -> dict[str, Any]:
     """The session's memory, with the model's tensors under the protocol's names."""
     return {"ok": True, "name": served.record.name, "version": served.record.version,
+            "dynamic": model is not served.loaded,  # a bucket: these shapes only
             **slot_layout(model, [t["name"] for t in served.record.inputs],
                           [t["name"] for t in served.record.outputs], depth)}
 
@@ -74,11 +80,10 @@ class Session:
     """One client's session: its connection, its memfd mapped here, its thread."""
 
     def __init__(self, fast: FastPath, sock: socket.socket, uid: int, served: ServedModel,
-                 depth: int, done: Callable[[], None]) -> None:
-        assert served.loaded is not None
+                 model: LoadedModel, depth: int, done: Callable[[], None]) -> None:
         self.fast, self.sock, self.uid, self.served, self.done = fast, sock, uid, served, done
         self.ended = False
-        self.model = served.loaded
+        self.model = model  # the served model, or its bucket for the session's shapes
         self.model_id = (served.record.name, served.record.version)
         self.layout = layout(served, self.model, depth)
         fd = os.memfd_create(f"cuvild-session-{served.record.name}",
@@ -116,8 +121,8 @@ class Session:
         the client's doorbell then wakes the worker itself); False where the daemon serves
         it (several parts, thread workers, a worker being restarted)."""
         engine = self.fast.models.engine
-        if engine.in_process or not one_part(self.model):
-            return False
+        if engine.in_process or not one_part(self.model) or self.model.batcher is not None:
+            return False  # (a batched model's requests queue in the daemon to share runs)
         route = self.model.routes[0]
         worker = engine.workers.get(route.device)
         if worker is None or not worker.alive() or not engine._usable[route.device].is_set():
@@ -135,7 +140,7 @@ class Session:
         thread runs the part itself, under the worker's lock, straight on the session's
         memory (cuvild/engine/sessions.py), as a worker process would."""
         engine = self.fast.models.engine
-        if not engine.in_process or not one_part(self.model):
+        if not engine.in_process or not one_part(self.model) or self.model.batcher is not None:
             return None
         route = self.model.routes[0]
         worker, lock = engine.worker(route.device)._inline
@@ -281,19 +286,20 @@ class FastPath:
                 raise Refused("INVALID_ARGUMENT", f"open request of {length} bytes (at most "
                               f"{wire.MAX_OPEN_BYTES})")
             body = _recv_exact(sock, length, first[wire.OPEN.size:])
-            served, depth = self._model(json.loads(body))
+            served, model, depth = self._model(json.loads(body))
             sock.settimeout(None)
             if self._closed:
                 raise Refused("UNAVAILABLE", "cuvild is stopping")
             # (not under the lock: an attached session may end, and forget itself, at once)
-            session = Session(self, sock, uid, served, depth, done)
+            session = Session(self, sock, uid, served, model, depth, done)
             with self._lock:
                 if not session.ended:
                     (self._attached if session.attached else self._sessions).add(session)
         except (Refused, ValueError, EOFError, OSError) as e:
             code = e.code if isinstance(e, Refused) else "INVALID_ARGUMENT"
             log.debug("fast path: refused a session of uid %d: %s", uid, e)
-            reply = json.dumps({"ok": False, "code": code, "error": str(e)}).encode()
+            reply = json.dumps({"ok": False, "code": code, "error": str(e),
+                                **getattr(e, "said", {})}).encode()
             try:
                 sock.sendall(wire.LENGTH.pack(len(reply)) + reply)
             except OSError:
@@ -306,7 +312,9 @@ class FastPath:
         if not session.attached:
             session.serve()
 
-    def _model(self, request: Any) -> tuple[ServedModel, int]:
+    def _model(self, request: Any) -> tuple[ServedModel, LoadedModel, int]:
+        """The open request's model and depth; with "shapes" (a dynamic-shape model's
+        inputs), the model's bucket for them, built if it is new (cuvild/engine/buckets.py)."""
         if not isinstance(request, dict) or not isinstance(request.get("model"), str):
             raise Refused("INVALID_ARGUMENT", 'open request: expected {"model": name, ...}')
         name, version = request["model"], str(request.get("version") or "")
@@ -321,11 +329,33 @@ class FastPath:
         if served.state != "READY" or served.loaded is None:
             raise Refused("UNAVAILABLE", f"model {served.key} is {served.state.lower()}"
                           + (f": {served.reason}" if served.reason else " (still loading)"))
-        if served.loaded.dynamic:
-            raise Refused("FAILED_PRECONDITION", f"model {served.key} has dynamic input "
-                          "shapes: the fast path serves static-shape models (use the Open "
-                          "Inference Protocol)")
-        return served, depth
+        shapes = request.get("shapes")
+        if shapes is None:
+            if served.loaded.dynamic:
+                raise Refused("FAILED_PRECONDITION", f"model {served.key} has dynamic input "
+                              'shapes: open the session with "shapes", those of your inputs',
+                              dynamic=True, inputs=[
+                                  {"name": t["name"], "dtype": spec.dtype,
+                                   "shape": list(spec.shape)}
+                                  for t, spec in zip(served.record.inputs,
+                                                     served.loaded.table, strict=True)])
+            return served, served.loaded, depth
+        if not isinstance(shapes, list) or not all(
+                isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                for shape in shapes):
+            raise Refused("INVALID_ARGUMENT", f"shapes {shapes!r}: one list of sizes >= 0 per "
+                          "input")
+        dtypes = [spec.dtype for spec in served.loaded.table]  # (a count that differs is
+        given = [(dtypes[i] if i < len(dtypes) else "", tuple(shape))  # said by resolve)
+                 for i, shape in enumerate(shapes)]
+        try:
+            model = self.models.engine.resolve(served.loaded, given,
+                                               deadline=time.monotonic() + OPEN_BUILD_S)
+        except BadInput as e:
+            raise Refused("INVALID_ARGUMENT", str(e)) from None
+        except InferError as e:  # its bucket could not be built in time, or at all
+            raise Refused(CODES.get(e.kind, CODES["internal"]).name, str(e)) from None
+        return served, model, depth
 
     def forget(self, session: Session) -> None:
         done, failed = session.counts()

@@ -260,6 +260,39 @@ def test_process_workers_match_eager(procs, name):
         assert [t["shape"] for t in session.outputs] == [list(e.shape) for e in expected]
 
 
+def test_a_dynamic_model_is_served_for_the_shapes_its_session_opens_with(procs):
+    """A dynamic-shape model's session serves the bucket of its shapes: opened for the first
+    request's (or the given ones), again for other shapes; batched (its requests share runs
+    in the daemon) or not (the bucket's worker answers the doorbell). Bad shapes are said."""
+    torch.manual_seed(0)
+    model = samples.MLP(width=16, depth=1).eval()
+    batch = torch.export.Dim("batch", max=8)
+    with Client(procs.daemon.target) as client:
+        for name, batching in (("dyn", None), ("dyn-solo", False)):
+            client.load(name, model, (torch.randn(2, 16),), dynamic_shapes=({0: batch},),
+                        batching=batching)
+    for name in ("dyn", "dyn-solo"):
+        with FastSession(procs.path, name) as session:
+            assert session.dynamic and session.opened == 0  # opened by the first request
+            for rows in (2, 3, 3, 2):
+                x = torch.randn(rows, 16)
+                close_to(session.run([x]), eager(model, (x,)))
+            assert session.opened == 3  # for 2 rows, for 3, for 2 again
+    with Client(procs.daemon.target, fast=True) as client:
+        x = torch.randn(5, 16)
+        close_to(list(client.infer("dyn", x).values()), eager(model, (x,)))
+    with FastSession(procs.path, "dyn", shapes=[[4, 16]]) as session:
+        assert session.opened == 1
+        x = torch.randn(4, 16)
+        close_to(session.run([x]), eager(model, (x,)))
+    for shapes, says in (([[9, 16]], "outside the exported range"),
+                         ([[2, 15]], "dim 1 must be 16"), ([[2, 16]] * 2, "takes 1"),
+                         ([["2", 16]], "one list of sizes")):
+        with pytest.raises(FastPathError, match=says) as err:
+            FastSession(procs.path, "dyn", shapes=shapes, timeout=5)
+        assert err.value.code == "INVALID_ARGUMENT"
+
+
 def test_thread_workers_match_eager(threads):
     with Client(f"unix+fast://{threads.path}") as client:  # the target says fast
         assert client.fast
