@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import select
 import socket
 import threading
@@ -37,6 +36,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
+from cuvild.engine.lanes import Attached
 from cuvild.engine.orders import Attach, TensorRef
 from cuvild.engine.request import Timeline, measured
 from cuvild.engine.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 
 
-class Bell:
+class Bell(Attached):
     """One part's bell in its worker."""
 
     def __init__(self, worker: WorkerHandle, model: LoadedModel, route: Route) -> None:
@@ -61,25 +61,9 @@ class Bell:
         self.names = {"inputs": route.inputs, "outputs": route.outputs}
         layout = {"kind": "bell", "inputs": places(route.inputs),
                   "outputs": places(route.outputs)}
-        ours, theirs = socket.socketpair()
-        memfd = os.memfd_create(f"cuvild-bell-{model.name}", os.MFD_CLOEXEC)
-        stats_fd = os.memfd_create("cuvild-bell-counts", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(memfd, mmap.PAGESIZE)
-            os.ftruncate(stats_fd, mmap.PAGESIZE)
-            self.mm = mmap.mmap(memfd, mmap.PAGESIZE)
-            self.stats = mmap.mmap(stats_fd, STATS.size)
-            self.ended = worker.attach(Attach(model.key, route.id, layout),
-                                       [theirs.fileno(), memfd, stats_fd])
-        finally:
-            theirs.close()
-            os.close(memfd)
-            os.close(stats_fd)
-        self.generation: int = getattr(self.ended, "generation", 0)
-        self.sock, self.seq, self.busy, self.closed = ours, 0, 0.0, False
-
-    def usable(self) -> bool:
-        return not self.closed and not self.ended.done()
+        super().__init__(worker, Attach(model.key, route.id, layout), mmap.PAGESIZE,
+                         f"bell-{model.name}")
+        self.busy = 0.0
 
     def record(self, block: Block, refs: dict[str, TensorRef]) -> bool:
         """Write the request's record: its block, and its tensors in clients' regions;

@@ -46,34 +46,43 @@ def one_part(model: LoadedModel) -> bool:
             and model.routes[0].outputs == model.outputs)
 
 
-class Lane:
-    def __init__(self, worker: WorkerHandle, model: LoadedModel, route: Route) -> None:
-        self.model, self.route = model, route
-        self.layout = slot_layout(model, list(model.inputs), list(model.outputs), 1)
+class Attached:
+    """A session of the engine's own in a worker process (a lane's, a bell's): its socket,
+    its memory (`size` bytes), its counts, and the Attach's future (done when it ends)."""
+
+    def __init__(self, worker: WorkerHandle, order: Attach, size: int, label: str) -> None:
         ours, theirs = socket.socketpair()
-        memfd = os.memfd_create(f"cuvild-lane-{model.name}", os.MFD_CLOEXEC)
-        stats_fd = os.memfd_create("cuvild-lane-counts", os.MFD_CLOEXEC)
+        memfd = os.memfd_create(f"cuvild-{label}", os.MFD_CLOEXEC)
+        stats_fd = os.memfd_create(f"cuvild-{label.split('-')[0]}-counts", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(memfd, self.layout["size"])
+            os.ftruncate(memfd, size)
             os.ftruncate(stats_fd, mmap.PAGESIZE)
-            self.mm = mmap.mmap(memfd, self.layout["size"])
+            self.mm = mmap.mmap(memfd, size)
             self.stats = mmap.mmap(stats_fd, STATS.size)
-            self.ended = worker.attach(Attach(model.key, route.id, self.layout),
-                                       [theirs.fileno(), memfd, stats_fd])
+            self.ended = worker.attach(order, [theirs.fileno(), memfd, stats_fd])
         finally:
             theirs.close()
             os.close(memfd)
             os.close(stats_fd)
-        self.generation: int = getattr(self.ended, "generation", 0)
-        self.sock, self.seq, self.wait, self.closed = ours, 0, -1.0, False
+        self.generation: int = getattr(self.ended, "generation", 0)  # the worker's start
+        self.sock, self.seq, self.closed = ours, 0, False
+
+    def usable(self) -> bool:
+        return not self.closed and not self.ended.done()
+
+
+class Lane(Attached):
+    def __init__(self, worker: WorkerHandle, model: LoadedModel, route: Route) -> None:
+        self.model, self.route = model, route
+        self.layout = slot_layout(model, list(model.inputs), list(model.outputs), 1)
+        super().__init__(worker, Attach(model.key, route.id, self.layout), self.layout["size"],
+                         f"lane-{model.name}")
+        self.wait = -1.0
         base, view = self.layout["slots"][0], memoryview(self.mm)
         self.inputs = [view[base + t["offset"]:base + t["offset"] + t["nbytes"]]
                        for t in self.layout["inputs"]]
         self.outputs = [view[base + t["offset"]:base + t["offset"] + t["nbytes"]]
                         for t in self.layout["outputs"]]
-
-    def usable(self) -> bool:
-        return not self.closed and not self.ended.done()
 
     def run(self, engine: Any, inputs: Sequence[RawTensor | TensorRef],
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 import cuvild
@@ -56,3 +58,16 @@ def close_all(made: list[tuple[Engine, Arena]]) -> None:
                     pass
         engine.close()
         arena.close()
+
+
+def hang_under_a_patient_request(engine: Engine, device: str, send: Callable[[], object],
+                                 says: str) -> None:
+    """Stop `device`'s worker under a request that gives the engine its whole run_timeout_s
+    (1 s here): RunTimeout saying `says` and that the worker is being restarted."""
+    from cuvild.engine.engine import RunTimeout
+
+    engine.run_timeout_s = 1.0
+    os.kill(engine.workers[device].process.pid, signal.SIGSTOP)
+    with pytest.raises(RunTimeout, match=f"{says}.* stopped and is being restarted"):
+        send()  # no deadline of its own: patient
+    engine.run_timeout_s = 60.0  # (the restart rebuilds its parts: seconds)

@@ -24,7 +24,12 @@ from cuvild.engine.engine import BadRegion, Engine, RunTimeout
 from cuvild.engine.orders import RawTensor, Run, TensorRef
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import close_all, device, prepare  # noqa: E402
+from engine_helpers import (  # noqa: E402
+    close_all,
+    device,
+    hang_under_a_patient_request,
+    prepare,
+)
 
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -181,12 +186,9 @@ def test_unload_ends_the_bells_in_the_workers(split):
 
 def test_a_worker_hung_under_a_patient_request_is_restarted(split):
     engine, loaded, model, _ = split
-    engine.run_timeout_s = 1.0
     raw(engine, loaded, torch.randn(3, 64))
-    os.kill(engine.workers["npu0"].process.pid, signal.SIGSTOP)
-    with pytest.raises(RunTimeout, match="part p1 on npu0 .* stopped and is being restarted"):
-        raw(engine, loaded, torch.randn(3, 64))  # no deadline of its own: patient
-    engine.run_timeout_s = 60.0  # (the restart rebuilds its parts: seconds)
+    hang_under_a_patient_request(engine, "npu0", lambda: raw(engine, loaded,
+                                                             torch.randn(3, 64)), "part p1")
     x = torch.randn(3, 64)
     torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
     assert engine.workers["npu0"].restarts == 1

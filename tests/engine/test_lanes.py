@@ -23,7 +23,12 @@ from cuvild.engine.engine import BadRegion, Engine, RunTimeout
 from cuvild.engine.orders import RawTensor, TensorRef
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import close_all, device, prepare  # noqa: E402
+from engine_helpers import (  # noqa: E402
+    close_all,
+    device,
+    hang_under_a_patient_request,
+    prepare,
+)
 
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -184,12 +189,9 @@ def test_a_worker_hung_under_a_patient_request_is_restarted(make_engine, tmp_pat
     """A request that gave the engine its whole run_timeout_s and got no answer takes the
     worker as hung: it is killed and restarted, and serving goes on."""
     engine, loaded, model = served(make_engine, tmp_path)
-    engine.run_timeout_s = 1.0
     result(engine, loaded, torch.randn(3, 64))
-    os.kill(engine.workers["cpu0"].process.pid, signal.SIGSTOP)
-    with pytest.raises(RunTimeout, match="stopped and is being restarted"):
-        result(engine, loaded, torch.randn(3, 64))  # no deadline of its own: patient
-    engine.run_timeout_s = 60.0  # (the restart rebuilds its parts: seconds)
+    hang_under_a_patient_request(engine, "cpu0", lambda: result(engine, loaded,
+                                                                torch.randn(3, 64)), "part p0")
     x = torch.randn(3, 64)
     torch.testing.assert_close(result(engine, loaded, x), eager(model, x), **CLOSE)
     assert engine.workers["cpu0"].restarts == 1
