@@ -9,7 +9,6 @@ module (process workers; thread workers with small connection limits); the resta
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import signal
@@ -18,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,19 @@ from protos import fastpath as wire
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
-from daemons import ROOT, DaemonProcess, daemon_config, read_text, worker_processes  # noqa: E402
+from daemons import ROOT, DaemonProcess, daemon_config  # noqa: E402
+from fast_helpers import (  # noqa: E402
+    arena_objects,
+    close_to,
+    eager,
+    eventually,
+    open_raw,
+    recv_exact,
+    ring,
+    server_ends,
+    session_memory,
+    slot_tensor,
+)
 from oip_helpers import SHM_DIR, Pair  # noqa: E402
 
 pytestmark = pytest.mark.daemon
@@ -78,48 +89,6 @@ class Served:
     @property
     def path(self) -> str:
         return str(self.daemon.socket_path)
-
-
-def eager(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    with torch.inference_mode():
-        out = model(*inputs)
-    return list(out) if isinstance(out, tuple) else [out]
-
-
-def close_to(got: list[Any], expected: list[torch.Tensor]) -> None:
-    assert len(got) == len(expected)
-    for g, e in zip(got, expected, strict=True):
-        torch.testing.assert_close(torch.as_tensor(g), e, rtol=1e-4, atol=1e-5)
-
-
-def eventually(check: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def session_memory(daemon: DaemonProcess) -> int:
-    """Session memfds mapped in the daemon and its workers (a memfd is never in /dev/shm:
-    /proc/<pid>/maps is where it shows). A part's runtime may hold its last input, so the
-    last session that ran a part may stay mapped until that part's next request."""
-    pids = [daemon.proc.pid] + [int(p.name) for p in worker_processes(daemon.proc.pid)]
-    return sum(read_text(Path(f"/proc/{pid}/maps")).count("memfd:cuvild-session")
-               for pid in pids)
-
-
-def server_ends(daemon: DaemonProcess) -> int:
-    """Connections open on the daemon's side of its unix socket (the daemon's or a worker's
-    descriptor: /proc/net/unix names the socket's path for each accepted one)."""
-    path = str(daemon.socket_path)
-    return sum(1 for line in read_text(Path("/proc/net/unix")).splitlines()
-               if line.endswith(" " + path) and line.split()[5] == "03")  # SS_CONNECTED
-
-
-def arena_objects(daemon: DaemonProcess) -> set[str]:
-    return {p.name for p in SHM_DIR.glob(f"cuvil-{daemon.proc.pid}-*")}
 
 
 def start(workdir: Path, state_root: Path, sock_dir: Path, cache: Path,
@@ -184,53 +153,6 @@ def threads(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir
         yield Served(daemon, models)
     finally:
         daemon.close()
-
-
-# -- the wire by hand ------------------------------------------------------------------------
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    return sock.recv(n, socket.MSG_WAITALL) if n else b""
-
-
-def open_raw(path: str, body: bytes | dict[str, Any], version: int = wire.VERSION,
-             pause: float = 0.0) -> tuple[socket.socket, dict[str, Any], Any]:
-    """Open a session as another language would: (socket, reply, the memfd mapped or None);
-    `pause` seconds between connect and the open request."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(15)
-    sock.connect(path)
-    time.sleep(pause)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    sock.sendall(wire.OPEN.pack(wire.MAGIC, version, len(data)) + data)
-    head, fds, _, _ = socket.recv_fds(sock, wire.LENGTH.size, 1)
-    (length,) = wire.LENGTH.unpack(head + recv_exact(sock, wire.LENGTH.size - len(head)))
-    reply = json.loads(recv_exact(sock, length))
-    mm = None
-    if fds:
-        mm = mmap.mmap(fds[0], reply["size"])
-        for fd in fds:
-            os.close(fd)
-    return sock, reply, mm
-
-
-def ring(sock: socket.socket, mm: Any, reply: dict[str, Any], seq: int, slot: int,
-         state: int = wire.SUBMITTED, entry_seq: int | None = None) -> tuple[int, Any]:
-    """Write ring entry seq % depth, ring for `seq`; (the entry's state, its error JSON)."""
-    index = seq % reply["depth"]
-    at = reply["ring"] + index * reply["entry_bytes"]
-    wire.ENTRY.pack_into(mm, at, seq if entry_seq is None else entry_seq, slot, state, 0)
-    sock.sendall(wire.DOORBELL.pack(seq))
-    assert recv_exact(sock, wire.DOORBELL.size) == wire.DOORBELL.pack(seq)
-    got, _, state, error_len = wire.ENTRY.unpack_from(mm, at)
-    assert got == seq  # the daemon's answer names the request it was rung for
-    if state != wire.FAILED:
-        return state, None
-    where = reply["errors"] + index * reply["error_bytes"]
-    return state, json.loads(bytes(mm[where:where + error_len]))
-
-
-def slot_tensor(mm: Any, base: int, spec: dict[str, Any]) -> np.ndarray:
-    count = int(np.prod(spec["shape"]))
-    return np.frombuffer(mm, spec["dtype"], count, base + spec["offset"]).reshape(spec["shape"])
 
 
 # -- outputs ---------------------------------------------------------------------------------
