@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel, Route
 
 
-
 class Bell(Attached):
     """One part's bell in its worker."""
 
@@ -232,6 +231,7 @@ def ring_parts(engine: Any, model: LoadedModel, bells: dict[str, Bell],
                 try:
                     bell.ring()
                 except OSError:
+                    bell.close()  # (its worker is gone: the set is not given back)
                     dead.add(route.device)
                     failure = failure or WorkerLost(f"part {route.id} on {route.device} "
                                                     "failed: its worker died", dead)
