@@ -367,7 +367,8 @@ class Engine:
 
     def unload(self, key: str) -> None:
         model = self.models.pop(key, None)
-        self.lanes.drop(key), self.bells.drop(key)
+        self.lanes.drop(key)
+        self.bells.drop(key)
         if model is None:
             return
         with self._buckets_lock:

@@ -28,7 +28,7 @@ import numpy as np
 from cuvild.engine import views
 from cuvild.engine.arena import align
 from cuvild.engine.dtypes import nbytes
-from cuvild.engine.orders import Attach
+from cuvild.engine.orders import Attach, Run, TensorRef
 from protos import fastpath as wire
 
 if TYPE_CHECKING:
@@ -209,8 +209,6 @@ class BellSession:
             os.close(stats_fd)
 
     def ring(self, parts: dict[tuple[str, str], Any]) -> bool:
-        from cuvild.engine.orders import Run, TensorRef
-
         try:
             bell = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
         except OSError:
