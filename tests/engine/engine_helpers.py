@@ -3,22 +3,31 @@ with a fixed plan (contiguous chunks of the graph, one per device)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import pytest
 import torch
 
 import cuvild
-from cuvild.engine.arena import Arena
+from cuvild.engine.arena import SHM_DIR, Arena
 from cuvild.engine.engine import Engine
+from cuvild.engine.orders import TensorRef
 from cuvild.intake.summary import summarize
 from partitioner.plan import Part, Plan
 from partitioner.profile import DeviceProfile
 
 CORES = sorted(os.sched_getaffinity(0))
+CLOSE = {"rtol": 1e-4, "atol": 1e-5}  # outputs against torch eager
+
+
+def eager(model, *inputs):  # noqa: ANN001, ANN201
+    with torch.no_grad():
+        return model(*inputs)
 
 
 def device(dev_id: str) -> DeviceProfile:
@@ -71,3 +80,28 @@ def hang_under_a_patient_request(engine: Engine, device: str, send: Callable[[],
     with pytest.raises(RunTimeout, match=f"{says}.* stopped and is being restarted"):
         send()  # no deadline of its own: patient
     engine.run_timeout_s = 60.0  # (the restart rebuilds its parts: seconds)
+
+
+@contextlib.contextmanager
+def client_region(engine: Engine, rows: int = 3, width: int = 64) -> Iterator[
+        tuple[shared_memory.SharedMemory, TensorRef, TensorRef]]:
+    """A client's object holding a float32 (rows, width) input, then room for the output of
+    that shape: (the object, the input's ref, the output's ref); removed, and forgotten by
+    the engine's workers, after."""
+    nbytes = rows * width * 4
+    region = shared_memory.SharedMemory(create=True, size=2 * nbytes)
+    inode = os.stat(SHM_DIR / region.name).st_ino
+    try:
+        yield (region, TensorRef(region.name, 0, "float32", (rows, width), inode),
+               TensorRef(region.name, nbytes, "float32", (rows, width), inode))
+    finally:
+        region.close()
+        region.unlink()
+        engine.forget_segments([(region.name, inode)])
+
+
+def shrink(region: shared_memory.SharedMemory, nbytes: int) -> None:
+    """Shrink a client's object under the daemon (its next request must fail alone)."""
+    fd = os.open(SHM_DIR / region.name, os.O_RDWR)
+    os.ftruncate(fd, nbytes)
+    os.close(fd)

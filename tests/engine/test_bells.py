@@ -11,7 +11,6 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -19,19 +18,21 @@ import pytest
 import torch
 
 from cuvild.client.samples import MLP
-from cuvild.engine.arena import SHM_DIR, Arena
+from cuvild.engine.arena import Arena
 from cuvild.engine.engine import BadRegion, Engine, RunTimeout
-from cuvild.engine.orders import RawTensor, Run, TensorRef
+from cuvild.engine.orders import RawTensor, Run
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import (  # noqa: E402
+    CLOSE,
+    client_region,
     close_all,
     device,
+    eager,
     hang_under_a_patient_request,
     prepare,
+    shrink,
 )
-
-CLOSE = {"rtol": 1e-4, "atol": 1e-5}
 
 
 @pytest.fixture
@@ -59,11 +60,6 @@ def split(tmp_path):
     close_all([(engine, arena)])
 
 
-def eager(model, x):  # noqa: ANN001, ANN201
-    with torch.no_grad():
-        return model(x)
-
-
 def raw(engine: Engine, loaded, x: torch.Tensor, **kwargs) -> torch.Tensor:  # noqa: ANN001
     (data,) = engine.run(loaded, [RawTensor(x.numpy().tobytes(), "float32", tuple(x.shape))],
                          raw=True, **kwargs)
@@ -88,26 +84,17 @@ def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(split):
     assert [len(r.measured_ms) - b for r, b in zip(loaded.routes, before, strict=True)] == [6, 6]
     assert engine.arena.in_use() == 0
 
-    region = shared_memory.SharedMemory(create=True, size=2 * 3 * 64 * 4)
-    inode = os.stat(SHM_DIR / region.name).st_ino
-    try:
-        inp = TensorRef(region.name, 0, "float32", (3, 64), inode)
-        out = {loaded.outputs[0]: TensorRef(region.name, 3 * 64 * 4, "float32", (3, 64), inode)}
+    with client_region(engine) as (region, inp, out_ref):
+        out = {loaded.outputs[0]: out_ref}
         x = torch.randn(3, 64)
         region.buf[:x.numel() * 4] = x.numpy().tobytes()
         assert engine.run(loaded, [inp], out, raw=True) == [None]
         got = np.frombuffer(region.buf, np.float32)[3 * 64:].reshape(3, 64).copy()
         torch.testing.assert_close(torch.from_numpy(got), eager(model, x), **CLOSE)
         assert sent == []
-        fd = os.open(SHM_DIR / region.name, os.O_RDWR)  # shrunk under the next request
-        os.ftruncate(fd, 64)
-        os.close(fd)
+        shrink(region, 64)  # under the next request
         with pytest.raises(BadRegion, match="is 64 bytes now"):
             engine.run(loaded, [inp], out, raw=True)
-    finally:
-        region.close()
-        region.unlink()
-        engine.forget_segments([(region.name, inode)])
     x = torch.randn(3, 64)  # a bad region is not a lost worker: the same bells serve on
     torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
     assert idle_sets(engine) == 1 and engine.arena.in_use() == 0

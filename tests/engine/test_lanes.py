@@ -10,7 +10,6 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -18,19 +17,21 @@ import pytest
 import torch
 
 from cuvild.client.samples import MLP
-from cuvild.engine.arena import SHM_DIR, Arena
+from cuvild.engine.arena import Arena
 from cuvild.engine.engine import BadRegion, Engine, RunTimeout
-from cuvild.engine.orders import RawTensor, TensorRef
+from cuvild.engine.orders import RawTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import (  # noqa: E402
+    CLOSE,
+    client_region,
     close_all,
     device,
+    eager,
     hang_under_a_patient_request,
     prepare,
+    shrink,
 )
-
-CLOSE = {"rtol": 1e-4, "atol": 1e-5}
 
 
 @pytest.fixture
@@ -64,11 +65,6 @@ def result(engine: Engine, loaded, x: torch.Tensor, **kwargs) -> torch.Tensor:  
     return torch.from_numpy(np.frombuffer(data, np.float32).reshape(3, 64).copy())
 
 
-def eager(model, x):  # noqa: ANN001, ANN201
-    with torch.no_grad():
-        return model(x)
-
-
 def lanes(engine: Engine) -> int:
     return sum(len(v) for v in engine.lanes._idle.values())
 
@@ -93,11 +89,8 @@ def test_client_region_requests_take_a_lane_too(make_engine, tmp_path):
     reads the inputs into the slot and writes the outputs into the region, mapping neither;
     a region shrunk under its request fails that request alone, and the lane serves on."""
     engine, loaded, model = served(make_engine, tmp_path)
-    region = shared_memory.SharedMemory(create=True, size=2 * 3 * 64 * 4)
-    inode = os.stat(SHM_DIR / region.name).st_ino
-    try:
-        inp = TensorRef(region.name, 0, "float32", (3, 64), inode)
-        out = {loaded.outputs[0]: TensorRef(region.name, 3 * 64 * 4, "float32", (3, 64), inode)}
+    with client_region(engine) as (region, inp, out_ref):
+        out = {loaded.outputs[0]: out_ref}
         for _ in range(3):
             x = torch.randn(3, 64)
             region.buf[:x.numel() * 4] = x.numpy().tobytes()
@@ -106,18 +99,12 @@ def test_client_region_requests_take_a_lane_too(make_engine, tmp_path):
             torch.testing.assert_close(torch.from_numpy(got), eager(model, x), **CLOSE)
             assert engine.arena.in_use() == 0
         assert lanes(engine) == 1
-        fd = os.open(SHM_DIR / region.name, os.O_RDWR)
-        os.ftruncate(fd, 64)
-        os.close(fd)
+        shrink(region, 64)
         with pytest.raises(BadRegion, match="is 64 bytes now"):
             engine.run(loaded, [inp], out, raw=True)
         x = torch.randn(3, 64)
         torch.testing.assert_close(result(engine, loaded, x), eager(model, x), **CLOSE)
         assert lanes(engine) == 1  # the same lane: a bad region is not a lost worker
-    finally:
-        region.close()
-        region.unlink()
-        engine.forget_segments([(region.name, inode)])
 
 
 def test_several_parts_or_a_worker_thread_take_no_lane(make_engine, tmp_path):
