@@ -365,7 +365,9 @@ class Engine:
             route.variants = {v.precision: v for v in reply.result.variants}
             route.precision = (route.precisions or [route.precision])[0]
 
-    def unload(self, key: str) -> None:
+    def unload(self, key: str, wait_s: float = 0.0) -> None:
+        """Stop serving model `key`; with `wait_s`, wait that long for its workers to have
+        let it go (a fast-path session a worker serves then ends at its next request)."""
         model = self.models.pop(key, None)
         self.lanes.drop(key)
         self.bells.drop(key)
@@ -376,10 +378,13 @@ class Engine:
             for variant in variants:
                 variant.evicted = True
         for variant in variants:
-            self.unload(variant.key)
-        for device in model.parts_by_device:
-            if device in self.workers:
-                self.workers[device].call(Unload(key))
+            self.unload(variant.key, wait_s)
+        unloads = [self.workers[d].call(Unload(key)) for d in model.parts_by_device
+                   if d in self.workers]
+        deadline = time.monotonic() + wait_s
+        for future in unloads if wait_s else ():
+            with contextlib.suppress(Exception):  # (a dead worker let go of it too)
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def forget_segments(self, segments: list[tuple[str, int]]) -> None:
         """Have every worker unmap these client objects (name, inode); no reply awaited."""

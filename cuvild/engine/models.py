@@ -26,6 +26,7 @@ from cuvild.engine.precision import PrecisionPolicy
 from cuvild.intake.registry import ModelRecord, Registry
 
 log = logging.getLogger(__name__)
+UNLOAD_WAIT_S = 10.0  # an unload waits this long for the workers to let the model go
 
 
 @dataclass
@@ -151,8 +152,8 @@ class ModelManager:
                     and (not version or m.record.version == version)]
             for key in keys:
                 del self._models[key]
-        for key in keys:
-            self.engine.unload(key)
+        for key in keys:  # (once this returns, no worker serves it: its sessions end)
+            self.engine.unload(key, wait_s=UNLOAD_WAIT_S)
 
     def get(self, name: str, version: str = "") -> ServedModel | None:
         """The named version, or the newest registered one."""
