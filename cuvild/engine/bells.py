@@ -31,14 +31,13 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
 from cuvild.engine.lanes import Attached
 from cuvild.engine.orders import Attach, TensorRef
-from cuvild.engine.request import Timeline, measured
+from cuvild.engine.request import Timeline, measured, usable
 from cuvild.engine.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
 from protos import fastpath as wire
 
@@ -222,11 +221,7 @@ def ring_parts(engine: Any, model: LoadedModel, bells: dict[str, Bell],
             for route in [r for r in waiting if all(i in ready for i in r.inputs)
                           ] if failure is None else []:
                 waiting.remove(route)
-                t0 = time.monotonic()
-                if not engine._usable[route.device].wait(max(0.0, deadline - t0)):
-                    raise RunTimeout(f"part {route.id} on {route.device}: its worker was being "
-                                     f"restarted and was not back in {time.monotonic() - t0:.1f}"
-                                     " s (the request's deadline)")
+                usable(engine, route, deadline)
                 bell = bells[route.id]
                 try:
                     bell.ring()
@@ -282,7 +277,7 @@ def _expired(engine: Any, running: dict[int, tuple[Route, Bell, int, float]],
                       + ("; its worker was stopped and is being restarted" if killed else ""))
 
 
-def _close(bells: dict[str, Bell] | Sequence[Bell]) -> None:
-    for bell in (bells.values() if isinstance(bells, dict) else bells):
+def _close(bells: dict[str, Bell]) -> None:
+    for bell in bells.values():
         if not bell.closed:
             bell.close()

@@ -45,6 +45,15 @@ def measured(engine: Any, model: LoadedModel, route: Route, run_ms: float) -> No
         engine.corrections.later(engine.feedback, model.key)
 
 
+def usable(engine: Any, route: Route, deadline: float) -> None:
+    """Wait, by the deadline, for the part's worker to be back if it is being restarted."""
+    t0 = time.monotonic()
+    if not engine._usable[route.device].wait(max(0.0, deadline - t0)):
+        raise RunTimeout(f"part {route.id} on {route.device}: its worker was being restarted "
+                         f"and was not back in {time.monotonic() - t0:.1f} s (the request's "
+                         "deadline)")
+
+
 def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
               timeline: Timeline | None, deadline: float, patient: bool) -> None:
     """Run the request's parts (`engine`: the Engine, which imports this module)."""
@@ -76,11 +85,7 @@ def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, Ten
     def start(route: Route) -> tuple[WorkerHandle, Run]:
         waiting.remove(route)
         worker = engine.worker(route.device)
-        t0 = time.monotonic()
-        if not engine._usable[route.device].wait(max(0.0, deadline - t0)):
-            raise RunTimeout(f"part {route.id} on {route.device}: its worker was being "
-                             f"restarted and was not back in {time.monotonic() - t0:.1f} s "
-                             "(the request's deadline)")
+        usable(engine, route, deadline)
         sent[route.id] = time.monotonic()
         if timeline is not None:
             dispatched[route.id] = time.perf_counter_ns()
