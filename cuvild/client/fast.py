@@ -4,8 +4,9 @@ A session is opened once per model on the daemon's unix socket and maps the daem
 memfd: then each request copies its inputs into a slot, writes a ring entry and rings an
 8-byte doorbell; the reply is the same 8 bytes back, the outputs are in the slot. No gRPC,
 no protobuf. A dynamic-shape model's session is opened for the shapes of its first request
-(or `shapes`), and opened again for a request of other shapes: keep them fixed (a batch
-size, a sequence length) and it opens once. A session is for one thread at a time
+(or `shapes`), and one more for each new set of shapes; the last `keep` (4) stay open, so
+a client that alternates a few batch sizes opens each once (each open session counts as
+one of the caller's connections on the daemon). A session is for one thread at a time
 (`Client(fast=True)` keeps one per thread and model). When the daemon restarts, or the model
 is loaded again, the next request opens a new session and is sent again (inference is
 idempotent), waiting up to `timeout` for the daemon and the model to be back; past that it
@@ -27,6 +28,9 @@ import numpy as np
 
 from protos import fastpath as wire
 
+KEEP = 4  # a dynamic model's sessions kept open, one per set of shapes
+_OPEN = ("sock", "mm", "layout", "_in", "_out", "_wait")  # what one open session is
+
 
 class FastPathError(RuntimeError):
     """A fast-path request or session failed; `code` is a gRPC status name (NOT_FOUND,
@@ -39,6 +43,20 @@ class FastPathError(RuntimeError):
 
 class _Gone(Exception):
     """The daemon closed the session (it stopped or restarted)."""
+
+
+def _key(shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(s) for s in shapes)
+
+
+def _shut(sock: socket.socket | None, mm: mmap.mmap | None) -> None:
+    if sock is not None:
+        sock.close()
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:  # a caller still holds a view of it: it goes with that
+            pass
 
 
 def _array(mm: mmap.mmap, at: int, dtype: str, shape: list[int]) -> Any:
@@ -57,11 +75,14 @@ def _array(mm: mmap.mmap, at: int, dtype: str, shape: list[int]) -> Any:
 
 class FastSession:
     def __init__(self, socket_path: str, model: str, version: str = "", depth: int = 1,
-                 timeout: float = 30.0, shapes: Sequence[Sequence[int]] | None = None) -> None:
+                 timeout: float = 30.0, shapes: Sequence[Sequence[int]] | None = None,
+                 keep: int = KEEP) -> None:
         """`shapes`: a dynamic-shape model's input shapes to open the session for (else those
-        of its first request)."""
+        of its first request); `keep`: how many sets of shapes stay open (at least 1)."""
         self.path, self.model, self.version = socket_path, model, version
-        self.depth, self.timeout = depth, timeout
+        self.depth, self.timeout, self.keep = depth, timeout, max(1, keep)
+        self._kept: dict[tuple[tuple[int, ...], ...], tuple[Any, ...]] = {}  # by shapes,
+        # oldest first: the open sessions of a dynamic model other than the current one
         self.shapes = [list(s) for s in shapes] if shapes is not None else None
         self.sock: socket.socket | None = None
         self.mm: mmap.mmap | None = None
@@ -153,19 +174,40 @@ class FastSession:
                       for t in reply["outputs"]] for base in reply["slots"]]
 
     def _close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-        if self.mm is not None:
-            self._in = self._out = []
-            try:
-                self.mm.close()
-            except BufferError:  # a caller still holds a view of it: it goes with that
-                pass
-            self.mm = None
+        sock, mm = self.sock, self.mm
+        self.sock = self.mm = None
+        self._in = self._out = []  # its views of the memory go first
+        _shut(sock, mm)
 
     def close(self) -> None:
         self._close()
+        self._forget_kept()
+
+    def _switch(self, shapes: list[list[int]]) -> None:
+        """Make the session for `shapes` the current one: a kept one, or none (the request
+        opens it). The current one is kept, the oldest closed past `keep`."""
+        if self.sock is not None and self.shapes is not None:
+            self._kept[_key(self.shapes)] = tuple(getattr(self, a) for a in _OPEN)
+            self.sock = self.mm = None
+        self.shapes = shapes
+        kept = self._kept.pop(_key(shapes), None)
+        if kept is not None:
+            for attr, value in zip(_OPEN, kept, strict=True):
+                setattr(self, attr, value)
+        while len(self._kept) >= self.keep:  # with the current one, `keep` are open
+            self._close_kept(self._kept.pop(next(iter(self._kept))))
+
+    def _forget_kept(self) -> None:
+        """Close the kept sessions (the daemon restarted or the model was loaded again: they
+        are as stale as the current one, or the session is closed)."""
+        while self._kept:
+            self._close_kept(self._kept.popitem()[1])
+
+    @staticmethod
+    def _close_kept(kept: tuple[Any, ...]) -> None:
+        sock, mm = kept[0], kept[1]
+        del kept  # its views of the memory go first
+        _shut(sock, mm)
 
     def __enter__(self) -> FastSession:
         return self
@@ -198,8 +240,7 @@ class FastSession:
         if self.dynamic:  # a session per set of shapes
             shapes = [list(getattr(v, "shape", np.shape(v))) for v in values]
             if shapes != self.shapes:
-                self.shapes = shapes
-                self._close()
+                self._switch(shapes)
         for attempt in (1, 2):
             if self.sock is None:
                 self._open(deadline)
@@ -213,6 +254,7 @@ class FastSession:
                 if e.code != wire.RELOADED or attempt == 2:
                     raise
             self._close()  # a re-open: the daemon restarted, or the model was loaded again
+            self._forget_kept()
         raise AssertionError("unreachable")
 
     def _request(self, values: list[Any], deadline: float) -> list[Any]:
