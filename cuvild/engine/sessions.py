@@ -13,6 +13,7 @@ unloaded here (the client then opens a new one), or with the worker. The engine'
 
 from __future__ import annotations
 
+import bisect
 import json
 import mmap
 import os
@@ -61,6 +62,24 @@ def slot_layout(model: LoadedModel, inputs: list[str], outputs: list[str],
 # A session's counts, in a memfd of its own that the daemon and the worker share (the client
 # never gets it): requests done, failed, seconds run. The metrics read them.
 STATS = struct.Struct("<QQd")
+# After them, on a fast-path session (whose requests the daemon never sees), a histogram of
+# the requests done: seconds from doorbell to answer, summed, then the requests per bucket
+# (each up to its bound in SECONDS, the metrics' buckets; the last one past them all).
+SECONDS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+           2.5, 5.0, 10.0, 60.0)  # from a tenth of a millisecond to a minute
+TIMES = struct.Struct(f"<d{len(SECONDS) + 1}Q")
+STATS_BYTES = STATS.size + TIMES.size
+_SUM, _COUNT = struct.Struct("<d"), struct.Struct("<Q")
+
+
+def count_time(stats: mmap.mmap, seconds: float) -> None:
+    """Add one request's doorbell-to-answer time to a session's histogram."""
+    at = STATS.size
+    (total,) = _SUM.unpack_from(stats, at)
+    _SUM.pack_into(stats, at, total + seconds)
+    at += _SUM.size + _COUNT.size * bisect.bisect_left(SECONDS, seconds)
+    (n,) = _COUNT.unpack_from(stats, at)
+    _COUNT.pack_into(stats, at, n + 1)
 # A bell's request record (cuvild/engine/bells.py), one page: seq, state, error_len, the
 # arena block's offset, its segment's name's length and the count of tensors elsewhere; the
 # name at BELL_NAME; the error text (JSON: kind, error) at BELL_ERRORS; from BELL_ELSEWHERE,
@@ -89,7 +108,7 @@ class Session:
         self.exe: Any = None  # a weak reference to the part the session first ran
         try:
             self.mm = mmap.mmap(memfd, self.layout["size"])
-            self.stats = mmap.mmap(stats_fd, STATS.size)
+            self.stats = mmap.mmap(stats_fd, STATS_BYTES)
         finally:
             os.close(memfd)
             os.close(stats_fd)
@@ -130,6 +149,7 @@ class Session:
 
     def answer(self, bell: bytes, parts: dict[tuple[str, str], Any]) -> bool:
         """Run the request rung for and answer it; False when the session is over."""
+        rung = time.perf_counter()
         (seq,) = wire.DOORBELL.unpack(bell)
         depth = self.layout["depth"]
         index = seq % depth
@@ -162,7 +182,9 @@ class Session:
                        f"part {self.part} failed: {type(e).__name__}: {e}")
             return self._answer(bell)
         done, failed, busy = STATS.unpack_from(self.stats)
-        STATS.pack_into(self.stats, 0, done + 1, failed, busy + time.perf_counter() - t0)
+        now = time.perf_counter()
+        STATS.pack_into(self.stats, 0, done + 1, failed, busy + now - t0)
+        count_time(self.stats, now - rung)
         wire.ENTRY.pack_into(self.mm, at, seq, slot, wire.DONE, 0)
         return self._answer(bell)
 

@@ -37,7 +37,7 @@ from cuvild.engine.errors import InferError
 from cuvild.engine.lanes import one_part
 from cuvild.engine.layout import BadInput
 from cuvild.engine.orders import Attach, RawTensor
-from cuvild.engine.sessions import STATS, fail, slot_layout
+from cuvild.engine.sessions import STATS, STATS_BYTES, TIMES, fail, slot_layout
 from cuvild.engine.sessions import Session as WorkerSession
 from cuvild.serve.errors import CODES
 from protos import fastpath as wire
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 OPEN_BUILD_S = 600.0  # a new bucket's build, waited for by the session that opens it
+COUNTS = 2 + len(TIMES.unpack(bytes(TIMES.size)))  # a session's counts(): done, failed, TIMES
 
 
 class Refused(Exception):
@@ -97,7 +98,7 @@ class Session:
             stats_fd = os.memfd_create("cuvild-session-counts", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(stats_fd, mmap.PAGESIZE)
-                self.stats = mmap.mmap(stats_fd, STATS.size)
+                self.stats = mmap.mmap(stats_fd, STATS_BYTES)
                 self.attached = self._attach(fd, stats_fd)
                 self.inline = None if self.attached else self._inline(fd, stats_fd)
             finally:
@@ -227,13 +228,14 @@ class Session:
     def _fail(self, at: int, index: int, seq: int, slot: int, code: str, error: str) -> None:
         fail(self.mm, self.layout, at, index, seq, slot, code, error)
 
-    def counts(self) -> tuple[int, int]:
+    def counts(self) -> list[float]:
         """Requests done and failed that a worker ran on this session's memory (the others
-        are in the request metrics already)."""
+        are in the request metrics already), and the histogram of the ones done: seconds
+        summed, requests per bucket (cuvild/engine/sessions.py, TIMES)."""
         if not (self.attached or self.inline) or self.stats.closed:
-            return 0, 0
+            return [0] * COUNTS
         done, failed, _ = STATS.unpack_from(self.stats)
-        return done, failed
+        return [done, failed, *TIMES.unpack_from(self.stats, STATS.size)]
 
     def close(self) -> None:
         self.ended = True
@@ -258,7 +260,7 @@ class FastPath:
         self._sessions: set[Session] = set()  # served here, by their threads
         self._attached: set[Session] = set()  # served by their model's worker process
         # (name, version) -> requests done, failed, of ended sessions
-        self._ended: dict[tuple[str, str], list[int]] = {}
+        self._ended: dict[tuple[str, str], list[float]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -358,26 +360,21 @@ class FastPath:
         return served, model, depth
 
     def forget(self, session: Session) -> None:
-        done, failed = session.counts()
+        counts = session.counts()
         with self._lock:
             if session in self._sessions or session in self._attached:
-                totals = self._ended.setdefault(session.model_id, [0, 0])
-                totals[0] += done
-                totals[1] += failed
+                _add(self._ended.setdefault(session.model_id, [0] * COUNTS), counts)
             self._sessions.discard(session)
             self._attached.discard(session)
 
-    def counts(self) -> dict[tuple[str, str], list[int]]:
-        """Per model (name, version), the fast-path requests done and failed that a worker
-        ran on a session's memory (ended sessions' and open ones'), for the metrics."""
+    def counts(self) -> dict[tuple[str, str], list[float]]:
+        """Per model (name, version), what a worker ran on a session's memory (ended
+        sessions' and open ones'), for the metrics: as `Session.counts`."""
         with self._lock:
             totals = {k: list(v) for k, v in self._ended.items()}
             sessions = list(self._sessions | self._attached)
         for session in sessions:
-            done, failed = session.counts()
-            entry = totals.setdefault(session.model_id, [0, 0])
-            entry[0] += done
-            entry[1] += failed
+            _add(totals.setdefault(session.model_id, [0] * COUNTS), session.counts())
         return totals
 
     def close(self, timeout: float = 5.0) -> None:
@@ -393,3 +390,8 @@ class FastPath:
         deadline = time.monotonic() + timeout
         while self._sessions and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _add(totals: list[float], counts: list[float]) -> None:
+    for k, n in enumerate(counts):
+        totals[k] += n

@@ -16,6 +16,7 @@ The HTTP endpoint serves `metrics.listen` (off by default; a bare port binds loo
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import statistics
 import time
@@ -23,8 +24,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from cuvild.engine.sessions import SECONDS
 
 if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel, Route
@@ -33,9 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MODEL = ("model", "version")
-# From a tenth of a millisecond to a minute: CPU parts of tiny models up to cold NPU calls.
-BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
-           2.5, 5.0, 10.0, 60.0)
+# From a tenth of a millisecond to a minute: CPU parts of tiny models up to cold NPU calls
+# (the engine's, as a worker counts a fast-path session's requests in them).
+BUCKETS = SECONDS
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # rows per batched run
 RECENT = 1000  # end-to-end times kept per model for stats' p50/p99
 
@@ -45,7 +48,7 @@ class FastPath(Protocol):
 
     def sessions(self) -> int: ...
 
-    def counts(self) -> dict[tuple[str, str], list[int]]: ...
+    def counts(self) -> dict[tuple[str, str], list[float]]: ...
 
 
 class Metrics:
@@ -169,7 +172,8 @@ class Metrics:
                     "p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
                     "n": len(times)}
         # Fast-path requests a worker ran on the session's memory count here too.
-        for (name, version), (done, failed) in (self.fast.counts() if self.fast else {}).items():
+        for (name, version), (done, failed, *_) in (self.fast.counts() if self.fast
+                                                     else {}).items():
             entry = models.setdefault(f"{name}:{version}", {"success": 0, "failure": 0,
                                                             "inferences": 0})
             entry["success"] += done
@@ -208,10 +212,18 @@ class _State(Collector):
                 "cuvil_fast_path_requests", "Fast-path requests a worker ran on the session's "
                 "memory (not in the request counters and histograms above)",
                 labels=[*MODEL, "outcome"])
-            for (name, version), (done, failed) in self.fast.counts().items():
+            took = HistogramMetricFamily(
+                "cuvil_fast_path_request_duration_seconds", "Time from doorbell to answer of "
+                "the fast-path requests a worker ran (not in the request histograms above)",
+                labels=list(MODEL))
+            for (name, version), (done, failed, total, *per) in self.fast.counts().items():
                 ran.add_metric([name, version, "success"], done)
                 ran.add_metric([name, version, "failure"], failed)
+                bounds = [*map(str, BUCKETS), "+Inf"]
+                took.add_metric([name, version], list(zip(bounds, itertools.accumulate(per),
+                                                          strict=True)), total)
             yield ran
+            yield took
         yield _gauge("cuvil_model_build_seconds", "How long a model's last load took (plan, "
                      "compile, check)", [([m.record.name, m.record.version], m.prepare_s)
                                          for m in served if m.prepare_s], list(MODEL))

@@ -96,6 +96,28 @@ def test_metrics_move_by_exactly_what_was_sent(make_daemon):
     host = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
     assert host.status == 200
 
+    # The fast path: a one-part model's requests are run by its worker, which the daemon
+    # never sees; they are counted in the session's page, and stay counted once it closed.
+    assert len(client_plan_parts(d.target)) == 1
+    with Client(d.target, fast=True) as client:
+        for _ in range(5):
+            client.infer("mlp", x)
+        during = scrape(port)
+    after_fast = scrape(port)
+    for took in (during, after_fast):
+        assert series(took, "cuvil_fast_path_requests_total", outcome="success",
+                      **model_labels) == 5
+        assert series(took, "cuvil_fast_path_request_duration_seconds_count",
+                      **model_labels) == 5
+        assert 0 < series(took, "cuvil_fast_path_request_duration_seconds_sum",
+                          **model_labels) < 5 * 60
+        bucket = "cuvil_fast_path_request_duration_seconds_bucket"
+        bounds = set(re.findall(r'le="([^"]+)"', " ".join(k for k in took if bucket in k)))
+        counts = [series(took, bucket, le=le, **model_labels) for le in sorted(bounds, key=float)]
+        assert counts == sorted(counts) and counts[-1] == 5  # cumulative, +Inf holds all
+    assert series(after_fast, "cuvil_inference_request_success_total", **model_labels) == \
+        series(after, "cuvil_inference_request_success_total", **model_labels)
+
 
 def client_plan_parts(target: str) -> list[dict]:
     with Client(target) as client:
