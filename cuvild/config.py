@@ -98,6 +98,37 @@ class Config:
         }
 
 
+# A reload (SIGHUP) applies these to the running daemon: each is read where it is used (the
+# next request, load, upload or registration; models already loaded keep their plans).
+RELOADED = frozenset({
+    "path", "log_level", "max_model_bytes", "upload_idle_s", "upload_max_s", "shm_max_regions",
+    "shm_max_bytes", "shm_allowed_uids", "run_timeout_s", "max_buckets", "max_dim", "runtimes",
+    "compile_timeout_s", "objective", "precision", "max_error", "max_batch", "max_delay_us"})
+# The rest take effect on restart: field -> its key in the file, which a reload that finds
+# it changed names in its warning (the daemon keeps running as it started).
+ON_RESTART = {
+    "unix_socket": "listen.unix", "tcp": "listen.tcp", "token": "listen.token",
+    "tls_cert": "listen.tls", "tls_key": "listen.tls", "tls_client_ca": "listen.tls",
+    "insecure_loopback": "listen.insecure_loopback", "state_dir": "state_dir",
+    "cache_dir": "cache_dir", "cpu_enabled": "devices.cpu", "cpu_cores": "devices.cpu",
+    "gpu_enabled": "devices.gpu", "openvino_enabled": "devices.openvino",
+    "emulated": "devices.emulated", "overrides": "devices.overrides",
+    "max_concurrent_uploads": "limits.max_concurrent_uploads",
+    "max_connections": "limits.max_connections",
+    "max_connections_per_uid": "limits.max_connections_per_uid",
+    "idle_timeout_s": "limits.idle_timeout_s", "rpc_threads": "limits.rpc_threads",
+    "shm_allow_tcp_clients": "shm.allow_tcp_clients", "fast_path": "shm.fast_path",
+    "max_in_flight": "engine.max_in_flight", "workers": "engine.workers",
+    "metrics_enabled": "metrics.enabled", "metrics_listen": "metrics.listen",
+    "tracing_exporter": "tracing", "tracing_path": "tracing", "tracing_endpoint": "tracing",
+    "tracing_sample_rate": "tracing"}
+
+
+def build_timeout_s(cfg: Config) -> float:
+    """How long a model's whole build may take: several compiles, at least ten minutes."""
+    return max(600.0, 4 * cfg.compile_timeout_s)
+
+
 # key -> (type or tuple of types, default). Nested dicts are their own schema.
 _SCHEMA: dict[str, Any] = {
     "listen": {"unix": ((str, type(None)), None), "tcp": ((str, type(None)), None),

@@ -186,7 +186,7 @@ class Daemon:
                         run_timeout_s=self.cfg.run_timeout_s, max_buckets=self.cfg.max_buckets,
                         max_dim=self.cfg.max_dim, runtimes=self.cfg.runtimes,
                         in_process=self.cfg.workers == "thread",
-                        build_timeout_s=max(600.0, 4 * self.cfg.compile_timeout_s),
+                        build_timeout_s=config_mod.build_timeout_s(self.cfg),
                         compile_timeout_s=self.cfg.compile_timeout_s,
                         corrections_path=self.cfg.state_dir / "corrections"
                         / f"{profiles.fingerprint}.json")
@@ -244,36 +244,41 @@ class Daemon:
             log.error("reload: keeping the running config, %s is invalid: %s", self.cfg.path, e)
             sdnotify.notify(f"STATUS=reload failed: {e}")
             return
-        if (new.unix_socket, new.tcp) != (self.cfg.unix_socket, self.cfg.tcp):
-            log.warning("reload: listen addresses changed; they take effect on restart")
-            new.unix_socket, new.tcp = self.cfg.unix_socket, self.cfg.tcp
-        if new.max_concurrent_uploads != self.cfg.max_concurrent_uploads:
-            log.warning("reload: limits.max_concurrent_uploads takes effect on restart")
-        if new.workers != self.cfg.workers:
-            log.warning("reload: engine.workers takes effect on restart")
-        restart_only = [key for key, a, b in (
-            ("limits.max_connections", new.max_connections, self.cfg.max_connections),
-            ("limits.max_connections_per_uid", new.max_connections_per_uid,
-             self.cfg.max_connections_per_uid),
-            ("limits.idle_timeout_s", new.idle_timeout_s, self.cfg.idle_timeout_s),
-            ("limits.rpc_threads", new.rpc_threads, self.cfg.rpc_threads),
-            ("shm.fast_path", new.fast_path, self.cfg.fast_path),
-            ("engine.batching", (new.max_batch, new.max_delay_us),
-             (self.cfg.max_batch, self.cfg.max_delay_us))) if a != b]
-        if restart_only:
-            log.warning("reload: %s take(s) effect on restart", ", ".join(restart_only))
-        if self.regions is not None:  # per-caller caps apply to the next registration
-            self.regions.max_regions, self.regions.max_bytes = (new.shm_max_regions,
-                                                                new.shm_max_bytes)
-        if self.uploads is not None:
-            self.uploads.idle_s, self.uploads.max_s = new.upload_idle_s, new.upload_max_s
+        later = sorted({key for name, key in config_mod.ON_RESTART.items()
+                        if getattr(new, name) != getattr(self.cfg, name)})
+        if later:
+            log.warning("reload: %s take(s) effect on restart", ", ".join(later))
+        for name in config_mod.ON_RESTART:  # the config held is the one that runs
+            setattr(new, name, getattr(self.cfg, name))
+        self._apply(new)
         self.cfg = new
-        if self.registry is not None:
-            self.registry.max_model_bytes = new.max_model_bytes
-        logging.getLogger().setLevel(new.log_level.upper())
         self._load_profiles()
         log.info("reloaded %s", new.path)
         sdnotify.notify("STATUS=serving (config reloaded)")
+
+    def _apply(self, new: config_mod.Config) -> None:
+        """The settings a reload changes (config.RELOADED), set where they are read."""
+        logging.getLogger().setLevel(new.log_level.upper())
+        if self.registry is not None:
+            self.registry.max_model_bytes = new.max_model_bytes
+        if self.uploads is not None:
+            self.uploads.idle_s, self.uploads.max_s = new.upload_idle_s, new.upload_max_s
+        if self.regions is not None:  # for the next registration
+            self.regions.max_regions, self.regions.max_bytes = (new.shm_max_regions,
+                                                                new.shm_max_bytes)
+            self.regions.tcp_owners = set(new.shm_allowed_uids)
+        if self.models is not None:  # for the next request, build or load
+            from cuvild.engine.batching import Batching
+            from cuvild.engine.precision import PrecisionPolicy
+
+            engine = self.models.engine
+            engine.run_timeout_s, engine.max_dim = new.run_timeout_s, new.max_dim
+            engine.max_buckets, engine.runtimes = max(1, new.max_buckets), new.runtimes
+            engine.compile_timeout_s = new.compile_timeout_s
+            engine.build_timeout_s = config_mod.build_timeout_s(new)
+            self.models.objective = new.objective
+            self.models.default_policy = PrecisionPolicy(new.precision, new.max_error)
+            self.models.default_batching = Batching(new.max_batch, new.max_delay_us)
 
     def run(self) -> int:
         soft, _ = raise_nofile()

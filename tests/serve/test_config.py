@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,11 @@ def test_shipped_configs_are_valid(tmp_path, monkeypatch):
     assert demo.cpu_cores == [0]
     assert [(d.id, d.kind, d.runtime, d.cores) for d in demo.emulated] == \
         [("npu0", "npu", "openvino", [1])]
+
+
+def test_a_reload_applies_or_names_every_setting():
+    """Each field is either applied by a reload or named as taking effect on restart: a new
+    one is never silently left as it started."""
+    fields = {f.name for f in dataclasses.fields(config.Config)}
+    assert config.RELOADED.isdisjoint(config.ON_RESTART)
+    assert fields == config.RELOADED | set(config.ON_RESTART)

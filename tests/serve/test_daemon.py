@@ -12,10 +12,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cuvild.client import Client
+from cuvild.client.samples import MLP
 from protos import cuvil_pb2, cuvil_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,10 +136,17 @@ def test_sighup_reloads_and_survives_bad_config(make_daemon):
     config = yaml.safe_load(d.config_path.read_text())
     config["log_level"] = "warning"
     config.setdefault("shm", {})["fast_path"] = False  # read at start only: said so
+    config.setdefault("limits", {})["max_connections"] = 9
+    config.setdefault("engine", {})["runtimes"] = {"cpu": ["torch"]}  # applied
     d.config_path.write_text(yaml.safe_dump(config))
     d.signal(signal.SIGHUP)
     d.wait_for("config reloaded", timeout=60)
-    assert "reload: shm.fast_path take(s) effect on restart" in d.log()
+    assert "reload: limits.max_connections, shm.fast_path take(s) effect on restart" in d.log()
+    torch.manual_seed(0)
+    with Client(d.target) as client:  # the next load plans with the runtimes reloaded
+        client.load("mlp", MLP(width=16, depth=1).eval(), (torch.randn(2, 16),))
+        parts = client.plan("mlp")["plan"]["parts"]
+        assert {p["runtime"] for p in parts if p["device"].startswith("cpu")} == {"torch"}
     d.config_path.write_text("listen: {unix: 7}\n")
     d.signal(signal.SIGHUP)
     d.wait_for("reload failed", timeout=60)
