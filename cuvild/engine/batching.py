@@ -59,12 +59,19 @@ def batcher_for(model: Any, ep: Any, settings: Batching) -> None:
     """Give a dynamic-shape model its batcher, or say why it gets none (`model.unbatched`)."""
     low = min((lo for _, d, lo, _ in model.dynamic if d == 0), default=1)
     high = min((hi for _, d, _, hi in model.dynamic if d == 0), default=1)
-    model.unbatched = batch_symbol(ep) or (
+    settle(model, batch_symbol(ep) or (
         f"its batch dimension's exported range ends at {high}" if high < 2 else
-        check(ep, model.input_specs, low))
-    if model.unbatched:
-        log.warning("model %s is not batched: %s", model.key, model.unbatched)
+        check(ep, model.input_specs, low)), settings)
+
+
+def settle(model: Any, unbatched: str, settings: Batching) -> None:
+    """The batcher of a model whose rows can be batched (`unbatched` "": what the load
+    checked, or its load record says), else the reason it is not."""
+    model.unbatched = unbatched
+    if unbatched:
+        log.warning("model %s is not batched: %s", model.key, unbatched)
     else:  # no batch past the exported range; one batch in flight per pipeline stage
+        high = min((hi for _, d, _, hi in model.dynamic if d == 0), default=1)
         settings = Batching(min(settings.max_batch, high), settings.max_delay_us)
         model.batcher = Batcher(model.key, settings, len(model.parts_by_device))
 

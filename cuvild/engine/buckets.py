@@ -6,8 +6,10 @@ than a single request.
 Bounded both ways. A dynamic dimension above the engine's `max_dim` is refused (BadInput)
 before anything is built for it. A model keeps at most `max_buckets` buckets: when a build
 makes one more, the least recently used buckets that no request is running go (unloaded from
-the workers), and one asked for again is simply built again (from the compile cache). A bucket
-in use is never evicted: `hold` counts a request in, and rebuilds a bucket evicted between
+the workers), and one asked for again is restored from its load record (cuvild/engine/warm.py:
+written when a bucket is built, the last `RECORDS` of a model kept; a restart restores its
+buckets the same way), else built again (from the compile cache). A bucket in use is never
+evicted: `hold` counts a request in, and rebuilds a bucket evicted between
 `resolve` and `run`.
 
 Sizes are not rounded up to fewer buckets: that would pad a request's batch, and padding
@@ -22,10 +24,12 @@ keeps the recency order and the use counts.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from cuvild.engine import warm
 from cuvild.engine.errors import InferError, RunTimeout
 from cuvild.engine.layout import BadInput, input_table, layout
 from cuvild.engine.loaded import LoadedModel, cut_bytes
@@ -33,6 +37,7 @@ from cuvild.engine.loaded import LoadedModel, cut_bytes
 Engine = Any  # cuvild/engine/engine.py, which imports this module
 log = logging.getLogger(__name__)
 Shapes = tuple[tuple[int, ...], ...]
+RECORDS = 32  # bucket load records kept on disk per model, the last written
 
 
 def check_dims(model: LoadedModel, given: Sequence[tuple[str, tuple[int, ...]]],
@@ -81,9 +86,8 @@ def release(engine: Engine, model: LoadedModel) -> None:
 
 def build(engine: Engine, model: LoadedModel, shapes: Shapes,
           deadline: float | None) -> LoadedModel:
-    import torch
-
-    assert model.split is not None
+    """The bucket from its load record (cuvild/engine/warm.py) or, where it has none that
+    serves, planned, laid out and built."""
     t0 = time.monotonic()
     if not model.variant_lock.acquire(
             timeout=-1 if deadline is None else max(0.0, deadline - t0)):
@@ -94,31 +98,7 @@ def build(engine: Engine, model: LoadedModel, shapes: Shapes,
             variant = model.variants.get(shapes)
         if variant is not None:
             return variant
-        plan, split, own = plan_for(engine, model, shapes)
-        dtypes = [getattr(torch, s.dtype) for s in model.table]
-        with torch.no_grad():
-            values = split.trace(*[torch.zeros(shape, dtype=dt)
-                                   for shape, dt in zip(shapes, dtypes, strict=True)])
-        slots, footprint, total = layout(values, split)
-        tag = "x".join("-".join(map(str, shape)) for shape in shapes)
-        specs = [{**s, "shape": list(shape)}
-                 for s, shape in zip(model.input_specs, shapes, strict=True)]
-        routes = engine._routes(plan, split)
-        by_device: dict[str, list[str]] = {}
-        for route in routes:
-            by_device.setdefault(route.device, []).append(route.id)
-        variant = LoadedModel(f"{model.key}@{tag}", model.name, model.version, plan, routes,
-                              model.inputs, model.outputs, input_table(specs, []), slots,
-                              footprint, total, model.archive, specs,
-                              parts_by_device=by_device, base_key=model.key, shapes=shapes,
-                              own_split=own)
-        variant.policy, variant.batcher = model.policy, model.batcher
-        variant.cut_bytes = cut_bytes(variant)
-        variant.part_input_shapes = {
-            p.id: [list(values[n].shape) for n in p.inputs] for p in split.parts}
-        log.info("building %s for input shapes %s%s", model.key, [list(s) for s in shapes],
-                 ": " + ", ".join(f"{r.id}@{r.device}" for r in routes) if own else "")
-        engine._build(variant, deadline=deadline)
+        variant = restored(engine, model, shapes) or cold(engine, model, shapes, deadline)
         with engine._buckets_lock:
             model.variants[shapes] = variant
             engine.models[variant.key] = variant
@@ -126,6 +106,110 @@ def build(engine: Engine, model: LoadedModel, shapes: Shapes,
         return variant
     finally:
         model.variant_lock.release()
+
+
+def restored(engine: Engine, model: LoadedModel, shapes: Shapes) -> LoadedModel | None:
+    """The bucket as its load record has it (nothing planned, split or compiled: no torch),
+    checked end to end; None where it has no record, or one that no longer serves."""
+    if model.record_at is None:
+        return None
+    where = model.record_at / warm.BUCKETS / tag(shapes)
+    record = warm.read(where)
+    if record is None:
+        return None
+    key = f"{model.key}@{tag(shapes)}"
+    try:
+        variant = warm.restore(engine, where, record, key, model.name, model.version,
+                               model.archive, specs(model, shapes), model.policy)
+    except Exception as e:  # noqa: BLE001 - never trusted blindly: built again
+        log.warning("bucket %s: load record not used (%s); building it again", key, e)
+        return None
+    variant.base_key, variant.shapes, variant.batcher = model.key, shapes, model.batcher
+    log.info("restored %s for input shapes %s from its load record", model.key,
+             [list(s) for s in shapes])
+    return variant
+
+
+def cold(engine: Engine, model: LoadedModel, shapes: Shapes,
+         deadline: float | None) -> LoadedModel:
+    import torch
+
+    from cuvild.engine.build import sample_inputs
+
+    reread(engine, model)
+    assert model.split is not None
+    plan, split, own = plan_for(engine, model, shapes)
+    given = specs(model, shapes)
+    inputs = sample_inputs(given, 0)  # (a check input, as a static model's load has)
+    with torch.no_grad():
+        values = split.trace(*inputs)
+    slots, footprint, total = layout(values, split)
+    routes = engine._routes(plan, split)
+    by_device: dict[str, list[str]] = {}
+    for route in routes:
+        by_device.setdefault(route.device, []).append(route.id)
+    variant = LoadedModel(f"{model.key}@{tag(shapes)}", model.name, model.version, plan, routes,
+                          model.inputs, model.outputs, input_table(given, []), slots,
+                          footprint, total, model.archive, given,
+                          parts_by_device=by_device, base_key=model.key, shapes=shapes,
+                          own_split=own)
+    variant.policy = model.policy
+    variant.cut_bytes = cut_bytes(variant)
+    variant.part_input_shapes = {
+        p.id: [list(values[n].shape) for n in p.inputs] for p in split.parts}
+    log.info("building %s for input shapes %s%s", model.key, [list(s) for s in shapes],
+             ": " + ", ".join(f"{r.id}@{r.device}" for r in routes) if own else "")
+    engine._build(variant, deadline=deadline)
+    if model.record_at is not None:
+        record(engine, model, variant, inputs, [values[n] for n in model.outputs])
+    variant.batcher = model.batcher
+    return variant
+
+
+def record(engine: Engine, model: LoadedModel, variant: LoadedModel, inputs: list[Any],
+           expected: list[Any]) -> None:
+    """Write a bucket's load record, with its check: torch eager's outputs on one input and
+    how far the bucket's are from them now."""
+    from cuvild.engine import precision
+
+    try:
+        check = precision.check(engine, variant, [inputs], [expected])
+    except InferError as e:  # it will fail its requests the same way: nothing to record
+        log.warning("bucket %s: not recorded, its check run failed: %s", variant.key, e)
+        return
+    policy = variant.policy or precision.PrecisionPolicy()
+    variant.accuracy = precision.Accuracy(policy.mode, None, 1, False, 0.0, check, check)
+    kept = model.record_at / warm.BUCKETS
+    try:
+        warm.write(kept / tag(variant.shapes), variant, [inputs], [expected])
+        records = sorted(kept.iterdir(), key=lambda p: p.stat().st_mtime)
+        for old in records[:max(0, len(records) - RECORDS)]:  # the oldest go
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        log.warning("bucket %s: load record not written (%s)", variant.key, e)
+
+
+def reread(engine: Engine, model: LoadedModel) -> None:
+    """A model restored from its load record reads its archive (torch) for a bucket of new
+    shapes: its split, and its program where each bucket is planned at its own shapes."""
+    if model.split is not None:
+        return
+    from cuvild.intake.safe_load import load_exported_program
+    from partitioner.split import split_program
+
+    ep = load_exported_program(model.archive)
+    engine.counters["archive_loads"] += 1
+    model.split = split_program(ep, [(p.id, p.nodes) for p in model.plan.parts])
+    model.program = ep if model.replans else None
+
+
+def tag(shapes: Shapes) -> str:
+    return "x".join("-".join(map(str, shape)) for shape in shapes)
+
+
+def specs(model: LoadedModel, shapes: Shapes) -> list[dict[str, Any]]:
+    return [{**s, "shape": list(shape)} for s, shape in zip(model.input_specs, shapes,
+                                                             strict=True)]
 
 
 def plan_for(engine: Engine, model: LoadedModel, shapes: Shapes) -> tuple[Any, Any, bool]:

@@ -168,7 +168,7 @@ class Engine:
             say("restoring from the load record")
             try:
                 return warm.restore(self, record_at, record, key, name, version, str(archive),
-                                    input_specs, policy)
+                                    input_specs, policy, objective, batching)
             except Exception as e:  # noqa: BLE001 - never trusted blindly: built again
                 log.warning("model %s: load record not used (%s); building it again", key, e)
         if not cold:
@@ -203,10 +203,12 @@ class Engine:
         model.cut_bytes = cut_bytes(model)
         if dynamic:  # its buckets are planned and built at their shapes (buckets.py)
             model.policy, model.program = policy, ep if planned else None  # (else: one plan)
+            model.replans, model.record_at = planned, record_at
             if batching is not None and batching.max_batch > 1:
                 say("checking that its rows can be batched")
                 batcher_for(model, ep, batching)
             self.models[key] = model
+            warm.write_dynamic(record_at, model)
             return model
         parts = {p.id: p for p in plan.parts}
         budgets: dict[str, float] = {}

@@ -68,6 +68,9 @@ class LoadedModel:
     cut_bytes: int = 0  # bytes one request hands from part to part through the arena
     accuracy: Any = None  # what the load measured end to end (precision.Accuracy)
     warm: bool = False  # loaded from its load record (cuvild/engine/warm.py)
+    # A dynamic-shape model's load record: its buckets' records are kept under it
+    record_at: Any = None
+    replans: bool = False  # the engine planned it: each bucket is planned at its shapes
     # A dynamic-shape model the engine planned keeps its program: each bucket is planned
     # again at its own shapes (cuvild/engine/buckets.py), and one placed otherwise has its
     # own split (own_split)

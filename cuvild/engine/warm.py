@@ -14,8 +14,15 @@ the software (cuvild, torch). Another of any of them is another key, so a stale 
 never read; a runtime's version is held by the part's cache entry (a new version finds none).
 A record that does not read, an executable that does not load, or a check that no longer
 holds (outputs off from the record) sends the load down the cold path, which writes a fresh
-record. Dynamic-shape models (built per bucket on first use) and parts that run on torch
-itself (nothing cached to load) are not recorded: they take the cold path.
+record. Parts that run on torch itself (nothing cached to load) are not recorded: their
+models take the cold path.
+
+A dynamic-shape model has a record of its own (its plan, wiring, dynamic dimensions and
+whether its rows can be batched: what it serves with before any bucket), and each bucket,
+once built, a record under it (`buckets/<shapes>/`, as a static model's, checked the same
+way on its first use after a restart; cuvild/engine/buckets.py). So a restart serves a
+dynamic model, and every bucket it had built, with nothing planned, split or compiled; only
+a bucket of new shapes reads the archive (torch) and builds.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine import precision
+from cuvild.engine import batching, precision
 from cuvild.engine.errors import InferError
 from cuvild.engine.layout import Slot, input_table
 from cuvild.engine.loaded import LoadedModel, Route, cut_bytes
@@ -47,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 FORMAT = 1
 RECORD, EXPECTED = "record.json", "check.npz"  # the check inputs and eager's outputs
+BUCKETS = "buckets"  # a dynamic-shape model's record holds its buckets' records
 
 
 class Stale(RuntimeError):
@@ -134,13 +142,36 @@ def write(where: Path, model: LoadedModel, inputs: list[list[Any]],
         raise
 
 
+def write_dynamic(where: Path, model: LoadedModel) -> None:
+    """A dynamic-shape model's record (its buckets' go under it as they are built)."""
+    record = {"format": FORMAT, "written_at": time.time(), "plan": model.plan.to_dict(),
+              "dynamic": [list(d) for d in model.dynamic], "replans": model.replans,
+              "inputs": model.inputs, "outputs": model.outputs,
+              "routes": [{"id": r.id, "device": r.device, "precision": r.precision,
+                          "inputs": r.inputs, "outputs": r.outputs} for r in model.routes],
+              # whether its rows can be batched: "" yes, else why not; None: never asked
+              "rows": model.unbatched if model.batcher or model.unbatched else None}
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        tmp = where / f".tmp-{RECORD}"
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.rename(where / RECORD)
+    except OSError as e:
+        log.warning("model %s: load record not written (%s)", model.key, e)
+
+
 def restore(engine: Any, where: Path, record: dict[str, Any], key_: str, name: str,
             version: str, archive: str, input_specs: list[dict[str, Any]],
-            policy: PrecisionPolicy) -> LoadedModel:
+            policy: PrecisionPolicy, objective: str = "latency",
+            settings: batching.Batching | None = None) -> LoadedModel:
     """The model as the record has it, its parts loaded from the cache and checked end to
-    end; Stale when any of that fails."""
+    end; Stale when any of that fails. A dynamic-shape model is served at once (its
+    buckets are restored or built on first use, buckets.py)."""
     from partitioner.plan import Plan
 
+    if "dynamic" in record:
+        return _restore_dynamic(engine, where, record, key_, name, version, archive,
+                                input_specs, policy, objective, settings)
     try:
         plan = Plan.from_dict(record["plan"])
         slots = {n: Slot(d, tuple(s), o) for n, (d, s, o) in record["slots"].items()}
@@ -172,6 +203,36 @@ def restore(engine: Any, where: Path, record: dict[str, Any], key_: str, name: s
     except BaseException:
         engine.unload(key_)
         raise
+    return model
+
+
+def _restore_dynamic(engine: Any, where: Path, record: dict[str, Any], key_: str, name: str,
+                     version: str, archive: str, input_specs: list[dict[str, Any]],
+                     policy: PrecisionPolicy, objective: str,
+                     settings: batching.Batching | None) -> LoadedModel:
+    from partitioner.plan import Plan
+
+    try:
+        dynamic = [(int(i), int(d), int(lo), int(hi)) for i, d, lo, hi in record["dynamic"]]
+        routes = [Route(r["id"], r["device"], r["precision"], list(r["inputs"]),
+                        list(r["outputs"])) for r in record["routes"]]
+        model = LoadedModel(key_, name, version, Plan.from_dict(record["plan"]), routes,
+                            list(record["inputs"]), list(record["outputs"]),
+                            input_table(input_specs, dynamic), {}, 0, 0, archive, input_specs,
+                            dynamic=dynamic, objective=objective)
+        rows, model.replans = record["rows"], bool(record["replans"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise Stale(f"the load record does not match this version ({e!r})") from None
+    for route in routes:
+        if route.device not in engine.devices:
+            raise Stale(f"part {route.id} ran on {route.device}, which is gone")
+        model.parts_by_device.setdefault(route.device, []).append(route.id)
+    if settings is not None and settings.max_batch > 1:
+        if rows is None:
+            raise Stale("whether its rows can be batched was never checked")
+        batching.settle(model, rows, settings)
+    model.policy, model.record_at, model.warm = policy, where, True
+    engine.models[key_] = model
     return model
 
 

@@ -15,7 +15,7 @@ import torch
 
 import cuvild
 from cuvild.client.samples import MLP
-from cuvild.engine import warm
+from cuvild.engine import buckets, warm
 from cuvild.engine.arena import Arena
 from cuvild.engine.engine import Engine
 from cuvild.engine.precision import PrecisionPolicy
@@ -150,5 +150,66 @@ def test_a_corrupt_record_or_part_is_built_again(tmp_path, arena, model, damage)
     try:
         assert third.warm and dict(engine.counters) == {"restored": 1}
         served_right(engine, model)
+    finally:
+        engine.close()
+
+
+def test_a_restart_serves_a_dynamic_model_and_its_buckets_from_their_records(tmp_path, arena,
+                                                                            monkeypatch):
+    """A dynamic-shape model is served at once after a restart, and each bucket it had built
+    is restored on first use (nothing read, planned or compiled); a bucket of new shapes
+    reads the archive then, and is built; a bucket whose record no longer checks out is
+    built again."""
+    torch.manual_seed(0)
+    net = MLP(width=32, depth=2).eval()
+    ep = cuvild.export(net, (torch.randn(2, 32),),
+                       dynamic_shapes=({0: torch.export.Dim("batch", max=16)},))
+    archive = tmp_path / "dyn.pt2"
+    torch.export.save(ep, archive)
+    specs, cache = summarize(ep)["inputs"], tmp_path / "cache"
+
+    def serve(rows: int, engine: Engine) -> None:
+        x = torch.randn(rows, 32)
+        (out,) = engine.infer("dyn:1", (x,))
+        with torch.no_grad():
+            torch.testing.assert_close(out, net(x), rtol=1e-4, atol=1e-5)
+
+    engine = Engine([CPU], cache, arena)
+    try:
+        assert not engine.prepare("dyn:1", "dyn", "1", archive, specs).warm
+        for rows in (1, 4):
+            serve(rows, engine)
+        assert engine.counters["archive_loads"] == 1 and engine.counters["built"] == 2
+    finally:
+        engine.close()
+    kept = record_dir(cache) / warm.BUCKETS
+    assert sorted(p.name for p in kept.iterdir()) == ["1-32", "4-32"]
+
+    with np.load(kept / "4-32" / warm.EXPECTED) as data:  # its outputs no longer match
+        arrays = {k: data[k] + 1.0 if k.startswith("o") else data[k] for k in data.files}
+    np.savez(kept / "4-32" / warm.EXPECTED, **arrays)
+    engine = Engine([CPU], cache, arena)
+    try:
+        assert engine.prepare("dyn:1", "dyn", "1", archive, specs).warm
+        assert dict(engine.counters) == {}  # served with nothing read, planned or built
+        serve(1, engine)
+        assert dict(engine.counters) == {"restored": 1}
+        serve(4, engine)  # its record refused: built again (the archive read for it)
+        serve(7, engine)  # new shapes: built
+        assert engine.counters["archive_loads"] == 1 and engine.counters["built"] == 2
+        assert engine.counters["compiled"] == 1  # (4 rows: its build was in the cache)
+    finally:
+        engine.close()
+    engine = Engine([CPU], cache, arena)  # and every bucket is served from its record now
+    try:
+        engine.prepare("dyn:1", "dyn", "1", archive, specs)
+        for rows in (1, 4, 7):
+            serve(rows, engine)
+        assert dict(engine.counters) == {"restored": 3}
+        maps = Path(f"/proc/{engine.workers['cpu0'].process.pid}/maps").read_text()
+        assert "libtorch" not in maps  # the worker never needed torch
+        monkeypatch.setattr(buckets, "RECORDS", 2)  # the last written are kept
+        serve(9, engine)
+        assert sorted(p.name for p in kept.iterdir()) == ["7-32", "9-32"]
     finally:
         engine.close()

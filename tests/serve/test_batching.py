@@ -6,6 +6,7 @@ served unbatched with the reason."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -95,7 +96,7 @@ def test_concurrent_protocol_requests_share_runs(make_daemon):
 
 
 def test_a_model_that_cannot_be_batched_says_why(make_daemon, tmp_path):
-    d = make_daemon()
+    d = make_daemon(cache_dir=str(tmp_path / "cache"))
     with Client(d.target) as client:
         with pytest.raises(grpc.RpcError) as err:  # a static first dimension: refused
             client.load("static", MLP(width=8, depth=1).eval(), (torch.randn(2, 8),),
@@ -123,3 +124,22 @@ def test_a_model_that_cannot_be_batched_says_why(make_daemon, tmp_path):
                                                       "differ"), served["batching"]
         x = torch.randn(3, 8)
         torch.testing.assert_close(client.infer("centered", x)["output0"], Centered()(x))
+        net = MLP(width=8, depth=1).eval()
+        client.load("rows", net, (torch.randn(2, 8),), dynamic_shapes=({0: batch},),
+                    batching={"max_batch": 4})
+        assert wait_ready(client, "rows")["batching"]["state"] == "on"
+        client.infer("rows", x)
+    d.stop()
+    # A restart serves both from their load records, batched or not as the load found
+    # (nothing checked on torch again), and a bucket built before is restored, not built.
+    again = make_daemon(state_dir=d.state_dir, cache_dir=str(tmp_path / "cache"))
+    with Client(again.target) as client:
+        assert wait_ready(client, "centered")["batching"]["state"].startswith("off: output 0")
+        assert wait_ready(client, "rows")["batching"]["state"] == "on"
+        torch.testing.assert_close(client.infer("centered", x)["output0"], Centered()(x))
+        with torch.no_grad():
+            torch.testing.assert_close(client.infer("rows", x)["output0"], net(x))
+    log = again.log()
+    for name in ("centered", "rows"):
+        assert re.search(rf"model {name}:1 ready in [\d.]+ s \(from its load record\)", log)
+    assert "restored rows:1 for input shapes [[3, 8]] from its load record" in log
