@@ -6,7 +6,9 @@
   time of the fastest single candidate, the time from `Client.load` returning to the first
   correct result, a restart's time to serve it again (process start to model READY, from its
   load record), and the daemon tree's memory (PSS, shared pages counted once) serving it,
-  after the cold load and after the restart, against one process running it eagerly."""
+  after the cold load and after the restart, against one process running it eagerly;
+- resnet18 exported with a dynamic batch: a restart's time to READY and to the first result
+  of each batch size built before (its buckets, restored from their load records)."""
 
 from __future__ import annotations
 
@@ -196,8 +198,49 @@ def model_startup(name: str, runs: int = 20) -> dict[str, Any]:
     return out
 
 
+def dynamic_restart(name: str = "resnet18", rows: tuple[int, ...] = (1, 4)) -> dict[str, Any]:
+    """A model exported with a dynamic batch (what dynamic batching serves): a restart's
+    time to serve it again, and each batch size it had built (its buckets' load records)."""
+    import torch
+
+    from cuvild.client.samples import reference
+
+    model, (x,) = reference(name)
+    with torch.no_grad():
+        expected = {n: model(torch.cat([x] * n)) for n in rows}
+    dims = ({0: torch.export.Dim("batch", max=16)},)
+    out: dict[str, Any] = {"rows": list(rows)}
+    with tempfile.TemporaryDirectory(prefix="cuvil-bench-") as tmp:
+        root = Path(tmp)
+        work = root / "w"
+        work.mkdir()
+        config = daemon_config(work, root / "state", root,
+                               devices={"cpu": {"cores": None}, "emulated": []})
+        for when in ("cold", "restart"):
+            daemon = DaemonProcess(work, config)
+            t0 = time.perf_counter()
+            daemon.start()
+            try:
+                with Client(daemon.target) as client:
+                    if when == "cold":
+                        client.load(name, model, (torch.cat([x, x]),), dynamic_shapes=dims)
+                    client.wait_ready(name, timeout=600)
+                    out[f"{when}_to_model_ready_s"] = time.perf_counter() - t0
+                    for n in rows:
+                        t1 = time.perf_counter()
+                        (got,) = client.infer(name, torch.cat([x] * n)).values()
+                        out[f"{when}_first_result_b{n}_s"] = time.perf_counter() - t1
+                        torch.testing.assert_close(got, expected[n], rtol=1e-3, atol=1e-3)
+                    out[f"{when}_loads"] = client.stats(interval=0.01)["loads"]
+                daemon.stop()
+            finally:
+                daemon.close()
+    return out
+
+
 def main() -> dict[str, Any]:
     models = {name: model_startup(name) for name in ("resnet18", "bert4")}
+    dynamic = dynamic_restart()
     ready = readiness()
     prof = ready["cpu_profile"]
     loop = torch_loop(len(os.sched_getaffinity(0)), bool(prof["peak_gflops"].get("bf16")))
@@ -212,6 +255,7 @@ def main() -> dict[str, Any]:
             "loop_read_gbs": loop["read_gbs"],
         },
         "models": models,
+        "dynamic": dynamic,
     }
     return result
 
@@ -249,3 +293,9 @@ if __name__ == "__main__":
                   f"load ({m['pss_ratio_cold']:.2f}x eager), {m['pss_after_restart_mib']:.0f} "
                   f"MiB after a restart ({m['pss_ratio_restart']:.2f}x); eager process "
                   f"{m['pss_eager_mib']:.0f} MiB")
+        d = result["dynamic"]
+        firsts = ", ".join(f"batch {n} {d[f'restart_first_result_b{n}_s']:.2f} s (first "
+                           f"built in {d[f'cold_first_result_b{n}_s']:.2f} s)" for n in d["rows"])
+        print(f"resnet18, dynamic batch: restart -> model READY {d['restart_to_model_ready_s']:.2f}"
+              f" s (cold: {d['cold_to_model_ready_s']:.2f} s with its upload); first result "
+              f"after it: {firsts}; loads {d['restart_loads']}")
