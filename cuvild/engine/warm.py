@@ -169,33 +169,39 @@ def restore(engine: Any, where: Path, record: dict[str, Any], key_: str, name: s
     buckets are restored or built on first use, buckets.py)."""
     from partitioner.plan import Plan
 
-    if "dynamic" in record:
-        return _restore_dynamic(engine, where, record, key_, name, version, archive,
-                                input_specs, policy, objective, settings)
     try:
         plan = Plan.from_dict(record["plan"])
-        slots = {n: Slot(d, tuple(s), o) for n, (d, s, o) in record["slots"].items()}
-        routes = [Route(r["id"], r["device"], r["precision"], list(r["inputs"]),
-                        list(r["outputs"]), runtime=r["runtime"],
-                        precisions=[r["precision"]],
-                        variants={r["precision"]: Variant(**r["variant"])})
-                  for r in record["routes"]]
-        candidates = {r["id"]: r.get("candidates", []) for r in record["routes"]}
-        accuracy = precision.Accuracy.from_dict(record["accuracy"])
-        model = LoadedModel(key_, name, version, plan, routes, list(record["inputs"]),
-                            list(record["outputs"]), input_table(input_specs, []), slots,
-                            int(record["footprint"]), int(record["total_bytes"]), archive,
-                            input_specs)
+        if "dynamic" in record:
+            dynamic = [(int(i), int(d), int(lo), int(hi)) for i, d, lo, hi in record["dynamic"]]
+            model = LoadedModel(key_, name, version, plan, [
+                Route(r["id"], r["device"], r["precision"], list(r["inputs"]),
+                      list(r["outputs"])) for r in record["routes"]],
+                list(record["inputs"]), list(record["outputs"]),
+                input_table(input_specs, dynamic), {}, 0, 0, archive, input_specs,
+                dynamic=dynamic, objective=objective, replans=bool(record["replans"]))
+            rows = record["rows"]
+        else:
+            slots = {n: Slot(d, tuple(s), o) for n, (d, s, o) in record["slots"].items()}
+            model = LoadedModel(key_, name, version, plan, [_route(r) for r in record["routes"]],
+                                list(record["inputs"]), list(record["outputs"]),
+                                input_table(input_specs, []), slots, int(record["footprint"]),
+                                int(record["total_bytes"]), archive, input_specs)
+            model.accuracy = precision.Accuracy.from_dict(record["accuracy"])
     except (KeyError, TypeError, ValueError) as e:
         raise Stale(f"the load record does not match this version ({e!r})") from None
-    for route in routes:
+    for route in model.routes:
         if route.device not in engine.devices:
             raise Stale(f"part {route.id} ran on {route.device}, which is gone")
         model.parts_by_device.setdefault(route.device, []).append(route.id)
-        route.built = Built(route.runtime, True, candidates[route.id],
-                            list(route.variants.values()))
-    model.cut_bytes, model.policy, model.accuracy = cut_bytes(model), policy, accuracy
-    model.warm = True
+    model.cut_bytes, model.policy, model.warm = cut_bytes(model), policy, True
+    if model.dynamic:
+        if settings is not None and settings.max_batch > 1:
+            if rows is None:
+                raise Stale("whether its rows can be batched was never checked")
+            batching.settle(model, rows, settings)
+        model.record_at = where  # (its buckets' records are under it)
+        engine.models[key_] = model
+        return model
     engine.models[key_] = model  # (served only once the manager marks it READY)
     try:
         load_parts(engine, model)
@@ -206,34 +212,13 @@ def restore(engine: Any, where: Path, record: dict[str, Any], key_: str, name: s
     return model
 
 
-def _restore_dynamic(engine: Any, where: Path, record: dict[str, Any], key_: str, name: str,
-                     version: str, archive: str, input_specs: list[dict[str, Any]],
-                     policy: PrecisionPolicy, objective: str,
-                     settings: batching.Batching | None) -> LoadedModel:
-    from partitioner.plan import Plan
-
-    try:
-        dynamic = [(int(i), int(d), int(lo), int(hi)) for i, d, lo, hi in record["dynamic"]]
-        routes = [Route(r["id"], r["device"], r["precision"], list(r["inputs"]),
-                        list(r["outputs"])) for r in record["routes"]]
-        model = LoadedModel(key_, name, version, Plan.from_dict(record["plan"]), routes,
-                            list(record["inputs"]), list(record["outputs"]),
-                            input_table(input_specs, dynamic), {}, 0, 0, archive, input_specs,
-                            dynamic=dynamic, objective=objective)
-        rows, model.replans = record["rows"], bool(record["replans"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise Stale(f"the load record does not match this version ({e!r})") from None
-    for route in routes:
-        if route.device not in engine.devices:
-            raise Stale(f"part {route.id} ran on {route.device}, which is gone")
-        model.parts_by_device.setdefault(route.device, []).append(route.id)
-    if settings is not None and settings.max_batch > 1:
-        if rows is None:
-            raise Stale("whether its rows can be batched was never checked")
-        batching.settle(model, rows, settings)
-    model.policy, model.record_at, model.warm = policy, where, True
-    engine.models[key_] = model
-    return model
+def _route(r: dict[str, Any]) -> Route:
+    """A part as a static model's record has it: built (its executable is in the cache)."""
+    variant = Variant(**r["variant"])
+    return Route(r["id"], r["device"], r["precision"], list(r["inputs"]), list(r["outputs"]),
+                 runtime=r["runtime"], precisions=[r["precision"]],
+                 variants={r["precision"]: variant},
+                 built=Built(r["runtime"], True, r.get("candidates", []), [variant]))
 
 
 def load_parts(engine: Any, model: LoadedModel, only_device: str | None = None) -> None:

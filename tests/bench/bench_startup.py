@@ -112,6 +112,14 @@ print(sum(int(l.split()[1]) for l in rollup if l.startswith("Pss:")) / 1024)
 """
 
 
+def one_device(root: Path) -> tuple[Path, dict[str, Any]]:
+    """A work directory under `root`, and the config of a daemon on one CPU device."""
+    work = root / "w"
+    work.mkdir()
+    return work, daemon_config(work, root / "state", root,
+                               devices={"cpu": {"cores": None}, "emulated": []})
+
+
 def model_startup(name: str, runs: int = 20) -> dict[str, Any]:
     import subprocess
 
@@ -125,10 +133,7 @@ def model_startup(name: str, runs: int = 20) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="cuvil-bench-") as tmp:
         root = Path(tmp)
-        work = root / "w"
-        work.mkdir()
-        config = daemon_config(work, root / "state", root,
-                               devices={"cpu": {"cores": None}, "emulated": []})
+        work, config = one_device(root)
         daemon = DaemonProcess(work, config).start()
         try:
             with Client(daemon.target) as client:
@@ -212,10 +217,7 @@ def dynamic_restart(name: str = "resnet18", rows: tuple[int, ...] = (1, 4)) -> d
     out: dict[str, Any] = {"rows": list(rows)}
     with tempfile.TemporaryDirectory(prefix="cuvil-bench-") as tmp:
         root = Path(tmp)
-        work = root / "w"
-        work.mkdir()
-        config = daemon_config(work, root / "state", root,
-                               devices={"cpu": {"cores": None}, "emulated": []})
+        work, config = one_device(root)
         for when in ("cold", "restart"):
             daemon = DaemonProcess(work, config)
             t0 = time.perf_counter()
