@@ -303,8 +303,6 @@ class Batcher:
             p.error = e
 
     def _merged(self, engine: Engine, batch: list[Pending], rows: int) -> None:
-        from cuvild.engine import buckets
-
         base = engine.models.get(self.base_key)
         if base is None:
             raise InferError(f"model {self.base_key} is not loaded any more")
@@ -312,7 +310,8 @@ class Batcher:
         shapes = tuple((rows, *shape[1:]) for shape in first.shapes)
         given = [p.given for p in batch]  # None: the engine's own (a silent worker is hung)
         deadline = None if None in given else max(given)  # type: ignore[type-var]
-        model = buckets.bucket(engine, base, shapes, deadline)
+        model = engine.resolve(base, [(spec.dtype, shape) for spec, shape in  # its bucket
+                                      zip(base.table, shapes, strict=True)], deadline)
         inputs = []
         for i, name in enumerate(model.inputs):
             slot = model.slots[name]
