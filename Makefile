@@ -36,7 +36,7 @@ demo: setup
 	$(PY) -m cuvild.client.demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 lint: setup
 	$(VENV)/bin/ruff check cuvild partitioner runtimes tests
