@@ -18,7 +18,7 @@ MAX_LINES = 600
 # Which rooms a room may import, besides itself. A room is a package, or for the top of
 # cuvild/ (its __init__ and config) "cuvild", and for the entry point "cuvild.__main__".
 # serve -> engine -> intake -> partitioner; engine -> runtimes; client -> protos, config,
-# the engine's arena and dtype table. Only the modules named here with a dot after a room
+# the engine's arena, dtype table and spin. Only the modules named here with a dot after a room
 # (cuvild.engine.arena) are open to rooms that may not import the whole of it.
 ALLOWED: dict[str, set[str]] = {
     "cuvild.__main__": {"cuvild.serve"},
@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "cuvild.intake": {"partitioner", "runtimes.base"},
     # cuvilctl plans a local .pt2 offline: it opens it with the safe loader
     "cuvild.client": {"cuvild", "cuvild.engine.arena", "cuvild.engine.dtypes",
-                      "cuvild.intake.safe_load", "partitioner", "protos"},
+                      "cuvild.engine.spin", "cuvild.intake.safe_load", "partitioner", "protos"},
     "runtimes": {"partitioner"},
     "partitioner": set(),
     "protos": set(),

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from cuvild.engine.spin import MOST_S, Spin
 from protos import fastpath as wire
 
 KEEP = 4  # a dynamic model's sessions kept open, one per set of shapes
@@ -76,9 +77,11 @@ def _array(mm: mmap.mmap, at: int, dtype: str, shape: list[int]) -> Any:
 class FastSession:
     def __init__(self, socket_path: str, model: str, version: str = "", depth: int = 1,
                  timeout: float = 30.0, shapes: Sequence[Sequence[int]] | None = None,
-                 keep: int = KEEP) -> None:
+                 keep: int = KEEP, spin_us: float = MOST_S * 1e6) -> None:
         """`shapes`: a dynamic-shape model's input shapes to open the session for (else those
-        of its first request); `keep`: how many sets of shapes stay open (at least 1)."""
+        of its first request); `keep`: how many sets of shapes stay open (at least 1);
+        `spin_us`: the longest this thread checks for an answer before it sleeps on the
+        doorbell, learnt from the answers' times (cuvild/engine/spin.py; 0: never)."""
         self.path, self.model, self.version = socket_path, model, version
         self.depth, self.timeout, self.keep = depth, timeout, max(1, keep)
         self._kept: dict[tuple[tuple[int, ...], ...], tuple[Any, ...]] = {}  # by shapes,
@@ -90,6 +93,7 @@ class FastSession:
         self.dynamic = False  # the model's shapes are dynamic: a session has the request's
         self._seq = 0
         self.opened = 0  # sessions opened: 1, then one more per re-open
+        self._spin = Spin(spin_us / 1e6)
         self._open(time.monotonic() + timeout)
 
     @property
@@ -281,7 +285,11 @@ class FastSession:
                     "ll", int(wait), int(wait % 1 * 1e6)))
                 self._wait = wait
             self.sock.sendall(bell)
+            mm = self.mm  # (answered: the entry's state is no longer SUBMITTED)
+            spun = self._spin.check(lambda: wire.ENTRY.unpack_from(mm, at)[2] != wire.SUBMITTED)
             answer = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
+            if not spun:
+                self._spin.slept()
         except (BlockingIOError, TimeoutError):
             answer = b""
             timed_out = True

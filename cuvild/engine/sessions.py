@@ -30,6 +30,7 @@ from cuvild.engine import views
 from cuvild.engine.arena import align
 from cuvild.engine.dtypes import nbytes
 from cuvild.engine.orders import Attach, Run, TensorRef
+from cuvild.engine.spin import MOST_S, Spin
 from protos import fastpath as wire
 
 if TYPE_CHECKING:
@@ -290,6 +291,9 @@ class Sessions:
         self.poll = select.poll()
         self.pipe_fd = pipe_fd
         self.poll.register(pipe_fd, select.POLLIN)
+        # a worker process spins a little before it sleeps (spin.py); one in the daemon's
+        # threads never: it would hold the GIL the gRPC threads need
+        self.spin = Spin(0.0 if getattr(worker, "in_process", False) else MOST_S)
 
     def take(self, envelope: Any, conn: Any) -> bool:
         """An Attach order: its three descriptors (the client's socket, the session's memfd,
@@ -320,7 +324,11 @@ class Sessions:
         the Attach order ids of the sessions that ended, and whether the pipe is ready."""
         while True:
             ended, pipe = [], False
-            for fd, _ in self.poll.poll():
+            ready = self.spin.check(self._ready)
+            if not ready:
+                ready = self.poll.poll()
+                self.spin.slept()
+            for fd, _ in ready:
                 if fd == self.pipe_fd:
                     pipe = True
                 elif fd in self.by_fd:
@@ -330,6 +338,9 @@ class Sessions:
                         ended.append(self.end(fd))
             if pipe or ended:
                 return ended, pipe
+
+    def _ready(self) -> list[tuple[int, int]]:
+        return self.poll.poll(0)
 
     def end(self, fd: int) -> int:
         rid, session = self.by_fd.pop(fd)
