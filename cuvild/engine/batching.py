@@ -20,7 +20,9 @@ once as it would unbatched, with no copy (a lone client pays no delay).
 
 Bounds: a request waits at most the batches ahead of it plus `max_delay_us` (when a batch
 ends, the next one waits up to the delay for the callers just answered to send again, unless
-it is full already); a request past its deadline leaves the queue with RunTimeout and takes
+it is full already; while fewer requests came since than it answered, up to the delay and
+one run more: a closed loop of clients comes back within its round trip, which may be longer
+than the delay); a request past its deadline leaves the queue with RunTimeout and takes
 nobody with it. A request whose client region cannot be read or written fails alone. A batch
 whose run fails is run again one request at a time, so that each request gets its own
 answer, unless it timed out or its worker could not be brought back: then every request of
@@ -171,6 +173,9 @@ class Batcher:
         self._ended = 0.0  # when the last batch ended
         self._in_flight = 0  # requests queued or in a running batch
         self._peak = 0  # the most in flight at once since the last batch was taken
+        self._answered = 0  # requests the last batch answered, and arrivals since it ended:
+        self._back = 0  # fewer arrivals than answers, and some callers may send again
+        self._run_s = 0.0  # how long the last batch took
         self.sizes: Counter[int] = Counter()  # rows per run -> runs
         self.requests = 0
         self.waits: deque[float] = deque(maxlen=1000)  # the last queue waits, seconds
@@ -185,6 +190,7 @@ class Batcher:
             return engine._run(model, inputs, output_refs, raw, None, deadline, into)
         with self._cond:
             me.gap, self._last = me.arrived - self._last, me.arrived
+            self._back += 1
             self._queue.append(me)
             self._in_flight += 1
             self._peak = max(self._peak, self._in_flight)
@@ -213,12 +219,15 @@ class Batcher:
                 self._running += bool(batch)
                 self._cond.notify_all()
             if batch:
+                batch_began = time.monotonic()
                 try:
                     self._run(engine, batch)
                 finally:
                     with self._cond:
                         self._running -= 1
                         self._last = self._ended = time.monotonic()  # (callers send again)
+                        self._run_s = self._ended - batch_began
+                        self._answered, self._back = len(batch), 0
                         self._in_flight -= len(batch)
                         for p in batch:
                             p.done = True
@@ -241,12 +250,23 @@ class Batcher:
                     "queue (the request's deadline)")
                 continue
             queued = sum(p.rows for p in self._queue if p.sig == head.sig)
+            # Callers the last batch answered that have not sent again yet: a closed loop of
+            # clients (each sends its next request once answered) comes back within a round
+            # trip, which may be longer than the delay (resnet18's 600 KB over gRPC: 1-3 ms).
+            # Waiting for them keeps its batches whole, where running without them split a
+            # loop of 4 clients into a batch of 3 and one alone, over and over. They are
+            # waited for until the delay plus one run (the last batch's) after it ended, and
+            # no request waits for them past the delay plus one run from its own arrival.
+            back_by = self._ended + self.delay + self._run_s
+            coming = self._back < self._answered and now < back_by
             # alone, and no company to wait for: none was in flight with it since the last
             # batch began, or none arrived (and no batch ended) within the delay before it
-            idle = self._running == 0 and len(self._queue) == 1 and (
+            idle = self._running == 0 and len(self._queue) == 1 and not coming and (
                 self._peak <= 1 or head.gap > self.delay)
             # (a request that waited for a batch ahead waits for company from the batch end)
             due = max(head.arrived, self._ended) + self.delay
+            if coming:
+                due = max(due, min(back_by, head.arrived + self.delay + self._run_s))
             if queued >= self.settings.max_batch or now >= due or idle:
                 break
             self._cond.wait(min(due, head.deadline) - now)

@@ -406,3 +406,45 @@ def test_a_batch_is_planned_at_its_own_size(tmp_path):
     finally:
         engine.close()
         arena.close()
+
+
+class TimedEngine(HeldEngine):
+    """Runs that take `run_s` each, whatever their rows."""
+
+    def __init__(self, run_s: float) -> None:
+        super().__init__()
+        self.run_s = run_s
+        self.go.set()
+
+    def _run(self, model, inputs, output_refs, raw, timeline, deadline, into):  # noqa: ANN001, ANN202
+        time.sleep(self.run_s)
+        return super()._run(model, inputs, output_refs, raw, timeline, deadline, into)
+
+
+def test_a_loop_of_clients_slower_to_come_back_than_the_delay_keeps_its_batches_whole():
+    """Four clients, each sending again 3 ms after its answer, against a 1 ms delay and
+    60 ms runs: the batch waits for the callers it just answered, and runs all four, where
+    it used to run the three that came back in time and then the fourth alone, over and
+    over. A request after a quiet spell still runs at once."""
+    engine, batcher = TimedEngine(0.06), Batcher("m", Batching(8, 1000))
+
+    def client(k: int) -> None:
+        for i in range(6):
+            held_run(batcher, engine, k * 10 + i, 60, {})
+            time.sleep(0.003)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.003)  # (joined one by one: the first batch may not hold them all)
+    for t in threads:
+        t.join(30)
+    sizes = batcher.stats()["sizes"]
+    assert sum(rows * runs for rows, runs in sizes.items()) == 24
+    assert sizes.get(4, 0) >= 4, sizes  # (before: {3: 6, 1: 6} or so)
+    time.sleep(0.2)  # past the delay and a run: nobody is coming back
+    batcher.waits.clear()
+    results: dict[float, Any] = {}
+    held_run(batcher, engine, 99.0, 60, results)
+    assert results[99.0] == [row(99.0)]
+    assert max(batcher.waits) < 0.03, list(batcher.waits)  # not held back for company
