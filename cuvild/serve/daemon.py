@@ -329,12 +329,17 @@ class Daemon:
         sdnotify.notify(f"READY=1\nSTATUS=serving on unix:{self.cfg.unix_socket}\n"
                         f"MAINPID={os.getpid()}")
         sdnotify.start_watchdog(self.alive, self.stop_event)
+        swept = time.monotonic()
         while not self.stop_event.is_set():
             if self.reload_requested.wait(timeout=0.2):
                 self.reload_requested.clear()
                 sdnotify.notify("RELOADING=1")
                 self._reload()
                 sdnotify.notify("READY=1")
+            idle_s = self.cfg.idle_timeout_s  # fast-path sessions idle that long end
+            if self.fast and time.monotonic() - swept >= min(1.0, idle_s / 4):
+                self.fast.sweep(idle_s)
+                swept = time.monotonic()
         return self._shutdown()
 
     def _shutdown(self) -> int:

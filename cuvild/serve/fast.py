@@ -17,7 +17,8 @@ make the daemon or a worker fault.
 
 The session ends when its connection closes (the client closed it or died: its memory goes
 with the last mapping, its connection counts no more), when its model is unloaded or loaded
-again (the client opens a new one), or with its worker or the daemon.
+again (the client opens a new one), when it ran no request for `limits.idle_timeout_s`
+(`FastPath.sweep`: the daemon's loop looks each second), or with its worker or the daemon.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class Session:
                  model: LoadedModel, depth: int, done: Callable[[], None]) -> None:
         self.fast, self.sock, self.uid, self.served, self.done = fast, sock, uid, served, done
         self.ended = False
+        self.handled, self.busy = 0, False  # requests the daemon ran for it; one running
+        self.seen, self.last = 0.0, time.monotonic()  # its activity at the last sweep, when
         self.model = model  # the served model, or its bucket for the session's shapes
         self.model_id = (served.record.name, served.record.version)
         self.layout = layout(served, self.model, depth)
@@ -132,7 +135,8 @@ class Session:
                               [self.sock.fileno(), memfd, stats_fd])
         if ended.done() and ended.exception() is not None:
             return False
-        self.sock.close()  # the worker has it now
+        # The worker serves the connection now; ours stays open until the session ends, to
+        # end it when idle (`FastPath.sweep`: shut down, the worker and the client see EOF).
         ended.add_done_callback(lambda _: self.close())
         return True
 
@@ -160,7 +164,11 @@ class Session:
                 if len(bell) < wire.DOORBELL.size:
                     break  # closed (a partial doorbell is a client that died mid-write)
                 (seq,) = wire.DOORBELL.unpack(bell)
-                self.handle(seq)
+                self.busy = True  # (not idle, however long it runs)
+                try:
+                    self.handle(seq)
+                finally:
+                    self.busy, self.handled = False, self.handled + 1
                 try:
                     self.sock.sendall(bell)
                 except OSError:
@@ -236,6 +244,10 @@ class Session:
             return [0] * COUNTS
         done, failed, _ = STATS.unpack_from(self.stats)
         return [done, failed, *TIMES.unpack_from(self.stats, STATS.size)]
+
+    def activity(self) -> float:
+        """Requests run for it, by the daemon and by a worker: it was idle if unchanged."""
+        return self.handled + sum(self.counts()[:2])
 
     def close(self) -> None:
         self.ended = True
@@ -376,6 +388,31 @@ class FastPath:
         for session in sessions:
             _add(totals.setdefault(session.model_id, [0] * COUNTS), session.counts())
         return totals
+
+    def sweep(self, idle_s: float) -> int:
+        """End the sessions that ran no request for `idle_s` (`limits.idle_timeout_s`, the
+        time after which gRPC closes a silent connection): each open session counts as one
+        of its caller's connections, so sessions left open and idle would hold those limits
+        against everyone. The client sees EOF on its next doorbell and opens a new session
+        (the Python client does so by itself, about a millisecond). Returns how many ended."""
+        now = time.monotonic()
+        with self._lock:
+            sessions = list(self._sessions | self._attached)
+        ended = 0
+        for session in sessions:
+            activity = session.activity()
+            if activity != session.seen or session.busy:
+                session.seen, session.last = activity, now
+            elif now - session.last >= idle_s and not session.ended:
+                log.info("fast path: closing a session of uid %d on %s, idle for %.0f s "
+                         "(limits.idle_timeout_s)", session.uid, session.served.key,
+                         now - session.last)
+                try:
+                    session.sock.shutdown(socket.SHUT_RDWR)
+                    ended += 1
+                except OSError:
+                    pass
+        return ended
 
     def close(self, timeout: float = 5.0) -> None:
         """End every session (a request running finishes first); wait for them a while."""

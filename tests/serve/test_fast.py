@@ -3,8 +3,8 @@ the outputs torch eager gives, through Client(fast=True) and FastSession, on pro
 thread workers; many sessions at once; clients that die mid-request; a daemon that restarts
 and a model loaded again under an open session; and the wire spoken by hand, where a bad ring
 entry or open request is refused and the session or daemon goes on. Two daemons for the
-module (process workers; thread workers with small connection limits); the restart and
-`fast_path: false` tests start their own."""
+module (process workers; thread workers with small connection limits); the restart,
+`fast_path: false` and idle-session tests start their own."""
 
 from __future__ import annotations
 
@@ -525,9 +525,10 @@ def test_a_client_slow_to_open_gets_its_session_and_nothing_else(procs):
         mm.close()
 
 
-def test_an_idle_session_stays_and_a_silent_connection_is_closed(threads):
-    """gRPC's idle timeout is not the session's: one idle past it still serves, unopened
-    again; a connection that never speaks gets gRPC's greeting, then its close."""
+def test_a_silent_connection_is_closed_and_an_idle_session_opens_again(threads):
+    """A connection that never speaks gets gRPC's greeting, then its close after the idle
+    timeout; a session idle past it is closed too, and its client opens a new one by
+    itself on its next request."""
     model, inputs = threads.models["mlp"]
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.settimeout(IDLE_S + 10)
@@ -541,7 +542,37 @@ def test_an_idle_session_stays_and_a_silent_connection_is_closed(threads):
         assert got[3:4] == b"\x04"  # an HTTP/2 SETTINGS frame
         time.sleep(1.5)  # the session was idle past the timeout too
         close_to(session.run(inputs), eager(model, inputs))
-        assert session.opened == 1
+        assert session.opened == 2
+
+
+def test_idle_sessions_end_so_they_cannot_hold_the_connection_limits(make_daemon, cache):
+    """Sessions served by a worker process, idle past limits.idle_timeout_s, are ended by
+    the daemon (an open session counts as one of its caller's connections): a caller at
+    its limit is served again, and the idle clients open new sessions by themselves."""
+    torch.manual_seed(6)
+    model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
+    daemon = make_daemon(cache_dir=str(cache), engine={"runtimes": RUNTIMES},
+                         limits={"max_connections_per_uid": 2, "idle_timeout_s": 1})
+    load(daemon, {"mlp": (model, (x,))})
+    path = str(daemon.socket_path)
+    first, second = FastSession(path, "mlp"), FastSession(path, "mlp")
+    try:
+        for session in (first, second):
+            close_to(session.run(x), eager(model, (x,)))
+        with pytest.raises(FastPathError) as err:  # the two hold this uid's connections
+            FastSession(path, "mlp", timeout=0.5)
+        assert err.value.code == "UNAVAILABLE", err.value
+        deadline = time.monotonic() + 30
+        while daemon.log().count("idle for") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert daemon.log().count("(limits.idle_timeout_s)") == 2, daemon.log()[-3000:]
+        with FastSession(path, "mlp", timeout=10) as third:
+            close_to(third.run(x), eager(model, (x,)))
+        close_to(first.run(x), eager(model, (x,)))
+        assert first.opened == 2
+    finally:
+        first.close()
+        second.close()
 
 
 def test_an_open_request_too_long_is_refused(procs):
