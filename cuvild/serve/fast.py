@@ -400,7 +400,10 @@ class FastPath:
             sessions = list(self._sessions | self._attached)
         ended = 0
         for session in sessions:
-            activity = session.activity()
+            try:
+                activity = session.activity()
+            except ValueError:  # its counts were unmapped: it ended meanwhile
+                continue
             if activity != session.seen or session.busy:
                 session.seen, session.last = activity, now
             elif now - session.last >= idle_s and not session.ended:
