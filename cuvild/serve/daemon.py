@@ -338,7 +338,10 @@ class Daemon:
                 sdnotify.notify("READY=1")
             idle_s = self.cfg.idle_timeout_s  # fast-path sessions idle that long end
             if self.fast and time.monotonic() - swept >= min(1.0, idle_s / 4):
-                self.fast.sweep(idle_s)
+                try:
+                    self.fast.sweep(idle_s)
+                except Exception:  # a bug: said, and the daemon goes on serving
+                    log.exception("fast path: the idle sweep failed")
                 swept = time.monotonic()
         return self._shutdown()
 
