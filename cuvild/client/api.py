@@ -360,7 +360,10 @@ class Client:
                            "errors_per_s": (now["failure"] - then["failure"]) / span,
                            "success": now["success"], "failure": now["failure"],
                            "inferences": now["inferences"],
-                           "latency_ms": now.get("latency_ms")}
+                           "latency_ms": now.get("latency_ms"),
+                           # fast-path requests a worker ran: bucket bounds (at most), since
+                           # the daemon started
+                           "fast_latency_ms": now.get("fast_latency_ms")}
         devices = {d: (busy - first["devices"].get(d, 0.0)) / span
                    for d, busy in last["devices"].items()}
         return {"interval_s": span, "models": models, "devices_busy": devices,

@@ -274,13 +274,23 @@ def cmd_stats(client: Client, args: argparse.Namespace) -> int:
         print(json.dumps(stats, indent=2))
         return 0
     rows = []
+
+    def shown(ms: float | None, bucketed: bool) -> str:
+        if ms is None:
+            return ">60000" if bucketed else "-"
+        return f"<={ms:g}" if bucketed else f"{ms:.2f}"
+
     for key, m in sorted(stats["models"].items()):
-        lat = m["latency_ms"] or {}
+        lat, bucketed = m["latency_ms"] or {}, False
+        if not lat and m.get("fast_latency_ms"):  # only fast-path requests a worker ran
+            lat, bucketed = m["fast_latency_ms"], True
         rows.append([key or "(unknown models)", f"{m['requests_per_s']:.1f}",
-                     f"{lat['p50']:.2f}" if lat else "-", f"{lat['p99']:.2f}" if lat else "-",
+                     shown(lat["p50"], bucketed) if lat else "-",
+                     shown(lat["p99"], bucketed) if lat else "-",
                      str(m["success"]), str(m["failure"]), f"{m['errors_per_s']:.1f}"])
     print(f"over the last {stats['interval_s']:.1f} s (p50/p99: the last requests of each "
-          "model)")
+          "model; <= for a model served only by fast-path workers: the bound of a metrics "
+          "bucket, since the daemon started)")
     print(format_table(["MODEL", "REQ/s", "p50 ms", "p99 ms", "OK", "FAILED", "ERR/s"], rows)
           if rows else "no requests yet")
     if stats["devices_busy"]:

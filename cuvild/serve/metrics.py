@@ -171,17 +171,33 @@ class Metrics:
                     "p50": statistics.median(times) * 1e3,
                     "p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
                     "n": len(times)}
-        # Fast-path requests a worker ran on the session's memory count here too.
-        for (name, version), (done, failed, *_) in (self.fast.counts() if self.fast
-                                                     else {}).items():
+        # Fast-path requests a worker ran on the session's memory count here too; their times
+        # are only in the histogram the worker keeps (sessions.TIMES), so their quantiles are
+        # its buckets' bounds, over every such request since the daemon started.
+        for (name, version), (done, failed, _, *per_bucket) in (self.fast.counts() if self.fast
+                                                                 else {}).items():
             entry = models.setdefault(f"{name}:{version}", {"success": 0, "failure": 0,
                                                             "inferences": 0})
             entry["success"] += done
             entry["failure"] += failed
             entry["inferences"] += done
+            if done:
+                entry["fast_latency_ms"] = {"p50": at_most(per_bucket, 0.5),
+                                            "p99": at_most(per_bucket, 0.99), "n": int(done)}
         busy = {s.labels["device"]: s.value for m in self.busy.collect() for s in m.samples
                 if s.name == "cuvil_device_busy_seconds_total"}
         return {"at": time.monotonic() - self._started, "models": models, "devices": busy}
+
+
+def at_most(per_bucket: list[float], q: float) -> float | None:
+    """The bound, in ms, of the histogram bucket (requests per bucket of SECONDS, the last
+    past them all) that holds quantile `q`; None in the last."""
+    total, seen = sum(per_bucket), 0.0
+    for bound, count in zip(SECONDS, per_bucket, strict=False):
+        seen += count
+        if seen >= q * total:
+            return bound * 1e3
+    return None
 
 
 class _State(Collector):

@@ -117,6 +117,10 @@ def test_metrics_move_by_exactly_what_was_sent(make_daemon):
         assert counts == sorted(counts) and counts[-1] == 5  # cumulative, +Inf holds all
     assert series(after_fast, "cuvil_inference_request_success_total", **model_labels) == \
         series(after, "cuvil_inference_request_success_total", **model_labels)
+    with Client(d.target) as client:  # cuvilctl stats: their quantiles, as bucket bounds
+        key = f"{model_labels['model']}:{model_labels['version']}"
+        fast = client.stats(0.01)["models"][key]["fast_latency_ms"]
+    assert fast["n"] == 5 and 0 < fast["p50"] <= fast["p99"] <= 60_000, fast
 
 
 def client_plan_parts(target: str) -> list[dict]:
