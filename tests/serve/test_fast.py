@@ -552,7 +552,7 @@ def test_idle_sessions_end_so_they_cannot_hold_the_connection_limits(make_daemon
     torch.manual_seed(6)
     model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
     daemon = make_daemon(cache_dir=str(cache), engine={"runtimes": RUNTIMES},
-                         limits={"max_connections_per_uid": 2, "idle_timeout_s": 1})
+                         limits={"max_connections_per_uid": 2, "idle_timeout_s": 3})
     load(daemon, {"mlp": (model, (x,))})
     path = str(daemon.socket_path)
     first, second = FastSession(path, "mlp"), FastSession(path, "mlp")
@@ -560,7 +560,7 @@ def test_idle_sessions_end_so_they_cannot_hold_the_connection_limits(make_daemon
         for session in (first, second):
             close_to(session.run(x), eager(model, (x,)))
         with pytest.raises(FastPathError) as err:  # the two hold this uid's connections
-            FastSession(path, "mlp", timeout=0.5)
+            FastSession(path, "mlp", timeout=0.5)  # (well within the idle timeout)
         assert err.value.code == "UNAVAILABLE", err.value
         deadline = time.monotonic() + 30
         while daemon.log().count("idle for") < 2 and time.monotonic() < deadline:
