@@ -53,7 +53,7 @@ pytestmark = pytest.mark.daemon
 # of the module shares one compile cache, so a model built once is not compiled again.
 RUNTIMES = {"cpu": ["openvino"]}
 PER_UID = 4  # the thread daemon's limits.max_connections_per_uid
-IDLE_S = 3  # and its limits.idle_timeout_s (gRPC's: a session has none)
+IDLE_S = 3  # and its limits.idle_timeout_s (gRPC connections and fast-path sessions alike)
 TWO_CORES = len(os.sched_getaffinity(0)) >= 2  # the emulated NPU has a core of its own
 # Where a session is served: a one-part model's worker process, a one-part model's worker
 # thread in the daemon, or the daemon's session thread through the engine (two parts).
