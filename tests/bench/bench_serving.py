@@ -6,7 +6,10 @@ with interleaved rounds.
     path (cuvild/client/fast.py), against the fastest in-process runner at the same precision
     (torch eager; OpenVINO, ONNX Runtime and any other runtime a daemon chose, compiled in
     this process on the whole model as one part) and against the runtime its daemon chose,
-    in-process: p50/p99 and the ratios to those.
+    in-process: p50/p99 and the ratios to those, interleaved; then each daemon's fast path
+    and shm path against its runtime in-process alone in turn (blocks of calls back to back,
+    as a client's loop), with what the shm goal leaves above the run next to the protocol's
+    floor from (b).
 (b) Per-request overhead on a tiny MLP (16 wide, one layer, input (1, 16)): tritonclient raw
     against a bare grpcio unary echo (a separate process on a unix socket) of the same bytes;
     the same echo through cuvild's unix-socket front (cuvild/serve/front.py) prices the relay;
@@ -52,6 +55,7 @@ ROUNDS = 120  # (a): 4 runners x ~20-40 ms each per round
 TINY_ROUNDS = 500  # (b): ~1-3 ms calls
 WARMUP = 10
 GAP_S = 0.005  # idle between timed calls, so one runner's spinning threads do not hit the next
+BLOCKS, BLOCK_SIZE = 6, 20  # (a), each path and its runtime alone in turn
 READY_TIMEOUT_S = 300.0
 CLIENTS = 16  # (c): concurrent client processes
 
@@ -114,6 +118,24 @@ def interleaved(runners: dict[str, Callable[[], Any]], rounds: int,
             t0 = time.perf_counter()
             run()
             samples[name].append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def in_blocks(runners: dict[str, Callable[[], Any]], blocks: int = BLOCKS,
+              size: int = BLOCK_SIZE) -> dict[str, list[float]]:
+    """Each runner alone, `size` calls back to back, the runners in turn `blocks` times: as a
+    client's loop runs, with no other runner's threads waking between its calls (they do in
+    `interleaved`, and a runtime's spinning pool slows the next runner), and slow drift of
+    the host shared out between them."""
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(blocks):
+        for name, run in runners.items():
+            time.sleep(GAP_S)
+            run()  # (its first call after another runner's is not a loop's)
+            for _ in range(size):
+                t0 = time.perf_counter()
+                run()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
     return samples
 
 
@@ -231,6 +253,17 @@ def bench_resnet(clients: dict[str, Any], rounds: int, threads: int,
         runners.update(local)
         errors = {name: rel_error(np.asarray(run()), expected) for name, run in runners.items()}
         samples = interleaved(runners, rounds)
+        alone = {}  # each daemon's paths and its runtime in-process, alone in turn
+        for n in clients:
+            same = f"{chosen.get(n)} fp32 (in-process)"
+            if same in local:
+                got = in_blocks({"fast path": runners[f"fast path ({n})"],
+                                 "tritonclient shm": runners[f"tritonclient shm ({n})"],
+                                 same: local[same]})
+                p50 = {k: statistics.median(v) for k, v in got.items()}
+                alone[n] = {"runtime": chosen[n], "runtime_p50_ms": p50[same],
+                            **{k: {"p50_ms": p50[k], "p50_vs_same": p50[k] / p50[same]}
+                               for k in ("fast path", "tritonclient shm")}}
     finally:
         for client in clients.values():
             try:
@@ -255,7 +288,7 @@ def bench_resnet(clients: dict[str, Any], rounds: int, threads: int,
             r["same_runtime"] = chosen[label]
             r["p50_vs_same"] = r["p50_ms"] / results[same]["p50_ms"]
     return {"model": "resnet18", "batch": 1, "precision": "fp32", "baseline": best,
-            "compile_s": compile_s, "results": results}
+            "compile_s": compile_s, "results": results, "alone_in_turn": alone}
 
 
 # -- (b) per-request overhead ----------------------------------------------------------------
@@ -518,6 +551,17 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{name:<44} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['p50_ratio']:7.2f} "
               f"{r['p99_ratio']:7.2f} {same} {r['rel_error']:9.1e}")
     b = result["tiny"]
+    floor = b["results"].get("infer, no-op servicer (the floor)")
+    print(f"each daemon's paths against its runtime in-process, alone in turn ({BLOCKS} blocks "
+          f"of {BLOCK_SIZE} back to back each):")
+    for n, r in a.get("alone_in_turn", {}).items():
+        print(f"  {n:<30} {r['runtime']} {r['runtime_p50_ms']:.2f} ms; " + ", ".join(
+            f"{k} {r[k]['p50_ms']:.2f} ms = {r[k]['p50_vs_same']:.3f}x"
+            for k in ("fast path", "tritonclient shm")))
+        if floor:
+            print(f"  {'':<30} shm goal 1.03x leaves {0.03 * r['runtime_p50_ms']:.2f} ms above "
+                  f"the run; tritonclient's infer against a no-op servicer alone takes "
+                  f"{floor['p50_ms']:.2f} ms, (b)")
     print(f"\n(b) per-request overhead, {b['model']} input {b['input']} "
           f"({b['payload_bytes']} request bytes); ratios vs {b['baseline']} (goal: infer p50 "
           "<= 1.3x, p99 <= 1.5x; fast path <= 0.15 ms above its part in-process)")
@@ -530,7 +574,6 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{name:<40} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ratio']:7.2f} "
               f"{r['p99_ratio']:7.2f} {above} {i['p50_ms']:8.3f} {i['p99_ms']:8.3f} "
               f"{i['p50_ratio']:7.2f}")
-    floor = b["results"].get("infer, no-op servicer (the floor)")
     if floor:
         print(f"infer against the floor (a Python servicer that runs nothing, "
               f"{floor['p50_ms']:.3f} ms = {floor['p50_ratio']:.2f}x the echo): " + ", ".join(
