@@ -50,12 +50,11 @@ from typing import Any
 # for daemons.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))
+from timing import BLOCK_SIZE, BLOCKS, in_blocks, interleaved, rel_error, stats  # noqa: E402
 
 ROUNDS = 120  # (a): 4 runners x ~20-40 ms each per round
 TINY_ROUNDS = 500  # (b): ~1-3 ms calls
-WARMUP = 10
-GAP_S = 0.005  # idle between timed calls, so one runner's spinning threads do not hit the next
-BLOCKS, BLOCK_SIZE = 6, 20  # (a), each path and its runtime alone in turn
 READY_TIMEOUT_S = 300.0
 CLIENTS = 16  # (c): concurrent client processes
 
@@ -98,54 +97,6 @@ def echo_server(path: str) -> None:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def stats(samples_ms: list[float]) -> dict[str, float]:
-    import numpy as np
-
-    return {"p50_ms": statistics.median(samples_ms),
-            "p99_ms": float(np.percentile(samples_ms, 99)), "n": len(samples_ms)}
-
-
-def interleaved(runners: dict[str, Callable[[], Any]], rounds: int,
-                gap_s: float = GAP_S) -> dict[str, list[float]]:
-    for run in runners.values():
-        for _ in range(WARMUP):
-            run()
-    samples: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            if gap_s:
-                time.sleep(gap_s)
-            t0 = time.perf_counter()
-            run()
-            samples[name].append((time.perf_counter() - t0) * 1e3)
-    return samples
-
-
-def in_blocks(runners: dict[str, Callable[[], Any]], blocks: int = BLOCKS,
-              size: int = BLOCK_SIZE) -> dict[str, list[float]]:
-    """Each runner alone, `size` calls back to back, the runners in turn `blocks` times: as a
-    client's loop runs, with no other runner's threads waking between its calls (they do in
-    `interleaved`, and a runtime's spinning pool slows the next runner), and slow drift of
-    the host shared out between them."""
-    samples: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(blocks):
-        for name, run in runners.items():
-            time.sleep(GAP_S)
-            run()  # (its first call after another runner's is not a loop's)
-            for _ in range(size):
-                t0 = time.perf_counter()
-                run()
-                samples[name].append((time.perf_counter() - t0) * 1e3)
-    return samples
-
-
-def rel_error(got: Any, expected: Any) -> float:
-    import numpy as np
-
-    got, expected = np.asarray(got), np.asarray(expected)
-    return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-12))
-
-
 def wait_ready(control: Any, names: set[str], daemon: Any) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     states: dict[str, str] = {}
