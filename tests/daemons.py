@@ -37,8 +37,9 @@ def read_text(path: Path) -> str:
         return ""
 
 
-def worker_processes(daemon_pid: int) -> list[Path]:
-    """/proc entries of a daemon's worker processes (multiprocessing spawns them)."""
+def worker_processes(daemon_pid: int, marker: str = "spawn_main") -> list[Path]:
+    """/proc entries of a daemon's worker processes (multiprocessing spawns them), or of its
+    other children whose command line holds `marker` ("forkserver": the uploads' inspector)."""
     def parent(proc: Path) -> int:
         try:
             return int(read_text(proc / "stat").rsplit(")", 1)[1].split()[1])
@@ -46,7 +47,7 @@ def worker_processes(daemon_pid: int) -> list[Path]:
             return -1
 
     return [p for p in Path("/proc").iterdir() if p.name.isdigit()
-            and parent(p) == daemon_pid and "spawn_main" in read_text(p / "cmdline")]
+            and parent(p) == daemon_pid and marker in read_text(p / "cmdline")]
 
 
 class DaemonProcess:

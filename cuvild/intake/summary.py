@@ -6,8 +6,9 @@ namespaces only); anything it refuses becomes INVALID_ARGUMENT naming the entry.
 `inspect_archive` opens it in a child process under memory and CPU limits, so that what a
 crafted archive costs to parse is paid there, not in the daemon's interpreter (its GIL, its
 deserializer lock, its heap). Children fork from a forkserver that has imported torch and the
-loader once (it stays resident, ~370 MB): +40-60 ms an upload over loading in-process, after
-~3 s for the first, which starts the forkserver (2-core host, torch 2.13).
+loader once (it stays resident, ~370 MB): +40-60 ms an upload over loading in-process. Its
+start costs ~5 s of CPU (2-core host, torch 2.13): a daemon with nothing registered starts
+it at once (`start_inspector`), so that its first upload does not wait for it.
 """
 
 from __future__ import annotations

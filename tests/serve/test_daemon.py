@@ -8,6 +8,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,8 @@ from cuvild.client.samples import MLP
 from protos import cuvil_pb2, cuvil_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from daemons import worker_processes  # noqa: E402
 
 
 def cuvilctl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -56,6 +59,16 @@ def test_socket_mode_and_ready(daemon):
     mode = stat.S_IMODE(daemon.socket_path.stat().st_mode)
     assert mode == 0o660
     assert any("READY=1" in m for m in daemon.messages)
+
+
+def test_a_fresh_daemon_starts_the_upload_inspector_before_the_first_upload(daemon):
+    """Its forkserver imports torch once (seconds): a daemon with nothing registered starts
+    it by itself, so the first upload does not wait for that."""
+    deadline = time.monotonic() + 120
+    while "archive inspector started ahead" not in daemon.log():
+        assert time.monotonic() < deadline, daemon.log()[-3000:]
+        time.sleep(0.2)
+    assert worker_processes(daemon.proc.pid, "forkserver")
 
 
 def test_health_and_reflection(daemon):

@@ -162,3 +162,6 @@ def test_a_restart_serves_from_the_load_record(make_daemon, tmp_path):
     for pid in [again.proc.pid] + [int(p.name) for p in worker_processes(again.proc.pid)]:
         assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
     assert "(from its load record)" in again.log()
+    # nor in the uploads' inspector: a daemon that restores models starts it at an upload
+    assert worker_processes(again.proc.pid, "forkserver") == []
+    assert "archive inspector started" not in again.log()
