@@ -32,12 +32,12 @@ from partitioner.split import split_program  # noqa: E402
 from runtimes import registry  # noqa: E402
 from runtimes.base import CompileSpec, Executable, RuntimeUnavailable, relative_error  # noqa: E402
 
+sys.path.append(str(Path(__file__).resolve().parent))
+from timing import interleaved  # noqa: E402  (idle GAP_S between calls: spinning pools sleep)
+
 MODELS = ("resnet18", "bert4", "mlp")
 THREADS = 2
 WARMUP = 3
-# Idle time between two timed calls: lets a spinning thread pool (torch's OpenMP) go to sleep
-# before the next runner starts, so one runner's pool does not slow the next one's run.
-GAP_S = 0.005
 VARIANTS = (("openvino", "fp32"), ("openvino", "bf16"), ("onnxruntime", "fp32"))
 
 
@@ -65,17 +65,8 @@ def build(runtime_name: str, precision: str, part: torch.fx.GraphModule,
     return loaded, {"compile_s": compile_s, "load_s": load_s}
 
 
-def interleaved(runners: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    for run in runners.values():
-        for _ in range(WARMUP):
-            run()
-    samples: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            time.sleep(GAP_S)
-            t0 = time.perf_counter()
-            run()
-            samples[name].append((time.perf_counter() - t0) * 1e3)
+def interleaved_medians(runners: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    samples = interleaved(runners, rounds, warmup=WARMUP)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -107,7 +98,7 @@ def bench_model(name: str, rounds: int) -> dict[str, Any]:
             continue
         errors[label] = relative_error(exe.run(inputs), expected)
         runners[label] = lambda exe=exe: exe.run(inputs)
-    return {"model": name, "batch": 1, "median_ms": interleaved(runners, rounds),
+    return {"model": name, "batch": 1, "median_ms": interleaved_medians(runners, rounds),
             "rel_error": errors, "setup": setup}
 
 

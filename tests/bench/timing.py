@@ -1,4 +1,5 @@
-"""Timing helpers of tests/bench/bench_serving.py: runners timed interleaved or alone in turn."""
+"""Timing helpers of bench_serving.py and bench_runtimes.py: runners timed interleaved, or
+alone in turn."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 WARMUP = 10
-GAP_S = 0.005  # idle between timed calls, so one runner's spinning threads do not hit the next
+# Idle time between two timed calls: lets a spinning thread pool (torch's OpenMP) go to sleep
+# before the next runner starts, so one runner's pool does not slow the next one's run.
+GAP_S = 0.005
 BLOCKS, BLOCK_SIZE = 6, 20  # alone in turn: blocks of calls back to back
 
 
@@ -19,10 +22,11 @@ def stats(samples_ms: list[float]) -> dict[str, float]:
             "p99_ms": float(np.percentile(samples_ms, 99)), "n": len(samples_ms)}
 
 
-def interleaved(runners: dict[str, Callable[[], Any]], rounds: int,
-                gap_s: float = GAP_S) -> dict[str, list[float]]:
+def interleaved(runners: dict[str, Callable[[], Any]], rounds: int, gap_s: float = GAP_S,
+                warmup: int = WARMUP) -> dict[str, list[float]]:
+    """The runners in turn, call by call, `rounds` times (ms per call, by runner)."""
     for run in runners.values():
-        for _ in range(WARMUP):
+        for _ in range(warmup):
             run()
     samples: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(rounds):
