@@ -44,6 +44,7 @@ from torch._export.serde.serialize import (
     _dict_to_dataclass,
 )
 
+from cuvild.intake.errors import UnsafeArchive
 from cuvild.intake.grammar import BAD_TEXT_CHARS, Reject
 from cuvild.intake.payload_checks import (
     CONSTANT_RE,
@@ -110,19 +111,6 @@ _KNOWN_UNSAFE = (
 )
 _ROOT_RE = re.compile(r"[A-Za-z0-9_.\-]{1,255}")
 _CHUNK = 1 << 20
-
-
-class UnsafeArchive(ValueError):
-    """Raised for every rejected archive: malformed, over a limit, or carrying unsafe content.
-
-    ``entry`` is the offending zip entry (relative to the archive root), or ``"<archive>"``
-    for problems with the file as a whole; ``reason`` says what was wrong.
-    """
-
-    def __init__(self, entry: str, reason: str) -> None:
-        super().__init__(f"{entry}: {reason}")
-        self.entry = entry
-        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,7 +82,7 @@ def _get_context() -> Any:
 
 
 def _inspect_in_child(path: Path, max_bytes: int, memory: int, cpu: int) -> dict[str, Any]:
-    from cuvild.intake.safe_load import UnsafeArchive
+    from cuvild.intake.errors import UnsafeArchive  # (no torch in the daemon for this)
 
     ctx = _get_context()
     reader, writer = ctx.Pipe(duplex=False)

@@ -16,6 +16,7 @@ the isolated ``inspect_archive``.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from archives import (  # noqa: E402
     torch_save_with_pickle,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "models/model.json"
 WEIGHTS = "data/weights/model_weights_config.json"
 SAMPLE = "data/sample_inputs/model.pt"
@@ -282,3 +284,23 @@ def test_inspection_runs_in_a_limited_child(saved: dict, tmp_path: Path) -> None
     assert err.value.entry == WEIGHTS and "cannot build" in err.value.reason
     with pytest.raises(ValueError, match=r"archive inspection exceeded 1 MiB of memory"):
         _inspect_in_child(path, 1 << 30, 1 << 20, 60)
+
+
+def test_the_daemons_side_of_an_inspection_imports_no_torch(saved: dict, tmp_path: Path) -> None:
+    """Registering an archive checks it in the inspector's child: the daemon's side (here a
+    fresh interpreter) imports no torch for an archive accepted or refused."""
+    bad = _weights_edit(saved, tmp_path, [8192, 16384], [0, 0], b"\0\0\x80\x3f")
+    script = (
+        "import sys\n"
+        "from cuvild.intake.errors import UnsafeArchive\n"
+        "from cuvild.intake.summary import inspect_archive\n"
+        f"assert inspect_archive({str(saved['pair'][0])!r}, 1 << 30)['inputs']\n"
+        "try:\n"
+        f"    inspect_archive({str(bad)!r}, 1 << 30)\n"
+        "    sys.exit('the crafted archive was accepted')\n"
+        "except UnsafeArchive:\n"
+        "    pass\n"
+        "sys.exit('torch was imported' if 'torch' in sys.modules else 0)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
