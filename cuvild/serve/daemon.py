@@ -308,8 +308,7 @@ class Daemon:
             # back after a restart waits for its model rather than hearing it is unknown.
             self.models.restore()
             if not self.models.all():  # nothing registered: the first call will be an upload
-                threading.Thread(target=self._start_intake, name="intake-start",
-                                 daemon=True).start()
+                self._start_intake()
             self.front.start()
         except BaseException:
             self.front.close()
@@ -349,22 +348,20 @@ class Daemon:
         return self._shutdown()
 
     def _start_intake(self) -> None:
-        """Start the uploads' inspector now (a forkserver that imports torch and the safe
-        loader: ~5 s of CPU on the 2-core dev host, ~370 MB resident), on a daemon with nothing
-        registered, so that its first upload does not wait for it. A daemon that restores
-        models starts it at its first upload: it may never get one, and it serves them
-        without torch in any process."""
+        """Start the uploads' inspector now, on a daemon with nothing registered, so that its
+        first upload does not wait for it: a forkserver process that imports torch and the
+        safe loader (~5 s of CPU on the 2-core dev host, ~370 MB resident) while the daemon
+        goes on. A daemon that restores models starts it at its first upload: it may never get
+        one, and it serves them without torch in any process."""
         from cuvild.intake.summary import start_inspector
 
-        t0 = time.monotonic()
         try:
-            start_inspector()
+            start_inspector()  # (spawns it and returns)
         except Exception:  # noqa: BLE001 - the first upload starts it then, or says why
             log.warning("intake: the archive inspector did not start ahead of uploads",
                         exc_info=True)
             return
-        log.info("intake: archive inspector started ahead of uploads (%.1f s)",
-                 time.monotonic() - t0)
+        log.info("intake: archive inspector starting ahead of uploads")
 
     def _shutdown(self) -> int:
         sdnotify.notify("STOPPING=1\nSTATUS=draining")

@@ -65,7 +65,7 @@ def test_a_fresh_daemon_starts_the_upload_inspector_before_the_first_upload(daem
     """Its forkserver imports torch once (seconds): a daemon with nothing registered starts
     it by itself, so the first upload does not wait for that."""
     deadline = time.monotonic() + 120
-    while "archive inspector started ahead" not in daemon.log():
+    while "archive inspector starting ahead" not in daemon.log():
         assert time.monotonic() < deadline, daemon.log()[-3000:]
         time.sleep(0.2)
     assert worker_processes(daemon.proc.pid, "forkserver")

@@ -164,4 +164,4 @@ def test_a_restart_serves_from_the_load_record(make_daemon, tmp_path):
     assert "(from its load record)" in again.log()
     # nor in the uploads' inspector: a daemon that restores models starts it at an upload
     assert worker_processes(again.proc.pid, "forkserver") == []
-    assert "archive inspector started" not in again.log()
+    assert "archive inspector starting" not in again.log()
