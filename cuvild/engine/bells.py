@@ -103,7 +103,7 @@ class Bell(Attached):
         except OSError:
             answer = b""
         if answer != wire.DOORBELL.pack(self.seq):
-            self.close()
+            self.lost()
             raise WorkerLost(f"{where} failed: its worker died", {self.device})
         _, state, error_len, _, _, _ = BELL.unpack_from(self.mm, 0)
         if state != wire.DONE:
@@ -226,7 +226,7 @@ def ring_parts(engine: Any, model: LoadedModel, bells: dict[str, Bell],
                 try:
                     bell.ring()
                 except OSError:
-                    bell.close()  # (its worker is gone: the set is not given back)
+                    bell.lost()  # (its worker is gone: the set is not given back)
                     dead.add(route.device)
                     failure = failure or WorkerLost(f"part {route.id} on {route.device} "
                                                     "failed: its worker died", dead)

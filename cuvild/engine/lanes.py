@@ -14,6 +14,7 @@ died, or whose request timed out, is dropped; the engine then runs the request i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel, Route
 
 log = logging.getLogger(__name__)
+LOST_WAIT_S = 5.0  # how long a closed session waits to learn whether its worker died
 
 
 def one_part(model: LoadedModel) -> bool:
@@ -69,6 +71,15 @@ class Attached:
 
     def usable(self) -> bool:
         return not self.closed and not self.ended.done()
+
+    def lost(self) -> None:
+        """Its socket closed under a request: close it, and wait until its worker has said
+        the session ended or its reader has seen the worker die. The socket closes as the
+        process exits, before its pipes say so or it can be reaped: a restart decided in that
+        gap (engine._revive) found the dying worker alive and let the retry meet it."""
+        self.close()  # (a Lane's or a Bell's)
+        with contextlib.suppress(Exception):
+            self.ended.exception(timeout=LOST_WAIT_S)
 
 
 class Lane(Attached):
@@ -119,7 +130,7 @@ class Lane(Attached):
             answer = b""
         where = f"part {route.id} on {route.device} ({route.runtime})"
         if answer != bell:
-            self.close()
+            self.lost()
             raise WorkerLost(f"{where} failed: its worker died", {route.device})
         _, _, state, error_len = wire.ENTRY.unpack_from(self.mm, 0)
         if state != wire.DONE:
