@@ -202,10 +202,46 @@ def relative_error(outputs: Any, expected: Any) -> float:
         if not ref.is_floating_point():
             worst = max(worst, float((out != ref).any()))
             continue
-        scale = max(ref.abs().max().item(), 1e-12) if ref.numel() else 1.0
-        diff = (out.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
-        worst = max(worst, diff / scale)
+        worst = max(worst, array_error(out.detach().float().numpy(),
+                                       ref.detach().float().numpy()))
     return worst
+
+
+def array_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """`relative_error` of one floating-point output, in numpy (a restored model checks its
+    parts without torch). A value that is not finite where eager's is (an overflow to inf, a
+    NaN) makes the error infinite: NaN compares false with every bound, so it must never reach
+    one (max() and `err > tol` would both take a NaN for accurate). Where eager itself gives
+    inf or NaN, the output must give the same there; the rest is measured as usual."""
+    if out.shape != ref.shape:
+        return float("inf")
+    if out.size == 0:
+        return 0.0
+    out64, ref64 = out.astype(np.float64), ref.astype(np.float64)
+    finite = np.isfinite(ref64)
+    special_same = (out64 == ref64) | (np.isnan(out64) & np.isnan(ref64))
+    if not np.where(finite, np.isfinite(out64), special_same).all():
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    scale = max(float(np.abs(ref64[finite]).max()), 1e-12)
+    return float(np.abs(out64[finite] - ref64[finite]).max()) / scale
+
+
+def unusable(outputs: Any, expected: Any) -> str:
+    """Why `relative_error` found `outputs` unusable (infinitely far from `expected`)."""
+    if not isinstance(outputs, (list, tuple)):
+        outputs, expected = [outputs], [expected]
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        if out.shape != ref.shape or out.dtype != ref.dtype:
+            return (f"returned output {i} as {out.dtype} {tuple(out.shape)}; torch eager's is "
+                    f"{ref.dtype} {tuple(ref.shape)}")
+        if ref.is_floating_point():
+            bad = int((~out.isfinite() & ref.isfinite()).sum())
+            if bad:
+                return (f"returned inf or NaN in {bad} of {out.numel()} values of output {i} "
+                        "where torch eager's are finite (an overflow of the precision?)")
+    return "returned inf or NaN unlike torch eager's"
 
 
 def top1_agreement(outputs: Any, expected: Any) -> float | None:

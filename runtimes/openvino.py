@@ -165,6 +165,24 @@ def compile_config(device: str, precision: str, threads: int) -> dict[str, Any]:
     return config
 
 
+def check_precision(compiled: ov.CompiledModel, device: str, precision: str) -> None:
+    """Raise CompileError unless the plugin resolved the precision hint to what was asked.
+
+    A plugin may swap the hint for another without a word: the CPU plugin of 2026.4, asked
+    for f16 on a CPU without avx512_fp16, runs bf16 (seen on an AVX512_BF16 EPYC), whose
+    range is fp32's, so a part labelled fp16 would not overflow where fp16 does. A part's
+    precision in the plan is what ran, so such a build is refused, naming both."""
+    try:
+        ran = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+    except Exception as e:  # noqa: BLE001 - a plugin that does not report it (NPU)
+        log.debug("openvino: %s does not report its inference precision (%s)", device, e)
+        return
+    if ran != PRECISION_HINTS[precision]:
+        raise CompileError(f"openvino on {device} runs {ran} when asked for "
+                           f"{PRECISION_HINTS[precision]} ({precision}): this CPU cannot run "
+                           f"{precision} in OpenVINO, whatever its profile lists")
+
+
 class OpenVINOExecutable(Executable):
     runtime = "openvino"
 
@@ -276,6 +294,7 @@ class OpenVINORuntime(Runtime):
         except Exception as e:
             raise CompileError(f"openvino: compile_model on {device} failed: "
                                f"{type(e).__name__}: {e}") from e
+        check_precision(compiled, device, spec.precision)
         meta = {"format": META_FORMAT, "device": device, "config": config, "feed": feed,
                 "openvino": self.version()}
         return OpenVINOExecutable(compiled, feed, meta, model=model)
@@ -294,5 +313,6 @@ class OpenVINORuntime(Runtime):
                 log.warning("openvino: cached blob in %s did not import (%s)", directory, e)
         if compiled is None:
             compiled = self.core.compile_model(str(directory / MODEL_XML), device, config)
+        check_precision(compiled, device, spec.precision)
         meta = dict(meta, device=device, config=config)
         return OpenVINOExecutable(compiled, list(meta["feed"]), meta, source=directory)

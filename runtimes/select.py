@@ -56,6 +56,7 @@ from runtimes.base import (
     Executable,
     RuntimeUnavailable,
     relative_error,
+    unusable,
 )
 from runtimes.cache import CompileCache, graph_digest
 
@@ -332,14 +333,15 @@ def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[t
         return Candidate(name, "failed", f"{type(e).__name__}: {e}"[:500],
                          time.perf_counter() - t0), None
     compile_s = time.perf_counter() - t0
+    error = 0.0
     try:
-        error = max(relative_error(exe.run(x), want) for x, want in zip(inputs, expected,
-                                                                         strict=True))
+        for x, want in zip(inputs, expected, strict=True):
+            got = exe.run(x)
+            error = max(error, relative_error(got, want))
+            if error == float("inf"):  # never usable, whatever the budget
+                return Candidate(name, "failed", unusable(got, want), compile_s, error), None
     except Exception as e:  # noqa: BLE001
         return Candidate(name, "failed", f"run: {type(e).__name__}: {e}"[:500], compile_s), None
-    if error == float("inf"):  # a wrong shape or dtype: never usable, whatever the budget
-        return Candidate(name, "failed", "returned outputs of the wrong shape or dtype",
-                         compile_s, error), None
     if entry is None:
         try:
             cache.store(key, exe.save, {"runtime": name, "device": spec.device.id,

@@ -240,3 +240,42 @@ def test_unavailable_when_openvino_is_missing(monkeypatch: pytest.MonkeyPatch) -
     assert isinstance(reason, str) and "openvino" in reason
     with pytest.raises(RuntimeUnavailable, match="openvino"):
         registry.get("openvino")
+
+
+FP16_FLAGS = {"avx512_fp16", "amx_fp16"} & set(cpuinfo()["flags"])
+CLAIMS_FP16 = DeviceProfile(id="cpu0", kind="cpu", cores=list(range(THREADS)),
+                            features=["avx512_fp16"], runtimes=["openvino"])
+
+
+def overflowing_linear() -> tuple[torch.fx.GraphModule, torch.Tensor, torch.Tensor]:
+    """A Linear fed values past fp16's 65,504: in fp16 its outputs are inf/NaN or clipped."""
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(8, 8).eval(), torch.randn(2, 8) * 1e6
+    with torch.no_grad():
+        return torch.fx.symbolic_trace(linear), x, linear(x)
+
+
+def test_fp16_on_a_cpu_without_it_is_refused_not_run_as_bf16() -> None:
+    """The label is what ran: OpenVINO's CPU plugin turns an f16 hint into bf16 (or f32) on a
+    CPU without avx512_fp16, silently; a build labelled fp16 that ran bf16 would pass an
+    fp16 overflow test (bf16 has fp32's range). So the compile refuses it, naming both."""
+    if FP16_FLAGS:
+        pytest.skip("this CPU has avx512_fp16: see test_fp16_on_a_cpu_with_it_overflows")
+    module, x, _ = overflowing_linear()
+    with pytest.raises(CompileError, match=r"runs (bf16|f32) when asked for f16 \(fp16\)"):
+        OpenVINORuntime().compile(module, CompileSpec(device=CLAIMS_FP16, precision="fp16",
+                                                      threads=THREADS, example_inputs=[x]))
+
+
+def test_fp16_on_a_cpu_with_it_overflows() -> None:
+    """Where the CPU runs fp16, the part really computes in fp16: fed past fp16's range, its
+    outputs are far from eager's (the check then refuses it; tests/serve/test_waiting.py)."""
+    if not FP16_FLAGS:
+        reason = "this CPU has neither avx512_fp16 nor amx_fp16 in /proc/cpuinfo"
+        print(f"skipping fp16: {reason}")
+        pytest.skip(reason)
+    module, x, expected = overflowing_linear()
+    exe = OpenVINORuntime().compile(module, CompileSpec(device=CLAIMS_FP16, precision="fp16",
+                                                        threads=THREADS, example_inputs=[x]))
+    assert exe.compiled.get_property("INFERENCE_PRECISION_HINT") == openvino.Type.f16
+    assert relative_error(exe.run([x]), [expected]) > TOLERANCE["fp16"]

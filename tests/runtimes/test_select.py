@@ -214,3 +214,26 @@ def test_a_candidate_near_the_roofline_floor_ends_the_search(tmp_path, quick_tim
     assert first.status == "ok" and near.runtime == first.runtime
     assert rest and all(c.status == "skipped" for c in rest)
     assert "within 1.25x of its roofline floor" in rest[0].reason
+
+
+def test_a_runtime_that_returns_nan_is_refused_naming_it(tmp_path, quick_timing, monkeypatch):
+    """A NaN compares false with every bound: it must never pass as accurate (an fp16 part
+    whose inputs overflow fp16 gives NaN; the check took it for an error of 0)."""
+    module, samples, _ = part_and_samples()
+    real = registry.runtime_class("torch").compile
+
+    def nan_in_one_value(self, part, spec):
+        exe = real(self, part, spec)
+        run = exe.run
+
+        def poisoned(inputs):
+            out = [t.clone() for t in run(inputs)]
+            out[0].view(-1)[0] = float("nan")
+            return out
+
+        exe.run = poisoned
+        return exe
+
+    monkeypatch.setattr(registry.runtime_class("torch"), "compile", nan_in_one_value)
+    with pytest.raises(CompileError, match="torch: failed .returned inf or NaN in 1 of"):
+        build_part(module, CPU, "fp32", samples, CompileCache(tmp_path), allowed=["torch"])
