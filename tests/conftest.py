@@ -4,16 +4,13 @@ marker put on every test that starts one, so `pytest -m "not daemon"` runs the f
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: daemons.py
-from daemons import DaemonProcess, daemon_config  # noqa: E402
+from daemons import DaemonProcess, daemon_config
 
 # Fixtures that start a cuvild and serve it to a test (the `env` of tests/serve/ included).
 DAEMON_FIXTURES = {"daemon", "make_daemon", "env"}

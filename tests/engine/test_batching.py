@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 import threading
 import time
 from multiprocessing import shared_memory
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import CORES, chunked_plan, close_all, device
 
 import cuvild
 from cuvild.client.samples import MLP
@@ -29,9 +29,6 @@ from cuvild.engine.loaded import bucket_stats
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.summary import summarize
 from partitioner.profile import DeviceProfile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_helpers.py
-from engine_helpers import CORES, chunked_plan, close_all, device  # noqa: E402
 
 
 class Rows(torch.nn.Module):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import CORES, chunked_plan, device, prepare
 
 import cuvild
 from cuvild.client.samples import MLP, Encoder, ResNet18
@@ -22,9 +23,6 @@ from cuvild.engine.orders import Unload
 from cuvild.intake.summary import summarize
 from partitioner.corrections import Corrections
 from partitioner.profile import DeviceProfile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_helpers.py
-from engine_helpers import CORES, chunked_plan, device, prepare  # noqa: E402
 
 DEVICES = [device(d) for d in ["cpu0", "npu0", "npu1"]]
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import CORES, close_all, device, prepare
 
 from cuvild.client.samples import MLP
 from cuvild.engine import buckets, worker
@@ -35,9 +34,6 @@ from cuvild.engine.engine import (
 from cuvild.engine.handle import WorkerHandle
 from cuvild.engine.orders import TensorRef, Unload
 from partitioner.profile import DeviceProfile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_helpers.py
-from engine_helpers import CORES, close_all, device, prepare  # noqa: E402
 
 DEVICES = [device(d) for d in ["cpu0", "npu0"]]
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}

@@ -7,22 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-from cuvild.client.samples import MLP
-from cuvild.engine.arena import Arena
-from cuvild.engine.engine import BadRegion, Engine, RunTimeout
-from cuvild.engine.orders import RawTensor
-
-sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import (  # noqa: E402
+from engine_helpers import (
     CLOSE,
     client_region,
     close_all,
@@ -32,6 +23,11 @@ from engine_helpers import (  # noqa: E402
     prepare,
     shrink,
 )
+
+from cuvild.client.samples import MLP
+from cuvild.engine.arena import Arena
+from cuvild.engine.engine import BadRegion, Engine, RunTimeout
+from cuvild.engine.orders import RawTensor
 
 
 @pytest.fixture

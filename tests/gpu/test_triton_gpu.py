@@ -9,7 +9,6 @@ costs seconds to a minute.
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,6 @@ from runtimes.base import TOLERANCE, CompileSpec
 from runtimes.triton import InductorExecutable, TritonRuntime
 
 # The project's own kernel lives next to its CPU-side test.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtimes"))
 
 pytestmark = [
     pytest.mark.gpu,

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.export.pt2_archive.constants
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/intake: archives.py
-from archives import MLP, ConvNet, Pair, WithState  # noqa: E402
+from archives import MLP, ConvNet, Pair, WithState
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import stat
-import sys
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.export.pt2_archive.constants
+from archives import entry, model_json, rewrite
 
 from cuvild.intake.safe_load import (
     ArchiveInfo,
@@ -23,9 +23,6 @@ from cuvild.intake.safe_load import (
     load_exported_program,
     validate_archive,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/intake: archives.py
-from archives import entry, model_json, rewrite  # noqa: E402
 
 # ------------------------------------------------------------------------ legit loads
 

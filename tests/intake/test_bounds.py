@@ -22,19 +22,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from cuvild.intake import grammar, payload_checks, safe_load
-from cuvild.intake.safe_load import UnsafeArchive, load_exported_program, validate_archive
-from cuvild.intake.summary import _inspect_in_child, inspect_archive, summarize
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/intake: archives.py
-from archives import (  # noqa: E402
+from archives import (
     Expanded,
     entry,
     model_json,
     rewrite,
     torch_save_with_pickle,
 )
+
+from cuvild.intake import grammar, payload_checks, safe_load
+from cuvild.intake.safe_load import UnsafeArchive, load_exported_program, validate_archive
+from cuvild.intake.summary import _inspect_in_child, inspect_archive, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "models/model.json"

@@ -13,7 +13,6 @@ import dataclasses
 import io
 import json
 import pickle
-import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.export.pt2_archive.constants
+from archives import entry, model_json, rewrite
 from torch._export.serde import schema
 
 from cuvild.intake.safe_load import (
@@ -28,9 +28,6 @@ from cuvild.intake.safe_load import (
     load_exported_program,
     validate_archive,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/intake: archives.py
-from archives import entry, model_json, rewrite  # noqa: E402
 
 
 class TouchOnUnpickle:

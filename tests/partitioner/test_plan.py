@@ -3,27 +3,24 @@
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import refmodels
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import refmodels  # noqa: E402
-
-from partitioner import plan_model  # noqa: E402
-from partitioner.cost import CostModel, PlacementError  # noqa: E402
-from partitioner.costgraph import ANNOTATION_KEY  # noqa: E402
-from partitioner.fragments import fragments  # noqa: E402
-from partitioner.fxgraph import build_costgraph  # noqa: E402
-from partitioner.plan import Plan, build_plan  # noqa: E402
-from partitioner.profile import load_profiles, load_shipped, shipped_profiles  # noqa: E402
-from partitioner.report import explain, to_dot  # noqa: E402
-from partitioner.schedule import objective, simulate  # noqa: E402
-from partitioner.synthetic import random_dag, sample_devices  # noqa: E402
+from partitioner import plan_model
+from partitioner.cost import CostModel, PlacementError
+from partitioner.costgraph import ANNOTATION_KEY
+from partitioner.fragments import fragments
+from partitioner.fxgraph import build_costgraph
+from partitioner.plan import Plan, build_plan
+from partitioner.profile import load_profiles, load_shipped, shipped_profiles
+from partitioner.report import explain, to_dot
+from partitioner.schedule import objective, simulate
+from partitioner.synthetic import random_dag, sample_devices
 
 PROFILES = ["xeon-amx-h100", "laptop-soc", "ci-host"]
 MODELS = list(refmodels.BUILDERS)

@@ -25,7 +25,6 @@ from runtimes.base import TOLERANCE, CompileError, CompileSpec, RuntimeUnavailab
 from runtimes.triton import TritonRuntime, compile_part, cuda_device, load_package_dir
 
 HERE = Path(__file__).resolve().parent  # the project's kernel lives next to this test
-sys.path.insert(0, str(HERE))
 GPU = DeviceProfile(id="gpu0", kind="gpu", runtimes=["triton"])
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
                                    reason="a CUDA device is present: tests/gpu covers this host")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,14 +18,8 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
-
-from cuvild.client import Client, samples
-from protos import inference_pb2_grpc
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
-from daemons import DaemonProcess, daemon_config, own_registry_daemon  # noqa: E402
-from oip_helpers import (  # noqa: E402
+from daemons import DaemonProcess, daemon_config, own_registry_daemon
+from oip_helpers import (
     KEY_PREFIX,
     LIMITS,
     SHM_DIR,
@@ -35,6 +28,9 @@ from oip_helpers import (  # noqa: E402
     served_model,
     wait_ready,
 )
+
+from cuvild.client import Client, samples
+from protos import inference_pb2_grpc
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import contextlib
 import ctypes
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,12 +20,10 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
+from daemons import DaemonProcess
 from tritonclient.utils import InferenceServerException
 
 from cuvild.client import Client
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
-from daemons import DaemonProcess  # noqa: E402
 
 READY_TIMEOUT_S = 240.0
 # The `hardened` daemon's small limits (conftest.py): the hardening and fuzz tests reach them.

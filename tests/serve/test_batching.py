@@ -16,13 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from test_observability import free_port, scrape, series
 
 import cuvild
 from cuvild.client import Client
 from cuvild.client.samples import MLP
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve
-from test_observability import free_port, scrape, series  # noqa: E402
 
 
 def wait_ready(client: Client, name: str) -> dict:

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 import yaml
+from daemons import worker_processes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cuvild.client import Client
@@ -22,8 +23,6 @@ from cuvild.client.samples import MLP
 from protos import cuvil_pb2, cuvil_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from daemons import worker_processes  # noqa: E402
 
 
 def cuvilctl(*args: str) -> subprocess.CompletedProcess[str]:

@@ -25,16 +25,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-import cuvild
-from cuvild.client import Client, samples
-from cuvild.client.fast import FastPathError, FastSession
-from protos import fastpath as wire
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
-from daemons import ROOT, DaemonProcess, daemon_config  # noqa: E402
-from fast_helpers import (  # noqa: E402
+from daemons import ROOT, DaemonProcess, daemon_config
+from fast_helpers import (
     arena_objects,
     close_to,
     eager,
@@ -46,7 +38,12 @@ from fast_helpers import (  # noqa: E402
     session_memory,
     slot_tensor,
 )
-from oip_helpers import SHM_DIR, Pair  # noqa: E402
+from oip_helpers import SHM_DIR, Pair
+
+import cuvild
+from cuvild.client import Client, samples
+from cuvild.client.fast import FastPathError, FastSession
+from protos import fastpath as wire
 
 pytestmark = pytest.mark.daemon
 # Builds try one runtime (the fast path does not care which one runs a part); every daemon

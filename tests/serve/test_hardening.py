@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import stat
-import sys
 import threading
 import time
 import uuid
@@ -20,15 +19,7 @@ import grpc
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-
-from cuvild import config as config_mod
-from cuvild.client import Client, samples
-from cuvild.client.infer_io import grant
-from cuvild.engine.arena import Arena
-from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
-from oip_helpers import (  # noqa: E402
+from oip_helpers import (
     AS_OTHER_USER,
     LIMITS,
     NOBODY,
@@ -37,6 +28,12 @@ from oip_helpers import (  # noqa: E402
     refused,
     status_of,
 )
+
+from cuvild import config as config_mod
+from cuvild.client import Client, samples
+from cuvild.client.infer_io import grant
+from cuvild.engine.arena import Arena
+from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 other_user = pytest.mark.skipif(not AS_OTHER_USER, reason="needs root on x86-64 or aarch64 "
                                                           "to connect as another user")

@@ -10,9 +10,7 @@ itself checked by these tests (conftest.py imports both): both define the protob
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,18 +18,16 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from cuvild.client import Client
-from protos import inference_pb2 as pb
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
-from oip_helpers import (  # noqa: E402
+from oip_helpers import (
     one_input,
     raw_infer,
     refused,
     rel_error,
     status_of,
 )
+
+from cuvild.client import Client
+from protos import inference_pb2 as pb
 
 
 # -- 1. health, metadata, repository ---------------------------------------------------------

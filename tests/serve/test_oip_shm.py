@@ -7,10 +7,8 @@ caller may use, and nothing left behind. Runs against the session's `env` daemon
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,11 +16,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/serve: oip_helpers.py
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
-from daemons import read_text, worker_processes  # noqa: E402
-from oip_helpers import (  # noqa: E402
+from daemons import read_text, worker_processes
+from oip_helpers import (
     KEY_PREFIX,
     NOBODY,
     SHM_DIR,

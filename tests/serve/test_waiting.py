@@ -13,13 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from daemons import DaemonProcess, own_registry_daemon, worker_processes
 
 import cuvild
 from cuvild.client import Client, LoadFailed, samples
 from protos import inference_pb2, inference_pb2_grpc
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: daemons.py
-from daemons import DaemonProcess, own_registry_daemon, worker_processes  # noqa: E402
 
 pytestmark = pytest.mark.daemon
 BUILD_FAILED = r"InferError: building part p\d+ for cpu0 failed: .*fp16"
