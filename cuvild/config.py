@@ -332,7 +332,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def parse(data: Any, path: str = "<memory>") -> Config:
+def parse(data: Any, path: str = "<memory>") -> Config:  # noqa: C901 - a check per config section, in the file's order
     """Validate a config mapping (as read from YAML) and build a Config. Creates directories."""
     raw = _fill(_SCHEMA, data, "")
     if raw["log_level"] not in LOG_LEVELS:

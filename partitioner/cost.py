@@ -194,7 +194,7 @@ class CostModel:
 
     # ---- memory -------------------------------------------------------------------------------
 
-    def peak_bytes(self, assign: Sequence[int]) -> list[int]:
+    def peak_bytes(self, assign: Sequence[int]) -> list[int]:  # noqa: C901 - one pass over the schedule with its lifetimes
         """Peak live bytes per device: resident parameters plus live activations.
 
         A tensor lives on its producer's device from its producer to its last consumer, and on

@@ -86,7 +86,7 @@ def category(op: str) -> str:
     return "elementwise"
 
 
-def op_flops(op: str, inputs: Sequence[Shape | None], out: Shape | None, args: Sequence) -> float:
+def op_flops(op: str, inputs: Sequence[Shape | None], out: Shape | None, args: Sequence) -> float:  # noqa: C901 - a branch per op family
     """FLOPs of `op` given its tensor input shapes (None for non-tensors) and output shape.
 
     `args` are the op's positional arguments with tensors replaced by their shapes, for the ops

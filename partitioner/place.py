@@ -126,7 +126,7 @@ def _resident_bytes(model: CostModel, v: int) -> int:
     return sum(model.graph.param_bytes.get(p, 0) for p in node.params) + node.out_bytes
 
 
-def explain_moves(model: CostModel, assign: list[int], schedule: Schedule) -> list[str]:
+def explain_moves(model: CostModel, assign: list[int], schedule: Schedule) -> list[str]:  # noqa: C901 - a sentence per kind of move
     """Reasons for nodes placed away from their annotation or their cheapest device."""
     nodes = model.graph.nodes
     ids = [dev.id for dev in model.devices]

@@ -118,7 +118,7 @@ def load_shipped(name: str) -> list[DeviceProfile]:
     return load_profiles(shipped[name])
 
 
-def _profile(entry: Any, where: str) -> DeviceProfile:
+def _profile(entry: Any, where: str) -> DeviceProfile:  # noqa: C901 - a check per profile field, each naming it
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: must be a mapping of profile fields, got {entry!r}")
     where = f"{where} ({entry.get('id', '?')})"

@@ -129,7 +129,7 @@ def _price_cuts(model: CostModel, m: int, r: Run) -> None:
     r.pairs, r.moved = pairs, moved
 
 
-def _timeline(model: CostModel, r: Run) -> None:
+def _timeline(model: CostModel, r: Run) -> None:  # noqa: C901 - the simulation's event loop
     """Parts in rank order, each as soon as its inputs arrived and its device is free."""
     k = model.k
     per_byte, fixed = model.cut_per_byte, model.cut_fixed

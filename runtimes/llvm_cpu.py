@@ -118,7 +118,7 @@ class IREEExecutable(Executable):
                                  f"compiled for {dtype}{shape}")
         lent = [_importable(t) for t in inputs]  # our own aliases, see _wait_returned
         held = [dlpack.to_dlpack(t) for t in lent]  # our own hold on each, dropped on this thread
-        baseline = [t._use_count() for t in lent]
+        baseline = [t._use_count() for t in lent]  # noqa: SLF001 - the C++ count (see _wait_returned)
         args = self._rt.VmVariantList(len(lent))
         for tensor in lent:
             args.push_ref(self.device.from_dlpack_capsule(dlpack.to_dlpack(tensor)))
@@ -166,7 +166,7 @@ def _wait_returned(lent: list[torch.Tensor], held: list[Any], baseline: list[int
     that step: without it, 6 of 3,000 encoder inputs were freed on an IREE worker, under load.
     """
     deadline = time.monotonic() + RELEASE_WAIT_S
-    while any(t._use_count() > n for t, n in zip(lent, baseline, strict=True)):
+    while any(t._use_count() > n for t, n in zip(lent, baseline, strict=True)):  # noqa: SLF001 - the C++ count
         if time.monotonic() > deadline:
             log.warning("llvm-cpu: IREE still holds an input after %.1f s; keeping it",
                         RELEASE_WAIT_S)
@@ -186,8 +186,8 @@ def _decompositions() -> dict[Any, Any]:
     table = current_aot_decompositions()
     aten = torch.ops.aten
     attention = (aten.scaled_dot_product_attention.default,  # -> one of the two below
-                 aten._scaled_dot_product_flash_attention_for_cpu.default,
-                 aten._scaled_dot_product_attention_math.default)
+                 aten._scaled_dot_product_flash_attention_for_cpu.default,  # noqa: SLF001 - an aten op's name
+                 aten._scaled_dot_product_attention_math.default)  # noqa: SLF001 - an aten op's name
     core = default_decompositions()
     table.update({op: core[op] for op in attention})
     return table

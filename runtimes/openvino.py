@@ -252,7 +252,7 @@ class OpenVINORuntime(Runtime):
     def supports(self, node: fx.Node) -> bool:
         import torch
 
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001 - torch._ops: its op classes
             return True
         return str(node.target).rsplit(".", 1)[0] not in UNSUPPORTED_OPS
 

@@ -169,7 +169,7 @@ def placeholder_tensors(part: fx.GraphModule,
 Samples = Callable[[], tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]]
 
 
-def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samples: Samples,
+def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samples: Samples,  # noqa: C901 - the search, its early stops beside it
                cache: CompileCache, runtime: str = "auto", timeout_s: float = 300.0,
                threads: int | None = None, input_shapes: list[list[int]] | None = None,
                tolerance: float | None = None, cache_tag: str = "",
@@ -301,7 +301,7 @@ def _load_entry(rt: Any, cache: CompileCache, key: str, entry: Any,
         return None
 
 
-def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[torch.Tensor]],
+def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[torch.Tensor]],  # noqa: C901 - one candidate: load or compile, check, time, store
          expected: list[list[torch.Tensor]], cache: CompileCache, part_key: str,
          timeout_s: float) -> tuple[Candidate, Executable | None]:
     """Compile (or load) one runtime's build, measure its error on every sample and its time.

@@ -88,7 +88,7 @@ def _on(device: torch.device) -> Iterator[None]:
 
 def _load_package(path: Path, device: torch.device) -> Callable[..., Any]:
     """Load an AOTInductor package onto `device`; never compiles."""
-    load = torch._inductor.aoti_load_package
+    load = torch._inductor.aoti_load_package  # noqa: SLF001 - AOTInductor's API
     kwargs = {}
     # device_index picks the GPU explicitly where this torch has it; `_on` covers the rest.
     if device.index is not None and "device_index" in inspect.signature(load).parameters:
@@ -236,7 +236,7 @@ def compile_part(part: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
         try:
             with _on(device), _math(device, compute):
                 exported = torch.export.export(module, args)
-                path = torch._inductor.aoti_compile_and_package(
+                path = torch._inductor.aoti_compile_and_package(  # noqa: SLF001 - AOTInductor's API
                     exported, package_path=str(Path(workdir.name) / PACKAGE))
             model = _load_package(Path(path), device)
             return InductorExecutable(model, device, precision, out_dtype, Path(path),

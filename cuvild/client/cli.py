@@ -386,7 +386,7 @@ def cmd_infer(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a statement per command and option
     parser = argparse.ArgumentParser(prog="cuvilctl", description="Control a running cuvild.")
     parser.add_argument("--target", default=None,
                         help=f"daemon address, unix:///path.sock or host:port "

@@ -120,7 +120,7 @@ class FastSession:
                                         f"{self.path}: {e}") from None
             time.sleep(0.05)
 
-    def _open_once(self) -> None:
+    def _open_once(self) -> None:  # noqa: C901 - the open handshake's steps and failures in order
         self._close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
@@ -272,7 +272,7 @@ class FastSession:
         wire.ENTRY.pack_into(self.mm, at, seq, slot, wire.SUBMITTED, 0)
         return self._ring(seq, slot, at, index, deadline)
 
-    def _ring(self, seq: int, slot: int, at: int, index: int, deadline: float) -> list[Any]:
+    def _ring(self, seq: int, slot: int, at: int, index: int, deadline: float) -> list[Any]:  # noqa: C901 - one ring round trip: write, bell, wait, read, in order
         """Send the doorbell for ring entry `index` (seq) and read the answer."""
         assert self.sock is not None and self.mm is not None
         bell = wire.DOORBELL.pack(seq)

@@ -187,7 +187,7 @@ class Batcher:
         """Run one request of `model` (its bucket) in a batch; what Engine.run returns."""
         me = Pending(model, inputs, output_refs, raw, into, deadline, engine.run_timeout_s)
         if me.rows >= self.settings.max_batch:
-            return engine._run(model, inputs, output_refs, raw, None, deadline, into)
+            return engine.run_direct(model, inputs, output_refs, raw, None, deadline, into)
         with self._cond:
             me.gap, self._last = me.arrived - self._last, me.arrived
             self._back += 1
@@ -282,7 +282,7 @@ class Batcher:
         return batch
 
     # -- the leader's side: one batch -------------------------------------------------------
-    def _run(self, engine: Engine, batch: list[Pending]) -> None:
+    def _run(self, engine: Engine, batch: list[Pending]) -> None:  # noqa: C901 - a batch's run: merge, run, split, answer each
         """Run the batch and give each request its answer (result or error)."""
         start = time.monotonic()
         rows = sum(p.rows for p in batch)
@@ -317,7 +317,7 @@ class Batcher:
     @staticmethod
     def _alone(engine: Engine, p: Pending) -> None:
         try:
-            p.result = engine._run(p.model, p.inputs, p.output_refs, p.raw, None, p.given,
+            p.result = engine.run_direct(p.model, p.inputs, p.output_refs, p.raw, None, p.given,
                                    p.into)
         except Exception as e:  # noqa: BLE001 - the request's own answer
             p.error = e
@@ -347,7 +347,7 @@ class Batcher:
                 at += n
             inputs.append(RawTensor(buf, slot.dtype, slot.shape))  # type: ignore[arg-type]
         outs = [memoryview(bytearray(model.slots[n].nbytes)) for n in model.outputs]
-        engine._run(model, inputs, {}, False, None, deadline, outs)
+        engine.run_direct(model, inputs, {}, False, None, deadline, outs)
         at_row = 0
         for p in batch:
             if p.error is None:

@@ -55,7 +55,7 @@ def bucket(engine: Engine, model: LoadedModel, shapes: Shapes,
            deadline: float | None = None) -> LoadedModel:
     """The bucket of `model` for `shapes`, built on first use (waited for by `deadline`,
     time.monotonic(); None: the engine's build_timeout_s)."""
-    with engine._buckets_lock:
+    with engine.buckets_lock:
         variant = model.variants.get(shapes)
         if variant is not None:
             model.variants.move_to_end(shapes)
@@ -67,7 +67,7 @@ def hold(engine: Engine, model: LoadedModel, deadline: float | None) -> LoadedMo
     """Count a request in on its bucket, so that it is not evicted while the request runs;
     a bucket evicted since `resolve` is built again. A model that is no bucket is itself."""
     while model.base_key:
-        with engine._buckets_lock:
+        with engine.buckets_lock:
             if not model.evicted:
                 model.users += 1
                 return model
@@ -80,7 +80,7 @@ def hold(engine: Engine, model: LoadedModel, deadline: float | None) -> LoadedMo
 
 def release(engine: Engine, model: LoadedModel) -> None:
     if model.base_key:
-        with engine._buckets_lock:
+        with engine.buckets_lock:
             model.users -= 1
 
 
@@ -94,12 +94,12 @@ def build(engine: Engine, model: LoadedModel, shapes: Shapes,
         raise RunTimeout(f"model {model.key}: waited {time.monotonic() - t0:.1f} s for "
                          "another bucket's build (the request's deadline)")
     try:
-        with engine._buckets_lock:
+        with engine.buckets_lock:
             variant = model.variants.get(shapes)
         if variant is not None:
             return variant
         variant = restored(engine, model, shapes) or cold(engine, model, shapes, deadline)
-        with engine._buckets_lock:
+        with engine.buckets_lock:
             model.variants[shapes] = variant
             engine.models[variant.key] = variant
         evict(engine, model)
@@ -144,7 +144,7 @@ def cold(engine: Engine, model: LoadedModel, shapes: Shapes,
     with torch.no_grad():
         values = split.trace(*inputs)
     slots, footprint, total = layout(values, split)
-    routes = engine._routes(plan, split)
+    routes = engine.make_routes(plan, split)
     by_device: dict[str, list[str]] = {}
     for route in routes:
         by_device.setdefault(route.device, []).append(route.id)
@@ -159,7 +159,7 @@ def cold(engine: Engine, model: LoadedModel, shapes: Shapes,
         p.id: [list(values[n].shape) for n in p.inputs] for p in split.parts}
     log.info("building %s for input shapes %s%s", model.key, [list(s) for s in shapes],
              ": " + ", ".join(f"{r.id}@{r.device}" for r in routes) if own else "")
-    engine._build(variant, deadline=deadline)
+    engine.build(variant, deadline=deadline)
     if model.record_at is not None:
         record(engine, model, variant, inputs, [values[n] for n in model.outputs])
     variant.batcher = model.batcher
@@ -251,7 +251,7 @@ def evict(engine: Engine, model: LoadedModel) -> None:
     """Unload the least recently used buckets past `max_buckets` that no request is running
     (under the model's build lock, so an eviction reaches the workers before a rebuild)."""
     gone = []
-    with engine._buckets_lock:
+    with engine.buckets_lock:
         over = len(model.variants) - engine.max_buckets
         for shapes, variant in list(model.variants.items()):
             if over <= 0:

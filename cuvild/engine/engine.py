@@ -109,12 +109,12 @@ class Engine:
         self.workers: dict[str, WorkerHandle] = {}
         self.models: dict[str, LoadedModel] = {}
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
-        self._active = 0  # requests inside run(): alone, a part's reply is read directly
+        self.active = 0  # requests inside run(): alone, a part's reply is read directly
         self._active_lock = threading.Lock()
         self._workers_lock = threading.Lock()  # making a worker (control path only)
         self._revive_locks: dict[str, threading.Lock] = {}  # per device
-        self._usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
-        self._buckets_lock = threading.Lock()  # buckets' recency and use counts
+        self.usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
+        self.buckets_lock = threading.Lock()  # buckets' recency and use counts
         self.run_timeout_s = run_timeout_s
         self.max_buckets = max(1, max_buckets)
         self.max_dim = max_dim
@@ -139,15 +139,15 @@ class Engine:
             with self._workers_lock:
                 worker = self.workers.get(device_id)
                 if worker is None:
-                    self._usable[device_id] = threading.Event()
-                    self._usable[device_id].set()
+                    self.usable[device_id] = threading.Event()
+                    self.usable[device_id].set()
                     self._revive_locks[device_id] = threading.Lock()
                     worker = self.workers[device_id] = WorkerHandle(
                         self.devices[device_id], self.cache_dir, in_process=self.in_process)
         return worker
 
     # -- control path ----------------------------------------------------------------------
-    def prepare(self, key: str, name: str, version: str, archive: Path,
+    def prepare(self, key: str, name: str, version: str, archive: Path,  # noqa: C901, PLR0915 - the load's steps in order; to split by plane
                 input_specs: list[dict[str, Any]], objective: str = "latency",
                 plan: Plan | None = None, policy: PrecisionPolicy | None = None,
                 progress: Callable[[str], None] | None = None, cold: bool = True,
@@ -193,7 +193,7 @@ class Engine:
         else:
             slots, footprint, total = layout({n.name: n.meta.get("val") for n in ep.graph.nodes},
                                              split)
-        model = LoadedModel(key, name, version, plan, self._routes(plan, split),
+        model = LoadedModel(key, name, version, plan, self.make_routes(plan, split),
                             list(split.inputs), list(split.outputs),
                             input_table(input_specs, dynamic), slots, footprint, total,
                             str(archive), input_specs, dynamic=dynamic,
@@ -225,7 +225,7 @@ class Engine:
         inputs = precision.check_inputs(model, policy)
         expected, eager_ms = precision.reference(ep, inputs)
         del ep, split  # workers hold the parts; the daemon keeps only the wiring
-        self._build(model, policy=policy, progress=say)
+        self.build(model, policy=policy, progress=say)
         say("checking end to end")
         model.accuracy = self._settle(model, policy, budgets, decision, recorded, inputs,
                                       expected, eager_ms)
@@ -265,7 +265,7 @@ class Engine:
                             "searching again", model.key, first.error, min(budgets.values()))
                 for route in model.routes:
                     route.precisions = route.search
-                self._build(model, policy=policy)
+                self.build(model, policy=policy)
                 return self._settle(model, policy, budgets, decision, None, inputs, expected,
                                     eager_ms)
         elif budgets:
@@ -312,12 +312,12 @@ class Engine:
         return len(taught)
 
     @staticmethod
-    def _routes(plan: Plan, split: SplitProgram) -> list[Route]:
+    def make_routes(plan: Plan, split: SplitProgram) -> list[Route]:
         by_id = {p.id: p for p in plan.parts}
         return [Route(p.id, by_id[p.id].device, by_id[p.id].precision, p.inputs, p.outputs)
                 for p in split.parts]
 
-    def _build(self, model: LoadedModel, only_device: str | None = None,
+    def build(self, model: LoadedModel, only_device: str | None = None,
                policy: PrecisionPolicy | None = None, deadline: float | None = None,
                progress: Callable[[str], None] | None = None) -> None:
         """Have the workers build the model's parts, waiting for them until `deadline`
@@ -375,7 +375,7 @@ class Engine:
         self.bells.drop(key)
         if model is None:
             return
-        with self._buckets_lock:
+        with self.buckets_lock:
             variants = list(model.variants.values())
             for variant in variants:
                 variant.evicted = True
@@ -438,9 +438,9 @@ class Engine:
         if model.batcher is not None and timeline is None:
             return model.batcher.run(self, model, inputs, output_refs or {}, raw, into,
                                      deadline)
-        return self._run(model, inputs, output_refs, raw, timeline, deadline, into)
+        return self.run_direct(model, inputs, output_refs, raw, timeline, deadline, into)
 
-    def _run(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
+    def run_direct(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
              output_refs: dict[str, TensorRef] | None, raw: bool, timeline: Timeline | None,
              deadline: float | None, into: Sequence[memoryview] | None) -> list[Any]:
         """One run of the model, as `run` describes."""
@@ -472,7 +472,7 @@ class Engine:
         finally:
             buckets.release(self, model)
 
-    def _attempts(self, model: LoadedModel,
+    def _attempts(self, model: LoadedModel,  # noqa: C901 - each retry rule beside the failure it answers
                   inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
                   output_refs: dict[str, TensorRef], raw: bool, timeline: Timeline | None,
                   deadline: float, patient: bool,
@@ -530,32 +530,32 @@ class Engine:
         """Wait for the dead workers' restart, by the deadline."""
         t0 = time.monotonic()
         for device in lost.devices:
-            if not self._usable[device].wait(max(0.0, deadline - time.monotonic())):
+            if not self.usable[device].wait(max(0.0, deadline - time.monotonic())):
                 raise RunTimeout(f"{lost}; its worker was not back in "
                                  f"{time.monotonic() - t0:.1f} s (the request's deadline)")
 
     @contextlib.contextmanager
     def _counted(self) -> Iterator[None]:
         with self._active_lock:
-            self._active += 1
+            self.active += 1
         try:
             yield
         finally:
             with self._active_lock:
-                self._active -= 1
+                self.active -= 1
 
-    def _hung(self, device: str, generation: int) -> bool:
+    def hung(self, device: str, generation: int) -> bool:
         """Kill start `generation` of a worker that gave no reply for a request's whole
         deadline, and restart it; True if this call killed it."""
         if not self.workers[device].kill(generation):
             return False
         log.error("worker for %s gave no reply for %.1f s; restarting it", device,
                   self.run_timeout_s)
-        self._revive_later(device)
+        self.revive_later(device)
         return True
 
-    def _revive_later(self, device: str) -> None:
-        self._usable[device].clear()  # before the thread starts: a retry waits for it
+    def revive_later(self, device: str) -> None:
+        self.usable[device].clear()  # before the thread starts: a retry waits for it
         threading.Thread(target=self._revive, args=(device,), name=f"revive-{device}",
                          daemon=True).start()
 
@@ -581,7 +581,7 @@ class Engine:
             except Exception:
                 log.exception("restarting the worker for %s failed", device)
             finally:
-                self._usable[device].set()
+                self.usable[device].set()
 
     def _rebuild(self, model: LoadedModel, device: str) -> None:
         """A revived worker's parts of `model`: loaded from the cache as a load record would
@@ -591,7 +591,7 @@ class Engine:
                 return warm.load_parts(self, model, only_device=device)
             except warm.Stale as e:
                 log.warning("model %s: %s; building its parts again", model.key, e)
-        self._build(model, only_device=device)
+        self.build(model, only_device=device)
 
     def stats(self, key: str) -> dict[str, Any]:
         """Predicted vs measured time per part (the profile feedback)."""

@@ -72,10 +72,10 @@ class WorkerHandle:
         self.broken = False
         self._pending = {}  # this generation's: a dead one's reader fails only its own
         if self.in_process:
-            self._inline = (Worker(self.device, self.cache_dir, in_process=True),
+            self.inline = (Worker(self.device, self.cache_dir, in_process=True),
                             threading.Lock())
             self.process = threading.Thread(target=serve, args=(
-                theirs, direct_theirs, self.device, self.cache_dir, self._inline),
+                theirs, direct_theirs, self.device, self.cache_dir, self.inline),
                 name=f"worker-{self.device.id}", daemon=True)
         else:
             self.process = ctx.Process(target=process_main, name=f"cuvil-{self.device.id}",
@@ -217,7 +217,7 @@ class WorkerHandle:
             self._direct_lock.release()
 
     def _run_inline(self, order: Run, deadline: float) -> Reply:
-        worker, lock = self._inline
+        worker, lock = self.inline
         generation = self.generation
         while not lock.acquire(timeout=min(0.05, max(0.0, deadline - time.monotonic()))):
             if worker.abandoned:
@@ -247,7 +247,7 @@ class WorkerHandle:
             if not self.in_process:
                 self.process.kill()
                 return True
-            running = self._inline[0].abandon()
+            running = self.inline[0].abandon()
             error = self._died("it stopped answering and was replaced")
             for rid, future in list(self._pending.items()):
                 if rid != running:

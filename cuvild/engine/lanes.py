@@ -95,7 +95,7 @@ class Lane(Attached):
         self.outputs = [view[base + t["offset"]:base + t["offset"] + t["nbytes"]]
                         for t in self.layout["outputs"]]
 
-    def run(self, engine: Any, inputs: Sequence[RawTensor | TensorRef],
+    def run(self, engine: Any, inputs: Sequence[RawTensor | TensorRef],  # noqa: C901 - the dispatch loop; one for bells and lanes is planned
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
             deadline: float) -> list[Any]:
         """One request; RunTimeout, WorkerLost (the lane is then closed), BadRegion or
@@ -197,7 +197,7 @@ class Lanes:
                 lane.close()
         route = model.routes[0]
         worker = engine.workers.get(route.device)
-        if worker is None or not worker.alive() or not engine._usable[route.device].is_set():
+        if worker is None or not worker.alive() or not engine.usable[route.device].is_set():
             return None
         try:
             return Lane(worker, model, route)
@@ -221,11 +221,11 @@ class Lanes:
         try:
             return lane.run(engine, inputs, output_refs, raw, into, deadline)
         except RunTimeout as e:
-            if patient and engine._hung(lane.route.device, lane.generation):
+            if patient and engine.hung(lane.route.device, lane.generation):
                 raise RunTimeout(f"{e}; its worker was stopped and is being restarted") from None
             raise
         except WorkerLost as e:
-            engine._revive_later(model.routes[0].device)
+            engine.revive_later(model.routes[0].device)
             log.warning("model %s: %s; running the request again once its worker is back",
                         model.key, e)
             return None

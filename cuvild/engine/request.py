@@ -48,13 +48,13 @@ def measured(engine: Any, model: LoadedModel, route: Route, run_ms: float) -> No
 def usable(engine: Any, route: Route, deadline: float) -> None:
     """Wait, by the deadline, for the part's worker to be back if it is being restarted."""
     t0 = time.monotonic()
-    if not engine._usable[route.device].wait(max(0.0, deadline - t0)):
+    if not engine.usable[route.device].wait(max(0.0, deadline - t0)):
         raise RunTimeout(f"part {route.id} on {route.device}: its worker was being restarted "
                          f"and was not back in {time.monotonic() - t0:.1f} s (the request's "
                          "deadline)")
 
 
-def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
+def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, TensorRef],  # noqa: C901, PLR0915 - the dispatch loop; one for bells and lanes is planned
               timeline: Timeline | None, deadline: float, patient: bool) -> None:
     """Run the request's parts (`engine`: the Engine, which imports this module)."""
     def ref(name: str) -> TensorRef:
@@ -94,7 +94,7 @@ def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, Ten
 
     def expired(route: Route, hung: list[tuple[str, int]]) -> RunTimeout:
         waited = time.monotonic() - sent[route.id]
-        killed = patient and any([engine._hung(device, gen) for device, gen in hung])
+        killed = patient and any([engine.hung(device, gen) for device, gen in hung])
         return RunTimeout(f"part {route.id} on {route.device} ({route.runtime}) gave no reply "
                           f"in {waited:.1f} s (the request's deadline)"
                           + ("; its worker was stopped and is being restarted" if killed
@@ -104,7 +104,7 @@ def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, Ten
         while waiting or running:
             startable = ([r for r in waiting if all(i in ready for i in r.inputs)]
                          if failure is None else [])
-            if len(startable) == 1 and not running and engine._active == 1:
+            if len(startable) == 1 and not running and engine.active == 1:
                 # Nothing to overlap with: call and read the reply in this thread. (With
                 # other requests in flight, queueing in the worker's pipe keeps it busy.)
                 route = startable[0]
@@ -143,6 +143,6 @@ def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, Ten
         raise
     finally:
         for device in dead:
-            engine._revive_later(device)
+            engine.revive_later(device)
     if failure is not None:
         raise failure

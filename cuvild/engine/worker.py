@@ -254,7 +254,7 @@ def answer(worker: Worker, envelope: Envelope) -> Reply:
                      kind=e.kind if isinstance(e, RegionGone) else "")
 
 
-def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,
+def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,  # noqa: C901 - the worker's loop: a branch per order
           inline: tuple[Worker, threading.Lock] | None = None) -> None:
     """The worker loop until the pipe closes or brings None: runs here, one at a time, the
     control orders on a second thread. In a thread (`inline`), it shares its Worker with the

@@ -133,7 +133,7 @@ class Upload:
             if self.calibration is not None:
                 summary["calibration_inputs"] = check_calibration(self.calibration.path,
                                                                   summary["inputs"])
-            return self.registry._commit(self.header, self.archive.path, summary,
+            return self.registry._commit(self.header, self.archive.path, summary,  # noqa: SLF001 - an upload commits to its registry
                                          self.calibration and self.calibration.path)
         finally:
             self.abort()

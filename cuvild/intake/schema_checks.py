@@ -81,7 +81,7 @@ def _resolve(tp: Any) -> Any:
     return tp
 
 
-def walk(tp: Any, value: Any, where: str) -> None:
+def walk(tp: Any, value: Any, where: str) -> None:  # noqa: C901 - a branch per schema node kind
     """Type-check ``value`` against schema type ``tp`` (torch's JSON->dataclass conversion
     does not), then run the semantic check registered for its class, recursively."""
     tp = _resolve(tp)
@@ -181,7 +181,7 @@ def _check_target(target: str, where: str) -> None:
     if ns == "higher_order":
         ok = name in ALLOWED_HIGHER_ORDER_OPS and overload is None
         hop = getattr(torch.ops.higher_order, name, None) if ok else None
-        if not isinstance(hop, torch._ops.HigherOrderOperator):
+        if not isinstance(hop, torch._ops.HigherOrderOperator):  # noqa: SLF001 - torch's op classes live in torch._ops
             raise Reject(f"{where}: higher-order op {target!r} is not allowed")
         return
     if ns not in ALLOWED_OP_NAMESPACES:
@@ -192,7 +192,7 @@ def _check_target(target: str, where: str) -> None:
         op = getattr(getattr(getattr(torch.ops, ns), name), overload)
     except (AttributeError, RuntimeError) as e:
         raise Reject(f"{where}: unknown operator {target!r}") from e
-    if not isinstance(op, torch._ops.OpOverload) or op.namespace != ns:
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != ns:  # noqa: SLF001 - torch's op classes live in torch._ops
         raise Reject(f"{where}: operator {target!r} does not resolve to an op overload")
 
 

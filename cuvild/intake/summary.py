@@ -81,7 +81,7 @@ def _get_context() -> Any:
         return _context
 
 
-def _inspect_in_child(path: Path, max_bytes: int, memory: int, cpu: int) -> dict[str, Any]:
+def _inspect_in_child(path: Path, max_bytes: int, memory: int, cpu: int) -> dict[str, Any]:  # noqa: C901 - the child's steps and its failures in order
     from cuvild.intake.errors import UnsafeArchive  # (no torch in the daemon for this)
 
     ctx = _get_context()

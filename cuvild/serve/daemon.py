@@ -280,7 +280,7 @@ class Daemon:
             self.models.default_policy = PrecisionPolicy(new.precision, new.max_error)
             self.models.default_batching = Batching(new.max_batch, new.max_delay_us)
 
-    def run(self) -> int:
+    def run(self) -> int:  # noqa: C901, PLR0915 - start-up in order, as docs/OPERATIONS.md lists it
         soft, _ = raise_nofile()
         quiet_grpc_logs()
         log.debug("open-file limit %d", soft)

@@ -159,7 +159,7 @@ def profile_cuda(index: int) -> dict[str, Any]:
     def run_int8(n: int) -> Callable[[], Any]:
         a = torch.randint(-128, 127, (n, n), dtype=torch.int8, device=dev)
         b = torch.randint(-128, 127, (n, n), dtype=torch.int8, device=dev)
-        return lambda: torch._int_mm(a, b)
+        return lambda: torch._int_mm(a, b)  # noqa: SLF001 - torch's int8 matmul
     try:
         peak["int8"] = matmul_gflops(run_int8, cap=16384, sync=sync)
     except RuntimeError:

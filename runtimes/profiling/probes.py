@@ -64,7 +64,7 @@ def torch_probes(dtypes: list[str]) -> dict[str, tuple[float, float]]:
             def mm8(n: int) -> Callable[[], Any]:
                 a = torch.randint(-128, 127, (n, n), dtype=torch.int8)
                 b = torch.randint(-128, 127, (n, n), dtype=torch.int8)
-                return lambda: torch._int_mm(a, b)
+                return lambda: torch._int_mm(a, b)  # noqa: SLF001 - torch's int8 matmul
             try:
                 out["matmul/int8"] = rate(mm8, _matmul_flops, 256, 2048)
             except RuntimeError:  # no int8 matmul kernel in this torch build

@@ -120,7 +120,7 @@ def served_parts(control: Any, name: str) -> list[dict[str, Any]]:
 
 
 # -- (a) resnet18 ----------------------------------------------------------------------------
-def bench_resnet(clients: dict[str, Any], rounds: int, threads: int,
+def bench_resnet(clients: dict[str, Any], rounds: int, threads: int,  # noqa: C901, PLR0915 - a bench script: the steps it prints
                  chosen: dict[str, str], sockets: dict[str, str]) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -243,7 +243,7 @@ def bench_resnet(clients: dict[str, Any], rounds: int, threads: int,
 
 
 # -- (b) per-request overhead ----------------------------------------------------------------
-def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int,
+def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int,  # noqa: C901, PLR0915 - a bench script: the steps it prints
                chosen: dict[str, str], sockets: dict[str, str]) -> dict[str, Any]:
     clients_target = f"unix://{sockets['process workers']}"
     import grpc

@@ -120,7 +120,7 @@ def one_device(root: Path) -> tuple[Path, dict[str, Any]]:
                                devices={"cpu": {"cores": None}, "emulated": []})
 
 
-def model_startup(name: str, runs: int = 20) -> dict[str, Any]:
+def model_startup(name: str, runs: int = 20) -> dict[str, Any]:  # noqa: PLR0915 - a bench script: the steps it prints
     import subprocess
 
     import torch

@@ -63,7 +63,7 @@ def raw(engine: Engine, loaded, x: torch.Tensor, **kwargs) -> torch.Tensor:  # n
 
 
 def idle_sets(engine: Engine) -> int:
-    return sum(len(v) for v in engine.bells._idle.values())
+    return sum(len(v) for v in engine.bells._idle.values())  # noqa: SLF001 - white-box: the test reads _idle
 
 
 def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(split):
@@ -158,7 +158,7 @@ def test_a_part_past_the_deadline_holds_the_block_until_it_answers(split):
 def test_unload_ends_the_bells_in_the_workers(split):
     engine, loaded, _, _ = split
     raw(engine, loaded, torch.randn(3, 64))
-    (bells,) = engine.bells._idle["mlp"]
+    (bells,) = engine.bells._idle["mlp"]  # noqa: SLF001 - white-box: the test reads _idle
     engine.unload("mlp")
     assert idle_sets(engine) == 0
     deadline = time.monotonic() + 10

@@ -154,7 +154,7 @@ def test_a_corrupt_record_or_part_is_built_again(tmp_path, arena, model, damage)
         engine.close()
 
 
-def test_a_restart_serves_a_dynamic_model_and_its_buckets_from_their_records(tmp_path, arena,
+def test_a_restart_serves_a_dynamic_model_and_its_buckets_from_their_records(tmp_path, arena,  # noqa: PLR0915 - one restart story, step by step
                                                                             monkeypatch):
     """A dynamic-shape model is served at once after a restart, and each bucket it had built
     is restored on first use (nothing read, planned or compiled); a bucket of new shapes

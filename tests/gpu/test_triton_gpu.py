@@ -143,7 +143,7 @@ def test_save_then_load_runs_without_compiling(name: str, tmp_path: Path,
     def no_compiling(*args: object, **kwargs: object) -> None:
         raise AssertionError("load compiled")
 
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)  # noqa: SLF001 - AOTInductor's API
     monkeypatch.setattr(torch.export, "export", no_compiling)
     monkeypatch.setattr(torch, "compile", no_compiling)
     loaded = TritonRuntime().load(tmp_path, CompileSpec(GPU, "fp32", []))

@@ -113,7 +113,7 @@ def test_inputs_are_freed_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch)
     exe = one_part("encoder")
     x = small_model("encoder")[1][0]
     freed_on: list[int] = []
-    wrapped = llvm_cpu._importable
+    wrapped = llvm_cpu._importable  # noqa: SLF001 - white-box: the test reads _importable
 
     def spy(tensor: torch.Tensor) -> torch.Tensor:
         alias = wrapped(tensor)

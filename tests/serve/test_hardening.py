@@ -80,7 +80,7 @@ def test_the_clients_own_regions_are_private(hardened):
     with Client(daemon.target) as client:
         got = client.infer("mlp", x, shm=True)["output0"]
         torch.testing.assert_close(got, y)
-        name = client._region.name
+        name = client._region.name  # noqa: SLF001 - white-box: the test reads _region
         mode = stat.S_IMODE(os.stat(SHM_DIR / name).st_mode)
     assert mode == 0o600, oct(mode)
 
@@ -341,10 +341,10 @@ def test_the_upload_watchdog_goes_with_the_last_upload():
     uploads = Uploads(slots=2, idle_s=0.2, max_s=60)
     for _ in range(2):  # and comes back with the next upload
         with uploads.slot(Context()):
-            watchdog = uploads._watchdog
+            watchdog = uploads._watchdog  # noqa: SLF001 - white-box: the test reads _watchdog
             assert watchdog is not None and watchdog.is_alive()
         watchdog.join(timeout=5)
-        assert not watchdog.is_alive() and uploads._watchdog is None
+        assert not watchdog.is_alive() and uploads._watchdog is None  # noqa: SLF001 - white-box: the test reads _watchdog
 
 
 # -- 7. long calls cannot starve health ---------------------------------------------------------
