@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemons import DaemonProcess, daemon_config
+from daemons import DaemonProcess, suite_config
 
 # Fixtures that start a cuvild and serve it to a test (the `env` of tests/serve/ included).
 DAEMON_FIXTURES = {"daemon", "make_daemon", "env"}
@@ -36,12 +36,23 @@ def sock_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The compile cache (builds and load records) of the session's make_daemon daemons."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture
-def make_daemon(tmp_path: Path, state_root: Path, sock_dir: Path) -> Iterator[Any]:
+def make_daemon(tmp_path: Path, state_root: Path, sock_dir: Path,
+                shared_cache: Path) -> Iterator[Any]:
     """Factory: make_daemon(state_dir=None, **config) -> started DaemonProcess.
 
     Each daemon gets its own state dir (pass one back to restart on the same state), seeded
     with the session's cached device profiles so only the first start of a session measures.
+    Unless the test names a cache_dir, they share the session's compile cache: a model that
+    an earlier test built (the same archive, policy and devices) comes back from its load
+    record, with no torch imported, nothing planned or compiled. A test about a cold build,
+    or one that counts what a load did, names a cache_dir of its own.
     """
     started: list[DaemonProcess] = []
 
@@ -50,9 +61,9 @@ def make_daemon(tmp_path: Path, state_root: Path, sock_dir: Path) -> Iterator[An
         workdir.mkdir()
         if state_dir is None:
             state_dir = workdir / "state"
-            if (state_root / "profiles").exists():
-                shutil.copytree(state_root / "profiles", state_dir / "profiles")
-        daemon = DaemonProcess(workdir, daemon_config(workdir, state_dir, sock_dir, **extra))
+        extra.setdefault("cache_dir", str(shared_cache))
+        daemon = DaemonProcess(workdir, suite_config(workdir, state_dir, sock_dir, **extra),
+                               profiles=state_root)
         daemon.state_dir = state_dir
         started.append(daemon)
         return daemon.start() if start else daemon
@@ -67,6 +78,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
            sock_dir: Path) -> Iterator[DaemonProcess]:
     """A daemon shared by the read-only tests of a session."""
     workdir = tmp_path_factory.mktemp("shared")
-    proc = DaemonProcess(workdir, daemon_config(workdir, state_root, sock_dir)).start()
+    proc = DaemonProcess(workdir, suite_config(workdir, state_root, sock_dir)).start()
     yield proc
     proc.close()

@@ -4,6 +4,7 @@ tests, the OIP tests and the benchmarks start (the fixtures are in conftest.py).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -53,8 +54,13 @@ def worker_processes(daemon_pid: int, marker: str = "spawn_main") -> list[Path]:
 class DaemonProcess:
     """One cuvild subprocess; records the sd_notify messages it sends."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, workdir: Path, config: dict[str, Any],
+                 profiles: Path | None = None) -> None:
+        """`profiles`: the session's state dir of measured device profiles. A daemon whose own
+        state dir has none is seeded from it, and the first daemon to measure fills it, so that
+        a session measures the devices once (5-9 s a time on the 2-core host)."""
         self.workdir = workdir
+        self.profiles = profiles
         self.config_path = workdir / "cuvild.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.socket_path = Path(config["listen"]["unix"])
@@ -70,6 +76,10 @@ class DaemonProcess:
         self.state_dir = Path(config["state_dir"])
 
     def start(self, wait: bool = True) -> DaemonProcess:
+        mine = self.state_dir / "profiles"
+        session = None if self.profiles is None else self.profiles / "profiles"
+        if session is not None and session.exists() and not mine.exists():
+            shutil.copytree(session, mine)
         env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path), "PYTHONUNBUFFERED": "1"}
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
         t0 = time.perf_counter()
@@ -80,6 +90,8 @@ class DaemonProcess:
         if wait:
             self.wait_for("READY=1")
             self.ready_s = time.perf_counter() - t0
+            if session is not None and not session.exists() and mine.exists():
+                shutil.copytree(mine, session, dirs_exist_ok=True)
         return self
 
     def wait_for(self, needle: str, timeout: float = START_TIMEOUT_S) -> str:
@@ -127,6 +139,13 @@ class DaemonProcess:
         self.notify.close()
 
 
+# What a test daemon's `auto` may build a part with, unless the test says otherwise: OpenVINO
+# alone (about 1 s for a small part), rather than every runtime in turn (ONNX Runtime's export
+# and IREE's compile add 3-4 s to each small part). The choice between runtimes is tested by
+# tests/runtimes/test_select.py and by the daemons that set engine.runtimes themselves.
+TEST_RUNTIMES = {"cpu": ["openvino"], "npu": ["openvino"]}
+
+
 def daemon_config(workdir: Path, state_dir: Path, sock_dir: Path,
                   **extra: Any) -> dict[str, Any]:
     config = {
@@ -144,12 +163,16 @@ def daemon_config(workdir: Path, state_dir: Path, sock_dir: Path,
     return config
 
 
+def suite_config(workdir: Path, state_dir: Path, sock_dir: Path, **extra: Any) -> dict[str, Any]:
+    """daemon_config for a test's daemon: `auto` builds with TEST_RUNTIMES unless the test
+    names engine.runtimes itself (the benchmarks keep every runtime, as users do)."""
+    engine = {"runtimes": TEST_RUNTIMES, **extra.pop("engine", {})}
+    return daemon_config(workdir, state_dir, sock_dir, engine=engine, **extra)
+
+
 def own_registry_daemon(workdir: Path, state_root: Path, sock_dir: Path) -> DaemonProcess:
     """A started daemon with its own registry under `workdir`, seeded with the session's
     measured device profiles (in `state_root`) when there are some."""
-    import shutil
-
     state_dir = workdir / "state"
-    if (state_root / "profiles").exists():
-        shutil.copytree(state_root / "profiles", state_dir / "profiles")
-    return DaemonProcess(workdir, daemon_config(workdir, state_dir, sock_dir)).start()
+    return DaemonProcess(workdir, suite_config(workdir, state_dir, sock_dir),
+                         profiles=state_root).start()

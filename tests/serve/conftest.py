@@ -5,7 +5,6 @@ inputs)."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import time
 import uuid
@@ -18,7 +17,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
-from daemons import DaemonProcess, daemon_config, own_registry_daemon
+from daemons import DaemonProcess, own_registry_daemon, suite_config
 from oip_helpers import (
     KEY_PREFIX,
     LIMITS,
@@ -37,10 +36,7 @@ from protos import inference_pb2_grpc
 def env(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
         sock_dir: Path) -> Iterator[Env]:
     workdir = tmp_path_factory.mktemp("oip")
-    state_dir = workdir / "state"
     daemon = own_registry_daemon(workdir, state_root, sock_dir)
-    if not (state_root / "profiles").exists() and (state_dir / "profiles").exists():
-        shutil.copytree(state_dir / "profiles", state_root / "profiles")
     torch.manual_seed(0)
     mlp = samples.MLP(width=64, depth=2).eval()
     demo, demo_inputs = samples.reference("demo")
@@ -111,14 +107,11 @@ def hardened(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
     """A daemon with small limits (LIMITS), a TCP listener and a tiny MLP "mlp"; yields
     (daemon, x, eager y). The hardening and fuzz tests share it."""
     workdir = tmp_path_factory.mktemp("hard")
-    state_dir = workdir / "state"
-    if (state_root / "profiles").exists():
-        shutil.copytree(state_root / "profiles", state_dir / "profiles")
     port = _free_port()
-    config = daemon_config(workdir, state_dir, sock_dir, limits=LIMITS,
+    config = suite_config(workdir, workdir / "state", sock_dir, limits=LIMITS,
                            shm={"max_regions_per_caller": 4},
                            listen={"tcp": f"127.0.0.1:{port}", "insecure_loopback": True})
-    daemon = DaemonProcess(workdir, config).start()
+    daemon = DaemonProcess(workdir, config, profiles=state_root).start()
     daemon.tcp = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
     torch.manual_seed(0)
     mlp = samples.MLP(width=16, depth=2).eval()

@@ -18,6 +18,7 @@ import yaml
 from daemons import worker_processes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import cuvild
 from cuvild.client import Client
 from cuvild.client.samples import MLP
 from protos import cuvil_pb2, cuvil_pb2_grpc
@@ -156,7 +157,8 @@ def test_sighup_reloads_and_survives_bad_config(make_daemon):
     assert "reload: limits.max_connections, shm.fast_path take(s) effect on restart" in d.log()
     torch.manual_seed(0)
     with Client(d.target) as client:  # the next load plans with the runtimes reloaded
-        client.load("mlp", MLP(width=16, depth=1).eval(), (torch.randn(2, 16),))
+        on_cpu = cuvild.partition(device="cpu")(MLP(width=16, depth=1).eval())
+        client.load("mlp", on_cpu, (torch.randn(2, 16),))
         parts = client.plan("mlp")["plan"]["parts"]
         assert {p["runtime"] for p in parts if p["device"].startswith("cpu")} == {"torch"}
     d.config_path.write_text("listen: {unix: 7}\n")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -91,16 +90,10 @@ class Served:
 def start(workdir: Path, state_root: Path, sock_dir: Path, cache: Path,
           **extra: Any) -> DaemonProcess:
     """A started daemon with its own registry, seeded with the session's device profiles."""
-    state_dir = workdir / "state"
-    if (state_root / "profiles").exists():
-        shutil.copytree(state_root / "profiles", state_dir / "profiles")
     engine = {"runtimes": RUNTIMES, **extra.pop("engine", {})}
-    config = daemon_config(workdir, state_dir, sock_dir, cache_dir=str(cache), engine=engine,
-                           **extra)
-    daemon = DaemonProcess(workdir, config).start()
-    if not (state_root / "profiles").exists() and (state_dir / "profiles").exists():
-        shutil.copytree(state_dir / "profiles", state_root / "profiles")
-    return daemon
+    config = daemon_config(workdir, workdir / "state", sock_dir, cache_dir=str(cache),
+                           engine=engine, **extra)
+    return DaemonProcess(workdir, config, profiles=state_root).start()
 
 
 def load(daemon: DaemonProcess, models: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import signal
 import sys
@@ -42,9 +43,20 @@ class Net(torch.nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
-def save_archive(path: Path, model: torch.nn.Module | None = None) -> Path:
-    model = model or Net().eval()
-    torch.export.save(cuvild.export(model, (torch.randn(2, 8),)), path)
+def seeded(seed: int = 0) -> tuple[Net, torch.Tensor]:
+    """Net and an input, the same in every test for a seed: the same archive, so a daemon of
+    a later test restores its build from the session's compile cache (tests/conftest.py)."""
+    torch.manual_seed(seed)
+    return Net().eval(), torch.randn(2, 8)
+
+
+def save_archive(path: Path, seed: int = 0) -> Path:
+    """The seeded Net's archive at `path`; saved through a buffer, so that its folder inside
+    the zip is not named after the file and the bytes are the same whatever `path` is."""
+    net, x = seeded(seed)
+    buffer = io.BytesIO()
+    torch.export.save(cuvild.export(net, (x,)), buffer)
+    path.write_bytes(buffer.getvalue())
     return path
 
 
@@ -75,7 +87,8 @@ def test_load_lists_and_survives_restart(make_daemon):
     d = make_daemon()
     seen = []
     with Client(d.target) as client:
-        result = client.load("net", Net().eval(), (torch.randn(2, 8),),
+        net, x = seeded()
+        result = client.load("net", net, (x,),
                              progress=lambda sent, total: seen.append((sent, total)))
         assert result["already_present"] is False
         model = result["model"]
@@ -94,7 +107,7 @@ def test_load_lists_and_survives_restart(make_daemon):
 def test_versions_replace_and_unload(make_daemon, tmp_path):
     d = make_daemon()
     a = save_archive(tmp_path / "a.pt2")
-    b = save_archive(tmp_path / "b.pt2")  # new random weights: different content
+    b = save_archive(tmp_path / "b.pt2", seed=1)  # other weights: different content
     with Client(d.target) as client:
         client.load_file("m", a)
         assert client.load_file("m", a)["already_present"] is True
