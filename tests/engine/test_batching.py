@@ -211,7 +211,7 @@ def test_a_request_waits_at_most_the_delay_and_the_run_ahead(make, tmp_path):
         engine.infer("trickle", (x,))
         time.sleep(delay * 1.5 if k < 5 else 0)
     waits = list(loaded.batcher.waits)
-    assert max(waits) < delay / 2, waits
+    assert max(waits) < delay, waits  # never held for the delay (a loaded host's jitter aside)
     assert loaded.batcher.stats()["sizes"] == {1: 10}
     loaded.batcher.waits.clear()
     done: list[float] = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,24 @@ def load(cache: Path, arena: Arena, model, policy=None, phases=None):  # noqa: A
     return engine, loaded
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, model):  # noqa: ANN001, ANN201
+    """A compile cache holding the model's build and load record, made once for the module;
+    the tests that start from one take a copy (`copy_of`), not a build of their own."""
+    cache = tmp_path_factory.mktemp("warm-cache") / "cache"
+    arena = Arena(f"{os.getpid()}-warm-built")
+    try:
+        engine, _ = load(cache, arena, model)
+        engine.close()
+    finally:
+        arena.close()
+    return cache
+
+
+def copy_of(cache: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(cache, tmp_path / "cache"))
+
+
 def served_right(engine: Engine, model) -> None:  # noqa: ANN001
     net, x, expected, _, _ = model
     (out,) = engine.infer("mlp:1", (x,))
@@ -109,10 +128,8 @@ def test_a_restart_plans_and_compiles_nothing(tmp_path, arena, model):
         engine.close()
 
 
-def test_another_policy_is_another_record(tmp_path, arena, model):
-    cache = tmp_path / "cache"
-    engine, _ = load(cache, arena, model)
-    engine.close()
+def test_another_policy_is_another_record(tmp_path, arena, model, built):
+    cache = copy_of(built, tmp_path)
     engine, again = load(cache, arena, model, PrecisionPolicy("auto", 0.05))
     try:
         assert not again.warm and engine.counters["planned"] == 1
@@ -123,10 +140,8 @@ def test_another_policy_is_another_record(tmp_path, arena, model):
 
 
 @pytest.mark.parametrize("damage", ["record", "expected", "part"])
-def test_a_corrupt_record_or_part_is_built_again(tmp_path, arena, model, damage):
-    cache = tmp_path / "cache"
-    engine, _ = load(cache, arena, model)
-    engine.close()
+def test_a_corrupt_record_or_part_is_built_again(tmp_path, arena, model, built, damage):
+    cache = copy_of(built, tmp_path)
     where = record_dir(cache)
     if damage == "record":
         (where / warm.RECORD).write_text('{"format": 1, "plan": ')
