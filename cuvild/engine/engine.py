@@ -45,7 +45,7 @@ from cuvild.engine.errors import (
     WorkerLost,
     WorkerUnavailable,
 )
-from cuvild.engine.handle import WorkerDied, WorkerHandle
+from cuvild.engine.handle import WorkerDied, WorkerHandle, stop_all
 from cuvild.engine.lanes import Lanes
 from cuvild.engine.layout import (
     BadInput,
@@ -396,8 +396,7 @@ class Engine:
             self.regions.forget(set(segments))
 
     def close(self) -> None:
-        for worker in self.workers.values():
-            worker.stop()
+        stop_all(self.workers.values())
         self.workers.clear()
 
     # -- data path -------------------------------------------------------------------------
