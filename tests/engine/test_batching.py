@@ -216,17 +216,19 @@ def test_a_request_waits_at_most_the_delay_and_the_run_ahead(make, tmp_path):
     loaded.batcher.waits.clear()
     done: list[float] = []
 
+    together = threading.Barrier(4)
+
     def client() -> None:
+        together.wait(30)  # (a fast host ran one client's 6 requests before the next began)
         for _ in range(6):
             t0 = time.monotonic()
             engine.infer("trickle", (x,))
             done.append(time.monotonic() - t0)
 
     threads = []
-    for _ in range(4):  # clients joining 2 ms apart: a batch cannot fill up, the delay ends it
+    for _ in range(4):  # four clients at once: a batch cannot fill up, the delay ends it
         threads.append(threading.Thread(target=client))
         threads[-1].start()
-        time.sleep(0.002)
     for t in threads:
         t.join(60)
     assert len(done) == 24
