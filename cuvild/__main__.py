@@ -1,7 +1,5 @@
-import sys
-
-from cuvild.serve.daemon import main
+from cuvild.serve.daemon import entry
 
 # The guard matters: device workers are spawned processes that re-import the main module.
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()  # main(), then out without torch's teardown (cuvild/engine/quick_exit.py)

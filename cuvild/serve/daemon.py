@@ -403,6 +403,13 @@ def default_config_path() -> str | None:
     return "/etc/cuvild/cuvild.yaml" if Path("/etc/cuvild/cuvild.yaml").exists() else None
 
 
+def entry() -> None:
+    """The `cuvild` command: main(), then out without the interpreter's teardown."""
+    from cuvild.engine.quick_exit import quick_exit
+
+    quick_exit(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cuvild", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=default_config_path(),
