@@ -35,8 +35,14 @@ run: setup
 demo: setup
 	$(PY) -m cuvild.client.demo
 
+# Two pytest workers, each taking whole test files (those sharing a session daemon together:
+# tests/conftest.py): on 2 cores the suite's daemons and workers leave a core idle half the
+# time when run alone.
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q --durations=10
+	$(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS)
 
 lint: setup
 	$(VENV)/bin/ruff check cuvild partitioner runtimes tests
