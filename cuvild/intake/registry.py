@@ -57,6 +57,7 @@ class ModelRecord:
     calibration_inputs: int = 0
     max_batch: int = 0  # rows merged into one run (0: the daemon's default; 1: not batched)
     max_delay_us: int = 0  # the oldest request's wait for others (0: the daemon's default)
+    out_spec: str = ""  # the output tree spec as uploaded, data only (cuvild/intake/trees.py)
 
 
 class _Incoming:

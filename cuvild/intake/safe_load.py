@@ -59,6 +59,7 @@ from cuvild.intake.schema_checks import (
     collect_targets,
     walk,
 )
+from cuvild.intake.trees import plain_program
 
 __all__ = [
     "ALLOWED_HIGHER_ORDER_OPS",
@@ -69,6 +70,7 @@ __all__ = [
     "MAX_JSON_ITEMS",
     "ArchiveInfo",
     "UnsafeArchive",
+    "load_archive",
     "load_exported_program",
     "validate_archive",
 ]
@@ -123,6 +125,9 @@ class ArchiveInfo:
     op_targets: frozenset[str]
     schema_version: tuple[int, int]
     torch_version: str
+    # The root call's input and output tree specs as uploaded (cuvild/intake/trees.py): the
+    # program itself has their non-builtin containers rewritten to dicts.
+    trees: dict[str, str]
     _program: Any = dataclasses.field(repr=False, compare=False)
     _weights: Any = dataclasses.field(repr=False, compare=False)
     _constants: Any = dataclasses.field(repr=False, compare=False)
@@ -234,7 +239,7 @@ def _check_entry_sizes(members: dict[str, zipfile.ZipInfo]) -> None:
                                      f"{limit} bytes for this entry")
 
 
-def _parse(cls: type, data: bytearray, rel: str) -> Any:
+def _parse(cls: type, data: bytearray, rel: str, prepare: Any = None) -> Any:
     # Each JSON container or string costs ~50-200 bytes of Python objects once parsed.
     items = data.count(b"{") + data.count(b"[") + data.count(b'"') // 2
     if items > MAX_JSON_ITEMS:
@@ -242,6 +247,8 @@ def _parse(cls: type, data: bytearray, rel: str) -> Any:
                                  f"of {MAX_JSON_ITEMS}")
     try:
         obj = _dict_to_dataclass(cls, json.loads(data.decode("utf-8")))
+        if prepare is not None:
+            prepare(obj)
         walk(cls, obj, cls.__name__)
     except Reject as e:
         raise UnsafeArchive(rel, str(e)) from None
@@ -296,7 +303,9 @@ def validate_archive(
     for rel, expected in _FIXED_ENTRIES.items():
         if expected is not None and rel in blobs and blobs[rel].strip() != expected:
             raise UnsafeArchive(rel, f"unexpected content {blobs[rel][:32]!r}")
-    program = _parse(schema.ExportedProgram, blobs[_MODEL_JSON], _MODEL_JSON)
+    trees: dict[str, str] = {}
+    program = _parse(schema.ExportedProgram, blobs[_MODEL_JSON], _MODEL_JSON,
+                     prepare=lambda p: trees.update(plain_program(p)))
     configs = {}
     sizes = {rel: i.file_size for rel, i in members.items()}
     for kind, rel in (("weights", _WEIGHTS_CONFIG), ("constants", _CONSTANTS_CONFIG)):
@@ -318,6 +327,7 @@ def validate_archive(
         op_targets=frozenset(targets),
         schema_version=(program.schema_version.major, program.schema_version.minor),
         torch_version=getattr(program, "torch_version", ""),
+        trees=trees,
         _program=program,
         _weights=configs["weights"],
         _constants=configs["constants"],
@@ -377,13 +387,25 @@ def load_exported_program(
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_entries: int = DEFAULT_MAX_ENTRIES,
 ) -> torch.export.ExportedProgram:
+    """:func:`load_archive`'s program."""
+    return load_archive(path, max_bytes=max_bytes, max_entries=max_entries)[0]
+
+
+def load_archive(
+    path: str | os.PathLike[str],
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_entries: int = DEFAULT_MAX_ENTRIES,
+) -> tuple[torch.export.ExportedProgram, ArchiveInfo]:
     """Load an untrusted ``.pt2`` archive without running any code it carries.
 
     Runs :func:`validate_archive`, reads weights and constants as raw bytes, and gives the
     validated program to torch's ``ExportedProgramDeserializer``. Example inputs are never
     read, so the result has ``example_inputs is None`` (and ``ep.module()`` builds no guard
-    function); node ``meta["custom"]`` annotations are preserved. Calls are serialised by a
-    lock: torch's deserializer keeps state in a module-level global.
+    function); node ``meta["custom"]`` annotations are preserved. Containers of the inputs
+    and outputs that are not builtin ones come back as dicts of their fields (the uploaded
+    specs are in ``ArchiveInfo.trees``). Calls are serialised by a lock: torch's
+    deserializer keeps state in a module-level global.
 
     Args:
         path: the archive file.
@@ -391,7 +413,8 @@ def load_exported_program(
         max_entries: limit on the number of zip entries.
 
     Returns:
-        The deserialized :class:`torch.export.ExportedProgram`.
+        The deserialized :class:`torch.export.ExportedProgram` and what
+        :func:`validate_archive` learned.
 
     Raises:
         UnsafeArchive: the archive is malformed, over a limit, unsafe, or rejected by
@@ -404,9 +427,10 @@ def load_exported_program(
         constants = _load_payloads(zf, info, "constants")
     try:
         with _DESERIALIZE_LOCK:
-            return ExportedProgramDeserializer().deserialize(info._program, state_dict,  # noqa: SLF001 - ArchiveInfo is this module's
-                                                             constants, None)
+            ep = ExportedProgramDeserializer().deserialize(info._program, state_dict,  # noqa: SLF001 - ArchiveInfo is this module's
+                                                           constants, None)
     except MemoryError:
         raise
     except Exception as e:  # schema version, dangling names, verifier errors, ...
         raise UnsafeArchive(_MODEL_JSON, f"rejected by torch's deserializer: {e}") from e
+    return ep, info

@@ -169,15 +169,17 @@ def _text(value: str, where: str) -> None:
 
 def _check_target(target: str, where: str) -> None:
     """Node targets are resolved by getattr chains from `torch`, `operator`, `math`
-    (deserialize_operator): "torch.os.system" would resolve. Allow only real operators."""
+    (deserialize_operator): "torch.ops.aten.__class__" would resolve to a Python attribute,
+    "torch.os.system" to a function. Allow only operators the dispatcher has a schema for
+    (every op of the allowed namespaces that torch itself registers, dunder-named ones like
+    aten.__and__ included; ops of libraries not loaded have none), then check that the
+    getattr chain reaches that very op."""
     if target in _PY_TARGETS:
         return
     m = re.fullmatch(r"torch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?", target)
     if m is None:
         raise Reject(f"{where}: operator {target!r} is not an allowed op target")
     ns, name, overload = m.groups()
-    if name.startswith("__") or (overload or "").startswith("__"):
-        raise Reject(f"{where}: operator {target!r} is not an allowed op target")
     if ns == "higher_order":
         ok = name in ALLOWED_HIGHER_ORDER_OPS and overload is None
         hop = getattr(torch.ops.higher_order, name, None) if ok else None
@@ -186,13 +188,18 @@ def _check_target(target: str, where: str) -> None:
         return
     if ns not in ALLOWED_OP_NAMESPACES:
         raise Reject(f"{where}: operator {target!r}: namespace {ns!r} is not allowed")
-    if (ns, name) in _DENIED_OPS or overload is None:
+    if (ns, name) in _DENIED_OPS or overload is None or overload.startswith("__"):
         raise Reject(f"{where}: operator {target!r} is not allowed")
+    try:  # the registry, by name: nothing of Python is looked up
+        torch._C._get_schema(f"{ns}::{name}", "" if overload == "default" else overload)  # noqa: SLF001 - the dispatcher's schema registry
+    except RuntimeError as e:
+        raise Reject(f"{where}: unknown operator {target!r} (no such schema)") from e
     try:
         op = getattr(getattr(getattr(torch.ops, ns), name), overload)
     except (AttributeError, RuntimeError) as e:
         raise Reject(f"{where}: unknown operator {target!r}") from e
-    if not isinstance(op, torch._ops.OpOverload) or op.namespace != ns:  # noqa: SLF001 - torch's op classes live in torch._ops
+    is_op = isinstance(op, torch._ops.OpOverload)  # noqa: SLF001 - torch's op classes live in torch._ops
+    if not is_op or op.namespace != ns or op.name().split(".")[0] != f"{ns}::{name}":
         raise Reject(f"{where}: operator {target!r} does not resolve to an op overload")
 
 

@@ -36,23 +36,34 @@ def _spec(name: str, value: Any) -> dict[str, Any]:
     return {"name": name, "dtype": dtype, "shape": shape}
 
 
-def summarize(ep: Any) -> dict[str, Any]:
-    """Node counts and the user-visible inputs/outputs (-1 for dynamic dims) of a program."""
+def summarize(ep: Any, out_spec: str = "") -> dict[str, Any]:
+    """Node counts and the user-visible inputs/outputs (-1 for dynamic dims) of a program.
+    Inputs are named as the program's placeholders (the forward's argument names), outputs
+    by their field paths in the program's output spec (trees.leaf_names: `logits`,
+    `hidden_states.0`; `output0`... for a tuple or a lone tensor). `out_spec`, the spec as
+    uploaded, is kept as data for clients (ModelRecord.out_spec)."""
+    import torch.utils._pytree as pytree
+
+    from cuvild.intake.trees import leaf_names
     from partitioner.annotate import annotations
 
     nodes = {n.name: n for n in ep.graph.nodes}
     sig = ep.graph_signature
     inputs = [_spec(name, nodes[name].meta.get("val")) for name in sig.user_inputs]
     output_node = next(n for n in ep.graph.nodes if n.op == "output")
-    outputs = []
-    for i, arg in enumerate(output_node.args[0][: len(sig.user_outputs)]):
-        value = arg.meta.get("val") if hasattr(arg, "meta") else None
-        outputs.append(_spec(f"output{i}", value))
+    values = output_node.args[0][: len(sig.user_outputs)]
+    spec = ep.call_spec.out_spec
+    names = leaf_names(pytree.treespec_dumps(spec)) if spec is not None else []
+    if len(names) != len(values):
+        names = [f"output{i}" for i in range(len(values))]
+    outputs = [_spec(name, arg.meta.get("val") if hasattr(arg, "meta") else None)
+               for name, arg in zip(names, values, strict=True)]
     return {
         "num_nodes": sum(1 for n in ep.graph.nodes if n.op == "call_function"),
         "annotated_nodes": len(annotations(ep)),
         "inputs": inputs,
         "outputs": outputs,
+        "out_spec": out_spec,
     }
 
 
@@ -157,7 +168,7 @@ def _child(conn: Any, path: str, max_bytes: int, memory: int, cpu: int) -> None:
 
     import torch
 
-    from cuvild.intake.safe_load import UnsafeArchive, load_exported_program
+    from cuvild.intake.safe_load import UnsafeArchive, load_archive
 
     try:
         _limit(resource.RLIMIT_CPU, cpu)  # SIGXCPU past it
@@ -170,8 +181,8 @@ def _child(conn: Any, path: str, max_bytes: int, memory: int, cpu: int) -> None:
         if base is not None:
             _limit(resource.RLIMIT_DATA, base + memory + min(size, max_bytes))
         torch.set_num_threads(1)  # nothing to compute; no thread pools or their arenas
-        result: tuple[Any, ...] = ("ok", summarize(load_exported_program(path,
-                                                                         max_bytes=max_bytes)))
+        ep, info = load_archive(path, max_bytes=max_bytes)
+        result: tuple[Any, ...] = ("ok", summarize(ep, info.trees.get("out_spec", "")))
     except UnsafeArchive as e:
         result = ("unsafe", e.entry, e.reason)
     except MemoryError:

@@ -31,7 +31,12 @@ from archives import (
 )
 
 from cuvild.intake import grammar, payload_checks, safe_load
-from cuvild.intake.safe_load import UnsafeArchive, load_exported_program, validate_archive
+from cuvild.intake.safe_load import (
+    UnsafeArchive,
+    load_archive,
+    load_exported_program,
+    validate_archive,
+)
 from cuvild.intake.summary import _inspect_in_child, inspect_archive, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,7 +280,8 @@ def test_small_expanded_buffer_passes(tmp_path: Path) -> None:
 
 def test_inspection_runs_in_a_limited_child(saved: dict, tmp_path: Path) -> None:
     path = saved["pair"][0]
-    assert inspect_archive(path, 1 << 30) == summarize(load_exported_program(path))
+    ep, info = load_archive(path)
+    assert inspect_archive(path, 1 << 30) == summarize(ep, info.trees["out_spec"])
     bad = _weights_edit(saved, tmp_path, [8192, 16384], [0, 0], b"\0\0\x80\x3f")
     with pytest.raises(UnsafeArchive) as err:  # the child's refusal, whole
         inspect_archive(bad, 1 << 30)

@@ -374,6 +374,10 @@ def _with_node(saved: dict, tmp_path: Path, target: str, **node: object) -> Path
         "torch.ops.evil_ns.run.default",  # unknown namespace
         "torch.ops.aten.save.default",  # aten op that writes files
         "torch.ops.aten.add.Tensor.__call__",
+        "torch.ops.aten.__class__.default",  # a Python attribute, not an operator
+        "torch.ops.aten.__dict__.default",
+        "torch.ops.aten.__and__.__call__",
+        "torch.ops.aten.not_an_op.default",  # no schema in the dispatcher's registry
         "torch.ops.higher_order.call_torchbind",
         "#evil:op",  # extension-op registry lookup
         "builtins.eval",
@@ -384,3 +388,17 @@ def test_disallowed_op_targets_are_named(saved: dict, tmp_path: Path, target: st
         load_exported_program(_with_node(saved, tmp_path, target))
     assert err.value.entry == "models/model.json"
     assert repr(target) in err.value.reason
+
+
+class Masks(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ((a > 0) & (b > 0)) | ~(a < b)  # aten.__and__ / __or__, as attention masks do
+
+
+def test_dunder_named_aten_ops_are_real_operators(tmp_path: Path) -> None:
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    path = tmp_path / "masks.pt2"
+    torch.export.save(torch.export.export(Masks(), (a, b)), path)
+    info = validate_archive(path)
+    assert {"torch.ops.aten.__and__.Tensor", "torch.ops.aten.__or__.Tensor"} <= info.op_targets
+    assert torch.equal(load_exported_program(path).module()(a, b), Masks()(a, b))
