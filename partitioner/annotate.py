@@ -112,15 +112,16 @@ def export(
     example_inputs: tuple[Any, ...],
     dynamic_shapes: Any = None,
     strict: bool = False,
+    kwargs: dict[str, Any] | None = None,
 ) -> torch.export.ExportedProgram:
     """``torch.export.export`` that keeps ``partition`` annotations in the graph.
 
     ``strict`` is torch.export's tracing mode (Dynamo when True), unrelated to
-    ``partition(strict=...)``.
+    ``partition(strict=...)``; ``kwargs`` are keyword example inputs.
     """
     with fx_traceback.preserve_node_meta():
         return torch.export.export(
-            model, example_inputs, dynamic_shapes=dynamic_shapes, strict=strict
+            model, example_inputs, kwargs, dynamic_shapes=dynamic_shapes, strict=strict
         )
 
 

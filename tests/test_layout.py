@@ -31,8 +31,10 @@ ALLOWED: dict[str, set[str]] = {
     # the registry persists with runtimes.base.write_atomic, the one atomic-write helper
     "cuvild.intake": {"partitioner", "runtimes.base"},
     # cuvilctl plans a local .pt2 offline: it opens it with the safe loader
+    # and rebuilds a model's output container from its spec (cuvild/client/trees.py)
     "cuvild.client": {"cuvild", "cuvild.engine.arena", "cuvild.engine.dtypes",
-                      "cuvild.engine.spin", "cuvild.intake.safe_load", "partitioner", "protos"},
+                      "cuvild.engine.spin", "cuvild.intake.safe_load", "cuvild.intake.trees",
+                      "cuvild.intake.grammar", "partitioner", "protos"},
     "runtimes": {"partitioner"},
     "partitioner": set(),
     "protos": set(),

@@ -106,7 +106,8 @@ def save_calibration(path: Path, names: list[str], samples: list[Any]) -> None:
     import numpy as np
     import torch
 
-    rows = [s if isinstance(s, (tuple, list)) else (s,) for s in samples]
+    rows = [tuple(s[n] for n in names) if isinstance(s, dict) and set(s) == set(names)
+            else s if isinstance(s, (tuple, list)) else (s,) for s in samples]
     if not rows or any(len(r) != len(names) for r in rows):
         raise ValueError(f"calibration: each sample must hold the model's {len(names)} "
                          f"input(s) {names}")
@@ -160,6 +161,7 @@ class Client:
         self._infer = inference_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._region: Any = None  # cuvild.client.infer_io.ClientRegion, made on first shm request
         self._metadata: dict[str, dict[str, Any]] = {}
+        self._containers: dict[tuple[str, str], tuple[Any, list[str]]] = {}
 
     def close(self) -> None:
         with self._sessions_lock:
@@ -297,23 +299,28 @@ class Client:
                                                    "while it loaded?)")
         return max(found, key=lambda m: m["created_at"])
 
-    def load(self, name: str, model: Any, example_inputs: tuple[Any, ...],
+    def load(self, name: str, model: Any, example_inputs: tuple[Any, ...] = (),
              dynamic_shapes: Any = None, version: str | None = None, replace: bool = False,
              progress: Progress | bool | None = None, precision: str | None = None,
              max_error: float | None = None, calibration: list[Any] | None = None,
              wait: bool = True, timeout: float = 600.0,
              on_phase: PhaseProgress | None = None,
-             batching: dict[str, int] | bool | None = None) -> dict[str, Any]:
+             batching: dict[str, int] | bool | None = None,
+             kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """Export `model` with its @partition annotations and upload it, with a precision
-        policy; `calibration` is a list of samples, each the model's inputs (a tensor, or a
-        tuple of tensors in the model's order). Waits until READY unless wait=False: see
-        `load_file` for that, `progress`, `on_phase`, `timeout` and `batching` (which needs
-        a dynamic first dimension: `dynamic_shapes`)."""
+        policy. Inputs are `example_inputs` (positional) and `kwargs` (keyword, as
+        torch.export takes them: `kwargs={"input_ids": ids, "attention_mask": mask}`); the
+        model's inputs are named after its forward's arguments. `calibration` is a list of
+        samples, each the model's inputs (a tensor, a tuple of tensors in the model's order
+        or a dict by input name). Waits until READY unless wait=False: see `load_file` for
+        that, `progress`, `on_phase`, `timeout` and `batching` (which needs a dynamic first
+        dimension: `dynamic_shapes`)."""
         import torch
 
         from partitioner.annotate import export
 
-        program = export(model, example_inputs, dynamic_shapes=dynamic_shapes)
+        program = export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes,
+                         kwargs=kwargs)
         with tempfile.TemporaryDirectory(prefix="cuvil-upload-") as tmp:
             path = Path(tmp) / f"{name}.pt2"
             torch.export.save(program, path)
@@ -402,13 +409,37 @@ class Client:
     def infer(self, name: str, inputs: Any, shm: bool = False,
               version: str | None = None) -> dict[str, Any]:
         """Run a model. `inputs`: a tensor, a sequence in the model's order, or a dict by
-        input name. Returns {output name: torch tensor}. shm=True passes inputs and outputs
-        through a shared-memory region instead of the gRPC message. On the fast path
+        input name. Returns {output name: torch tensor}, or the model's own container (a
+        transformers ModelOutput, a registered dataclass) when its class is registered with
+        torch's pytree in this process (cuvild/client/trees.py). shm=True passes inputs and
+        outputs through a shared-memory region instead of the gRPC message. On the fast path
         (Client(fast=True)) errors are FastPathError, with the same status names."""
+        from cuvild.client.trees import rebuild
+
+        spec, names = self._container(name, version or "")
+        return rebuild(spec, names, self._infer_dict(name, inputs, shm, version or ""))
+
+    def _container(self, name: str, version: str) -> tuple[Any, list[str]]:
+        """The TreeSpec a model's outputs are rebuilt with (None: a dict by name) and the
+        names of its outputs, once per model and version."""
+        key = (name, version)
+        if key not in self._containers:
+            from cuvild.client.trees import container_spec
+
+            r = self._control.ListModels(cuvil_pb2.ListModelsRequest(), timeout=self.timeout)
+            found = [m for m in r.models if m.name == name and version in ("", m.version)]
+            if not found:
+                return None, []
+            latest = max(found, key=lambda m: m.created_at)
+            self._containers[key] = (container_spec(latest.out_spec),
+                                     [t.name for t in latest.outputs])
+        return self._containers[key]
+
+    def _infer_dict(self, name: str, inputs: Any, shm: bool, version: str) -> dict[str, Any]:
         from cuvild.client.infer_io import ClientRegion, run_infer
 
         if self.fast:
-            return self._fast_infer(name, inputs, version or "")
+            return self._fast_infer(name, inputs, version)
         if name not in self._metadata:
             self._metadata[name] = self.metadata(name)
         if shm and self._region is None:

@@ -105,7 +105,9 @@ def check(ep: Any, specs: list[dict[str, Any]], low: int) -> str:
     say normalisation across the batch, cannot be batched)."""
     import torch
 
-    module = ep.module()
+    from cuvild.engine.precision import eager
+
+    module = eager(ep)
     torch.manual_seed(0)
     rows = max(2, low)
 
@@ -119,8 +121,8 @@ def check(ep: Any, specs: list[dict[str, Any]], low: int) -> str:
     try:
         with torch.no_grad():
             batch = [sample(s, rows * 2) for s in specs]
-            together = _flat(module(*batch))
-            alone = [_flat(module(*[t[i * rows:(i + 1) * rows] for t in batch]))
+            together = module(*batch)
+            alone = [module(*[t[i * rows:(i + 1) * rows] for t in batch])
                      for i in range(2)]
     except Exception as e:  # noqa: BLE001 - a model that cannot run apart is not batched
         return f"running its rows apart failed ({type(e).__name__}: {e})"
@@ -130,10 +132,6 @@ def check(ep: Any, specs: list[dict[str, Any]], low: int) -> str:
                                                            rtol=1e-4, atol=1e-5):
             return f"output {k}: rows run together differ from the same rows run apart"
     return ""
-
-
-def _flat(out: Any) -> list[Any]:
-    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 class Pending:

@@ -27,8 +27,10 @@ _splits: dict[str, SplitProgram] = {}  # model key -> split, while its parts are
 
 
 def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tensor]:
-    """Deterministic sample inputs from the model's input specs (zeros for integer inputs,
-    which are often indices that random values would push out of range)."""
+    """Deterministic sample inputs from the model's input specs. Integer and bool inputs are
+    ones: they are often indices, which random values would push out of range, or masks,
+    where zeros mask everything out (a transformer's attention over no token is 0/0, which
+    eager and OpenVINO round differently: finite against NaN)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for spec in specs:
@@ -37,7 +39,7 @@ def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tens
         if dtype.is_floating_point:
             out.append(torch.randn(shape, generator=gen).to(dtype))
         else:
-            out.append(torch.zeros(shape, dtype=dtype))
+            out.append(torch.ones(shape, dtype=dtype))
     return out
 
 

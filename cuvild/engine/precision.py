@@ -147,20 +147,34 @@ def check_inputs(model: LoadedModel, policy: PrecisionPolicy) -> list[list[torch
     return [sample_inputs(model.input_specs, seed) for seed in range(CHECK_INPUTS)]
 
 
+def eager(ep: Any) -> Any:
+    """`ep` on torch eager as the engine sees a model: its inputs flat, in the graph's order
+    (keyword ones included), its outputs a flat list (dicts and nested containers too)."""
+    import torch.utils._pytree as pytree
+
+    module, spec = ep.module(), ep.call_spec.in_spec
+
+    def run(*inputs: Any) -> list[Any]:
+        args, kwargs = pytree.tree_unflatten(list(inputs), spec)
+        out = module(*args, **kwargs)
+        return pytree.tree_flatten(out, is_leaf=lambda x: x is None)[0]
+
+    return run
+
+
 def reference(ep: Any, inputs: list[list[torch.Tensor]]) -> tuple[list[list[torch.Tensor]],
                                                                   float]:
     """torch eager fp32's outputs for each input, and its median time, in this process."""
     import torch
 
-    module = ep.module()
+    module = eager(ep)
     outputs, times = [], []
     with torch.no_grad():
         module(*inputs[0])
         for x in inputs:
             t0 = time.perf_counter()
-            out = module(*x)
+            outputs.append(module(*x))
             times.append((time.perf_counter() - t0) * 1e3)
-            outputs.append(list(out) if isinstance(out, (tuple, list)) else [out])
     return outputs, statistics.median(times)
 
 

@@ -1,0 +1,48 @@
+"""The model's own output container, rebuilt in the client from the outputs by name.
+
+The daemon keeps a model's output tree spec as uploaded (cuvild/intake/trees.py) and names
+each output by its field path. A client that has the container's class registered with
+torch's pytree (transformers registers every ModelOutput when it is imported; a user's
+dataclass when its module calls torch.export.register_dataclass) gets that container back;
+otherwise, and for tuples, lists, dicts and lone tensors, the dict by name. Nothing named by
+the spec is imported: a type the client has not registered itself is never looked up.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cuvild.intake.trees import PLAIN_TYPES
+
+
+def container_spec(out_spec: str) -> Any:
+    """The TreeSpec to rebuild outputs with, or None when the dict by name is the answer
+    (no spec, a builtin container at the root, or a type this process has not registered)."""
+    if not out_spec:
+        return None
+    try:
+        root = json.loads(out_spec)[1]
+    except (ValueError, TypeError, IndexError, KeyError):
+        return None
+    if not isinstance(root, dict) or root.get("type") in (None, *PLAIN_TYPES):
+        return None
+    import torch.utils._pytree as pytree
+
+    from cuvild.intake.grammar import Reject, check_treespec
+
+    try:  # only registered types, no enum (module import) contexts, no defaultdict factories
+        check_treespec(out_spec, "out_spec")
+        return pytree.treespec_loads(out_spec)
+    except (Reject, NotImplementedError, TypeError, ValueError):
+        return None
+
+
+def rebuild(spec: Any, names: list[str], outputs: dict[str, Any]) -> Any:
+    """`outputs` (by name) in the container of `spec` (container_spec), or the dict itself
+    when there is none or an output is missing."""
+    if spec is None or any(n not in outputs for n in names):
+        return outputs
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_unflatten([outputs[n] for n in names], spec)

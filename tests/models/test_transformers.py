@@ -1,0 +1,115 @@
+"""Hugging Face transformers models served unchanged: their ModelOutput outputs, keyword
+inputs and attention masks (aten.__and__) through the safe intake, named by the model
+(`input_ids`, `logits`), through tritonclient and the Python client, matched to torch eager.
+
+One daemon for the file, sharing the session's device profiles and compile cache; test
+daemons build with OpenVINO (tests/daemons.py TEST_RUNTIMES). The families are tiny
+(tests/models/hf_models.py), so the file takes a minute or two on 2 cores."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from daemons import DaemonProcess, suite_config
+from hf_models import FAMILIES, build
+
+from cuvild.client import Client
+from runtimes.base import relative_error
+
+FP32_TOLERANCE = 1e-4
+AUTO_BUDGET = 1e-2
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir: Path,
+           shared_cache: Path) -> Iterator[str]:
+    workdir = tmp_path_factory.mktemp("models")
+    config = suite_config(workdir, workdir / "state", sock_dir, cache_dir=str(shared_cache))
+    daemon = DaemonProcess(workdir, config, profiles=state_root).start()
+    try:
+        yield daemon.target
+    finally:
+        daemon.close()
+
+
+def tensors(outputs: Any) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in outputs.items() if isinstance(v, torch.Tensor)}
+
+
+def triton_infer(target: str, name: str, kwargs: dict[str, torch.Tensor],
+                 outputs: list[str]) -> dict[str, np.ndarray]:
+    client = grpcclient.InferenceServerClient(url=target)
+    try:
+        inputs = []
+        for key, value in kwargs.items():
+            x = grpcclient.InferInput(key, list(value.shape),
+                                      "INT64" if value.dtype == torch.int64 else "FP32")
+            x.set_data_from_numpy(value.numpy())
+            inputs.append(x)
+        wanted = [grpcclient.InferRequestedOutput(o) for o in outputs]
+        result = client.infer(name, inputs, outputs=wanted)
+        return {o: result.as_numpy(o) for o in outputs}
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_is_served_unchanged_and_matches_eager(target: str, family: str) -> None:
+    model, kwargs, ref = build(family)
+    expected = tensors(ref)
+    name = f"{family}-fp32"
+    with Client(target) as client:
+        summary = client.load(name, model, kwargs=kwargs, precision="fp32")["model"]
+        assert [i["name"] for i in summary["inputs"]] == list(kwargs)  # forward's names
+        assert [o["name"] for o in summary["outputs"]] == list(expected)  # field names
+        meta = client.metadata(name)
+        assert [i["name"] for i in meta["inputs"]] == list(kwargs)
+        assert [o["name"] for o in meta["outputs"]] == list(expected)
+        got = client.infer(name, kwargs)
+        assert type(got) is type(ref)  # transformers is imported here: its own ModelOutput
+        for key, want in expected.items():
+            assert relative_error(got[key], want) <= FP32_TOLERANCE, key
+        by_triton = triton_infer(target, name, kwargs, list(expected))
+    for key, want in expected.items():
+        assert relative_error(torch.from_numpy(by_triton[key]), want) <= FP32_TOLERANCE, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_under_auto_stays_within_its_budget(target: str, family: str) -> None:
+    model, kwargs, ref = build(family)
+    name = f"{family}-auto"
+    with Client(target) as client:
+        summary = client.load(name, model, kwargs=kwargs, precision="auto",
+                              max_error=AUTO_BUDGET)["model"]
+        assert summary["measured_error"] is not None
+        assert summary["measured_error"] <= AUTO_BUDGET
+        got = client.infer(name, kwargs, shm=True)
+    for key, want in tensors(ref).items():
+        # the budget holds on the load's check inputs; these are others: a little headroom
+        assert relative_error(got[key], want) <= 2 * AUTO_BUDGET, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_a_dynamic_sequence_length_is_served(target: str, family: str) -> None:
+    model, kwargs, _ = build(family)
+    seq = torch.export.Dim("seq", min=2, max=64)
+    name = f"{family}-dynamic"
+    with Client(target) as client:
+        summary = client.load(name, model, kwargs=kwargs,
+                              dynamic_shapes={k: {1: seq} for k in kwargs})["model"]
+        assert all(i["shape"] == [2, -1] for i in summary["inputs"])
+        for length in (16, 5, 33):
+            _, inputs, ref = build(family, seq=length)
+            got = client.infer(name, inputs)
+            for key, want in tensors(ref).items():
+                assert got[key].shape == want.shape
+                assert relative_error(got[key], want) <= FP32_TOLERANCE, (key, length)
