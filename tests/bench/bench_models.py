@@ -1,0 +1,230 @@
+"""The model families users bring, at realistic sizes, one run, side by side:
+
+    python tests/bench/bench_models.py [--json] [--quick] [--rounds N] [--models a,b]
+
+ResNet-50 and ViT-Base (224x224, batch 1), BERT-base with 4 layers and a 4-layer Llama
+(hidden 512; 128 tokens, batch 1), built with transformers from their configs (seeded random
+weights). Per model: cuvild's load time (upload to READY, every runtime tried: the default
+config, one CPU device on every core, fp32) and its plan (parts, runtime, precision); p50 /
+p99 ms through the fast path (`Client(fast=True)`) and through tritonclient with system shared
+memory; in this process, OpenVINO on its default settings (its own precision: bf16 on a CPU
+that has it), ONNX Runtime fp32 and torch eager; and each one's relative error against eager
+on the first output. Timed interleaved (tests/bench/timing.py). `--quick`: ResNet-50 and
+BERT only, fewer rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))
+sys.path.append(str(Path(__file__).resolve().parent))
+from daemons import DaemonProcess, daemon_config  # noqa: E402
+from timing import interleaved, rel_error, stats  # noqa: E402
+
+from cuvild.client import Client  # noqa: E402
+from runtimes.profiling import hardware  # noqa: E402
+
+SEQ = 128
+
+
+def families() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]]:
+    import transformers as tf
+
+    gen = torch.Generator().manual_seed(0)
+
+    def image() -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.randn(1, 3, 224, 224, generator=gen)}
+
+    def text(vocab: int, mask: bool) -> dict[str, torch.Tensor]:
+        ids = {"input_ids": torch.randint(0, vocab, (1, SEQ), generator=gen)}
+        return {**ids, "attention_mask": torch.ones(1, SEQ, dtype=torch.long)} if mask else ids
+
+    return {
+        "resnet50": lambda: (tf.ResNetForImageClassification(tf.ResNetConfig()), image()),
+        "vit-base": lambda: (tf.ViTForImageClassification(tf.ViTConfig()), image()),
+        "bert-base-4l": lambda: (tf.BertModel(tf.BertConfig(num_hidden_layers=4)),
+                                 text(30522, True)),
+        "llama-4l": lambda: (tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=8, use_cache=False)), text(32000, True)),
+    }
+
+
+def in_process(ep: Any, feed: dict[str, np.ndarray], threads: int,
+               tmp: Path) -> tuple[dict[str, Callable[[], Any]], str]:
+    """OpenVINO on its defaults and ONNX Runtime fp32, compiled here; OpenVINO's precision."""
+    import openvino as ov
+
+    from runtimes.onnxruntime import open_session
+
+    runners: dict[str, Callable[[], Any]] = {}
+    onnx_path = tmp / f"{uuid.uuid4().hex[:8]}.onnx"
+    torch.onnx.export(ep, (), kwargs={k: torch.from_numpy(v) for k, v in feed.items()},
+                      dynamo=True, verbose=False).save(str(onnx_path))
+    session = open_session(onnx_path, threads)
+    names = [i.name for i in session.get_inputs()]
+    runners["onnxruntime fp32 (in-process)"] = lambda: session.run(
+        None, {n: feed[n] for n in names})[0]
+    compiled = ov.Core().compile_model(ov.convert_model(ep), "CPU",
+                                       {"INFERENCE_NUM_THREADS": threads,
+                                        "PERFORMANCE_HINT": "LATENCY"})
+    request = compiled.create_infer_request()
+    values = list(feed.values())
+    runners["openvino default (in-process)"] = lambda: request.infer(
+        values, share_inputs=True)[0].copy()
+    return runners, compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+
+
+def triton_shm(target: str, name: str, feed: dict[str, np.ndarray], output: str,
+               out_shape: list[int]) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """A tritonclient request with every input and the first output in system shared memory."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.shared_memory as shm
+
+    client = grpcclient.InferenceServerClient(url=target)
+    key = f"cuvil-bench-models-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    handles, inputs = [], []
+    for i, (n, a) in enumerate(feed.items()):
+        h = shm.create_shared_memory_region(f"in{i}", f"/{key}-in{i}", a.nbytes)
+        shm.set_shared_memory_region(h, [a])
+        client.register_system_shared_memory(f"{key}-in{i}", f"/{key}-in{i}", a.nbytes)
+        x = grpcclient.InferInput(n, list(a.shape), "INT64" if a.dtype == np.int64 else "FP32")
+        x.set_shared_memory(f"{key}-in{i}", a.nbytes)
+        handles.append(h)
+        inputs.append(x)
+    nbytes = int(np.prod(out_shape)) * 4
+    out_h = shm.create_shared_memory_region("out", f"/{key}-out", nbytes)
+    client.register_system_shared_memory(f"{key}-out", f"/{key}-out", nbytes)
+    out = grpcclient.InferRequestedOutput(output)
+    out.set_shared_memory(f"{key}-out", nbytes)
+
+    def run() -> Any:
+        client.infer(name, inputs, outputs=[out])
+        return shm.get_contents_as_numpy(out_h, np.float32, out_shape).copy()
+
+    def close() -> None:
+        client.unregister_system_shared_memory()
+        for h in [*handles, out_h]:
+            shm.destroy_shared_memory_region(h)
+        client.close()
+
+    return run, close
+
+
+def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, threads: int,
+              tmp: Path) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, kwargs = make()
+    model.eval()
+    with torch.no_grad():
+        first = next(iter(model(**kwargs).values()))
+    expected = first.numpy()
+    feed = {k: v.numpy() for k, v in kwargs.items()}
+    ep = torch.export.export(model, (), kwargs)
+    runners, ov_precision = in_process(ep, feed, threads, tmp)
+
+    def eager() -> Any:
+        with torch.no_grad():
+            return next(iter(model(**kwargs).values())).numpy()
+
+    runners["torch eager (in-process)"] = eager
+    with Client(target, timeout=1800) as client:
+        t0 = time.perf_counter()
+        summary = client.load(name, model, kwargs=kwargs, timeout=1800)["model"]
+        load_s = time.perf_counter() - t0
+        plan = client.plan(name)["plan"]
+        output = summary["outputs"][0]["name"]
+    fast = Client(target, fast=True)
+    runners["cuvild fast path"] = lambda: fast.infer(name, kwargs)[output].numpy()
+    shm_run, shm_close = triton_shm(target, name, feed, output, list(expected.shape))
+    runners["cuvild tritonclient shm"] = shm_run
+    try:
+        errors = {k: rel_error(run(), expected) for k, run in runners.items()}
+        samples = interleaved(runners, rounds, warmup=3)
+    finally:
+        shm_close()
+        fast.close()
+    eager_p50 = stats(samples["torch eager (in-process)"])["p50_ms"]
+    ov_p50 = stats(samples["openvino default (in-process)"])["p50_ms"]
+    rows = {k: {**{m: round(v, 3) for m, v in stats(s).items() if m != "n"},
+                "x_eager": round(stats(s)["p50_ms"] / eager_p50, 3),
+                "x_openvino_default": round(stats(s)["p50_ms"] / ov_p50, 3),
+                "rel_error": errors[k]} for k, s in samples.items()}
+    parts = [f"{p.get('id', i)} {p['device']} {p.get('runtime', '?')} "
+             f"{p.get('precision', '?')}" for i, p in enumerate(plan.get("parts", []))]
+    return {"model": name, "load_s": round(load_s, 1), "plan": parts,
+            "openvino_default_precision": ov_precision, "output": output, "rows": rows}
+
+
+def main() -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=0)
+    parser.add_argument("--models", default="")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    rounds = args.rounds or (8 if args.quick else 20)
+    wanted = families()
+    names = (args.models.split(",") if args.models else
+             ["resnet50", "bert-base-4l"] if args.quick else list(wanted))
+    info = hardware.cpuinfo()
+    report: dict[str, Any] = {"host": {"cpu": info["name"], "cores": threads,
+                                       "flags": hardware.cpu_features(info["flags"])},
+                              "rounds": rounds, "models": []}
+    with tempfile.TemporaryDirectory(prefix="cuvil-modelbench-") as tmp:
+        home = Path(tmp)
+        config = daemon_config(home, home / "state", home)
+        config["devices"] = {"cpu": {"cores": None}}  # one CPU device on every core
+        config["log_level"] = "warning"
+        daemon = DaemonProcess(home, config).start()
+        try:
+            for name in names:
+                print(f"{name} ...", file=sys.stderr, flush=True)
+                report["models"].append(one_model(name, wanted[name], daemon.target, rounds,
+                                                  threads, home))
+        finally:
+            daemon.stop()
+            daemon.close()
+    return report
+
+
+def show(r: dict[str, Any]) -> None:
+    print(f"host: {r['host']['cpu']}, {r['host']['cores']} cores, flags {r['host']['flags']}; "
+          f"{r['rounds']} interleaved rounds")
+    for m in r["models"]:
+        print(f"\n{m['model']}: READY in {m['load_s']} s; plan: {'; '.join(m['plan'])}; "
+              f"OpenVINO's default precision here: {m['openvino_default_precision']}")
+        print(f"  {'':<32} {'p50 ms':>8} {'p99 ms':>8} {'x eager':>8} {'x OV def':>8}  "
+              f"error vs eager ({m['output']})")
+        for k, row in m["rows"].items():
+            print(f"  {k:<32} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['x_eager']:8.2f} "
+                  f"{row['x_openvino_default']:8.2f}  {row['rel_error']:.1e}")
+
+
+if __name__ == "__main__":
+    result = main()
+    if "--json" in sys.argv:
+        print(json.dumps(result, indent=2))
+    else:
+        show(result)
