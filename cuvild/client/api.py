@@ -414,14 +414,18 @@ class Client:
         torch's pytree in this process (cuvild/client/trees.py). shm=True passes inputs and
         outputs through a shared-memory region instead of the gRPC message. On the fast path
         (Client(fast=True)) errors are FastPathError, with the same status names."""
-        from cuvild.client.trees import rebuild
+        from cuvild.client.trees import positional, rebuild
 
+        outputs = self._infer_dict(name, inputs, shm, version or "")
+        if positional(outputs):  # a tuple or a lone tensor: the dict is the answer
+            return outputs
         spec, names = self._container(name, version or "")
-        return rebuild(spec, names, self._infer_dict(name, inputs, shm, version or ""))
+        return rebuild(spec, names, outputs)
 
     def _container(self, name: str, version: str) -> tuple[Any, list[str]]:
         """The TreeSpec a model's outputs are rebuilt with (None: a dict by name) and the
-        names of its outputs, once per model and version."""
+        names of its outputs, once per model and version (a ListModels call: on the fast
+        path too, the one gRPC call it makes, and only for outputs named by field)."""
         key = (name, version)
         if key not in self._containers:
             from cuvild.client.trees import container_spec

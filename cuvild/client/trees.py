@@ -11,9 +11,18 @@ the spec is imported: a type the client has not registered itself is never looke
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from cuvild.intake.trees import PLAIN_TYPES
+
+_POSITIONAL_RE = re.compile(r"output\d+(\..*)?")
+
+
+def positional(outputs: dict[str, Any]) -> bool:
+    """Whether every output is named by position (`output0`, `output1.x`): the model returns
+    a tuple, a list or a lone tensor, never a container of its own."""
+    return all(_POSITIONAL_RE.fullmatch(name) for name in outputs)
 
 
 def container_spec(out_spec: str) -> Any:

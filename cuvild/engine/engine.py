@@ -240,7 +240,7 @@ class Engine:
                         part.device, precision.runtime_key(part.runtime, part.precision),
                         precision.at(part.class_ms, self.devices[part.device], part.precision),
                         self.devices[part.device].launch_us / 1e3)
-        plan.notes += model.accuracy.notes
+        plan.notes += precision.runtime_notes(model.routes) + model.accuracy.notes
         self.models[key] = model
         try:
             warm.write(record_at, model, inputs, expected)

@@ -283,3 +283,20 @@ def read_decision(path: Path) -> tuple[dict[str, str] | None, dict[str, Any] | N
 def write_decision(path: Path, routes: list[Route], accuracy: Accuracy) -> None:
     write_atomic(path, json.dumps({"parts": {r.id: r.precision for r in routes},
                                    "accuracy": accuracy.to_dict()}, indent=1).encode())
+
+
+def runtime_notes(routes: Sequence[Any]) -> list[str]:
+    """The plan's word on each part whose first choice of runtime could not run it: which
+    runtimes failed there and why, and the one it runs on instead (a model OpenVINO's CPU
+    plugin refuses, say an EfficientNet's oversized AvgPool, served on ONNX Runtime)."""
+    notes = []
+    for route in routes:
+        built = getattr(route, "built", None)
+        failed = [c for c in getattr(built, "candidates", None) or []
+                  if c.get("status") in ("failed", "timeout", "unavailable")
+                  and c.get("runtime") != route.runtime]
+        if failed:
+            why = "; ".join(f"{c['runtime']} {c['status']}: "
+                            f"{' '.join(str(c.get('reason', '')).split())[:200]}" for c in failed)
+            notes.append(f"{route.id} on {route.device} runs on {route.runtime}: {why}")
+    return notes

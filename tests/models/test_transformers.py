@@ -113,3 +113,34 @@ def test_a_dynamic_sequence_length_is_served(target: str, family: str) -> None:
             for key, want in tensors(ref).items():
                 assert got[key].shape == want.shape
                 assert relative_error(got[key], want) <= FP32_TOLERANCE, (key, length)
+
+
+class WidePool(torch.nn.Module):
+    """EfficientNet's head as transformers builds it: an AvgPool whose kernel is wider than
+    its input, with ceil_mode (torch averages what the window covers; OpenVINO's CPU plugin
+    refuses the shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = torch.nn.AvgPool2d(16, ceil_mode=True)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(torch.relu(self.conv(pixel_values))).flatten(1))
+
+
+@pytest.mark.slow
+def test_a_part_openvino_refuses_runs_on_another_runtime_and_the_plan_says_why(
+        make_daemon: Any) -> None:
+    torch.manual_seed(0)
+    model, x = WidePool().eval(), torch.randn(2, 3, 4, 4)
+    daemon = make_daemon(devices={"cpu": {"cores": None}},
+                         engine={"runtimes": {"cpu": ["openvino", "onnxruntime"]}})
+    with Client(daemon.target) as client:
+        client.load("widepool", model, (x,), precision="fp32")
+        plan = client.plan("widepool")["plan"]
+        got = client.infer("widepool", x)["output0"]
+    assert [p["runtime"] for p in plan["parts"]] == ["onnxruntime"]
+    assert any("runs on onnxruntime: openvino failed" in n for n in plan["notes"]), plan["notes"]
+    assert relative_error(got, model(x).detach()) <= FP32_TOLERANCE
