@@ -53,6 +53,9 @@ FAMILIES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[..., dict[str,
         hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=10)), pixels),
     "resnet": (lambda: tf.ResNetForImageClassification(tf.ResNetConfig(
         embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10)), pixels),
+    "swin": (lambda: tf.SwinForImageClassification(tf.SwinConfig(  # shifted windows
+        image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=4, num_labels=10)), pixels),
     "whisper-encoder": (lambda: WhisperEncoder(tf.WhisperConfig(
         vocab_size=VOCAB, num_mel_bins=16, d_model=32, encoder_layers=2,
         encoder_attention_heads=2, encoder_ffn_dim=64, decoder_layers=1,
