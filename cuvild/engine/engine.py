@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cuvild.engine import buckets, precision, warm
+from cuvild.engine import buckets, fallback, precision, warm
 from cuvild.engine.arena import Arena
 from cuvild.engine.batching import Batching, batcher_for
 from cuvild.engine.bells import Bells
@@ -151,14 +151,16 @@ class Engine:
                 input_specs: list[dict[str, Any]], objective: str = "latency",
                 plan: Plan | None = None, policy: PrecisionPolicy | None = None,
                 progress: Callable[[str], None] | None = None, cold: bool = True,
-                batching: Batching | None = None) -> LoadedModel | None:
+                batching: Batching | None = None,
+                banned: fallback.Banned | None = None) -> LoadedModel | None:
         """Plan, split, lay out and build a registered model, settle each part's precision
         under the policy (cuvild/engine/precision.py) and check the whole model against
         torch eager; returns it ready to serve. A model loaded before (same archive, policy,
         devices, software) comes back from its load record (cuvild/engine/warm.py) with
         nothing planned or compiled (cold=False: only so, else None); `progress` is told
         each phase. `batching`: how to merge concurrent requests of a model whose first
-        dimension is dynamic (cuvild/engine/batching.py; None or max_batch 1: not at all)."""
+        dimension is dynamic (cuvild/engine/batching.py; None or max_batch 1: not at all).
+        A part its device cannot build is planned off it again (cuvild/engine/fallback.py)."""
         policy = policy or PrecisionPolicy()
         say = progress or (lambda phase: None)
         record_at = warm.directory(self.cache_dir, warm.key(
@@ -184,7 +186,9 @@ class Engine:
         if plan is None:
             say("planning")
             plan = plan_model(ep, list(self.devices.values()), objective=objective,
-                              support=self.support(), corrections=corrections)
+                              support=fallback.support(self.support(), banned),
+                              corrections=corrections)
+            plan.notes += fallback.notes(banned)
             self.counters["planned"] += 1
         split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
         dynamic = dynamic_dims(ep)
@@ -225,21 +229,18 @@ class Engine:
         inputs = precision.check_inputs(model, policy)
         expected, eager_ms = precision.reference(ep, inputs)
         del ep, split  # workers hold the parts; the daemon keeps only the wiring
-        self.build(model, policy=policy, progress=say)
+        try:
+            self.build(model, policy=policy, progress=say)
+        except fallback.BuildFailed as e:  # its nodes off that device, planned again
+            banned = fallback.ban(e, plan if planned else None, banned, len(self.devices))
+            say(f"planning again: {e}")
+            return fallback.again(e, lambda: self.prepare(
+                key, name, version, archive, input_specs, objective, policy=policy,
+                progress=progress, batching=batching, banned=banned))
         say("checking end to end")
         model.accuracy = self._settle(model, policy, budgets, decision, recorded, inputs,
                                       expected, eager_ms)
-        for part in plan.parts:  # the plan records what each part really runs on
-            route = next((r for r in model.routes if r.id == part.id), None)
-            if route is not None:
-                variant = route.variants.get(route.precision)
-                part.runtime, part.precision = route.runtime, route.precision
-                part.error = variant.rel_error if variant else None
-                if part.class_ms:  # and its time on that runtime, with what was learned
-                    part.predicted_ms = corrections.price(
-                        part.device, precision.runtime_key(part.runtime, part.precision),
-                        precision.at(part.class_ms, self.devices[part.device], part.precision),
-                        self.devices[part.device].launch_us / 1e3)
+        precision.record_runs(plan, model.routes, corrections, self.devices)
         plan.notes += precision.runtime_notes(model.routes) + model.accuracy.notes
         self.models[key] = model
         try:
@@ -359,8 +360,8 @@ class Engine:
                 raise InferError(f"building part {route.id} for {route.device} failed: "
                                  f"{e}") from None
             if not reply.ok or not isinstance(reply.result, Built):
-                raise InferError(f"building part {route.id} for {route.device} failed: "
-                                 f"{reply.error}")
+                raise fallback.BuildFailed(f"building part {route.id} for {route.device} "
+                                           f"failed: {reply.error}", route.id, route.device)
             self.counters["built"] += 1
             self.counters["compiled"] += not reply.result.from_cache
             route.runtime, route.built = reply.result.runtime, reply.result

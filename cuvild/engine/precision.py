@@ -300,3 +300,20 @@ def runtime_notes(routes: Sequence[Any]) -> list[str]:
                             f"{' '.join(str(c.get('reason', '')).split())[:200]}" for c in failed)
             notes.append(f"{route.id} on {route.device} runs on {route.runtime}: {why}")
     return notes
+
+
+def record_runs(plan: Any, routes: Sequence[Any], corrections: Any,
+                devices: dict[str, DeviceProfile]) -> None:
+    """The plan records what each part really runs on (runtime, precision, error) and its
+    time there, with what was learned (partitioner/corrections.py)."""
+    for part in plan.parts:
+        route = next((r for r in routes if r.id == part.id), None)
+        if route is not None:
+            variant = route.variants.get(route.precision)
+            part.runtime, part.precision = route.runtime, route.precision
+            part.error = variant.rel_error if variant else None
+            if part.class_ms:
+                device = devices[part.device]
+                part.predicted_ms = corrections.price(
+                    part.device, runtime_key(part.runtime, part.precision),
+                    at(part.class_ms, device, part.precision), device.launch_us / 1e3)

@@ -1,0 +1,71 @@
+"""A part no runtime of its device could build is planned again off that device.
+
+The planner knows which ops each device's runtimes support in principle (runtimes/registry.py
+`support`), not every shape or attribute a runtime's compiler refuses: OpenVINO's CPU plugin
+refuses an AvgPool whose kernel is wider than its input (EfficientNet's head), which torch,
+ONNX Runtime and IREE run. When such a part lands on a device whose only runtime is OpenVINO
+(an NPU, emulated or not), the engine bans the part's nodes from that device and plans the
+model again, once per device, saying so in the plan; a part strictly pinned there fails as
+before, with the build's own error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cuvild.engine.errors import InferError
+
+Banned = dict[str, tuple[set[str], str]]  # device id -> (node names, why)
+
+
+class BuildFailed(InferError):
+    """No runtime of a part's device could build it (`part`, `device`)."""
+
+    def __init__(self, message: str, part: str, device: str) -> None:
+        super().__init__(message)
+        self.part, self.device = part, device
+
+
+def ban(error: BuildFailed, plan: Any, banned: Banned | None, devices: int) -> Banned:
+    """`banned` with the failed part's nodes off its device; re-raises `error` when there is
+    nowhere else to go (a plan given, not made: None; one device; that device was banned
+    nodes before)."""
+    banned = dict(banned or {})
+    part = next((p for p in plan.parts if p.id == error.part), None) if plan else None
+    if part is None or devices < 2 or error.device in banned:
+        raise error
+    banned[error.device] = (set(part.nodes), str(error))
+    return banned
+
+
+def again(error: BuildFailed, replan: Callable[[], Any]) -> Any:
+    """replan(), or the build's own error when the nodes cannot go elsewhere (a strict
+    @partition pins them to that device: the planner raises PlacementError)."""
+    from partitioner.cost import PlacementError
+
+    try:
+        return replan()
+    except PlacementError:
+        raise error from None
+
+
+def support(base: dict[str, Any], banned: Banned | None) -> dict[str, Any]:
+    """The planner's `support` with the banned nodes unsupported on their devices."""
+    if not banned:
+        return base
+    out = dict(base)
+    for device, (nodes, _) in banned.items():
+        out[device] = _without(nodes, base.get(device))
+    return out
+
+
+def _without(nodes: set[str], inner: Callable[[Any], bool] | None) -> Callable[[Any], bool]:
+    def supported(cnode: Any) -> bool:
+        return cnode.name not in nodes and (inner is None or inner(cnode))
+    return supported
+
+
+def notes(banned: Banned | None) -> list[str]:
+    return [f"{len(nodes)} node(s) planned again off {device}: {' '.join(why.split())[:300]}"
+            for device, (nodes, why) in (banned or {}).items()]

@@ -1,0 +1,59 @@
+"""A part none of its device's runtimes builds is planned again off that device
+(cuvild/engine/fallback.py), and the plan says so; a part pinned there strictly fails with
+the build's own error. The part: an AvgPool wider than its input with ceil_mode, as
+transformers' EfficientNet head has it, which OpenVINO's CPU plugin refuses (the emulated
+NPU's only runtime) and ONNX Runtime runs."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import cuvild
+from cuvild.client import Client, LoadFailed
+from runtimes.base import relative_error
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                                reason="the emulated NPU needs a second core (1 here)")
+RUNTIMES = {"cpu": ["openvino", "onnxruntime"], "npu": ["openvino"]}
+# A CPU the cost model finds far slower than the NPU, so that the first plan puts the whole
+# model on the NPU (the annotation below only prefers it).
+FAST_NPU = {"cpu0": {"peak_gflops": {"fp32": 0.01}, "mem_bw_gbs": 0.01},
+            "npu0": {"link_latency_us": 0, "launch_us": 0}}
+
+
+class Head(torch.nn.Module):
+    def __init__(self, strict: bool) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        pool = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.AvgPool2d(16, ceil_mode=True))
+        self.pool = cuvild.partition(device="npu", strict=strict)(pool)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.conv(x)).flatten(1))
+
+
+def test_a_part_its_device_cannot_build_is_planned_again_elsewhere(make_daemon: Any) -> None:
+    torch.manual_seed(0)
+    model, x = Head(strict=False).eval(), torch.randn(2, 3, 4, 4)
+    daemon = make_daemon(engine={"runtimes": RUNTIMES}, devices={"overrides": FAST_NPU})
+    with Client(daemon.target) as client:
+        client.load("head", model, (x,), precision="fp32")
+        plan = client.plan("head")["plan"]
+        got = client.infer("head", x)["output0"]
+    assert {p["device"] for p in plan["parts"]} == {"cpu0"}, plan["parts"]
+    assert any("planned again off npu0" in n and "openvino" in n for n in plan["notes"]), \
+        plan["notes"]
+    assert relative_error(got, model(x).detach()) <= 1e-4
+
+
+def test_a_part_pinned_there_fails_with_the_build_error(make_daemon: Any) -> None:
+    model, x = Head(strict=True).eval(), torch.randn(2, 3, 4, 4)
+    daemon = make_daemon(engine={"runtimes": RUNTIMES})
+    with Client(daemon.target) as client, pytest.raises(LoadFailed,
+                                                        match=r"for npu0 failed: .*openvino"):
+        client.load("pinned", model, (x,), precision="fp32")
