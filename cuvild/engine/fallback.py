@@ -20,7 +20,8 @@ Banned = dict[str, tuple[set[str], str]]  # device id -> (node names, why)
 
 
 class BuildFailed(InferError):
-    """No runtime of a part's device could build it (`part`, `device`)."""
+    """No runtime of a part's device could build it (`part`, `device`). Internal: when it
+    escapes the re-plan it is raised as the plain InferError callers have always seen."""
 
     def __init__(self, message: str, part: str, device: str) -> None:
         super().__init__(message)
@@ -34,7 +35,7 @@ def ban(error: BuildFailed, plan: Any, banned: Banned | None, devices: int) -> B
     banned = dict(banned or {})
     part = next((p for p in plan.parts if p.id == error.part), None) if plan else None
     if part is None or devices < 2 or error.device in banned:
-        raise error
+        raise InferError(str(error)) from None
     banned[error.device] = (set(part.nodes), str(error))
     return banned
 
@@ -47,7 +48,7 @@ def again(error: BuildFailed, replan: Callable[[], Any]) -> Any:
     try:
         return replan()
     except PlacementError:
-        raise error from None
+        raise InferError(str(error)) from None
 
 
 def support(base: dict[str, Any], banned: Banned | None) -> dict[str, Any]:
