@@ -87,6 +87,8 @@ class Config:
     tracing_path: str | None = None
     tracing_endpoint: str | None = None
     tracing_sample_rate: float = 1.0
+    http: str | None = None  # HOST:PORT of the protocol's HTTP/REST form (None: off)
+    model_repository: str | None = None  # DIR/<name>/<version>/model.pt2, loaded at start
 
     def device_settings(self) -> dict[str, Any]:
         """The settings that change what the profiler measures (part of the cache key)."""
@@ -103,11 +105,13 @@ class Config:
 RELOADED = frozenset({
     "path", "log_level", "max_model_bytes", "upload_idle_s", "upload_max_s", "shm_max_regions",
     "shm_max_bytes", "shm_allowed_uids", "run_timeout_s", "max_buckets", "max_dim", "runtimes",
-    "compile_timeout_s", "objective", "precision", "max_error", "max_batch", "max_delay_us"})
+    "compile_timeout_s", "objective", "precision", "max_error", "max_batch", "max_delay_us",
+    "model_repository"})
 # The rest take effect on restart: field -> its key in the file, which a reload that finds
 # it changed names in its warning (the daemon keeps running as it started).
 ON_RESTART = {
-    "unix_socket": "listen.unix", "tcp": "listen.tcp", "token": "listen.token",
+    "unix_socket": "listen.unix", "tcp": "listen.tcp", "http": "listen.http",
+    "token": "listen.token",
     "tls_cert": "listen.tls", "tls_key": "listen.tls", "tls_client_ca": "listen.tls",
     "insecure_loopback": "listen.insecure_loopback", "state_dir": "state_dir",
     "cache_dir": "cache_dir", "cpu_enabled": "devices.cpu", "cpu_cores": "devices.cpu",
@@ -132,10 +136,12 @@ def build_timeout_s(cfg: Config) -> float:
 # key -> (type or tuple of types, default). Nested dicts are their own schema.
 _SCHEMA: dict[str, Any] = {
     "listen": {"unix": ((str, type(None)), None), "tcp": ((str, type(None)), None),
+               "http": ((str, type(None)), None),
                "token": ((str, type(None)), None), "insecure_loopback": (bool, False),
                "tls": {"cert": ((str, type(None)), None), "key": ((str, type(None)), None),
                        "client_ca": ((str, type(None)), None)}},
     "state_dir": ((str, type(None)), None),
+    "model_repository": ((str, type(None)), None),
     "cache_dir": ((str, type(None)), None),
     "log_level": (str, "info"),
     "devices": {
@@ -345,9 +351,11 @@ def parse(data: Any, path: str = "<memory>") -> Config:  # noqa: C901 - a check 
     for e in emulated:
         if e.id.startswith("cpu"):
             raise ConfigError("devices.emulated", f"id {e.id!r} clashes with the host CPU's ids")
-    tcp = raw["listen"]["tcp"]
-    if tcp is not None and (":" not in tcp or not tcp.rsplit(":", 1)[1].isdigit()):
-        raise ConfigError("listen.tcp", f"expected HOST:PORT, got {tcp!r}")
+    tcp, http = raw["listen"]["tcp"], raw["listen"]["http"]
+    for key, address in (("listen.tcp", tcp), ("listen.http", http)):
+        if address is not None and (":" not in address
+                                    or not address.rsplit(":", 1)[1].isdigit()):
+            raise ConfigError(key, f"expected HOST:PORT, got {address!r}")
     tls = raw["listen"]["tls"]
     if bool(tls["cert"]) != bool(tls["key"]):
         raise ConfigError("listen.tls", "cert and key go together")
@@ -356,12 +364,13 @@ def parse(data: Any, path: str = "<memory>") -> Config:  # noqa: C901 - a check 
     for key in ("cert", "key", "client_ca"):
         if tls[key] and not os.access(tls[key], os.R_OK):
             raise ConfigError(f"listen.tls.{key}", f"cannot read {tls[key]}")
-    if tcp is not None and not raw["listen"]["token"] and not tls["client_ca"]:
-        host = tcp.rsplit(":", 1)[0].strip("[]")
-        if not (raw["listen"]["insecure_loopback"] and _is_loopback(host)):
-            raise ConfigError("listen.token", "a TCP listener needs a bearer token or mutual "
-                              "TLS (listen.tls.client_ca), or listen.insecure_loopback: true "
-                              "with a loopback host")
+    for address in (tcp, http):
+        if address is not None and not raw["listen"]["token"] and not tls["client_ca"]:
+            host = address.rsplit(":", 1)[0].strip("[]")
+            if not (raw["listen"]["insecure_loopback"] and _is_loopback(host)):
+                raise ConfigError("listen.token", "a TCP or HTTP listener needs a bearer "
+                                  "token or mutual TLS (listen.tls.client_ca), or "
+                                  "listen.insecure_loopback: true with a loopback host")
     metrics_listen = _metrics_listen(raw["metrics"])
     _check_tracing(raw["tracing"])
     uids = raw["shm"]["allowed_uids"]
@@ -401,6 +410,7 @@ def parse(data: Any, path: str = "<memory>") -> Config:  # noqa: C901 - a check 
         path=path,
         unix_socket=str(sock_dir / Path(unix).name),
         tcp=tcp,
+        http=http,
         state_dir=_writable_dir(raw["state_dir"], "state", "state_dir"),
         cache_dir=_writable_dir(raw["cache_dir"], "cache", "cache_dir"),
         log_level=raw["log_level"],
@@ -446,7 +456,17 @@ def parse(data: Any, path: str = "<memory>") -> Config:  # noqa: C901 - a check 
         tracing_path=raw["tracing"]["path"],
         tracing_endpoint=raw["tracing"]["endpoint"],
         tracing_sample_rate=float(raw["tracing"]["sample_rate"]),
+        model_repository=raw["model_repository"] and repository_dir(raw["model_repository"]),
     )
+
+
+def repository_dir(value: str) -> str:
+    """A model repository's directory (config `model_repository`, `cuvild --model-repository`),
+    absolute; it must exist and be readable (its entries are checked when it is read)."""
+    path = Path(value).expanduser().absolute()
+    if not path.is_dir() or not os.access(path, os.R_OK | os.X_OK):
+        raise ConfigError("model_repository", f"{value!r} is not a readable directory")
+    return str(path)
 
 
 def _positive(raw: dict[str, Any], *keys: tuple[str, str]) -> None:

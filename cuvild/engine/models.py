@@ -15,15 +15,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cuvild.engine import warm
 from cuvild.engine.batching import Batching
 from cuvild.engine.engine import Engine, LoadedModel
 from cuvild.engine.precision import PrecisionPolicy
-from cuvild.intake.registry import ModelRecord, Registry
+from cuvild.intake import repository
+from cuvild.intake.registry import ModelRecord, Registry, RegistryError
 
 log = logging.getLogger(__name__)
 UNLOAD_WAIT_S = 10.0  # an unload waits this long for the workers to let the model go
@@ -60,6 +63,11 @@ class ModelManager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self._warm_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="restore")
+        # The model repository (cuvild/intake/repository.py): its entries that are not served,
+        # key -> why, and whether a scan is under way (the server is not ready until it ends).
+        self.refused: dict[str, str] = {}
+        self.scanning = False
+        self._scan_lock = threading.Lock()
 
     def start_workers(self) -> list[str]:
         """Start the workers the registered models' load records name, first thing at start:
@@ -81,6 +89,45 @@ class ModelManager:
         """Serve every registered model again: from its load record where there is one."""
         for record in self.registry.list():
             self.submit(record)
+
+    def load_repository(self, root: Path, inspect: Callable[[Path], dict[str, Any]]) -> None:
+        """Register every entry of the model repository at `root` and serve it; one at a
+        time, each inspected as an upload is (`inspect`), an entry registered already as it
+        is without it. A bad entry is logged and kept in `refused`, and the others go on."""
+        with self._scan_lock:
+            self.scanning = True
+            try:
+                self.refused = self._scan(root, inspect)
+            finally:
+                self.scanning = False
+
+    def _scan(self, root: Path, inspect: Callable[[Path], dict[str, Any]]) -> dict[str, str]:
+        t0, refused, served = time.perf_counter(), {}, 0
+        try:
+            entries = repository.scan(root)
+        except OSError as e:
+            log.error("model repository %s: cannot list it: %s", root, e)
+            return {str(root): f"cannot list the model repository: {e}"}
+        for entry in entries:
+            why = entry.error
+            if not why:
+                try:
+                    record, present = repository.register(entry, self.registry, inspect)
+                except ValueError as e:  # the safe loader's refusal, as an upload's
+                    why = f"model archive refused: {e}"
+                except (RegistryError, OSError) as e:
+                    why = f"{type(e).__name__}: {e}"
+            if why:
+                refused[entry.key] = why
+                log.error("model repository: %s not loaded: %s", entry.key, why)
+                continue
+            self.submit(record)
+            served += 1
+            log.info("model repository: %s %s", entry.key,
+                     "registered already" if present else "registered")
+        log.info("model repository %s: %d model version(s) served, %d refused (%.2f s)",
+                 root, served, len(refused), time.perf_counter() - t0)
+        return refused
 
     def submit(self, record: ModelRecord) -> ServedModel:
         served = ServedModel(record)

@@ -82,8 +82,12 @@ def prepare_socket(path: str) -> None:
 
 
 class Daemon:
-    def __init__(self, cfg: config_mod.Config) -> None:
+    def __init__(self, cfg: config_mod.Config, repository: str | None = None) -> None:
+        """`repository`: `--model-repository`, over the config's (kept across reloads)."""
         self.cfg = cfg
+        self.repository_flag = repository
+        if repository:
+            cfg.model_repository = repository
         self.stop_event = threading.Event()
         self.reload_requested = threading.Event()
         self.alive = threading.Event()
@@ -99,6 +103,7 @@ class Daemon:
         self.metrics: Any = None  # cuvild.serve.metrics.Metrics, when metrics.enabled
         self.tracer: Any = None  # cuvild.serve.tracing.Tracer, when tracing.exporter is set
         self.uploads: Uploads | None = None  # one count of uploads for every listener
+        self.http: Any = None  # cuvild.serve.rest.RestServer, when listen.http
 
     # -- profiles --------------------------------------------------------------------------
     def _load_profiles(self, refresh: bool = False) -> profiles_mod.ProfileResult:
@@ -161,6 +166,27 @@ class Daemon:
         else:
             self._bind_unix(server)
         return server
+
+    def _start_http(self) -> None:
+        """listen.http: the protocol over HTTP/REST, through the same servicer as gRPC's."""
+        if not self.cfg.http:
+            return
+        from cuvild.serve.oip import InferenceService
+        from cuvild.serve.rest import RestServer, tls_context
+
+        service = InferenceService(self.models, self.regions, shm_enabled=False,
+                                   metrics=self.metrics, tracer=self.tracer,
+                                   gate=Gate(self.cfg.rpc_threads))
+        http = RestServer(service, self.cfg.http, self.cfg.rpc_threads, self.cfg.token,
+                          tls_context(self.cfg.tls_cert, self.cfg.tls_key,
+                                      self.cfg.tls_client_ca))
+        try:
+            http.start()
+        except OSError as e:
+            http.stop()
+            raise StartupError(f"cannot listen on HTTP {self.cfg.http} (listen.http): {e}") \
+                from None
+        self.http = http
 
     def _tls_credentials(self) -> grpc.ServerCredentials | None:
         if not self.cfg.tls_cert:
@@ -250,8 +276,11 @@ class Daemon:
             log.warning("reload: %s take(s) effect on restart", ", ".join(later))
         for name in config_mod.ON_RESTART:  # the config held is the one that runs
             setattr(new, name, getattr(self.cfg, name))
+        if self.repository_flag:
+            new.model_repository = self.repository_flag
         self._apply(new)
         self.cfg = new
+        self._read_repository()  # new and changed entries are registered and served
         self._load_profiles()
         log.info("reloaded %s", new.path)
         sdnotify.notify("STATUS=serving (config reloaded)")
@@ -304,14 +333,18 @@ class Daemon:
                 self.servers.append(self._build_server(tcp=True))
             for server in self.servers:
                 server.start()
+            self._start_http()
             # Registered models are LOADING before the first connection: a client that comes
             # back after a restart waits for its model rather than hearing it is unknown.
             self.models.restore()
             if not self.models.all():  # nothing registered: the first call will be an upload
                 self._start_intake()
+            self._read_repository()
             self.front.start()
         except BaseException:
             self.front.close()
+            if self.http is not None:
+                self.http.stop()
             for server in self.servers:
                 server.stop(None)
             self.models.engine.close()
@@ -347,6 +380,21 @@ class Daemon:
                 swept = time.monotonic()
         return self._shutdown()
 
+    def _read_repository(self) -> None:
+        """Register and serve the model repository's entries on a thread of its own (at start
+        and on SIGHUP): the daemon answers meanwhile, not ready until they are all READY or
+        failed (cuvild/intake/repository.py)."""
+        if not self.cfg.model_repository:
+            return
+        from cuvild.intake.summary import inspect_archive
+
+        models, registry = self.models, self.registry
+        models.scanning = True  # before the thread runs: ServerReady is false from now
+        threading.Thread(target=models.load_repository, name="repository", daemon=True,
+                         args=(Path(self.cfg.model_repository),
+                               lambda path: inspect_archive(path, registry.max_model_bytes)),
+                         ).start()
+
     def _start_intake(self) -> None:
         """Start the uploads' inspector now, on a daemon with nothing registered, so that its
         first upload does not wait for it: a forkserver process that imports torch and the
@@ -363,13 +411,15 @@ class Daemon:
             return
         log.info("intake: archive inspector starting ahead of uploads")
 
-    def _shutdown(self) -> int:
+    def _shutdown(self) -> int:  # noqa: C901 - each listener and service, closed in order
         sdnotify.notify("STOPPING=1\nSTATUS=draining")
         log.info("stopping: draining requests (up to %.0f s)", DRAIN_GRACE_S)
         self.health.enter_graceful_shutdown()
         if self.front is not None:
             self.front.stop_accepting()
         stops = [server.stop(grace=DRAIN_GRACE_S) for server in self.servers]
+        if self.http is not None:
+            self.http.stop()
         for stopped in stops:
             stopped.wait()
         if self.fast is not None:  # after gRPC's drain: the sessions' last runs finish
@@ -415,16 +465,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=default_config_path(),
                         help="YAML config (default: $CUVILD_CONFIG, /etc/cuvild/cuvild.yaml, "
                              "else built-in defaults)")
+    parser.add_argument("--model-repository", metavar="DIR",
+                        help="serve DIR/<name>/<version>/model.pt2 from the start (over the "
+                             "config's model_repository)")
     parser.add_argument("--version", action="version", version=f"cuvild {cuvild.__version__}")
     args = parser.parse_args(argv)
     try:
         cfg = config_mod.load(args.config) if args.config else config_mod.parse({}, "<defaults>")
+        repository = args.model_repository and config_mod.repository_dir(args.model_repository)
     except config_mod.ConfigError as e:
         print(f"cuvild: bad config {args.config or '<defaults>'}: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    daemon = Daemon(cfg)
+    daemon = Daemon(cfg, repository)
     daemon.install_signals()
     try:
         return daemon.run()

@@ -102,9 +102,10 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def ServerReady(self, request, context):  # noqa: N802
         """Ready once no registered model is still loading (each is READY or failed), as
         Triton's strict readiness: a readiness probe holds traffic until then. A failed model
-        does not hold it; ModelReady and the model's state say which one failed."""
-        return pb.ServerReadyResponse(
-            ready=not any(m.state == "LOADING" for m in self.models.all()))
+        does not hold it; ModelReady and the model's state say which one failed. Nor is it
+        ready while the model repository is read (its models are not all registered yet)."""
+        return pb.ServerReadyResponse(ready=not self.models.scanning and not any(
+            m.state == "LOADING" for m in self.models.all()))
 
     def ServerMetadata(self, request, context):  # noqa: N802
         extensions = ["model_repository"] + (["system_shared_memory"] if self.shm_enabled else [])
@@ -346,6 +347,12 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 continue
             response.models.add(name=served.record.name, version=served.record.version,
                                 state=served.state, reason=served.reason)
+        if not request.ready:  # model repository entries that could not be registered
+            for key, why in sorted(self.models.refused.items()):
+                name, _, version = key.partition(":")
+                if self.models.get(name, version) is None:
+                    response.models.add(name=name, version=version, state="UNAVAILABLE",
+                                        reason=why)
         return response
 
     def RepositoryModelLoad(self, request, context):  # noqa: N802

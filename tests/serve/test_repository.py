@@ -1,0 +1,123 @@
+"""The model repository read at start (cuvild/intake/repository.py): Triton's layout, as KServe's
+storage initializer leaves it under /mnt/models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from daemons import ROOT
+
+import cuvild
+from cuvild.client import Client, samples
+from cuvild.intake import repository
+
+SEED = 7
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return samples.MLP(width=16, depth=1).eval()
+
+
+def save(model: torch.nn.Module, path: Path, width: int = 16) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(cuvild.export(model, (torch.randn(2, width),)), path)
+    return path
+
+
+def layout(root: Path, files: dict[str, str | bytes]) -> Path:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+    return root
+
+
+def test_scan_reads_triton_layout_and_names_each_bad_entry(tmp_path):
+    root = layout(tmp_path, {
+        "resnet/config.yaml": "precision: auto\nmax_error: 0.005\nmax_batch: 4\n",
+        "resnet/1/model.pt2": b"x", "resnet/10/model.pt2": b"x", "resnet/2/model.pt2": b"x",
+        "bert/1/model.pt2": b"x", "bert/2/README": "no archive here",
+        "typo/config.yaml": "precison: auto\n",
+        "typo/1/model.pt2": b"x",
+        "wrongtype/config.yaml": "max_batch: '4'\n", "wrongtype/1/model.pt2": b"x",
+        "calib/config.yaml": "calibration: ../elsewhere.npz\n", "calib/1/model.pt2": b"x",
+        "bad name/1/model.pt2": b"x",
+        "empty/.keep": "",
+        ".hidden/1/model.pt2": b"x",
+        "stray-file.txt": "ignored",
+    })
+    found = {e.key: e for e in repository.scan(root)}
+    assert list(found) == ["bad name", "bert:1", "bert:2", "calib", "empty", "resnet:1",
+                           "resnet:2", "resnet:10", "typo", "wrongtype"]
+    assert [e.version for e in repository.scan(root) if e.name == "resnet"] == ["1", "2", "10"]
+    assert found["resnet:1"].options == {"precision": "auto", "max_error": 0.005,
+                                         "max_batch": 4}
+    assert not found["resnet:10"].error and not found["bert:1"].error
+    assert found["bert:2"].error == "no model.pt2 in bert/2/"
+    assert "unknown option(s) precison" in found["typo"].error
+    assert "max_batch: expected int, got '4'" in found["wrongtype"].error
+    assert "calibration: expected an .npz file in calib/" in found["calib"].error
+    assert "directory name" in found["bad name"].error
+    assert "no version directory" in found["empty"].error
+
+
+def test_a_bad_model_repository_flag_is_a_config_error(tmp_path):
+    missing = tmp_path / "nowhere"
+    done = subprocess.run([sys.executable, "-m", "cuvild", "--model-repository", str(missing)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"model_repository: '{missing}' is not a readable directory" in done.stderr
+
+
+def wait_server_ready(triton: grpcclient.InferenceServerClient, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not triton.is_server_ready():
+        assert time.monotonic() < deadline, "not ready in time"
+        time.sleep(0.1)
+
+
+@pytest.mark.daemon
+def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tmp_path):
+    model = mlp()
+    root = tmp_path / "repo"
+    save(model, root / "mlp" / "1" / "model.pt2")
+    layout(root, {"mlp/config.yaml": "precision: fp32\n",
+                  "broken/1/model.pt2": b"not a zip archive",
+                  "typo/config.yaml": "precison: fp32\n", "typo/1/model.pt2": b"x"})
+    daemon = make_daemon(model_repository=str(root))
+    x = torch.randn(2, 16)
+    with grpcclient.InferenceServerClient(url=daemon.target) as triton:
+        wait_server_ready(triton)  # once every entry is READY or refused
+        assert triton.is_model_ready("mlp")
+        index = {(m["name"], m.get("version", "")): m
+                 for m in triton.get_model_repository_index(as_json=True)["models"]}
+        assert index[("mlp", "1")]["state"] == "READY"
+        assert index[("broken", "1")]["state"] == "UNAVAILABLE"
+        assert "refused" in index[("broken", "1")]["reason"]
+        assert "unknown option(s) precison" in index[("typo", "")]["reason"]
+    with Client(daemon.target) as client:
+        torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x),
+                                   rtol=1e-4, atol=1e-5)
+    assert daemon.stop() == 0
+    assert "model repository: mlp:1 registered\n" in daemon.log()
+
+    again = make_daemon(state_dir=daemon.state_dir, model_repository=str(root))
+    with grpcclient.InferenceServerClient(url=again.target) as triton:
+        wait_server_ready(triton)
+        assert triton.is_model_ready("mlp")
+    log = again.log()
+    assert "model repository: mlp:1 registered already" in log  # not inspected again
+    assert "model mlp:1 ready" in log and "(from its load record)" in log
+    with Client(again.target) as client:
+        torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x),
+                                   rtol=1e-4, atol=1e-5)

@@ -1,0 +1,145 @@
+"""The Open Inference Protocol over HTTP/REST (listen.http, cuvild/serve/rest.py): tritonclient's
+HTTP client unchanged, plain JSON as curl sends it, Triton's errors and statuses."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as httpclient
+from daemons import DaemonProcess, suite_config
+
+from cuvild.client import Client, samples
+
+pytestmark = pytest.mark.daemon
+TOKEN = "s3cret-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
+           sock_dir: Path) -> Iterator[tuple[DaemonProcess, str, torch.nn.Module]]:
+    workdir = tmp_path_factory.mktemp("rest")
+    address = f"127.0.0.1:{free_port()}"
+    config = suite_config(workdir, workdir / "state", sock_dir,
+                          listen={"http": address, "token": TOKEN})
+    daemon = DaemonProcess(workdir, config, profiles=state_root).start()
+    torch.manual_seed(3)
+    model = samples.MLP(width=16, depth=2).eval()
+    with Client(daemon.target) as client:
+        client.load("mlp", model, (torch.randn(2, 16),))
+    yield daemon, address, model
+    daemon.close()
+
+
+def call(address: str, path: str, body: Any = None, token: str | None = TOKEN,
+         headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{address}{path}", data=data,
+                                     method="POST" if data is not None else "GET",
+                                     headers={**({"Authorization": f"Bearer {token}"}
+                                                 if token else {}), **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, reply.read(), dict(reply.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), dict(e.headers)
+
+
+def test_tritonclient_http_infers_with_binary_and_json_data(served):
+    daemon, address, model = served
+    x = torch.randn(2, 16)
+    want = model(x).detach().numpy()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    triton = httpclient.InferenceServerClient(url=address)
+    try:
+        assert triton.is_server_live() and triton.is_server_ready()
+        assert triton.is_model_ready("mlp", headers=auth)
+        meta = triton.get_model_metadata("mlp", headers=auth)
+        assert meta["inputs"][0]["datatype"] == "FP32" and meta["outputs"][0]["name"] == "output0"
+        for binary in (True, False):
+            given = httpclient.InferInput(meta["inputs"][0]["name"], list(x.shape), "FP32")
+            given.set_data_from_numpy(x.numpy(), binary_data=binary)
+            # (a copy: tritonclient adds Inference-Header-Content-Length to the dict it gets)
+            result = triton.infer("mlp", [given], headers=dict(auth), outputs=[
+                httpclient.InferRequestedOutput("output0", binary_data=binary)])
+            np.testing.assert_allclose(result.as_numpy("output0"), want, rtol=1e-4, atol=1e-5)
+        every = triton.infer("mlp", [given], headers=dict(auth))  # no outputs named: all
+        np.testing.assert_allclose(every.as_numpy("output0"), want, rtol=1e-4, atol=1e-5)
+    finally:
+        triton.close()
+
+
+def test_plain_json_health_metadata_and_index(served):
+    daemon, address, model = served
+    assert call(address, "/v2/health/live", token=None)[0] == 200  # probes carry no token
+    assert call(address, "/v2/health/ready", token=None)[0] == 200
+    status, body, _ = call(address, "/v2")
+    assert status == 200 and json.loads(body)["name"] == "cuvild"
+    x = np.arange(32, dtype=np.float32).reshape(2, 16) / 32
+    status, body, _ = call(address, "/v2/models/mlp/versions/1/infer", {
+        "id": "r1", "inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32",
+                                "data": x.tolist()}]})
+    assert status == 200, body
+    reply = json.loads(body)
+    assert reply["id"] == "r1" and reply["model_version"] == "1"
+    got = np.array(reply["outputs"][0]["data"], dtype=np.float32).reshape(
+        reply["outputs"][0]["shape"])
+    np.testing.assert_allclose(got, model(torch.from_numpy(x)).detach().numpy(), rtol=1e-4,
+                               atol=1e-5)
+    status, body, _ = call(address, "/v2/repository/index", {})
+    assert status == 200 and {"name": "mlp", "version": "1", "state": "READY",
+                              "reason": ""} in json.loads(body)
+
+
+def test_errors_are_json_with_tritons_statuses(served):
+    daemon, address, _ = served
+    status, body, _ = call(address, "/v2", token="wrong")
+    assert status == 401 and "bearer token" in json.loads(body)["error"]
+    status, body, _ = call(address, "/v2/models/nope/infer", {"inputs": []})
+    assert status == 404 and "unknown model 'nope'" in json.loads(body)["error"]
+    status, body, _ = call(address, "/v2/models/nope")
+    assert status == 404
+    assert call(address, "/v2/models/nope/ready")[0] == 400
+    bad_shape = {"inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32",
+                             "data": [1.0, 2.0]}]}
+    status, body, _ = call(address, "/v2/models/mlp/infer", bad_shape)
+    assert status == 400 and "2 values in 'data', expected 32" in json.loads(body)["error"]
+    status, body, _ = call(address, "/v2/models/mlp/infer", b"{not json")
+    assert status == 400 and "not JSON" in json.loads(body)["error"]
+    wrong_type = {"inputs": [{"name": "x", "shape": [2, 16], "datatype": "INT64",
+                              "data": list(range(32))}]}
+    status, body, _ = call(address, "/v2/models/mlp/infer", wrong_type)
+    assert status == 400 and "error" in json.loads(body)
+    head = json.dumps({"inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": 128}}]}).encode()
+    status, body, _ = call(address, "/v2/models/mlp/infer", head + b"\0" * 16,
+                           headers={"Inference-Header-Content-Length": str(len(head))})
+    assert status == 400 and "binary_data_size 128" in json.loads(body)["error"]
+
+
+def test_an_http_listener_needs_a_token_off_loopback(tmp_path, sock_dir):
+    from cuvild import config
+
+    base = suite_config(tmp_path, tmp_path / "state", sock_dir)
+    with pytest.raises(config.ConfigError, match="listen.token"):
+        config.parse({**base, "listen": {**base["listen"], "http": "0.0.0.0:8000"}})
+    with pytest.raises(config.ConfigError, match="listen.http"):
+        config.parse({**base, "listen": {**base["listen"], "http": "8000",
+                                         "insecure_loopback": True}})
+    ok = config.parse({**base, "listen": {**base["listen"], "http": "127.0.0.1:8000",
+                                          "insecure_loopback": True}})
+    assert ok.http == "127.0.0.1:8000"
