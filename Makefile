@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/*.proto)
 PROTO_OUT := $(PROTOS:.proto=_pb2.py)
 CONFIG ?= configs/cuvild.yaml
+# The image (configs/kserve/Dockerfile) installs without the dev tools: EXTRAS=
+EXTRAS ?= [dev]
 
 .PHONY: setup run demo test lint bench proto clean
 
@@ -14,7 +16,7 @@ setup: $(STAMP) $(PROTO_OUT)
 # Reinstall only when the pinned dependencies change.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.$(EXTRAS)'
 	touch $@
 
 # inference.proto shares its package with tritonclient's own generated module, so ours is
