@@ -179,7 +179,7 @@ class Daemon:
                                    gate=Gate(self.cfg.rpc_threads))
         http = RestServer(service, self.cfg.http, self.cfg.rpc_threads, self.cfg.token,
                           tls_context(self.cfg.tls_cert, self.cfg.tls_key,
-                                      self.cfg.tls_client_ca))
+                                      self.cfg.tls_client_ca), drain_s=DRAIN_GRACE_S)
         try:
             http.start()
         except OSError as e:

@@ -177,8 +177,8 @@ class RestServer:
     """The HTTP listener: `start` binds (raises OSError when it cannot), `stop` drains."""
 
     def __init__(self, service: Any, address: str, threads: int, token: str | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
-        self.service = service
+                 tls: ssl.SSLContext | None = None, drain_s: float = 10.0) -> None:
+        self.service, self.drain_s = service, drain_s
         self.host, _, port = address.rpartition(":")
         self.host, self.port = self.host.strip("[]"), int(port)
         self.token, self.tls = token, tls
@@ -206,13 +206,15 @@ class RestServer:
         log.info("HTTP/REST (Open Inference Protocol) on %s:%d", self.host, self.port)
 
     async def _start(self) -> None:
-        self.runner = web.AppRunner(self.app(), access_log=None)
+        # stop() waits up to drain_s for requests in progress, as gRPC's grace
+        self.runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.drain_s)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.host, self.port, ssl_context=self.tls).start()
 
     def stop(self) -> None:
         if self.runner is not None:
-            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(
+                timeout=self.drain_s + 10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -143,3 +143,11 @@ def test_an_http_listener_needs_a_token_off_loopback(tmp_path, sock_dir):
     ok = config.parse({**base, "listen": {**base["listen"], "http": "127.0.0.1:8000",
                                           "insecure_loopback": True}})
     assert ok.http == "127.0.0.1:8000"
+
+
+def test_sigterm_drains_and_closes_the_http_listener(served):  # last: it stops the daemon
+    daemon, address, _ = served
+    assert daemon.stop() == 0
+    host, port = address.split(":")
+    with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=2):
+        pass
