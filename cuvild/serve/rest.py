@@ -14,10 +14,13 @@ listener does.
   POST /v2/models/{m}[/versions/{v}]/infer     JSON tensors, and the binary tensor data
                                                extension (Inference-Header-Content-Length)
   POST /v2/repository/index                    the models and their states
+  POST /v2/repository/models/{m}/load|unload   prepare a registered model again (answers
+                                               once it is READY) / stop serving it
 
 Errors are `{"error": "..."}` with the status Triton gives (400 bad request, 404 unknown
 model, 503 not ready or busy). Shared memory is not offered here: an HTTP caller has no uid
-the daemon can check (use the unix socket, gRPC or the fast path on the same host).
+the daemon can check (use the unix socket, gRPC or the fast path on the same host). A model
+arrives by upload (`cuvilctl load`) or from the model repository, not by HTTP.
 """
 
 from __future__ import annotations
@@ -198,6 +201,8 @@ class RestServer:
             app.router.add_get(base + "/ready", self._model_ready)
             app.router.add_post(base + "/infer", self._infer)
         app.router.add_post("/v2/repository/index", self._index)
+        app.router.add_post("/v2/repository/models/{name}/load", self._load)
+        app.router.add_post("/v2/repository/models/{name}/unload", self._unload)
         return app
 
     def start(self) -> None:
@@ -283,6 +288,17 @@ class RestServer:
                                  request)
         return web.json_response([{"name": i.name, "version": i.version, "state": i.state,
                                    "reason": i.reason} for i in index.models])
+
+
+    async def _load(self, request: web.Request) -> web.Response:
+        await self._call("RepositoryModelLoad", pb.RepositoryModelLoadRequest(
+            model_name=request.match_info["name"]), request)
+        return web.json_response({})
+
+    async def _unload(self, request: web.Request) -> web.Response:
+        await self._call("RepositoryModelUnload", pb.RepositoryModelUnloadRequest(
+            model_name=request.match_info["name"]), request)
+        return web.json_response({})
 
 
 def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:

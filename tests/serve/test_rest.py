@@ -103,6 +103,14 @@ def test_plain_json_health_metadata_and_index(served):
     status, body, _ = call(address, "/v2/repository/index", {})
     assert status == 200 and {"name": "mlp", "version": "1", "state": "READY",
                               "reason": ""} in json.loads(body)
+    assert call(address, "/v2/repository/models/mlp/unload", {})[0] == 200
+    assert call(address, "/v2/health/ready", token=None)[0] == 200  # nothing left loading
+    assert call(address, "/v2/models/mlp/ready")[0] == 400
+    status, body, _ = call(address, "/v2/repository/models/mlp/load", {})
+    assert status == 200, body  # once READY again (from its load record)
+    assert call(address, "/v2/models/mlp/ready")[0] == 200
+    status, body, _ = call(address, "/v2/repository/models/nope/load", {})
+    assert status == 404 and "cuvilctl load" in json.loads(body)["error"]
 
 
 def test_errors_are_json_with_tritons_statuses(served):
