@@ -151,6 +151,13 @@ MAX_DELAY_US = 1_000_000
 POLICIES = ("", "fp32", "auto")
 
 
+def _policy(header: dict[str, Any]) -> dict[str, Any]:
+    """A record's load options, as an upload's header gives them."""
+    return {"precision": header["precision"], "max_error": header["max_error"],
+            "calibration": header["calibration_sha256"] if header["calibration_bytes"] else "",
+            "max_batch": header["max_batch"], "max_delay_us": header["max_delay_us"]}
+
+
 def check_policy(header: dict[str, Any], max_bytes: int) -> None:
     """Refuse a bad precision policy before any byte is stored, naming the field."""
     if header["precision"] not in POLICIES:
@@ -294,9 +301,7 @@ class Registry:
     def _commit(self, header: dict[str, Any], tmp: Path, summary: dict[str, Any],
                 calibration_tmp: Path | None = None) -> tuple[ModelRecord, bool]:
         key = (header["name"], header["version"])
-        policy = {"precision": header["precision"], "max_error": header["max_error"],
-                  "calibration": header["calibration_sha256"] if calibration_tmp else "",
-                  "max_batch": header["max_batch"], "max_delay_us": header["max_delay_us"]}
+        policy = _policy(header)
         static = [i["name"] for i in summary.get("inputs", []) if i["shape"][:1] != [-1]]
         if header["max_batch"] > 1 and static:
             raise RegistryError("invalid", f"max_batch {header['max_batch']}: input "
@@ -306,8 +311,7 @@ class Registry:
         with self._lock:
             self._check_conflict(header)  # another upload may have won meanwhile
             existing = self._records.get(key)
-            if existing and existing.sha256 == header["sha256"] and all(
-                    getattr(existing, k) == v for k, v in policy.items()):
+            if self._same(existing, header):
                 return existing, True
             for path, dest in ((tmp, self.archive_path(header["sha256"])),
                                (calibration_tmp, self.calibration_path(policy["calibration"]))):
@@ -322,6 +326,18 @@ class Registry:
             if existing:
                 self._drop_unreferenced(existing)
             return record, False
+
+    def unchanged(self, header: dict[str, Any]) -> ModelRecord | None:
+        """The record an upload with this header (a full one, as begin_upload fills it) would
+        leave as it is: the same archive under that name and version, with the same policy."""
+        with self._lock:
+            existing = self._records.get((header["name"], header["version"]))
+            return existing if self._same(existing, header) else None
+
+    @staticmethod
+    def _same(existing: ModelRecord | None, header: dict[str, Any]) -> bool:
+        return existing is not None and existing.sha256 == header["sha256"] and all(
+            getattr(existing, k) == v for k, v in _policy(header).items())
 
     def calibration_path(self, sha256: str) -> Path:
         return self.models_dir / f"{sha256}.npz"

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from cuvild.intake.registry import NAME_RE, ModelRecord, Registry, RegistryError
+from cuvild.intake.registry import NAME_RE, ModelRecord, Registry
 
 log = logging.getLogger(__name__)
 ARCHIVE = "model.pt2"
@@ -138,7 +138,7 @@ def register(entry: Entry, registry: Registry,
               "calibration_sha256": calibration_sha,
               **{k: entry.options.get(k, default) for k, (_, default) in OPTIONS.items()
                  if k != "calibration"}}
-    same = _registered(registry, header)
+    same = registry.unchanged(header)
     if same is not None:
         return same, True
     upload = registry.begin_upload(header)
@@ -150,17 +150,6 @@ def register(entry: Entry, registry: Registry,
         upload.abort()
         raise
     return upload.finish(inspect)
-
-
-def _registered(registry: Registry, header: dict[str, Any]) -> ModelRecord | None:
-    try:
-        record = registry.get(header["name"], header["version"])
-    except RegistryError:
-        return None
-    wanted = {"sha256": header["sha256"], "precision": header["precision"],
-              "max_error": header["max_error"], "calibration": header["calibration_sha256"],
-              "max_batch": header["max_batch"], "max_delay_us": header["max_delay_us"]}
-    return record if all(getattr(record, k) == v for k, v in wanted.items()) else None
 
 
 def _send(path: Path, write: Callable[[bytes], None]) -> None:
