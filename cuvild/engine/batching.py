@@ -12,8 +12,9 @@ stage). The leader waits until the oldest queued request has waited `max_delay_u
 rows queued reach `max_batch`, then takes the oldest requests that fit (first come, first
 served), hands leadership on and runs them: inputs gathered into one buffer per input (client
 regions read without mapping them: clientmem.py DaemonRegions), the model's bucket for the
-merged shapes (built once, on first use: cuvild/engine/buckets.py), one run, and each request's
-rows scattered back (into its client region where it named one). A request alone in a model
+merged shapes padded to the next power of two rows (`padded_rows`; built once, on first use:
+cuvild/engine/buckets.py), one run, and each request's rows scattered back (into its client
+region where it named one). A request alone in a model
 that is otherwise idle (no other request was in flight with it since the last batch began,
 or none arrived and no batch ended within the delay before it) is not held back: it runs at
 once as it would unbatched, with no copy (a lone client pays no delay).
@@ -55,6 +56,16 @@ class Batching:
 
     max_batch: int = 8
     max_delay_us: int = 500
+
+
+def padded_rows(rows: int, max_batch: int) -> int:
+    """The rows of the bucket a merged batch of `rows` runs in: the next power of two, at
+    most max_batch (and never fewer than `rows`), so a model builds log2(max_batch) + 1
+    buckets, not one per size that happens to merge (a build is seconds on a CPU and tens
+    of seconds for a GPU part). The padding rows repeat the last real row and their outputs
+    are dropped: rows are independent (`check`)."""
+    bucket = 1 << max(0, rows - 1).bit_length()
+    return max(rows, min(bucket, max_batch))
 
 
 def batcher_for(model: Any, ep: Any, settings: Batching) -> None:
@@ -325,6 +336,7 @@ class Batcher:
         if base is None:
             raise InferError(f"model {self.base_key} is not loaded any more")
         first = batch[0].model
+        rows = padded_rows(rows, self.settings.max_batch)  # padding after the requests' rows
         shapes = tuple((rows, *shape[1:]) for shape in first.shapes)
         given = [p.given for p in batch]  # None: the engine's own (a silent worker is hung)
         deadline = None if None in given else max(given)  # type: ignore[type-var]
@@ -343,6 +355,9 @@ class Batcher:
                     except RegionGone as e:
                         p.error = BadRegion(str(e))
                 at += n
+            row = slot.nbytes // rows
+            for pad in range(at, slot.nbytes, row):  # padding: the last row again, so its
+                buf[pad:pad + row] = buf[at - row:at]  # values are ones the model takes
             inputs.append(RawTensor(buf, slot.dtype, slot.shape))  # type: ignore[arg-type]
         outs = [memoryview(bytearray(model.slots[n].nbytes)) for n in model.outputs]
         engine.run_direct(model, inputs, {}, False, None, deadline, outs)

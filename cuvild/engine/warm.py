@@ -67,12 +67,14 @@ def key(archive: str, input_specs: list[dict[str, Any]], objective: str,
         runtimes: dict[str, list[str]]) -> str:
     from importlib.metadata import version
 
+    import cuvild  # its own version, also where it runs from a checkout (not installed)
+
     what = {"format": FORMAT, "archive": Path(archive).name, "inputs": input_specs,
             "objective": objective, "policy": asdict(policy) | {"calibration": ""},
             "devices": sorted((d.id, d.kind, d.name, sorted(d.features), len(d.cores),
                                d.emulated, sorted(d.runtimes)) for d in devices),
             "runtimes": runtimes,  # engine.runtimes: what a part could be built with
-            "software": [version("cuvild"), version("torch")]}  # (torch not imported)
+            "software": [cuvild.__version__, version("torch")]}  # (torch not imported)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 

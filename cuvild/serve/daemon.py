@@ -233,6 +233,7 @@ class Daemon:
     def _caller_gone(self, uid: int) -> None:
         """A uid's last unix connection closed: its regions go (and the workers' mappings)."""
         gone = self.regions.unregister(uid)
+        self.regions.cuda.unregister(uid)  # closes their IPC handles
         if gone:
             log.info("uid %d disconnected: dropped its %d shared-memory region(s)", uid,
                      len(gone))
@@ -296,6 +297,8 @@ class Daemon:
             self.regions.max_regions, self.regions.max_bytes = (new.shm_max_regions,
                                                                 new.shm_max_bytes)
             self.regions.tcp_owners = set(new.shm_allowed_uids)
+            self.regions.cuda.max_regions, self.regions.cuda.max_bytes = (new.shm_max_regions,
+                                                                          new.shm_max_bytes)
         if self.models is not None:  # for the next request, build or load
             from cuvild.engine.batching import Batching
             from cuvild.engine.precision import PrecisionPolicy

@@ -108,7 +108,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             m.state == "LOADING" for m in self.models.all()))
 
     def ServerMetadata(self, request, context):  # noqa: N802
-        extensions = ["model_repository"] + (["system_shared_memory"] if self.shm_enabled else [])
+        extensions = ["model_repository"] + (["system_shared_memory", "cuda_shared_memory"]
+                                             if self.shm_enabled else [])
         return pb.ServerMetadataResponse(name="cuvild", version=cuvild.__version__,
                                          extensions=extensions)
 
@@ -194,7 +195,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         graph_names = dict(zip([t["name"] for t in served.record.outputs], model.outputs,
                                strict=True))
         shapes = {n: model.slots[g].shape for n, g in graph_names.items()}
-        wanted, output_refs = self._outputs(served, request, shapes, caller)
+        wanted, output_refs, cuda_outputs = self._outputs(served, request, shapes, caller)
         timeline = [] if span is not None and span.is_recording() else None
         t_run = time.perf_counter()
         results = engine.run(model, inputs,
@@ -202,6 +203,12 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                              raw=True, timeline=timeline, deadline=deadline)
         if self.metrics:
             self.metrics.computed(model, time.perf_counter() - t_run)
+        if cuda_outputs:
+            results, names = list(results), [t["name"] for t in served.record.outputs]
+            for name, (region, offset) in cuda_outputs.items():
+                i = names.index(name)
+                self.regions.cuda.write(caller, region, offset, results[i])
+                results[i] = None  # answered through the region
         if timeline:
             self.tracer.parts(span, model, timeline, t0_ns, epoch_ns)  # type: ignore[union-attr]
         batch = declared[0][1][0] if declared and declared[0][1] else 1
@@ -285,6 +292,9 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                               f"input {name!r}: shared_memory_byte_size {given} != {size} "
                               f"bytes of {tensor.datatype}{list(shape)}")
             offset = _param(tensor.parameters, "shared_memory_offset", where) or 0
+            if self.regions.cuda.has(caller, region):  # staged through host memory
+                return RawTensor(self.regions.cuda.read(caller, region, offset, size), dtype,
+                                 shape)
             reg, absolute = self.regions.locate(caller, region, offset, size)
             return TensorRef(reg.object_name, absolute, dtype, shape, reg.inode)
         if data is not None:
@@ -307,11 +317,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return torch.tensor(list(values), dtype=getattr(torch, dtype)).view(shape)
 
     def _outputs(self, served: ServedModel, request: Any, shapes: dict[str, tuple[int, ...]],
-                 caller: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+                 caller: int | None) -> tuple[dict[str, Any], dict[str, Any],
+                                              dict[str, tuple[str, int]]]:
         specs = {t["name"]: t for t in served.record.outputs}
         if not request.outputs:
-            return {n: {} for n in specs}, {}
-        wanted, refs = {}, {}
+            return {n: {} for n in specs}, {}, {}
+        wanted: dict[str, Any] = {}
+        refs: dict[str, TensorRef] = {}
+        cuda: dict[str, tuple[str, int]] = {}  # output -> CUDA region, offset
         for out in request.outputs:
             if out.name not in specs:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -333,11 +346,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                               f"output {out.name!r}: shared_memory_byte_size {given} < {size} "
                               "bytes needed")
             offset = _param(out.parameters, "shared_memory_offset", where) or 0
+            wanted[out.name] = dict(out.parameters)
+            if self.regions.cuda.has(caller, region):  # written after the run, from host
+                cuda[out.name] = (region, offset)
+                continue
             reg, absolute = self.regions.locate(caller, region, offset, size)
             refs[out.name] = TensorRef(reg.object_name, absolute, spec["dtype"],
                                        shapes[out.name], reg.inode)
-            wanted[out.name] = dict(out.parameters)
-        return wanted, refs
+        return wanted, refs, cuda
 
     # -- repository ------------------------------------------------------------------------
     def RepositoryIndex(self, request, context):  # noqa: N802
@@ -421,18 +437,31 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
         return response
 
-    def _no_cuda(self, context: grpc.ServicerContext) -> None:
-        import torch
-
-        reason = ("CUDA shared memory is not supported by this cuvild yet"
-                  if torch.cuda.is_available() else "no CUDA device on this host")
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, reason)
-
     def CudaSharedMemoryRegister(self, request, context):  # noqa: N802
-        self._no_cuda(context)
+        caller = self._caller(context)
+        try:
+            self.regions.cuda.register(caller, request.name, request.raw_handle,
+                                       request.device_id, request.byte_size)
+        except RegionError as e:
+            abort(context, e)
+        return pb.CudaSharedMemoryRegisterResponse()
 
     def CudaSharedMemoryUnregister(self, request, context):  # noqa: N802
-        self._no_cuda(context)
+        caller = self._caller(context)
+        try:
+            self.regions.cuda.unregister(caller, request.name)
+        except RegionError as e:
+            abort(context, e)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     def CudaSharedMemoryStatus(self, request, context):  # noqa: N802
-        return pb.CudaSharedMemoryStatusResponse()
+        caller = self._caller(context)
+        try:
+            regions = self.regions.cuda.status(caller, request.name)
+        except RegionError as e:
+            abort(context, e)
+        response = pb.CudaSharedMemoryStatusResponse()
+        for r in regions:
+            response.regions[r.name].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(
+                name=r.name, device_id=r.device_id, byte_size=r.byte_size))
+        return response

@@ -245,7 +245,7 @@ class RestServer:
         meta = await self._call("ServerMetadata", pb.ServerMetadataRequest(), request)
         return web.json_response({"name": meta.name, "version": meta.version,
                                   "extensions": [e for e in meta.extensions
-                                                 if e != "system_shared_memory"]})
+                                                 if not e.endswith("_shared_memory")]})
 
     async def _live(self, request: web.Request) -> web.Response:
         return web.Response(status=200)

@@ -1,24 +1,28 @@
-"""Validate and time cuvild's GPU path on a CUDA machine, in one call (about 5-8 minutes).
+"""Validate and time cuvild's GPU path on a CUDA machine, in one call (about 6-8 minutes).
 
     cd <repo> && python3 tests/gpu/check_gpu.py            # all of it
-    python3 tests/gpu/check_gpu.py --models mlp --budget 240
+    python3 tests/gpu/check_gpu.py --models resnet18 --budget 240 --skip-daemon
 
-Made for a lent GPU machine with no network: it uses the system python and only what is
-installed there (torch, triton; pytest and psutil if present; never grpcio, OpenVINO or
-ONNX Runtime). Sections, each of which reports its error and lets the next one run:
+Made for a lent GPU machine with no network: it uses the system python and what is installed
+there (torch, triton; torchvision, pytest, psutil if present). The daemon sections also need
+grpcio, protobuf and tritonclient at our pins: carry them as wheels (docs/RUNTIMES.md, "GPU
+check"). Sections, each of which reports its error and lets the next one run:
 
 1. environment: nvidia-smi, versions, the C compiler and headers AOTInductor needs;
-2. per reference model (mlp, resnet18, bert4; batch 1), fp32 and bf16: cold compile through
-   TritonRuntime (fresh inductor and Triton caches, so "cold" is honest), error against torch
-   eager on the CPU, save + load time, and the median of 50 runs after warm-up of torch eager
-   on the GPU vs the compiled part (host tensors in and out, as the engine calls it, and
-   device-resident for the bare kernels);
-3. `pytest tests/gpu` on the now warm caches;
-4. `python -m runtimes.profiling.benchmarks '{"task":"host"}'`: the measured GPU profile.
+2. the measured GPU profile (`runtimes.profiling.benchmarks`) next to the card's published
+   figures, and host<->device copies from pinned and from pageable memory;
+3. the daemon (tests/gpu/check_daemon.py): a CPU+GPU split with each cut's measured copy next
+   to its prediction, resnet18 on the GPU end to end vs its part, CUDA shared memory through
+   tritonclient, dynamic batching at 1 vs 16 clients, a restart to READY from the cache;
+4. per reference model (resnet18, resnet50 when torchvision is there, bert4; batch 1 then 16),
+   fp32 and bf16: torch eager on the GPU, torch.compile (inductor) on the GPU, and the part
+   compiled by TritonRuntime (AOTInductor, cold caches so "cold" is honest): p50, error against
+   eager fp32 on the CPU, cold compile, save + warm load;
+5. `pytest tests/gpu` on the now warm caches, with what is left of the budget.
 
 Past the time budget, the remaining work is skipped and says so. A JSON summary goes to
 $OUT/gpu_summary.json when OUT is set (rewritten after every section, so a killed run still
-leaves one).
+leaves one). On a host without CUDA every section says "no CUDA device" and the run exits 1.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ SCRATCH = Path(tempfile.mkdtemp(prefix="cuvild-gpu-check-"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "inductor"))
 os.environ.setdefault("TRITON_CACHE_DIR", str(SCRATCH / "triton"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
-MODELS = ("mlp", "resnet18", "bert4")
+MODELS = ("resnet18", "resnet50", "bert4")
+BATCHES = (1, 16)
 PRECISIONS = ("fp32", "bf16")
 WARMUP, REPS = 10, 50
 T0 = time.monotonic()
@@ -152,8 +158,9 @@ def relative_error(out: Any, ref: Any) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def eager_ms(module: Any, args: tuple[Any, ...], dtype: Any, device: Any) -> dict[str, float]:
-    """torch eager on the GPU: on device-resident inputs, and host tensors in and out."""
+def eager_ms(module: Any, args: tuple[Any, ...], dtype: Any, device: Any) -> dict[str, Any]:
+    """torch eager and torch.compile on the GPU, on device-resident inputs (and eager with host
+    tensors in and out, as the engine hands a part its inputs)."""
     import torch
 
     from runtimes.triton import _math
@@ -162,16 +169,23 @@ def eager_ms(module: Any, args: tuple[Any, ...], dtype: Any, device: Any) -> dic
     # weights the part shares.
     eager = copy.deepcopy(module).to(device=device, dtype=dtype)
     dev_args = [a.to(device=device, dtype=dtype) for a in args]
+    row: dict[str, Any] = {}
     # Same math as the runtime: no TF32 for fp32 (see runtimes/triton.py _strict_fp32).
     with torch.inference_mode(), _math(device, dtype):
-        return {"eager_gpu_ms": median_ms(lambda: eager(*dev_args)),
-                "eager_gpu_host_io_ms": median_ms(
-                    lambda: eager(*(a.to(device, dtype) for a in args)).float().cpu())}
+        row["eager_gpu_ms"] = median_ms(lambda: eager(*dev_args))
+        row["eager_gpu_host_io_ms"] = median_ms(
+            lambda: eager(*(a.to(device, dtype) for a in args)).float().cpu())
+        compiled = torch.compile(eager)
+        t0 = time.perf_counter()
+        compiled(*dev_args)
+        row["torch_compile_s"] = round(time.perf_counter() - t0, 2)
+        row["torch_compile_gpu_ms"] = median_ms(lambda: compiled(*dev_args))
+    return row
 
 
 def time_precision(module: Any, args: tuple[Any, ...], expected: Any, part: Any,
                    precision: str, device: Any) -> dict[str, Any]:
-    """Eager on the GPU vs the compiled part, compile and load times, for one precision."""
+    """The compiled part against eager and torch.compile on the GPU, for one precision."""
     import torch
 
     from partitioner.profile import DeviceProfile
@@ -179,23 +193,24 @@ def time_precision(module: Any, args: tuple[Any, ...], expected: Any, part: Any,
     from runtimes.triton import DTYPES, TritonRuntime, _math
 
     dtype = DTYPES[precision]
-    row = eager_ms(module, args, dtype, device)
-    dev_args = [a.to(device=device, dtype=dtype) for a in args]
     gpu = DeviceProfile(id="gpu0", kind="gpu", runtimes=["triton"])
     spec = CompileSpec(gpu, precision, list(args))
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # first, on cold caches: torch.compile below shares its kernels
     executable = TritonRuntime().compile(part, spec)
-    row["cold_compile_s"] = round(time.perf_counter() - t0, 2)
-    row["path"] = executable.path
+    row: dict[str, Any] = {"cold_compile_s": round(time.perf_counter() - t0, 2),
+                           "path": executable.path}
     if executable.aoti_error:
         row["aoti_error"] = executable.aoti_error[:2000]
+    row.update(eager_ms(module, args, dtype, device))
+    dev_args = [a.to(device=device, dtype=dtype) for a in args]
     out = executable.run(list(args))[0]
     row["relative_error"] = relative_error(out, expected)
     row["within_tolerance"] = row["relative_error"] < TOLERANCE[precision]
-    row["triton_host_io_ms"] = median_ms(lambda: executable.run(list(args)))
+    row["part_host_io_ms"] = median_ms(lambda: executable.run(list(args)))
     with torch.inference_mode(), _math(device, dtype):
-        row["triton_gpu_ms"] = median_ms(lambda: executable.model(*dev_args))
-    row["speedup_vs_eager_gpu"] = round(row["eager_gpu_ms"] / row["triton_gpu_ms"], 2)
+        row["part_gpu_ms"] = median_ms(lambda: executable.model(*dev_args))
+    row["part_over_torch_compile"] = round(row["part_gpu_ms"] / row["torch_compile_gpu_ms"], 3)
+    row["part_over_eager"] = round(row["part_gpu_ms"] / row["eager_gpu_ms"], 3)
     if executable.package is not None:
         saved = SCRATCH / f"{id(part)}-{precision}"
         executable.save(saved)
@@ -210,23 +225,36 @@ def time_precision(module: Any, args: tuple[Any, ...], expected: Any, part: Any,
     return row
 
 
-def time_model(name: str, precisions: tuple[str, ...], deadline: float) -> dict[str, Any]:
+def reference_model(name: str, batch: int) -> tuple[Any, tuple[Any, ...]]:
     import torch
 
-    from cuvild.client.samples import reference
+    if name != "resnet50":
+        from cuvild.client.samples import reference
+
+        return reference(name, batch)
+    import torchvision  # a missing one is reported as this model's error
+
+    torch.manual_seed(0)
+    return (torchvision.models.resnet50(weights=None).eval(),
+            (torch.randn(batch, 3, 224, 224),))
+
+
+def time_model(name: str, batch: int, deadline: float) -> dict[str, Any]:
+    import torch
+
     from partitioner.split import split_program
 
-    module, args = reference(name)
+    module, args = reference_model(name, batch)
     with torch.inference_mode():
         expected = module(*args)
     exported = torch.export.export(module, args)
     names = [n.name for n in exported.graph.nodes if n.op == "call_function"]
     part = split_program(exported, {n: "p0" for n in names}).parts[0].module
     results: dict[str, Any] = {}
-    for precision in precisions:
+    for precision in PRECISIONS:
         if elapsed() > deadline:
             results[precision] = "skipped: past the time budget"
-            say(f"{name} {precision}: skipped, past the time budget")
+            say(f"{name} b{batch} {precision}: skipped, past the time budget")
             continue
         try:
             results[precision] = time_precision(module, args, expected, part, precision,
@@ -234,9 +262,10 @@ def time_model(name: str, precisions: tuple[str, ...], deadline: float) -> dict[
         except Exception as e:
             traceback.print_exc()
             results[precision] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            SUMMARY["errors"].append(f"timing {name} {precision}: {type(e).__name__}: {e}"[:300])
+            SUMMARY["errors"].append(f"timing {name} b{batch} {precision}: "
+                                     f"{type(e).__name__}: {e}"[:300])
         torch.cuda.empty_cache()
-        say(f"{name} {precision}: {json.dumps(results[precision])}")
+        say(f"{name} b{batch} {precision}: {json.dumps(results[precision])}")
     return results
 
 
@@ -248,15 +277,56 @@ def timing(models: list[str], deadline: float) -> dict[str, Any]:
     torch.manual_seed(0)
     results: dict[str, Any] = {}
     SUMMARY["models"] = results
-    for name in models:
-        try:
-            results[name] = time_model(name, PRECISIONS, deadline)
-        except Exception as e:
-            traceback.print_exc()
-            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            SUMMARY["errors"].append(f"timing {name}: {type(e).__name__}: {e}"[:300])
-        write_summary()
+    for batch in BATCHES:
+        for name in models:
+            key = f"{name}_b{batch}"
+            if elapsed() > deadline:
+                results[key] = "skipped: past the time budget"
+                continue
+            try:
+                results[key] = time_model(name, batch, deadline)
+            except Exception as e:
+                traceback.print_exc()
+                results[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                SUMMARY["errors"].append(f"timing {key}: {type(e).__name__}: {e}"[:300])
+            write_summary()
     return results
+
+
+# ---- 2b. copies between host and device ----------------------------------------------------
+
+# The card's published figures (NVIDIA H200 SXM datasheet; dense, no sparsity) and its host
+# link (PCIe Gen5 x16: 64 GB/s each way, about 50-55 achievable).
+PUBLISHED = {"NVIDIA H200": {"peak_gflops": {"fp32": 67_000, "bf16": 989_000,
+                                             "fp16": 989_000, "int8": 1_979_000},
+                             "mem_bw_gbs": 4_800, "link_bw_gbs": 64}}
+
+
+def transfers() -> dict[str, Any]:
+    """Host->device and device->host copies of 256 MiB, from pinned and from pageable memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
+    nbytes = 256 << 20
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out: dict[str, Any] = {}
+    for label, pinned in (("pinned", True), ("pageable", False)):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        for direction, copy_ in (("h2d", lambda h=host: dev.copy_(h, non_blocking=True)),
+                                 ("d2h", lambda h=host: h.copy_(dev, non_blocking=True))):
+            copy_()
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                copy_()
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            out[f"{direction}_{label}_gbs"] = round(nbytes / best / 1e9, 1)
+    name = torch.cuda.get_device_name(0)
+    out["published"] = PUBLISHED.get(name, f"no published figures recorded for {name!r}")
+    return out
 
 
 # ---- 3. the test suite --------------------------------------------------------------------
@@ -300,7 +370,8 @@ def pytest_suite(deadline: float) -> dict[str, Any]:
 # ---- 4. the measured GPU profile ----------------------------------------------------------
 
 def profile() -> Any:
-    command = [sys.executable, "-m", "runtimes.profiling.benchmarks", json.dumps({"task": "host"})]
+    spec = {"task": "host", "cpu": False, "openvino": False}  # the GPUs alone
+    command = [sys.executable, "-m", "runtimes.profiling.benchmarks", json.dumps(spec)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
@@ -327,12 +398,31 @@ def _profile_without_psutil() -> list[dict[str, Any]]:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     shim.virtual_memory = lambda: types.SimpleNamespace(total=total)  # type: ignore[attr-defined]
     sys.modules["psutil"] = shim
-    from runtimes import benchmarks
+    from runtimes.profiling import benchmarks
 
     return [benchmarks.profile_cuda(i) for i in range(torch.cuda.device_count())]
 
 
 # ---- entry --------------------------------------------------------------------------------
+
+def daemon(deadline: float) -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
+    import check_daemon  # tests/gpu/check_daemon.py; needs grpcio and tritonclient
+
+    out = os.environ.get("OUT")
+    results: dict[str, Any] = {}
+
+    def record(name: str, result: dict[str, Any]) -> None:
+        results[name] = result
+        SUMMARY["daemon"] = results
+        write_summary()
+
+    check_daemon.run(Path(out) if out else None, record, lambda: deadline - elapsed())
+    return results
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -341,18 +431,23 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET_S", 420)),
                         help="seconds after which no new work starts (default 420)")
     parser.add_argument("--skip-pytest", action="store_true")
+    parser.add_argument("--skip-daemon", action="store_true")
     options = parser.parse_args()
     models = [m for m in options.models.split(",") if m]
     budget = options.budget
     say(f"cuvild GPU check: models {models}, budget {budget:.0f} s, caches in {SCRATCH}")
     SUMMARY["environment"] = section("environment", environment)
-    # Timing gets ~55% of the budget; the suite most of the rest; the profile needs ~30 s.
-    section("timing", lambda: timing(models, deadline=0.55 * budget))
+    SUMMARY["profile"] = section("GPU profile (runtimes.profiling.benchmarks)", profile)
+    SUMMARY["transfers"] = section("host<->device copies", transfers)
+    if options.skip_daemon:
+        SUMMARY["daemon"] = {"skipped": "--skip-daemon"}
+    else:  # the daemon gets up to ~45% of the budget; the models most of the rest
+        section("daemon (tests/gpu/check_daemon.py)", lambda: daemon(0.45 * budget))
+    section("timing", lambda: timing(models, deadline=0.9 * budget))
     if options.skip_pytest:
         SUMMARY["pytest"] = {"skipped": "--skip-pytest"}
     else:
-        SUMMARY["pytest"] = section("pytest tests/gpu", lambda: pytest_suite(budget - 45))
-    SUMMARY["profile"] = section("GPU profile (runtimes.profiling.benchmarks)", profile)
+        SUMMARY["pytest"] = section("pytest tests/gpu", lambda: pytest_suite(budget))
     write_summary()
     say("==== summary")
     print(json.dumps({k: v for k, v in SUMMARY.items() if k != "environment"}, indent=1,

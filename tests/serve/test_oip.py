@@ -194,9 +194,22 @@ def test_malformed_requests_through_the_stub(env, stub, triton):
     assert rel_error(raw_infer(triton, served), served.expected) < 1e-4
 
 
-def test_cuda_shared_memory_is_refused_clearly(triton):
-    err = refused(lambda: triton.register_cuda_shared_memory("c", b"\0" * 64, 0, 64))
-    assert status_of(err) == grpc.StatusCode.UNIMPLEMENTED and "CUDA" in err.message()
+def test_cuda_shared_memory_without_a_gpu_is_refused_clearly(triton):
+    """On a host with a GPU, tests/gpu/check_gpu.py runs the extension end to end."""
+    import base64
+
+    handle = base64.b64encode(b"\0" * 64)  # tritonclient's get_raw_handle() form
+    err = refused(lambda: triton.register_cuda_shared_memory("c", handle, 0, 64))
+    assert status_of(err) == grpc.StatusCode.UNAVAILABLE, err.message()
+    assert "cuda-python" in err.message() or "no CUDA device" in err.message()
+    short = base64.b64encode(b"\0" * 10)
+    err = refused(lambda: triton.register_cuda_shared_memory("c", short, 0, 64))
+    assert status_of(err) == grpc.StatusCode.INVALID_ARGUMENT and "64" in err.message()
+    err = refused(lambda: triton.register_cuda_shared_memory("c", handle, 0, 0))
+    assert status_of(err) == grpc.StatusCode.INVALID_ARGUMENT and "byte_size" in err.message()
+    err = refused(lambda: triton.unregister_cuda_shared_memory("nothing"))
+    assert status_of(err) == grpc.StatusCode.NOT_FOUND
+    assert triton.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
 
 
 # -- 6. reflection ---------------------------------------------------------------------------

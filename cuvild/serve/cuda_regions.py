@@ -1,0 +1,210 @@
+"""CUDA shared memory: the protocol's cuda_shared_memory extension.
+
+A client allocates device memory, exports it as a CUDA IPC handle (`cudaIpcGetMemHandle`: 64
+opaque bytes, as tritonclient.utils.cuda_shared_memory makes them) and registers the handle
+under a name; requests then name the region for inputs and outputs, as with system shared
+memory. The daemon opens each handle once (`cudaIpcOpenMemHandle`) through cuda-python, the
+bindings tritonclient itself uses, and closes it at unregistration or when the caller's last
+connection closes.
+
+Simple version, named as such in docs/OPERATIONS.md: the bytes are staged through host
+memory. An input is copied device-to-host into the request, an output host-to-device after
+the run; a GPU part does not yet read the client's buffer in place.
+
+Checks: a handle must be 64 bytes, the device one this host has, and `byte_size` no larger
+than the allocation the handle names (read back from the driver), so no request can reach
+past what the client exported. Regions are per caller and count against the same
+shm.max_regions_per_caller / max_bytes_per_caller as system regions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from cuvild.serve.regions import Caller, RegionError
+
+HANDLE_SIZE = 64  # CUDA_IPC_HANDLE_SIZE
+
+
+@dataclass(frozen=True)
+class CudaRegion:
+    name: str
+    device_id: int
+    byte_size: int
+    pointer: int  # the device address in the daemon, from cudaIpcOpenMemHandle
+
+
+class CudaRegions:
+    def __init__(self, max_regions: int = 64, max_bytes: int = 16 << 30) -> None:
+        self.max_regions, self.max_bytes = max_regions, max_bytes
+        self._regions: dict[tuple[Caller, str], CudaRegion] = {}
+        self._lock = threading.Lock()
+        self._rt: Any = None
+
+    # -- the CUDA runtime ------------------------------------------------------------------
+    def _runtime(self) -> Any:
+        if self._rt is None:
+            try:
+                from cuda.bindings import runtime
+            except ImportError:
+                raise RegionError("unavailable", "CUDA shared memory needs the cuda-python "
+                                  "bindings in cuvild's environment (pip install "
+                                  "cuda-python); none are installed") from None
+            err, count = runtime.cudaGetDeviceCount()
+            if err != runtime.cudaError_t.cudaSuccess or count == 0:
+                raise RegionError("unavailable", "no CUDA device on this host")
+            self._rt = runtime
+        return self._rt
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        rt = self._runtime()
+        result = fn(*args)
+        err = result[0]
+        if err != rt.cudaError_t.cudaSuccess:
+            _, text = rt.cudaGetErrorString(err)
+            text = text.decode() if isinstance(text, bytes) else str(text)
+            raise RegionError("invalid", f"{what}: {getattr(err, 'name', err)} ({text})")
+        return result[1] if len(result) == 2 else result[1:]
+
+    def _device(self, device_id: int) -> None:
+        """The calling thread works on this device (each gRPC thread may be another)."""
+        rt = self._runtime()
+        count = self._call("cudaGetDeviceCount", rt.cudaGetDeviceCount)
+        if not 0 <= device_id < count:
+            raise RegionError("invalid", f"CUDA device {device_id} does not exist: this host "
+                                         f"has {count} (0..{count - 1})")
+        self._call("cudaSetDevice", rt.cudaSetDevice, device_id)
+
+    def _allocation_size(self, pointer: int) -> int | None:
+        try:
+            from cuda.bindings import driver
+
+            err, _base, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(pointer))
+            return int(size) if err == driver.CUresult.CUDA_SUCCESS else None
+        except Exception:  # an older binding: byte_size is then checked by each copy alone
+            return None
+
+    # -- the extension ---------------------------------------------------------------------
+    def register(self, caller: Caller, name: str, raw_handle: bytes, device_id: int,
+                 byte_size: int) -> CudaRegion:
+        if not name:
+            raise RegionError("invalid", "region name is empty")
+        if len(raw_handle) != HANDLE_SIZE:
+            raise RegionError("invalid", f"CUDA region {name!r}: raw_handle is "
+                                         f"{len(raw_handle)} bytes, a CUDA IPC handle is "
+                                         f"{HANDLE_SIZE} (cudaIpcGetMemHandle)")
+        if byte_size <= 0:
+            raise RegionError("invalid", f"CUDA region {name!r}: byte_size must be > 0")
+        with self._lock:
+            self._check_room(caller, name, byte_size)
+        rt = self._runtime()
+        self._device(device_id)
+        handle = rt.cudaIpcMemHandle_t()
+        ctypes.memmove(handle.getPtr(), bytes(raw_handle), HANDLE_SIZE)
+        pointer = int(self._call(f"CUDA region {name!r}: opening its IPC handle",
+                                 rt.cudaIpcOpenMemHandle, handle,
+                                 getattr(rt, "cudaIpcMemLazyEnablePeerAccess", 1)))
+        size = self._allocation_size(pointer)
+        if size is not None and byte_size > size:
+            self._close(pointer)
+            raise RegionError("invalid", f"CUDA region {name!r}: byte_size {byte_size} is "
+                                         f"larger than the {size} bytes the handle names")
+        region = CudaRegion(name, device_id, byte_size, pointer)
+        with self._lock:
+            try:
+                self._check_room(caller, name, byte_size)  # a concurrent register may win
+            except RegionError:
+                self._close(pointer)
+                raise
+            self._regions[(caller, name)] = region
+        return region
+
+    def _check_room(self, caller: Caller, name: str, byte_size: int) -> None:
+        if (caller, name) in self._regions:
+            raise RegionError("exists", f"CUDA shared-memory region {name!r} is already "
+                                        "registered")
+        mine = [r for (c, _), r in self._regions.items() if c == caller]
+        if len(mine) >= self.max_regions:
+            raise RegionError("exhausted", f"{len(mine)} CUDA shared-memory regions registered "
+                                           f"already (shm.max_regions_per_caller: "
+                                           f"{self.max_regions})")
+        held = sum(r.byte_size for r in mine)
+        if held + byte_size > self.max_bytes:
+            raise RegionError("exhausted", f"{held} + {byte_size} bytes of CUDA shared-memory "
+                                           f"regions exceed shm.max_bytes_per_caller "
+                                           f"({self.max_bytes})")
+
+    def _keys(self, caller: Caller, name: str) -> list[tuple[Caller, str]]:
+        if not name:
+            return [k for k in self._regions if k[0] == caller]
+        if (caller, name) not in self._regions:
+            raise RegionError("not_found", f"no CUDA shared-memory region {name!r} is "
+                                           "registered")
+        return [(caller, name)]
+
+    def _close(self, pointer: int) -> None:
+        rt = self._rt
+        if rt is not None:
+            rt.cudaIpcCloseMemHandle(pointer)  # its error is nothing a caller could act on
+
+    def unregister(self, caller: Caller, name: str = "") -> list[CudaRegion]:
+        """Drop (and close) the caller's region `name`, or all of the caller's when empty."""
+        with self._lock:
+            gone = [self._regions.pop(k) for k in self._keys(caller, name)]
+        for region in gone:
+            self._close(region.pointer)
+        return gone
+
+    def status(self, caller: Caller, name: str = "") -> list[CudaRegion]:
+        with self._lock:
+            return [self._regions[k] for k in self._keys(caller, name)]
+
+    def has(self, caller: Caller, name: str) -> bool:
+        return (caller, name) in self._regions
+
+    def count(self) -> int:
+        return len(self._regions)
+
+    def _locate(self, caller: Caller, name: str, offset: int, nbytes: int) -> CudaRegion:
+        region = self._regions.get((caller, name))
+        if region is None:
+            raise RegionError("invalid", f"unknown CUDA shared-memory region {name!r}")
+        if offset < 0 or offset + nbytes > region.byte_size:
+            raise RegionError("invalid", f"CUDA region {name!r}: offset {offset} + {nbytes} "
+                                         f"bytes is outside its {region.byte_size} bytes")
+        return region
+
+    def read(self, caller: Caller, name: str, offset: int, nbytes: int) -> bytearray:
+        """`nbytes` from the region at `offset`, copied to host memory."""
+        region = self._locate(caller, name, offset, nbytes)
+        out = bytearray(nbytes)
+        if nbytes:
+            rt = self._runtime()
+            self._device(region.device_id)
+            host = (ctypes.c_char * nbytes).from_buffer(out)
+            self._call(f"CUDA region {name!r}: copy to host", rt.cudaMemcpy,
+                       ctypes.addressof(host), region.pointer + offset, nbytes,
+                       rt.cudaMemcpyKind.cudaMemcpyDefault)
+        return out
+
+    def write(self, caller: Caller, name: str, offset: int, data: Any) -> None:
+        """Copy `data` (bytes-like) into the region at `offset`."""
+        view = memoryview(data).cast("B")
+        region = self._locate(caller, name, offset, view.nbytes)
+        if view.nbytes:
+            rt = self._runtime()
+            self._device(region.device_id)
+            staged = bytearray(view) if view.readonly else view
+            host = (ctypes.c_char * view.nbytes).from_buffer(staged)
+            self._call(f"CUDA region {name!r}: copy from host", rt.cudaMemcpy,
+                       region.pointer + offset, ctypes.addressof(host), view.nbytes,
+                       rt.cudaMemcpyKind.cudaMemcpyDefault)
+
+    def close(self) -> None:
+        with self._lock:
+            gone, self._regions = list(self._regions.values()), {}
+        for region in gone:
+            self._close(region.pointer)
