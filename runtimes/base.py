@@ -34,6 +34,13 @@ if TYPE_CHECKING:
 # Relative error allowed against torch eager, by the part's precision (a precision a user
 # asked for); under an error budget (`precision="auto"`), the budget is the bound instead.
 TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "int8": 5e-2}
+MIXED = "+fp32"  # "bf16+fp32": a part at bf16 but for the groups kept fp32 (runtimes/mixed.py)
+
+
+def compiled_as(precision: str) -> str:
+    """The precision a runtime is asked to compile at: a mixed part's graph carries its own
+    dtypes, so it is compiled as fp32 (and runs its lowered ops as they are typed)."""
+    return "fp32" if precision.endswith(MIXED) else precision
 
 
 class RuntimeUnavailable(RuntimeError):

@@ -183,6 +183,33 @@ def check_precision(compiled: ov.CompiledModel, device: str, precision: str) -> 
                            f"{precision} in OpenVINO, whatever its profile lists")
 
 
+def lowered(part: fx.GraphModule) -> str | None:
+    """The low element type a mixed-precision part's graph casts to ("bf16", "f16"), if any
+    (runtimes/mixed.py): such a part is compiled with an f32 hint and its typed ops run low."""
+    import torch
+
+    names = {torch.bfloat16: "bf16", torch.float16: "f16"}
+    for node in part.graph.nodes:
+        if node.op == "call_function" and node.kwargs.get("dtype") in names:
+            return names[node.kwargs["dtype"]]
+    return None
+
+
+def check_lowered(compiled: ov.CompiledModel, device: str, want: str) -> None:
+    """Raise CompileError unless some of the part's compute ran at `want`: a plugin that
+    cannot (a CPU without bf16) converts the graph back to f32, and the label would lie."""
+    skip = {"Input", "Output", "Const", "Reorder", "Convert"}
+    ran = 0
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if (str(info["layerType"].astype(str)) not in skip
+                and str(info["runtimePrecision"].astype(str)) == want):
+            ran += 1
+    if not ran:
+        raise CompileError(f"openvino on {device} ran none of the part's {want} operations at "
+                           f"{want}: this device cannot run {want} in OpenVINO")
+
+
 class OpenVINOExecutable(Executable):
     runtime = "openvino"
 
@@ -295,8 +322,11 @@ class OpenVINORuntime(Runtime):
             raise CompileError(f"openvino: compile_model on {device} failed: "
                                f"{type(e).__name__}: {e}") from e
         check_precision(compiled, device, spec.precision)
+        low = lowered(part)
+        if low:
+            check_lowered(compiled, device, low)
         meta = {"format": META_FORMAT, "device": device, "config": config, "feed": feed,
-                "openvino": self.version()}
+                "openvino": self.version(), "lowered": low}
         return OpenVINOExecutable(compiled, feed, meta, model=model)
 
     def load(self, directory: Path, spec: CompileSpec) -> Executable:
@@ -314,5 +344,7 @@ class OpenVINORuntime(Runtime):
         if compiled is None:
             compiled = self.core.compile_model(str(directory / MODEL_XML), device, config)
         check_precision(compiled, device, spec.precision)
+        if meta.get("lowered"):
+            check_lowered(compiled, device, meta["lowered"])
         meta = dict(meta, device=device, config=config)
         return OpenVINOExecutable(compiled, list(meta["feed"]), meta, source=directory)

@@ -55,10 +55,15 @@ from runtimes.base import (
     CompileSpec,
     Executable,
     RuntimeUnavailable,
+    compiled_as,
     relative_error,
     unusable,
 )
 from runtimes.cache import CompileCache, graph_digest
+from runtimes.mixed import RUNTIMES as MIXED_RUNTIMES
+from runtimes.mixed import Mix
+from runtimes.mixed import choose as choose_mix
+from runtimes.mixed import low_of as mixed_low
 
 log = logging.getLogger(__name__)
 TIMING_BUDGET_S = 0.5  # per candidate; at least 3 runs
@@ -174,7 +179,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
                threads: int | None = None, input_shapes: list[list[int]] | None = None,
                tolerance: float | None = None, cache_tag: str = "",
                allowed: list[str] | None = None, floor_ms: float | None = None,
-               progress: Callable[[str], None] | None = None) -> BuiltPart:
+               progress: Callable[[str], None] | None = None,
+               mix_target: float | None = None) -> BuiltPart:
     """Compile (or load from cache) `part` for `device`; raise CompileError if nothing works.
 
     `samples()` returns real inputs for the part and torch eager's outputs for them, one
@@ -184,16 +190,16 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
     than the part (int8: the calibration data). `allowed` limits the runtimes tried (None:
     every one that can target the device); `floor_ms`, the part's roofline time here, ends
     the search early (see the module docstring); `progress` is told each runtime as it is
-    tried.
+    tried. `mix_target`: the error a mixed precision's part aims at (runtimes/mixed.py; by
+    default half of `tolerance`).
     """
     tolerance = TOLERANCE[precision] if tolerance is None else tolerance
-    spec = CompileSpec(device=device, precision=precision,
+    spec = CompileSpec(device=device, precision=compiled_as(precision),
                        example_inputs=placeholder_tensors(part, input_shapes),
                        threads=threads or max(len(device.cores), 1))
-    key_precision = f"{precision}:{cache_tag}" if cache_tag else precision
-    part_key = cache.part_key(graph_digest(part), device, key_precision, spec.shapes())
-    names = [n for n in registry.candidates_for(device, precision, runtime)
-             if allowed is None or n in allowed]
+    mix_target = mix_target or tolerance / 2
+    part_key, names = _problem(part, spec, precision, cache, cache_tag, mix_target, runtime,
+                               allowed)
     recorded = cache.choice(part_key)
     if recorded:
         built = _load_recorded(part_key, recorded, spec, cache, part, names, tolerance)
@@ -202,6 +208,7 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
             return built
     inputs, expected = samples()
     spec.example_inputs, spec.calibration = list(inputs[0]), [list(x) for x in inputs]
+    part, chosen = _mix(part, precision, mix_target, inputs, expected, spec, names, timeout_s)
     tried: list[Candidate] = []
     executables: dict[str, Executable] = {}
     compiled: list[str] = []
@@ -220,6 +227,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
             progress(name)
         cand, exe = _try(name, part, spec, inputs, expected, cache, part_key, timeout_s)
         cand.precision = precision
+        if chosen is not None and cand.status == "ok":
+            cand.reason = chosen.describe()  # which groups stayed fp32, and why
         tried.append(cand)
         if exe is not None:
             executables[name] = exe
@@ -243,6 +252,57 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
                      part_key=part_key)
 
 
+def _mix(part: fx.GraphModule, precision: str, target: float,
+         inputs: list[list[torch.Tensor]], expected: list[list[torch.Tensor]],
+         spec: CompileSpec, names: list[str],
+         timeout_s: float) -> tuple[fx.GraphModule, Mix | None]:
+    """A mixed precision's graph: at its low precision but for the groups that must stay
+    fp32 to hold `target`, as the first runtime that builds it measures (runtimes/mixed.py);
+    others as they are."""
+    low = mixed_low(precision)
+    if low is None:
+        return part, None
+
+    def measure(module: fx.GraphModule) -> float:
+        for name in names:
+            try:
+                rt = registry.get(name)
+            except RuntimeUnavailable:
+                continue
+            if not rt.can_target(spec.device, spec.precision):
+                continue
+            try:
+                exe = _compile_boxed(rt, module, spec, timeout_s)
+                return max(relative_error(exe.run(x), want)
+                           for x, want in zip(inputs, expected, strict=True))
+            except Exception as e:  # noqa: BLE001 - the mix cannot be measured: no mix
+                raise CompileError(f"{name}: {type(e).__name__}: {e}"[:500]) from e
+        raise CompileError(f"none of {names} can build a mixed part for {spec.device.id}")
+
+    try:
+        return choose_mix(part, low, target, inputs, expected, measure=measure)
+    except Exception as e:  # noqa: BLE001 - no mix is no failure: said in the part's report
+        error = e if isinstance(e, CompileError) else CompileError(
+            f"{precision}: {type(e).__name__}: {e}"[:500])
+        error.candidates = [Candidate("mixed", "skipped", str(error),  # type: ignore[attr-defined]
+                                      precision=precision)]
+        raise error from e
+
+
+def _problem(part: fx.GraphModule, spec: CompileSpec, precision: str, cache: CompileCache,
+             cache_tag: str, mix_target: float, runtime: str,
+             allowed: list[str] | None) -> tuple[str, list[str]]:
+    """The part's compile-cache key and the runtimes that may build it."""
+    mix = mixed_low(precision)
+    if mix:  # its groups depend on the error it aims at: a build per target
+        cache_tag = f"{mix_target:.1e}"
+    key_precision = f"{precision}:{cache_tag}" if cache_tag else precision
+    part_key = cache.part_key(graph_digest(part), spec.device, key_precision, spec.shapes())
+    names = [n for n in registry.candidates_for(spec.device, spec.precision, runtime)
+             if (allowed is None or n in allowed) and (not mix or n in MIXED_RUNTIMES)]
+    return part_key, names
+
+
 def near_floor(best: Candidate, floor_ms: float | None) -> str:
     """Why the search may stop at `best`: it runs near the part's roofline floor ("": no)."""
     if not floor_ms or best.median_ms > NEAR_FLOOR * floor_ms:
@@ -257,7 +317,10 @@ def _judge(candidates: list[Candidate], tolerance: float) -> list[Candidate]:
         if c.status in ("ok", "inaccurate"):
             over = c.rel_error > tolerance
             c.status = "inaccurate" if over else "ok"
-            c.reason = f"relative error {c.rel_error:.2e} > {tolerance:.0e}" if over else ""
+            if over:
+                c.reason = f"relative error {c.rel_error:.2e} > {tolerance:.0e}"
+            elif c.reason.startswith("relative error "):  # judged under another tolerance
+                c.reason = ""  # (an accurate one keeps what its build said: a mix's groups)
     return sorted((c for c in candidates if c.status == "ok"), key=lambda c: c.median_ms)
 
 

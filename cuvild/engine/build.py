@@ -26,6 +26,11 @@ from runtimes.select import BuiltPart, build_part
 _splits: dict[str, SplitProgram] = {}  # model key -> split, while its parts are being built
 
 
+# The share of the end-to-end budget a mixed part aims at on its build sample: the rest is
+# room for the check inputs and held-out ones (runtimes/mixed.py).
+MIX_SHARE = 0.5
+
+
 def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tensor]:
     """Deterministic sample inputs from the model's input specs. Integer and bool inputs are
     ones: they are often indices, which random values would push out of range, or masks,
@@ -101,6 +106,7 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
                 # the budget, also when a restart builds only the one chosen
                 tolerance=None if precision == "fp32" else order.tolerance,
                 cache_tag=order.calibration_tag if precision == "int8" else "",
+                mix_target=order.budget * MIX_SHARE if order.budget else None,
                 allowed=order.allowed, floor_ms=(order.floor_ms or {}).get(precision),
                 progress=told and (lambda name, p=precision: told(f"trying {name} at {p}")))
             tried += [asdict(c) for c in b.candidates]

@@ -224,6 +224,7 @@ class Engine:
             route.search = list(route.precisions)
             if budget is not None:
                 budgets[route.id], route.tolerance = budget, precision.part_bound(budget)
+                route.budget = budget
                 if decided and route.id in decided:  # a restart builds only what was chosen
                     route.precisions = [decided[route.id]]
         inputs = precision.check_inputs(model, policy)
@@ -339,7 +340,7 @@ class Engine:
                 split_key=model.split_key,
                 input_shapes=model.part_input_shapes.get(pid),
                 last=model.split_key == model.key and i == len(model.parts_by_device[device]) - 1,
-                tolerance=route.tolerance, calibration=policy.calibration,
+                tolerance=route.tolerance, budget=route.budget, calibration=policy.calibration,
                 calibration_tag=policy.calibration_tag,
                 allowed=registry.allowed_runtimes(self.runtimes, self.devices[device]),
                 floor_ms=None if model.base_key else precision.floors(

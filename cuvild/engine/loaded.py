@@ -32,6 +32,7 @@ class Route:
     precisions: list[str] = field(default_factory=list)
     search: list[str] = field(default_factory=list)  # every precision a search may try
     tolerance: float | None = None
+    budget: float | None = None  # the model's end-to-end budget under `auto` (a mix aims under it)
     variants: dict[str, Variant] = field(default_factory=dict)
 
 

@@ -48,6 +48,7 @@ class Build:
     input_shapes: list[list[int]] | None = None  # this part's input shapes, for a bucket
     last: bool = False  # the model's last part on this device: the split may go after it
     tolerance: float | None = None  # the error budget of a search's lower precisions
+    budget: float | None = None  # the model's end-to-end budget: a mixed part aims at half
     calibration: str = ""  # an .npz of the model's inputs, one row per sample ("": none)
     calibration_tag: str = ""  # its digest: int8 builds depend on it
     allowed: list[str] | None = None  # the runtimes `auto` may try (config engine.runtimes)

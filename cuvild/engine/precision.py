@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from runtimes.base import relative_error, top1_agreement, write_atomic
+from runtimes.base import MIXED, relative_error, top1_agreement, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +134,9 @@ def candidates(part: Part, device: DeviceProfile,
     if not auto or part.precision != "fp32":
         return [part.precision], None
     lower = [p for p in LOWER if p in device.peak_gflops and p != "int8"]
+    # and the first of them with the fewest groups kept fp32 (runtimes/mixed.py): what a part
+    # runs when one sensitive layer would send all of it back to fp32
+    lower += [f"{p}{MIXED}" for p in lower[:1]]
     if policy.calibration:
         lower.append("int8")
     return ["fp32", *lower], part.max_error or policy.max_error
@@ -223,13 +226,23 @@ def search(engine: Engine, model: LoadedModel, budgets: dict[str, float],
             if trial.error <= budget:
                 notes.append(f"{route.id} runs {variant.precision} on {variant.runtime}: "
                              f"{variant.median_ms:.2f} ms vs {here.median_ms:.2f} ms at {own}, "
-                             f"end-to-end error {trial.error:.1e} <= {budget:.0e}")
+                             f"end-to-end error {trial.error:.1e} <= {budget:.0e}"
+                             + _kept(route, variant.precision))
                 now = trial
                 break
             notes.append(f"{route.id} {variant.precision} refused: end-to-end error "
                          f"{trial.error:.1e} > {budget:.0e}")
             engine.choose(model, route, own)  # backed off
     return now, notes
+
+
+def _kept(route: Route, precision: str) -> str:
+    """For a mixed precision, which groups stayed fp32 and why (its build's own words)."""
+    if not precision.endswith(MIXED) or route.built is None:
+        return ""
+    said = [c["reason"] for c in route.built.candidates
+            if c["precision"] == precision and c["status"] == "ok" and c["reason"]]
+    return f" ({said[0]})" if said else ""
 
 
 def _why_not(route: Route) -> str:

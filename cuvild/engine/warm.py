@@ -65,16 +65,18 @@ class Stale(RuntimeError):
 def key(archive: str, input_specs: list[dict[str, Any]], objective: str,
         policy: PrecisionPolicy, devices: Iterable[DeviceProfile],
         runtimes: dict[str, list[str]]) -> str:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    import cuvild  # its own version, also where it runs from a checkout (not installed)
-
+    try:
+        own = version("cuvild")
+    except PackageNotFoundError:  # run from a checkout that is not installed (tests/gpu)
+        own = "checkout"
     what = {"format": FORMAT, "archive": Path(archive).name, "inputs": input_specs,
             "objective": objective, "policy": asdict(policy) | {"calibration": ""},
             "devices": sorted((d.id, d.kind, d.name, sorted(d.features), len(d.cores),
                                d.emulated, sorted(d.runtimes)) for d in devices),
             "runtimes": runtimes,  # engine.runtimes: what a part could be built with
-            "software": [cuvild.__version__, version("torch")]}  # (torch not imported)
+            "software": [own, version("torch")]}  # (torch not imported)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -203,7 +203,7 @@ class Worker:
         """A part's executable straight from the compile cache (a load record's): torch is
         not imported for it (a loaded build needs no example tensors)."""
         from runtimes import registry
-        from runtimes.base import CompileSpec
+        from runtimes.base import CompileSpec, compiled_as
 
         rt = registry.get(order.runtime)
         entry = self.cache.lookup(self.cache.entry_key(order.part_key, order.runtime,
@@ -211,7 +211,8 @@ class Worker:
         if entry is None:
             raise LookupError(f"no cached {order.runtime} {rt.version()} build of part "
                               f"{order.part} (evicted, or built by another version)")
-        spec = CompileSpec(self.device, order.precision, threads=max(len(self.device.cores), 1))
+        spec = CompileSpec(self.device, compiled_as(order.precision),
+                           threads=max(len(self.device.cores), 1))
         self.parts[(order.model, order.part)] = rt.load(entry, spec)
         return Built(order.runtime, True)
 

@@ -97,6 +97,7 @@ class Daemon:
         self.registry: Registry | None = None
         self.models: Any = None  # cuvild.engine.models.ModelManager, made once profiles are known
         self.regions: Any = None
+        self.cuda_regions: Any = None  # the cuda_shared_memory extension's
         self.arena: Arena | None = None
         self.front: Front | None = None
         self.fast: Any = None  # cuvild.serve.fast.FastPath, when shm.fast_path
@@ -151,7 +152,8 @@ class Daemon:
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceService(self.models, self.regions, shm_enabled=shm, peer_uid=peer_uid,
-                             metrics=self.metrics, tracer=self.tracer, gate=gate),
+                             metrics=self.metrics, tracer=self.tracer, gate=gate,
+                             cuda=self.cuda_regions),
             server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -201,6 +203,7 @@ class Daemon:
         from cuvild.engine.batching import Batching
         from cuvild.engine.engine import Engine
         from cuvild.engine.models import ModelManager
+        from cuvild.serve.cuda_regions import CudaRegions
         from cuvild.serve.regions import Regions
 
         for name in reclaim_stale():
@@ -224,6 +227,7 @@ class Daemon:
             log.debug("workers for %s starting (named by load records)", ", ".join(started))
         self.regions = Regions(self.cfg.shm_allowed_uids, self.cfg.shm_max_regions,
                                self.cfg.shm_max_bytes)
+        self.cuda_regions = CudaRegions(self.cfg.shm_max_regions, self.cfg.shm_max_bytes)
         if self.cfg.fast_path:
             from cuvild.serve.fast import FastPath
 
@@ -233,7 +237,7 @@ class Daemon:
     def _caller_gone(self, uid: int) -> None:
         """A uid's last unix connection closed: its regions go (and the workers' mappings)."""
         gone = self.regions.unregister(uid)
-        self.regions.cuda.unregister(uid)  # closes their IPC handles
+        self.cuda_regions.unregister(uid)  # closes their IPC handles
         if gone:
             log.info("uid %d disconnected: dropped its %d shared-memory region(s)", uid,
                      len(gone))
@@ -297,7 +301,7 @@ class Daemon:
             self.regions.max_regions, self.regions.max_bytes = (new.shm_max_regions,
                                                                 new.shm_max_bytes)
             self.regions.tcp_owners = set(new.shm_allowed_uids)
-            self.regions.cuda.max_regions, self.regions.cuda.max_bytes = (new.shm_max_regions,
+            self.cuda_regions.max_regions, self.cuda_regions.max_bytes = (new.shm_max_regions,
                                                                           new.shm_max_bytes)
         if self.models is not None:  # for the next request, build or load
             from cuvild.engine.batching import Batching
@@ -434,6 +438,8 @@ class Daemon:
             self.models.engine.close()
         if self.regions is not None:
             self.regions.close()
+        if self.cuda_regions is not None:
+            self.cuda_regions.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.tracer is not None:

@@ -25,6 +25,7 @@ from cuvild.engine.layout import BadInput
 from cuvild.engine.models import ModelManager, ServedModel
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.registry import RegistryError
+from cuvild.serve.cuda_regions import CudaRegions
 from cuvild.serve.errors import CODES, abort
 from cuvild.serve.limits import Gate
 from cuvild.serve.regions import RegionError, Regions
@@ -86,8 +87,9 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, models: ModelManager, regions: Regions, shm_enabled: bool = True,
                  peer_uid: Callable[[str], int | None] = lambda peer: None,
                  metrics: Metrics | None = None, tracer: Tracer | None = None,
-                 gate: Gate | None = None) -> None:
+                 gate: Gate | None = None, cuda: CudaRegions | None = None) -> None:
         self.gate = gate or Gate(32)  # this listener's threads for calls that may wait
+        self.cuda = cuda or CudaRegions()  # the cuda_shared_memory extension's regions
         self.models = models
         self.regions = regions
         self.shm_enabled = shm_enabled
@@ -207,7 +209,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             results, names = list(results), [t["name"] for t in served.record.outputs]
             for name, (region, offset) in cuda_outputs.items():
                 i = names.index(name)
-                self.regions.cuda.write(caller, region, offset, results[i])
+                self.cuda.write(caller, region, offset, results[i])
                 results[i] = None  # answered through the region
         if timeline:
             self.tracer.parts(span, model, timeline, t0_ns, epoch_ns)  # type: ignore[union-attr]
@@ -292,8 +294,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                               f"input {name!r}: shared_memory_byte_size {given} != {size} "
                               f"bytes of {tensor.datatype}{list(shape)}")
             offset = _param(tensor.parameters, "shared_memory_offset", where) or 0
-            if self.regions.cuda.has(caller, region):  # staged through host memory
-                return RawTensor(self.regions.cuda.read(caller, region, offset, size), dtype,
+            if self.cuda.has(caller, region):  # staged through host memory
+                return RawTensor(self.cuda.read(caller, region, offset, size), dtype,
                                  shape)
             reg, absolute = self.regions.locate(caller, region, offset, size)
             return TensorRef(reg.object_name, absolute, dtype, shape, reg.inode)
@@ -347,7 +349,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                               "bytes needed")
             offset = _param(out.parameters, "shared_memory_offset", where) or 0
             wanted[out.name] = dict(out.parameters)
-            if self.regions.cuda.has(caller, region):  # written after the run, from host
+            if self.cuda.has(caller, region):  # written after the run, from host
                 cuda[out.name] = (region, offset)
                 continue
             reg, absolute = self.regions.locate(caller, region, offset, size)
@@ -440,7 +442,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def CudaSharedMemoryRegister(self, request, context):  # noqa: N802
         caller = self._caller(context)
         try:
-            self.regions.cuda.register(caller, request.name, request.raw_handle,
+            self.cuda.register(caller, request.name, request.raw_handle,
                                        request.device_id, request.byte_size)
         except RegionError as e:
             abort(context, e)
@@ -449,7 +451,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def CudaSharedMemoryUnregister(self, request, context):  # noqa: N802
         caller = self._caller(context)
         try:
-            self.regions.cuda.unregister(caller, request.name)
+            self.cuda.unregister(caller, request.name)
         except RegionError as e:
             abort(context, e)
         return pb.CudaSharedMemoryUnregisterResponse()
@@ -457,7 +459,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def CudaSharedMemoryStatus(self, request, context):  # noqa: N802
         caller = self._caller(context)
         try:
-            regions = self.regions.cuda.status(caller, request.name)
+            regions = self.cuda.status(caller, request.name)
         except RegionError as e:
             abort(context, e)
         response = pb.CudaSharedMemoryStatusResponse()

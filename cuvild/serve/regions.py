@@ -91,9 +91,6 @@ class Regions:
         self.max_regions, self.max_bytes = max_regions, max_bytes
         self._regions: dict[tuple[Caller, str], Region] = {}
         self._lock = threading.Lock()
-        from cuvild.serve.cuda_regions import CudaRegions  # it imports this module's names
-
-        self.cuda = CudaRegions(max_regions, max_bytes)  # the cuda_shared_memory extension
 
     def _check_owner(self, caller: Caller, key: str, owner: int) -> None:
         if caller is None:
@@ -213,4 +210,3 @@ class Regions:
     def close(self) -> None:
         with self._lock:
             self._regions.clear()
-        self.cuda.close()

@@ -1,6 +1,7 @@
 """The model families users bring, at realistic sizes, one run, side by side:
 
     python tests/bench/bench_models.py [--json] [--quick] [--rounds N] [--models a,b]
+                                       [--auto 1e-2,5e-2]
 
 ResNet-50 and ViT-Base (224x224, batch 1), BERT-base with 4 layers and a 4-layer Llama
 (hidden 512; 128 tokens, batch 1), built with transformers from their configs (seeded random
@@ -10,7 +11,10 @@ p99 ms through the fast path (`Client(fast=True)`) and through tritonclient with
 memory; in this process, OpenVINO on its default settings (its own precision: bf16 on a CPU
 that has it), ONNX Runtime fp32 and torch eager; and each one's relative error against eager
 on the first output. Timed interleaved (tests/bench/timing.py). `--quick`: ResNet-50 and
-BERT only, fewer rounds.
+BERT only, fewer rounds. `--auto B1,B2`: the model loaded again under `precision="auto"` at
+each budget (its own fast-path row, the plan's precisions and which groups stayed fp32), and
+OpenVINO with `INFERENCE_PRECISION_HINT=f32` beside its default. ConvNeXt-T and Swin-T are
+there to name (`--models convnext-tiny,swin-tiny`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ def families() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.
     return {
         "resnet50": lambda: (tf.ResNetForImageClassification(tf.ResNetConfig()), image()),
         "vit-base": lambda: (tf.ViTForImageClassification(tf.ViTConfig()), image()),
+        "convnext-tiny": lambda: (tf.ConvNextForImageClassification(tf.ConvNextConfig()),
+                                  image()),
+        "swin-tiny": lambda: (tf.SwinForImageClassification(tf.SwinConfig()), image()),
         "bert-base-4l": lambda: (tf.BertModel(tf.BertConfig(num_hidden_layers=4)),
                                  text(30522, True)),
         "llama-4l": lambda: (tf.LlamaForCausalLM(tf.LlamaConfig(
@@ -88,6 +95,13 @@ def in_process(ep: Any, feed: dict[str, np.ndarray], threads: int,
     request = compiled.create_infer_request()
     values = list(feed.values())
     runners["openvino default (in-process)"] = lambda: request.infer(
+        values, share_inputs=True)[0].copy()
+    exact = ov.Core().compile_model(ov.convert_model(ep), "CPU",
+                                    {"INFERENCE_NUM_THREADS": threads,
+                                     "PERFORMANCE_HINT": "LATENCY",
+                                     "INFERENCE_PRECISION_HINT": "f32"})
+    exact_request = exact.create_infer_request()
+    runners["openvino f32 (in-process)"] = lambda: exact_request.infer(
         values, share_inputs=True)[0].copy()
     return runners, compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
 
@@ -128,8 +142,8 @@ def triton_shm(target: str, name: str, feed: dict[str, np.ndarray], output: str,
     return run, close
 
 
-def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, threads: int,
-              tmp: Path) -> dict[str, Any]:
+def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, threads: int,  # noqa: PLR0915 - one model's table, row by row
+              tmp: Path, budgets: list[float]) -> dict[str, Any]:
     torch.manual_seed(0)
     model, kwargs = make()
     model.eval()
@@ -153,6 +167,22 @@ def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, thre
         output = summary["outputs"][0]["name"]
     fast = Client(target, fast=True)
     runners["cuvild fast path"] = lambda: fast.infer(name, kwargs)[output].numpy()
+    chosen: dict[str, Any] = {}
+    for budget in budgets:
+        auto = f"{name}-auto-{budget:.0e}"
+        with Client(target, timeout=1800) as client:
+            t0 = time.perf_counter()
+            client.load(auto, model, kwargs=kwargs, precision="auto", max_error=budget,
+                        timeout=1800)
+            report = client.compare(auto)
+            chosen[f"{budget:.0e}"] = {
+                "load_s": round(time.perf_counter() - t0, 1),
+                "plan": [f"{p['id']} {p['runtime']} {p['precision']}"
+                         for p in client.plan(auto)["plan"]["parts"]],
+                "notes": [n for n in report.get("notes", []) if " runs " in n
+                          or " refused" in n]}
+        runners[f"cuvild auto {budget:.0e} fast path"] = (
+            lambda a=auto: fast.infer(a, kwargs)[output].numpy())
     shm_run, shm_close = triton_shm(target, name, feed, output, list(expected.shape))
     runners["cuvild tritonclient shm"] = shm_run
     try:
@@ -170,7 +200,8 @@ def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, thre
     parts = [f"{p.get('id', i)} {p['device']} {p.get('runtime', '?')} "
              f"{p.get('precision', '?')}" for i, p in enumerate(plan.get("parts", []))]
     return {"model": name, "load_s": round(load_s, 1), "plan": parts,
-            "openvino_default_precision": ov_precision, "output": output, "rows": rows}
+            "openvino_default_precision": ov_precision, "output": output, "rows": rows,
+            "auto": chosen}
 
 
 def main() -> dict[str, Any]:
@@ -179,7 +210,9 @@ def main() -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=0)
     parser.add_argument("--models", default="")
+    parser.add_argument("--auto", default="", help="budgets, e.g. 1e-2,5e-2")
     args = parser.parse_args()
+    budgets = [float(b) for b in args.auto.split(",") if b]
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     threads = len(os.sched_getaffinity(0))
@@ -202,7 +235,7 @@ def main() -> dict[str, Any]:
             for name in names:
                 print(f"{name} ...", file=sys.stderr, flush=True)
                 report["models"].append(one_model(name, wanted[name], daemon.target, rounds,
-                                                  threads, home))
+                                                  threads, home, budgets))
         finally:
             daemon.stop()
             daemon.close()
@@ -220,6 +253,10 @@ def show(r: dict[str, Any]) -> None:
         for k, row in m["rows"].items():
             print(f"  {k:<32} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['x_eager']:8.2f} "
                   f"{row['x_openvino_default']:8.2f}  {row['rel_error']:.1e}")
+        for budget, auto in m.get("auto", {}).items():
+            print(f"  auto {budget}: READY in {auto['load_s']} s; plan {'; '.join(auto['plan'])}")
+            for note in auto["notes"]:
+                print(f"    {note}")
 
 
 if __name__ == "__main__":

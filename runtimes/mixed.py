@@ -1,0 +1,352 @@
+"""Mixed precision inside a part: its compute groups at bf16 (or fp16), the fewest at fp32.
+
+A part's precision "bf16+fp32" asks for it at bf16 except the fewest layer groups that must
+stay fp32 for its outputs to stay within `target` of fp32 (half the error budget). How:
+
+1. Groups: the part's compute ops (matmul, conv, attention: what a lower precision speeds up)
+   by the module that made them (`nn_module_stack`: "encoder.layer.3.intermediate.dense"),
+   coarsened to parent modules while there are more than MAX_GROUPS, so the search below
+   stays a few dozen runs of the part.
+2. The graph carries the precision: each lowered op gets its floating inputs cast to bf16
+   and its output cast back (weights fold into bf16 constants at compile), so every runtime
+   that runs a graph's own dtypes runs it as asked, with no per-runtime switch: OpenVINO
+   compiles it with an f32 inference hint and runs those ops in bf16 (its runtime model says
+   so, checked in runtimes/openvino.py), inductor likewise.
+3. Which groups: on the part's sample inputs in torch eager, the error of the whole part
+   with only one group lowered ranks the groups (NNCF's accuracy-aware back-off ranks layers
+   the same way, by what each costs the metric), and the smallest k such that lowering all
+   but the k worst holds `target` is estimated by bisection. torch's bf16 is not a
+   runtime's (OpenVINO ran ViT-B 2-4x further off than torch's estimate), so k is then
+   settled on real builds (`measure`): more groups kept, doubling, until a build holds, then
+   the gap halved, five builds at most. Where everything lowered holds, k is 0 (still a
+   mix: the ops between the lowered ones stay fp32, unlike a whole-part bf16 build); where
+   nothing short of all fp32 does, the mix is refused.
+
+The chosen build is measured again by runtimes/select.py against the precision's tolerance,
+and the model end to end by the engine's precision search, as every lower precision is.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.fx.passes.shape_prop import ShapeProp
+
+from partitioner.flops import category
+from runtimes.base import MIXED, CompileError, relative_error
+
+log = logging.getLogger(__name__)
+
+SUFFIX = MIXED  # "bf16+fp32": bf16 with the fewest groups kept at fp32
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+RUNTIMES = ("openvino", "triton")  # those that run a graph's own dtypes as they are
+COMPUTE = ("matmul", "conv", "attention")
+MAX_GROUPS = 48
+
+
+def is_mixed(precision: str) -> bool:
+    return precision.endswith(SUFFIX) and precision.removesuffix(SUFFIX) in LOW
+
+
+def low_of(precision: str) -> str | None:
+    """"bf16" of "bf16+fp32"; None for a precision that is not mixed."""
+    return precision.removesuffix(SUFFIX) if is_mixed(precision) else None
+
+
+def name(low: str) -> str:
+    return f"{low}{SUFFIX}"
+
+
+@dataclass
+class Mix:
+    """What the search chose: the groups kept at fp32, in the order they cost error alone."""
+
+    low: str
+    kept: list[str]
+    groups: int  # how many groups the part has
+    alone: dict[str, float]  # per group: the part's error with only that group lowered
+    error: float  # the part's error as built
+    measured: bool = False  # on the runtime (else torch eager's estimate)
+
+    def describe(self) -> str:
+        worst = ", ".join(f"{g} ({self.alone[g]:.1e} alone)" for g in self.kept[:6])
+        more = f" and {len(self.kept) - 6} more" if len(self.kept) > 6 else ""
+        how = "measured" if self.measured else "torch's estimate"
+        if not self.kept:
+            return (f"{self.low} in all {self.groups} groups, fp32 between them; error "
+                    f"{self.error:.1e} ({how})")
+        return (f"{self.low} except {len(self.kept)} of {self.groups} groups kept fp32: "
+                f"{worst}{more}; error {self.error:.1e} ({how})")
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", str(target)).split(".")[0]
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return node.name
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("L['self'].").removeprefix("L__self__.") or node.name
+
+
+def compute_groups(gm: fx.GraphModule) -> dict[str, list[str]]:
+    """Group name -> the names of its compute nodes (single-tensor floating outputs)."""
+    groups: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and category(_op_name(node)) in COMPUTE and _float(node):
+            groups.setdefault(_module_path(node), []).append(node.name)
+    while len(groups) > MAX_GROUPS and any("." in path for path in groups):
+        coarser: dict[str, list[str]] = {}  # (a level may merge nothing: a wrapper module)
+        for path, nodes in groups.items():
+            coarser.setdefault(path.rsplit(".", 1)[0], []).extend(nodes)
+        groups = coarser
+    return groups
+
+
+def _float(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.dtype == torch.float32
+    meta = node.meta.get("tensor_meta")  # ShapeProp's, where the graph carries no val
+    return getattr(meta, "dtype", None) == torch.float32
+
+
+# Kept fp32 inside a lowered group, as compilers' own mixed precision does (normalisations,
+# softmax and reductions accumulate; exp and log amplify): in bf16, one ViT layer's
+# LayerNorms alone cost 1e-1 of the model's output.
+SENSITIVE_KINDS = ("norm", "softmax", "reduction")
+SENSITIVE = ("exp", "log", "pow", "rsqrt", "sqrt", "reciprocal", "div", "softplus",
+             "log_sigmoid_forward", "logsumexp")
+
+
+def regions(gm: fx.GraphModule, groups: dict[str, list[str]]) -> dict[str, set[str]]:
+    """Per group, every floating op its module made but the sensitive ones (its activations,
+    adds, views too), so that a lowered group runs at the low precision from its first op to
+    its last, with casts only where it meets fp32 (a cast around every matmul alone costs
+    more than bf16 saves: ResNet-50 ran slower than fp32 that way)."""
+    out: dict[str, set[str]] = {g: set(nodes) for g, nodes in groups.items()}
+    for node in gm.graph.nodes:
+        if (node.op != "call_function" or not _float(node) or _op_name(node) in SENSITIVE
+                or category(_op_name(node)) in SENSITIVE_KINDS):
+            continue
+        path = _module_path(node)
+        within = [g for g in out if path == g or path.startswith(g + ".")]
+        if within:  # the innermost group's ("layers.6.mlp", not "layers.6")
+            out[max(within, key=len)].add(node.name)
+    return out
+
+
+BATCH_NORMS = ("batch_norm", "_native_batch_norm_legit_no_training")
+CONVS = ("conv1d", "conv2d", "conv3d", "convolution")
+
+
+def fold_batch_norms(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` with each inference batch norm that alone follows a convolution folded
+    into the convolution's weight and bias, in fp32, as compilers do before lowering: a
+    norm left after a bf16 convolution would be folded in bf16 (or not at all)."""
+    out = copy.deepcopy(gm)
+    graph = out.graph
+    for i, bn in enumerate(list(graph.nodes)):
+        if bn.op != "call_function" or _op_name(bn) not in BATCH_NORMS:
+            continue
+        conv = bn.args[0]
+        params = bn.args[1:5]
+        if (not isinstance(conv, fx.Node) or conv.op != "call_function"
+                or _op_name(conv) not in CONVS or len(conv.users) != 1
+                or not all(isinstance(p, fx.Node) and p.op == "get_attr" for p in params)
+                or not isinstance(conv.args[1], fx.Node) or conv.args[1].op != "get_attr"
+                or (_op_name(bn) == "batch_norm" and bn.args[5])):  # training
+            continue
+        if _op_name(conv) == "convolution" and conv.args[6]:  # transposed: weights differ
+            continue
+        eps = bn.args[7] if _op_name(bn) == "batch_norm" else bn.args[6]
+        gamma, beta, mean, var = (getattr(out, p.target) for p in params)
+        weight = getattr(out, conv.args[1].target)
+        bias_arg = conv.args[2] if len(conv.args) > 2 else None
+        bias = (getattr(out, bias_arg.target) if isinstance(bias_arg, fx.Node)
+                else torch.zeros_like(mean))
+        scale = gamma / torch.sqrt(var + eps)
+        names = (f"_cuvil_folded_{i}_weight", f"_cuvil_folded_{i}_bias")
+        out.register_buffer(names[0], (weight * scale.reshape(-1, *[1] * (weight.dim() - 1)))
+                            .detach().contiguous())
+        out.register_buffer(names[1], ((bias - mean) * scale + beta).detach().contiguous())
+        with graph.inserting_before(conv):
+            w, b = graph.get_attr(names[0]), graph.get_attr(names[1])
+        w.meta["val"], b.meta["val"] = conv.args[1].meta.get("val"), bn.args[2].meta.get("val")
+        args = list(conv.args) + [None] * max(0, 3 - len(conv.args))
+        args[1], args[2] = w, b
+        conv.args = tuple(args)
+        if _op_name(bn) == "batch_norm":
+            bn.replace_all_uses_with(conv)
+        else:  # a tuple: its [0] is the normalized output
+            for user in list(bn.users):
+                user.replace_all_uses_with(conv)
+                graph.erase_node(user)
+        graph.erase_node(bn)
+    graph.eliminate_dead_code()
+    graph.lint()
+    out.recompile()
+    return out
+
+
+def lower(gm: fx.GraphModule, nodes: set[str], low: str) -> fx.GraphModule:
+    """A copy of `gm` in which `nodes` run at `low`: a floating input that comes from
+    outside them is cast down (weights fold into low-precision constants at compile), and
+    an output used outside them is cast back to fp32."""
+    out = copy.deepcopy(gm)
+    dtype = LOW[low]
+    cast = torch.ops.aten._to_copy.default  # noqa: SLF001 - the cast export writes for .to()
+    graph = out.graph
+    downs: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.name not in nodes or not _float(node):
+            continue
+
+        def down(arg: object, node: fx.Node = node) -> object:
+            if not isinstance(arg, fx.Node) or arg.name in nodes or not _float(arg):
+                return arg
+            if arg not in downs:
+                with graph.inserting_after(arg):
+                    downs[arg] = graph.call_function(cast, (arg,), {"dtype": dtype})
+                _retype(downs[arg], arg, dtype)
+            return downs[arg]
+
+        node.args = tuple(down(a) for a in node.args)
+        node.kwargs = {k: down(v) for k, v in node.kwargs.items()}
+    for node in list(graph.nodes):
+        if node.name not in nodes or not _float(node):
+            continue
+        outside = [u for u in node.users if u.name not in nodes or u.op == "output"]
+        if outside:
+            with graph.inserting_after(node):
+                back = graph.call_function(cast, (node,), {"dtype": torch.float32})
+            _retype(back, node, torch.float32)
+            for user in outside:
+                user.replace_input_with(node, back)
+        _retype(node, node, dtype)
+    graph.lint()
+    out.recompile()
+    return out
+
+
+def _retype(node: fx.Node, like: fx.Node, dtype: torch.dtype) -> None:
+    """`node`'s meta says it holds `like`'s value at `dtype` (where `like` says anything)."""
+    val = like.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        node.meta["val"] = val.to(dtype)
+    meta = like.meta.get("tensor_meta")
+    if meta is not None:
+        node.meta["tensor_meta"] = meta._replace(dtype=dtype)
+
+
+def _error(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
+           expected: Sequence[Sequence[torch.Tensor]]) -> float:
+    worst = 0.0
+    with torch.no_grad():
+        for x, want in zip(inputs, expected, strict=True):
+            got = gm(*x)
+            got = list(got) if isinstance(got, (list, tuple)) else [got]
+            worst = max(worst, relative_error(got, list(want)))
+    return worst
+
+
+def choose(gm: fx.GraphModule, low: str, target: float,
+           inputs: Sequence[Sequence[torch.Tensor]],
+           expected: Sequence[Sequence[torch.Tensor]],
+           measure: Callable[[fx.GraphModule], float] | None = None,
+           max_builds: int = 5) -> tuple[fx.GraphModule, Mix]:
+    """The part lowered to `low` but for the fewest groups that hold it within `target`;
+    CompileError when nothing short of fp32 does.
+
+    torch eager ranks the groups and estimates how many must stay fp32; a runtime's bf16 is
+    not torch's (OpenVINO's ran ViT-B 2-4x further off than torch's estimate), so where
+    `measure` is given (a build's error on a real runtime) the count is settled on it: more
+    groups kept (doubling) until a build holds, then halving the gap, `max_builds` builds
+    at most."""
+    gm = fold_batch_norms(gm)
+    ShapeProp(gm).propagate(*inputs[0])  # dtypes where a part's inputs carry no meta val
+    groups = compute_groups(gm)
+    if not groups:
+        raise CompileError(f"{name(low)}: the part has no matmul, conv or attention to lower")
+    spans = regions(gm, groups)
+    everything = {n for nodes in spans.values() for n in nodes}
+    order: list[str] = []
+    alone: dict[str, float] = {}
+
+    def ranked() -> list[str]:
+        if not order:
+            alone.update({g: _error(lower(gm, spans[g], low), inputs, expected)
+                          for g in groups})
+            order.extend(sorted(groups, key=lambda g: -alone[g]))
+        return order
+
+    def keeping(k: int) -> fx.GraphModule:
+        keep = {n for g in ranked()[:k] for n in spans[g]} if k else set()
+        return lower(gm, everything - keep, low)
+
+    k = _estimate(keeping, len(groups), target, inputs, expected)
+    if measure is None:
+        if k >= len(groups):
+            raise CompileError(f"{name(low)}: no group short of all {len(groups)} at fp32 "
+                               f"holds {target:.0e} (torch's estimate)")
+        module = keeping(k)
+        return module, Mix(low, ranked()[:k], len(groups), alone,
+                           _error(module, inputs, expected))
+    k, error = _settle(keeping, min(k, len(groups) - 1), len(groups), target, measure,
+                       max_builds)
+    mix = Mix(low, ranked()[:k] if k else [], len(groups), alone, error, measured=True)
+    log.info("mixed precision: %s", mix.describe())
+    return keeping(k), mix
+
+
+def _estimate(keeping: Callable[[int], fx.GraphModule], count: int, target: float,
+              inputs: Sequence[Sequence[torch.Tensor]],
+              expected: Sequence[Sequence[torch.Tensor]]) -> int:
+    """torch eager's count of groups to keep: 0 when all lowered holds, else the bisection's
+    smallest k (`count` when only all of them hold)."""
+    if _error(keeping(0), inputs, expected) <= target:
+        return 0
+    lo, hi = 1, count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _error(keeping(mid), inputs, expected) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _settle(keeping: Callable[[int], fx.GraphModule], k: int, count: int, target: float,
+            measure: Callable[[fx.GraphModule], float], max_builds: int) -> tuple[int, float]:
+    """The smallest k a real build holds `target` at, from torch's estimate `k`."""
+    errors: dict[int, float] = {}
+    failing = -1
+    while len(errors) < max_builds:
+        errors[k] = measure(keeping(k))
+        if errors[k] <= target:
+            break
+        failing = k
+        if k >= count - 1:
+            raise CompileError(f"no group short of all {count} at fp32 holds {target:.0e} "
+                               f"(kept {k}: {errors[k]:.1e})")
+        k = min(count - 1, max(k + 1, 2 * k))
+    else:
+        raise CompileError(f"no build of {max_builds} held {target:.0e} (kept "
+                           + ", ".join(f"{n}: {e:.1e}" for n, e in errors.items()) + ")")
+    passing = k
+    while len(errors) < max_builds and passing - failing > 1:
+        mid = (passing + failing) // 2
+        errors[mid] = measure(keeping(mid))
+        if errors[mid] <= target:
+            passing = mid
+        else:
+            failing = mid
+    return passing, errors[passing]

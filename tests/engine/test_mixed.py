@@ -1,0 +1,150 @@
+"""Mixed precision inside a part (runtimes/mixed.py): a model with one sensitive layer keeps
+that layer at fp32 and the rest at bf16, within budget, and says so; a budget nothing short
+of fp32 holds falls back to fp32 and says why."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import cuvild
+from cuvild.engine.arena import Arena
+from cuvild.engine.engine import Engine
+from cuvild.engine.precision import PrecisionPolicy
+from cuvild.intake.summary import summarize
+from partitioner.profile import DeviceProfile
+from partitioner.split import split_program
+from runtimes import mixed
+from runtimes.base import relative_error
+from runtimes.profiling.hardware import cpuinfo
+
+CORES = sorted(os.sched_getaffinity(0))
+BF16_FLAGS = {"avx512_bf16", "amx_bf16"} & set(cpuinfo()["flags"])
+
+
+class Sensitive(nn.Module):
+    """A deep MLP plus one gate whose output (about 20 +- 2) feeds exp(): bf16's spacing of
+    0.125 there costs up to 6% of the output; everywhere else far less."""
+
+    def __init__(self, width: int = 512, depth: int = 6) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU())
+                                    for _ in range(depth)])
+        self.head = nn.Linear(width, 16)
+        self.gate = nn.Linear(width, 16)
+        with torch.no_grad():
+            self.gate.bias.fill_(20.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)) + torch.exp(self.gate(x))
+
+
+def sample(rows: int = 32) -> torch.Tensor:
+    return torch.randn(rows, 512)
+
+
+@pytest.fixture(scope="module")
+def net():
+    torch.manual_seed(0)
+    return Sensitive().eval()
+
+
+def test_the_sensitive_group_is_found_and_kept_fp32(net):
+    """torch eager only: any CPU. Only the gate costs the budget; it alone stays fp32."""
+    x = sample()
+    ep = torch.export.export(net, (x,))
+    names = [n.name for n in ep.graph.nodes if n.op == "call_function"]
+    part = split_program(ep, {n: "p0" for n in names}).parts[0].module
+    with torch.no_grad():
+        want = [net(x)]
+    groups = mixed.compute_groups(part)
+    assert set(groups) == {f"body.{i}.0" for i in range(6)} | {"head", "gate"}
+    module, mix = mixed.choose(part, "bf16", 5e-3, [[x]], [want])
+    assert mix.kept == ["gate"], mix.describe()
+    assert mix.alone["gate"] > 1e-2 > max(v for g, v in mix.alone.items() if g != "gate")
+    with torch.no_grad():
+        got = module(x)
+    assert relative_error(list(got) if isinstance(got, (list, tuple)) else [got], want) <= 5e-3
+    casts = [n for n in module.graph.nodes if n.kwargs.get("dtype") == torch.bfloat16]
+    assert len(casts) == 3 * 7  # input, weight, bias of each lowered linear
+    _, loose = mixed.choose(part, "bf16", 0.5, [[x]], [want])  # bf16 everywhere holds it
+    assert loose.kept == [] and "fp32 between them" in loose.describe()
+
+    def lowered(module):  # a stand-in runtime whose bf16 holds only 5 lowered linears
+        return 1.0 if sum(n.kwargs.get("dtype") == torch.bfloat16
+                          for n in module.graph.nodes) > 3 * 5 else 0.0
+
+    _, settled = mixed.choose(part, "bf16", 5e-3, [[x]], [want], measure=lowered)
+    assert settled.kept[0] == "gate" and len(settled.kept) == 3 and settled.measured
+    lone = nn.Linear(512, 16).eval()  # one group: nothing short of fp32 holds 1e-9
+    ep = torch.export.export(lone, (x,))
+    names = [n.name for n in ep.graph.nodes if n.op == "call_function"]
+    part = split_program(ep, {n: "p0" for n in names}).parts[0].module
+    with torch.no_grad(), pytest.raises(mixed.CompileError, match="no group short of all"):
+        mixed.choose(part, "bf16", 1e-9, [[x]], [[lone(x)]])
+
+
+@pytest.fixture(scope="module")
+def archive(net, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mixed")
+    ep = cuvild.export(net, (sample(),))
+    path = tmp / "sensitive.pt2"
+    torch.export.save(ep, path)
+    return path, summarize(ep)["inputs"]
+
+
+@pytest.fixture
+def engine(tmp_path_factory):
+    if not BF16_FLAGS:
+        reason = "this CPU has neither avx512_bf16 nor amx_bf16: OpenVINO runs no bf16 here"
+        print(f"skipping: {reason}")
+        pytest.skip(reason)
+    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES, runtimes=["openvino"],
+                        peak_gflops={"fp32": 100.0, "bf16": 400.0}, mem_bw_gbs=20.0,
+                        link_bw_gbs=10.0, launch_us=5.0, features=sorted(BF16_FLAGS))
+    arena = Arena(f"{os.getpid()}-mixed")
+    eng = Engine([cpu], tmp_path_factory.mktemp("mixed-cache"), arena)
+    yield eng
+    eng.close()
+    arena.close()
+
+
+def test_a_sensitive_layer_stays_fp32_and_the_rest_runs_bf16(engine, net, archive):
+    path, specs = archive
+    loaded = engine.prepare("s", "s", "1", path, specs, policy=PrecisionPolicy("auto", 1e-2))
+    (part,) = loaded.plan.parts
+    notes = loaded.accuracy.notes
+    assert part.precision == "bf16+fp32" and part.runtime == "openvino", notes
+    said = [n for n in notes if n.startswith("p0 runs bf16+fp32")]
+    assert said and "1 of 8 groups kept fp32: gate" in said[0], notes
+    variants = loaded.routes[0].built.candidates
+    # the whole part at bf16 is over the budget (tried and refused, or slower than the mix)
+    assert min(c["rel_error"] for c in variants if c["precision"] == "bf16") > 1e-2, variants
+    fp32_ms = min(c["median_ms"] for c in variants if c["precision"] == "fp32"
+                  and c["status"] == "ok")
+    mixed_ms = min(c["median_ms"] for c in variants if c["precision"] == "bf16+fp32"
+                   and c["status"] == "ok")
+    assert mixed_ms < fp32_ms  # chosen only because it ran faster
+    assert loaded.accuracy.chosen.error <= 1e-2
+    with torch.no_grad():
+        held_out = [sample() for _ in range(4)]
+        assert max(relative_error(engine.infer("s", (x,)), [net(x)]) for x in held_out) <= 1e-2
+
+
+def test_a_budget_of_1e_6_falls_back_to_fp32_and_says_why(engine, archive):
+    path, specs = archive
+    loaded = engine.prepare("x", "x", "1", path, specs, policy=PrecisionPolicy("auto", 1e-6))
+    (part,) = loaded.plan.parts
+    assert part.precision == "fp32"
+    # why, for each lower precision: refused end to end, or over the part's own bound, or
+    # (a mix) no group set short of all fp32 holding half the budget on the part itself
+    notes = " ".join(loaded.accuracy.notes)
+    candidates = loaded.routes[0].built.candidates
+    for lower in ("bf16", "bf16+fp32"):
+        said = f"p0 {lower} refused: end-to-end error" in notes or any(
+            c["precision"] == lower and c["status"] != "ok" and c["reason"]
+            for c in candidates)
+        assert said, (lower, notes, candidates)
