@@ -262,6 +262,12 @@ def _mix(part: fx.GraphModule, precision: str, target: float,
     low = mixed_low(precision)
     if low is None:
         return part, None
+    if not names:
+        error = CompileError(f"{precision}: none of the runtimes that run a graph's own dtypes "
+                             f"({', '.join(MIXED_RUNTIMES)}) may build for {spec.device.id}")
+        error.candidates = [Candidate("mixed", "skipped", str(error),  # type: ignore[attr-defined]
+                                      precision=precision)]
+        raise error
 
     def measure(module: fx.GraphModule) -> float:
         for name in names:

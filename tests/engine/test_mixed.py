@@ -5,6 +5,7 @@ of fp32 holds falls back to fp32 and says why."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -17,8 +18,8 @@ from cuvild.engine.precision import PrecisionPolicy
 from cuvild.intake.summary import summarize
 from partitioner.profile import DeviceProfile
 from partitioner.split import split_program
-from runtimes import mixed
-from runtimes.base import relative_error
+from runtimes import mixed, registry
+from runtimes.base import Executable, Runtime, relative_error
 from runtimes.profiling.hardware import cpuinfo
 
 CORES = sorted(os.sched_getaffinity(0))
@@ -148,3 +149,56 @@ def test_a_budget_of_1e_6_falls_back_to_fp32_and_says_why(engine, archive):
             c["precision"] == lower and c["status"] != "ok" and c["reason"]
             for c in candidates)
         assert said, (lower, notes, candidates)
+
+
+# -- a runtime whose bf16 is wrong: the end-to-end check refuses it -------------------------
+class CorruptBF16(Runtime):
+    """Test-only: fp32 is torch eager (slowed by 2 ms a run), bf16 answers 3% off, as
+    OpenVINO's bf16 has been reported to on AVX512_BF16 CPUs without AMX. Within the part's
+    sanity bound, faster: only the end-to-end check can refuse it."""
+
+    name = "corrupt"
+    kinds = ("cpu",)
+    precisions = ("fp32", "bf16")
+
+    def compile(self, part, spec):  # noqa: ANN001, ANN201
+        return Corrupted(part, spec.precision)
+
+
+class Corrupted(Executable):
+    runtime = "corrupt"
+
+    def __init__(self, part, precision):  # noqa: ANN001
+        self.part, self.precision = part, precision
+
+    def run(self, inputs):  # noqa: ANN001, ANN201
+        with torch.inference_mode():
+            outs = list(self.part(*inputs))
+        if self.precision == "fp32":
+            time.sleep(0.002)
+            return outs
+        return [o * 1.03 for o in outs]
+
+
+def test_a_runtime_whose_bf16_is_wrong_is_refused_end_to_end(monkeypatch, tmp_path, archive):
+    """Any CPU: the runtime is a stand-in. In-process workers see the patched registry."""
+    monkeypatch.setitem(registry.RUNTIMES, "corrupt", "test_mixed:CorruptBF16")
+    monkeypatch.setitem(registry.BY_KIND, "cpu", (*registry.BY_KIND["cpu"], "corrupt"))
+    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES, runtimes=["corrupt"],
+                        peak_gflops={"fp32": 100.0, "bf16": 400.0}, mem_bw_gbs=20.0,
+                        link_bw_gbs=10.0, launch_us=5.0)
+    arena = Arena(f"{os.getpid()}-corrupt")
+    engine = Engine([cpu], tmp_path, arena, in_process=True, runtimes={"cpu": ["corrupt"]})
+    try:
+        path, specs = archive
+        loaded = engine.prepare("c", "c", "1", path, specs,
+                                policy=PrecisionPolicy("auto", 1e-2))
+        (part,) = loaded.plan.parts
+        notes = loaded.accuracy.notes
+        assert part.precision == "fp32" and part.runtime == "corrupt", notes
+        refused = [n for n in notes if n.startswith("p0 bf16 refused: end-to-end error")]
+        assert refused and "3.0e-02 > 1e-02" in refused[0], notes
+        assert loaded.accuracy.chosen.error < 1e-4
+    finally:
+        engine.close()
+        arena.close()
