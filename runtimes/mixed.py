@@ -133,14 +133,19 @@ def regions(gm: fx.GraphModule, groups: dict[str, list[str]]) -> dict[str, set[s
     its last, with casts only where it meets fp32 (a cast around every matmul alone costs
     more than bf16 saves: ResNet-50 ran slower than fp32 that way)."""
     out: dict[str, set[str]] = {g: set(nodes) for g, nodes in groups.items()}
-    for node in gm.graph.nodes:
+    for node in gm.graph.nodes:  # in order: an op's inputs are placed before it
         if (node.op != "call_function" or not _float(node) or _op_name(node) in SENSITIVE
-                or category(_op_name(node)) in SENSITIVE_KINDS):
+                or category(_op_name(node)) in SENSITIVE_KINDS
+                or any(node.name in nodes for nodes in out.values())):
             continue
         path = _module_path(node)
         within = [g for g in out if path == g or path.startswith(g + ".")]
-        if within:  # the innermost group's ("layers.6.mlp", not "layers.6")
-            out[max(within, key=len)].add(node.name)
+        if not within:
+            continue
+        group = max(within, key=len)  # the innermost ("layers.6.mlp", not "layers.6")
+        inputs = [a for a in node.all_input_nodes if _float(a) and a.op != "get_attr"]
+        if all(a.name in out[group] for a in inputs):  # not a residual add: its stream
+            out[group].add(node.name)  # (from outside the group) stays fp32
     return out
 
 
