@@ -51,12 +51,13 @@ SEQ = 128
 def families() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]]:
     import transformers as tf
 
-    gen = torch.Generator().manual_seed(0)
-
+    # A generator per model: a model's input does not depend on which others run before it.
     def image() -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
         return {"pixel_values": torch.randn(1, 3, 224, 224, generator=gen)}
 
     def text(vocab: int, mask: bool) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
         ids = {"input_ids": torch.randint(0, vocab, (1, SEQ), generator=gen)}
         return {**ids, "attention_mask": torch.ones(1, SEQ, dtype=torch.long)} if mask else ids
 
