@@ -19,9 +19,9 @@ import torch
 from cuvild.engine.orders import Build, Variant
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
-from runtimes.base import CompileError
+from runtimes.base import MIXED, CompileError
 from runtimes.cache import CompileCache
-from runtimes.select import BuiltPart, build_part
+from runtimes.select import BuiltPart, Candidate, build_part
 
 _splits: dict[str, SplitProgram] = {}  # model key -> split, while its parts are being built
 
@@ -98,6 +98,10 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
     built: dict[str, BuiltPart] = {}
     tried: list[dict[str, Any]] = []
     for i, precision in enumerate(order.precisions):
+        needless = _needless_mix(precision, built, order)
+        if needless:  # its plain low precision holds already: a mix could only be slower
+            tried.append(asdict(Candidate("mixed", "skipped", needless, precision=precision)))
+            continue
         try:
             built[precision] = b = build_part(
                 part.module, device, precision, samples, cache, timeout_s=order.timeout_s,
@@ -115,6 +119,20 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
                 raise
             tried += [asdict(c) for c in getattr(e, "candidates", [])]
     return built, tried
+
+
+def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build) -> str:
+    """Why a mixed precision need not be built ("" when it must): the part built at its low
+    precision alone is already within what the mix would aim at (the ranking and the builds
+    of a mix cost a load tens of seconds)."""
+    low = precision.removesuffix(MIXED) if precision.endswith(MIXED) else None
+    if low is None or low not in built or not order.budget:
+        return ""
+    b = built[low]
+    error = min(c.rel_error for c in b.candidates if c.runtime == b.runtime and c.status == "ok")
+    target = order.budget * MIX_SHARE
+    return (f"not built: {low} alone measures {error:.1e} <= {target:.0e} on this part"
+            if error <= target else "")
 
 
 def variants(built: dict[str, BuiltPart]) -> list[Variant]:

@@ -151,6 +151,15 @@ def test_a_budget_of_1e_6_falls_back_to_fp32_and_says_why(engine, archive):
         assert said, (lower, notes, candidates)
 
 
+def test_no_mix_is_built_where_bf16_alone_holds(engine, archive):
+    path, specs = archive
+    loaded = engine.prepare("l", "l", "1", path, specs, policy=PrecisionPolicy("auto", 0.5))
+    assert loaded.plan.parts[0].precision == "bf16", loaded.accuracy.notes
+    mix = [c for c in loaded.routes[0].built.candidates if c["precision"] == "bf16+fp32"]
+    assert len(mix) == 1 and mix[0]["status"] == "skipped", mix
+    assert mix[0]["reason"].startswith("not built: bf16 alone measures"), mix
+
+
 # -- a runtime whose bf16 is wrong: the end-to-end check refuses it -------------------------
 class CorruptBF16(Runtime):
     """Test-only: fp32 is torch eager (slowed by 2 ms a run), bf16 answers 3% off, as
