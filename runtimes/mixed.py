@@ -239,6 +239,7 @@ def lower(gm: fx.GraphModule, nodes: set[str], low: str) -> fx.GraphModule:
         _retype(node, node, dtype)
     graph.lint()
     out.recompile()
+    out.meta["cuvil_mixed"] = low  # what runtimes/openvino.py checks ran low
     return out
 
 

@@ -184,15 +184,10 @@ def check_precision(compiled: ov.CompiledModel, device: str, precision: str) -> 
 
 
 def lowered(part: fx.GraphModule) -> str | None:
-    """The low element type a mixed-precision part's graph casts to ("bf16", "f16"), if any
-    (runtimes/mixed.py): such a part is compiled with an f32 hint and its typed ops run low."""
-    import torch
-
-    names = {torch.bfloat16: "bf16", torch.float16: "f16"}
-    for node in part.graph.nodes:
-        if node.op == "call_function" and node.kwargs.get("dtype") in names:
-            return names[node.kwargs["dtype"]]
-    return None
+    """The element type a mixed-precision part's groups run at ("bf16", "f16"), None for any
+    other part (runtimes/mixed.py marks the graphs it lowers): such a part is compiled with an
+    f32 hint and its typed ops run low."""
+    return {"bf16": "bf16", "fp16": "f16"}.get(getattr(part, "meta", {}).get("cuvil_mixed"))
 
 
 def check_lowered(compiled: ov.CompiledModel, device: str, want: str) -> None:

@@ -292,7 +292,7 @@ def _mix(part: fx.GraphModule, precision: str, target: float,
             f"{precision}: {type(e).__name__}: {e}"[:500])
         error.candidates = [Candidate("mixed", "skipped", str(error),  # type: ignore[attr-defined]
                                       precision=precision)]
-        raise error from e
+        raise error from (None if error is e else e)
 
 
 def _problem(part: fx.GraphModule, spec: CompileSpec, precision: str, cache: CompileCache,
