@@ -24,9 +24,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from cuvild.serve.regions import Caller, RegionError
+from cuvild.serve.regions import Caller, RegionError, check_room, keys
 
 HANDLE_SIZE = 64  # CUDA_IPC_HANDLE_SIZE
+KIND = "CUDA shared-memory"  # in its messages
 
 
 @dataclass(frozen=True)
@@ -123,27 +124,11 @@ class CudaRegions:
         return region
 
     def _check_room(self, caller: Caller, name: str, byte_size: int) -> None:
-        if (caller, name) in self._regions:
-            raise RegionError("exists", f"CUDA shared-memory region {name!r} is already "
-                                        "registered")
-        mine = [r for (c, _), r in self._regions.items() if c == caller]
-        if len(mine) >= self.max_regions:
-            raise RegionError("exhausted", f"{len(mine)} CUDA shared-memory regions registered "
-                                           f"already (shm.max_regions_per_caller: "
-                                           f"{self.max_regions})")
-        held = sum(r.byte_size for r in mine)
-        if held + byte_size > self.max_bytes:
-            raise RegionError("exhausted", f"{held} + {byte_size} bytes of CUDA shared-memory "
-                                           f"regions exceed shm.max_bytes_per_caller "
-                                           f"({self.max_bytes})")
+        check_room(self._regions, caller, name, byte_size, self.max_regions, self.max_bytes,
+                   KIND)
 
     def _keys(self, caller: Caller, name: str) -> list[tuple[Caller, str]]:
-        if not name:
-            return [k for k in self._regions if k[0] == caller]
-        if (caller, name) not in self._regions:
-            raise RegionError("not_found", f"no CUDA shared-memory region {name!r} is "
-                                           "registered")
-        return [(caller, name)]
+        return keys(self._regions, caller, name, KIND)
 
     def _close(self, pointer: int) -> None:
         rt = self._rt

@@ -23,6 +23,7 @@ import stat
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from cuvild.engine.arena import SHM_DIR
 
@@ -79,6 +80,34 @@ def _others_reach(fd: int, st: os.stat_result) -> str | None:
         if tag == _ACL_USER and ident != os.getuid():
             return f"user {ident} (ACL)"
     return None
+
+
+def check_room(regions: dict[tuple[Caller, str], Any], caller: Caller, name: str,
+               byte_size: int, max_regions: int, max_bytes: int,
+               kind: str = "shared-memory") -> None:
+    """Refuse a caller's new region that exists, or that takes it past its count or bytes
+    (shm.max_regions_per_caller, shm.max_bytes_per_caller): system and CUDA regions alike."""
+    if (caller, name) in regions:
+        raise RegionError("exists", f"{kind} region {name!r} is already registered")
+    mine = [r for (c, _), r in list(regions.items()) if c == caller]
+    if len(mine) >= max_regions:
+        raise RegionError("exhausted", f"{len(mine)} {kind} regions registered already "
+                                       f"(shm.max_regions_per_caller: {max_regions}); "
+                                       "unregister some first")
+    held = sum(r.byte_size for r in mine)
+    if held + byte_size > max_bytes:
+        raise RegionError("exhausted", f"{held} + {byte_size} bytes of {kind} regions exceed "
+                                       f"shm.max_bytes_per_caller ({max_bytes})")
+
+
+def keys(regions: dict[tuple[Caller, str], Any], caller: Caller, name: str,
+         kind: str = "shared-memory") -> list[tuple[Caller, str]]:
+    """The caller's region `name`, or all of the caller's when `name` is empty."""
+    if not name:
+        return [k for k in regions if k[0] == caller]
+    if (caller, name) not in regions:
+        raise RegionError("not_found", f"no {kind} region {name!r} is registered")
+    return [(caller, name)]
 
 
 class Regions:
@@ -150,25 +179,10 @@ class Regions:
         return region
 
     def _check_room(self, caller: Caller, name: str, byte_size: int) -> None:
-        if (caller, name) in self._regions:
-            raise RegionError("exists", f"shared-memory region {name!r} is already registered")
-        mine = [r for (c, _), r in list(self._regions.items()) if c == caller]
-        if len(mine) >= self.max_regions:
-            raise RegionError("exhausted", f"{len(mine)} shared-memory regions registered "
-                                           f"already (shm.max_regions_per_caller: "
-                                           f"{self.max_regions}); unregister some first")
-        held = sum(r.byte_size for r in mine)
-        if held + byte_size > self.max_bytes:
-            raise RegionError("exhausted", f"{held} + {byte_size} bytes of shared-memory "
-                                           f"regions exceed shm.max_bytes_per_caller "
-                                           f"({self.max_bytes})")
+        check_room(self._regions, caller, name, byte_size, self.max_regions, self.max_bytes)
 
     def _keys(self, caller: Caller, name: str) -> list[tuple[Caller, str]]:
-        if not name:
-            return [k for k in self._regions if k[0] == caller]
-        if (caller, name) not in self._regions:
-            raise RegionError("not_found", f"no shared-memory region {name!r} is registered")
-        return [(caller, name)]
+        return keys(self._regions, caller, name)
 
     def unregister(self, caller: Caller, name: str = "") -> list[Region]:
         """Drop the caller's region `name` (all of the caller's when empty); returns them."""
