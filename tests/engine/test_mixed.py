@@ -114,21 +114,25 @@ def engine(tmp_path_factory):
 
 
 def test_a_sensitive_layer_stays_fp32_and_the_rest_runs_bf16(engine, net, archive):
+    """What the build holds everywhere: the mix keeps exactly `gate` fp32 and is within the
+    budget. Whether the search then runs it depends on its measured speed against fp32 (a
+    timing on a busy host: `make bench` measures it, not this test); where it does, the note
+    says which group stayed fp32."""
     path, specs = archive
     loaded = engine.prepare("s", "s", "1", path, specs, policy=PrecisionPolicy("auto", 1e-2))
     (part,) = loaded.plan.parts
     notes = loaded.accuracy.notes
-    assert part.precision == "bf16+fp32" and part.runtime == "openvino", notes
-    said = [n for n in notes if n.startswith("p0 runs bf16+fp32")]
-    assert said and "1 of 8 groups kept fp32: gate" in said[0], notes
     variants = loaded.routes[0].built.candidates
+    mix = [c for c in variants if c["precision"] == "bf16+fp32" and c["status"] == "ok"]
+    assert mix and mix[0]["runtime"] == "openvino", variants
+    assert "1 of 8 groups kept fp32: gate" in mix[0]["reason"], mix
+    assert mix[0]["rel_error"] <= 1e-2
     # the whole part at bf16 is over the budget (tried and refused, or slower than the mix)
     assert min(c["rel_error"] for c in variants if c["precision"] == "bf16") > 1e-2, variants
-    fp32_ms = min(c["median_ms"] for c in variants if c["precision"] == "fp32"
-                  and c["status"] == "ok")
-    mixed_ms = min(c["median_ms"] for c in variants if c["precision"] == "bf16+fp32"
-                   and c["status"] == "ok")
-    assert mixed_ms < fp32_ms  # chosen only because it ran faster
+    assert part.precision in ("bf16+fp32", "fp32"), notes  # never bf16 alone
+    if part.precision == "bf16+fp32":
+        said = [n for n in notes if n.startswith("p0 runs bf16+fp32")]
+        assert said and "1 of 8 groups kept fp32: gate" in said[0], notes
     assert loaded.accuracy.chosen.error <= 1e-2
     with torch.no_grad():
         held_out = [sample() for _ in range(4)]
@@ -154,7 +158,8 @@ def test_a_budget_of_1e_6_falls_back_to_fp32_and_says_why(engine, archive):
 def test_no_mix_is_built_where_bf16_alone_holds(engine, archive):
     path, specs = archive
     loaded = engine.prepare("l", "l", "1", path, specs, policy=PrecisionPolicy("auto", 0.5))
-    assert loaded.plan.parts[0].precision == "bf16", loaded.accuracy.notes
+    # (bf16 runs where it measured faster than fp32: a timing, not asserted here)
+    assert loaded.plan.parts[0].precision in ("bf16", "fp32"), loaded.accuracy.notes
     mix = [c for c in loaded.routes[0].built.candidates if c["precision"] == "bf16+fp32"]
     assert len(mix) == 1 and mix[0]["status"] == "skipped", mix
     assert mix[0]["reason"].startswith("not built: bf16 alone measures"), mix
