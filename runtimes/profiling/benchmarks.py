@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-
 from partitioner.profile import RUNTIMES_BY_KIND
 from runtimes.base import installed
 from runtimes.profiling import hardware, probes
@@ -112,7 +110,7 @@ def profile_cpu(cores: list[int]) -> dict[str, Any]:
         "id": "cpu0",
         "kind": "cpu",
         "name": info["name"],
-        "memory_gb": psutil.virtual_memory().total / 1e9,
+        "memory_gb": hardware.memory_bytes() / 1e9,
         "peak_gflops": peak,
         "mem_bw_gbs": BANDWIDTH_BYTES / read_s / 1e9,
         # The host is its own "link": a cut between host parts costs at worst a memcpy.
@@ -270,7 +268,7 @@ def profile_openvino(dev_id: str, kind: str, ov_device: str, cores: list[int],
         "kind": kind,
         "name": name,
         "emulated": emulated,
-        "memory_gb": psutil.virtual_memory().total / 1e9,
+        "memory_gb": hardware.memory_bytes() / 1e9,
         "peak_gflops": peak,
         "mem_bw_gbs": BANDWIDTH_BYTES / read_s / 1e9,
         # Emulated and integrated devices share host memory: a transfer is at worst a memcpy.

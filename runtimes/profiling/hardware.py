@@ -16,8 +16,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 # Bumped whenever the micro-benchmarks change, so old cached numbers are not reused.
 PROFILER_VERSION = 4  # 2: probes per runtime, conv efficiency; 3: OpenVINO int8; 4: handoff
 
@@ -84,6 +82,11 @@ def accelerator_nodes() -> dict[str, Any]:
     }
 
 
+def memory_bytes() -> int:
+    """The host's physical memory (what psutil.virtual_memory().total reads, from sysconf)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def fingerprint(device_settings: dict[str, Any]) -> str:
     """Hash of the hardware, the software that measures it, and the device settings."""
     info = cpuinfo()
@@ -92,7 +95,7 @@ def fingerprint(device_settings: dict[str, Any]) -> str:
         "cpu": info["name"],
         "flags": cpu_features(info["flags"]),
         "cores": usable_cores(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30),
+        "memory_gib": round(memory_bytes() / 2**30),
         "machine": platform.machine(),
         "accelerators": accelerator_nodes(),
         "software": software_versions(),

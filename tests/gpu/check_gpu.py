@@ -4,7 +4,7 @@
     python3 tests/gpu/check_gpu.py --models resnet18 --budget 240 --skip-daemon
 
 Made for a lent GPU machine with no network: it uses the system python and what is installed
-there (torch, triton; torchvision, pytest, psutil if present). The daemon sections also need
+there (torch, triton; torchvision, pytest if present). The daemon sections also need
 grpcio, protobuf and tritonclient at our pins: carry them as wheels (docs/RUNTIMES.md, "GPU
 check"). Sections, each of which reports its error and lets the next one run:
 
@@ -112,7 +112,7 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability(0))
-    for module in ("triton", "pytest", "psutil", "yaml", "numpy"):
+    for module in ("triton", "pytest", "yaml", "numpy"):
         try:
             env[module] = __import__(module).__version__
         except Exception as e:  # a missing optional package is a fact to report, not a failure
@@ -377,30 +377,12 @@ def profile() -> Any:
                           timeout=240)
     if done.returncode == 0:
         profiles = json.loads(done.stdout.strip().splitlines()[-1])
-    elif "No module named 'psutil'" in done.stderr:
-        say("psutil is not installed: measuring the GPUs in this process with a stand-in")
-        profiles = _profile_without_psutil()
     else:
         raise RuntimeError(f"runtimes.profiling.benchmarks exited {done.returncode}: "
                            f"{done.stderr[-3000:]}")
     for p in profiles:
         print(json.dumps(p), flush=True)
     return profiles
-
-
-def _profile_without_psutil() -> list[dict[str, Any]]:
-    """profile_cuda with a stand-in psutil: it only reads the host's total memory."""
-    import types
-
-    import torch
-
-    shim = types.ModuleType("psutil")
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    shim.virtual_memory = lambda: types.SimpleNamespace(total=total)  # type: ignore[attr-defined]
-    sys.modules["psutil"] = shim
-    from runtimes.profiling import benchmarks
-
-    return [benchmarks.profile_cuda(i) for i in range(torch.cuda.device_count())]
 
 
 # ---- entry --------------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """configs/kserve/: the ServingRuntime, its config Secret, an InferenceService and the image recipe
-agree with each other and with what cuvild serves. Checked by reading them and by cuvild's own
-config parser and HTTP routes (the image is not built here: no registry for base images).
-
-The kserve SDK's model classes are not used: kserve 0.21 pins psutil < 6 against our 7.2.2
-(docs/SCALE-OUT.md)."""
+agree with each other, with KServe's SDK model classes and with what cuvild serves. Checked by
+reading them, by the kserve SDK (in a process of its own: tests/serve/kserve_sdk.py), and by
+cuvild's own config parser and HTTP routes (the image is not built here: no registry for base
+images)."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,20 @@ def pod_config(tmp_path: Path) -> config.Config:
     data["state_dir"], data["cache_dir"] = str(tmp_path / "state"), str(tmp_path / "cache")
     data["listen"]["unix"] = str(tmp_path / "run" / "cuvild.sock")
     return config.parse(data, "cuvild-config.yaml")
+
+
+def test_the_manifests_are_what_the_kserve_sdk_models_accept():
+    """Each manifest through the SDK's own classes (kserve.models' ClusterServingRuntime and
+    InferenceService, kubernetes' Secret): a field they do not have, a wrong type or a missing
+    required field fails, and what they read back holds every field written."""
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "kserve_sdk.py"),
+                           "manifests", str(KSERVE)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result.pop("misspelt field refused") is True  # the check itself is strict
+    for name, checked in result.items():
+        assert "error" not in checked, f"{name}: {checked.get('error')}"
+        assert checked["round_trip"], f"{name}: the SDK's {checked['kind']} lost a field"
 
 
 def test_the_runtime_declares_what_kserve_matches_on(runtime):
