@@ -176,9 +176,11 @@ class Daemon:
         from cuvild.serve.oip import InferenceService
         from cuvild.serve.rest import RestServer, tls_context
 
-        service = InferenceService(self.models, self.regions, shm_enabled=False,
+        # system shared memory under the TCP listener's rule (caller None: shm.allowed_uids)
+        service = InferenceService(self.models, self.regions,
+                                   shm_enabled=self.cfg.shm_allow_tcp_clients,
                                    metrics=self.metrics, tracer=self.tracer,
-                                   gate=Gate(self.cfg.rpc_threads))
+                                   gate=Gate(self.cfg.rpc_threads), cuda=self.cuda_regions)
         http = RestServer(service, self.cfg.http, self.cfg.rpc_threads, self.cfg.token,
                           tls_context(self.cfg.tls_cert, self.cfg.tls_key,
                                       self.cfg.tls_client_ca), drain_s=DRAIN_GRACE_S)

@@ -46,7 +46,7 @@ class Region:
 
 def _object_name(key: str) -> str:
     name = key[1:] if key.startswith("/") else key
-    if not name or "/" in name or name in (".", ".."):
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
         raise RegionError("invalid", f"shared-memory key {key!r}: expected '/name' of a POSIX "
                                      "shared-memory object")
     return name

@@ -16,18 +16,24 @@ listener does.
   POST /v2/repository/index                    the models and their states
   POST /v2/repository/models/{m}/load|unload   prepare a registered model again (answers
                                                once it is READY) / stop serving it
+  POST /v2/systemsharedmemory/region/{r}/register        {"key", "offset", "byte_size"}
+  GET  /v2/systemsharedmemory[/region/{r}]/status
+  POST /v2/systemsharedmemory[/region/{r}]/unregister
 
 Errors are `{"error": "..."}` with the status Triton gives (400 bad request, 404 unknown
-model, 503 not ready or busy). Shared memory is not offered here: an HTTP caller has no uid
-the daemon can check (use the unix socket, gRPC or the fast path on the same host). A model
-arrives by upload (`cuvilctl load`) or from the model repository, not by HTTP.
+model, 503 not ready or busy). System shared memory follows the rule of the TCP gRPC
+listener: off unless `shm.allow_tcp_clients`, and then only objects owned by a uid in
+`shm.allowed_uids` (an HTTP caller, like a TCP one, has no uid the daemon can check; both
+share one set of regions, as holders of one token). Inputs and outputs name a region with the
+protocol's `shared_memory_region`, `shared_memory_offset`, `shared_memory_byte_size`
+parameters. CUDA shared memory is gRPC only. A model arrives by upload (`cuvilctl load`) or
+from the model repository, not by HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import ssl
 import threading
@@ -37,6 +43,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import orjson
 from aiohttp import web
 
 from protos import inference_pb2 as pb
@@ -52,6 +59,7 @@ STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
           grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
           grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.FAILED_PRECONDITION: 400}
 OPEN = ("/v2/health/live", "/v2/health/ready")
+SHM = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 
 
 class Aborted(Exception):
@@ -98,7 +106,7 @@ def infer_request(name: str, version: str, body: bytes,
     else:
         head, binary = body, memoryview(b"")
     try:
-        doc = json.loads(head or b"{}")
+        doc = orjson.loads(head or b"{}")
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request is not JSON: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
@@ -108,21 +116,49 @@ def infer_request(name: str, version: str, body: bytes,
     at = 0
     for tensor in doc["inputs"]:
         raw, at = _input(request, tensor, binary, at)
-        request.raw_input_contents.append(raw)
+        if raw is not None:  # None: in shared memory
+            request.raw_input_contents.append(raw)
     if at != len(binary):
         raise bad(f"{len(binary) - at} byte(s) of binary data follow the inputs' binary_data_size")
+    outputs, params = doc.get("outputs") or [], doc.get("parameters") or {}
+    if not isinstance(outputs, list) or not isinstance(params, dict):
+        raise bad("'outputs' must be a list and 'parameters' an object")
+    return request, _outputs(request, outputs), bool(params.get("binary_data_output"))
+
+
+def _outputs(request: Any, outputs: list[Any]) -> set[str]:
+    """The outputs asked for, into `request`; those asked as binary data."""
     binary_out: set[str] = set()
-    for out in doc.get("outputs") or []:
+    for out in outputs:
         if not isinstance(out, dict) or not isinstance(out.get("name"), str):
             raise bad("each of 'outputs' needs a 'name'")
-        request.outputs.add(name=out["name"])
-        if (out.get("parameters") or {}).get("binary_data"):
+        params = out.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise bad(f"output {out['name']!r}: 'parameters' must be an object")
+        _shm_params(request.outputs.add(name=out["name"]).parameters, params,
+                    f"output {out['name']!r}")
+        if params.get("binary_data"):
             binary_out.add(out["name"])
-    everything = bool((doc.get("parameters") or {}).get("binary_data_output"))
-    return request, binary_out, everything
+    return binary_out
 
 
-def _input(request: Any, tensor: Any, binary: memoryview, at: int) -> tuple[bytes, int]:
+def _shm_params(into: Any, params: dict[str, Any], where: str) -> None:
+    """The protocol's shared-memory parameters of a JSON tensor, as gRPC carries them (the
+    servicer checks their values)."""
+    for key in SHM:
+        value = params.get(key)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            into[key].string_param = value
+        elif isinstance(value, int) and not isinstance(value, bool):
+            into[key].int64_param = value
+        else:
+            raise bad(f"{where}: parameter {key!r} must be a string or an integer, "
+                      f"got {value!r}")
+
+
+def _input(request: Any, tensor: Any, binary: memoryview, at: int) -> tuple[bytes | None, int]:
     if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
         raise bad("each of 'inputs' needs a 'name', a 'shape' and a 'datatype'")
     name, shape, datatype = tensor["name"], tensor.get("shape"), tensor.get("datatype")
@@ -130,50 +166,71 @@ def _input(request: Any, tensor: Any, binary: memoryview, at: int) -> tuple[byte
         raise bad(f"input {name!r}: 'shape' must be a list of sizes, got {shape!r}")
     if not isinstance(datatype, str):
         raise bad(f"input {name!r}: 'datatype' must be a string, got {datatype!r}")
-    request.inputs.add(name=name, datatype=datatype, shape=shape)
-    size = (tensor.get("parameters") or {}).get("binary_data_size")
+    params = tensor.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise bad(f"input {name!r}: 'parameters' must be an object")
+    added = request.inputs.add(name=name, datatype=datatype, shape=shape)
+    if "shared_memory_region" in params:
+        _shm_params(added.parameters, params, f"input {name!r}")
+        return None, at
+    size = params.get("binary_data_size")
     if size is not None:
         if not isinstance(size, int) or size < 0 or at + size > len(binary):
             raise bad(f"input {name!r}: binary_data_size {size!r} is past the body's "
                       f"{len(binary)} binary bytes")
         return bytes(binary[at:at + size]), at + size
+    return _json_data(name, datatype, shape, tensor.get("data")), at
+
+
+def _json_data(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
     if datatype not in NUMPY:
         raise bad(f"input {name!r}: {datatype} data must be sent as binary data "
                   f"(binary_data_size)")
     try:
-        array = np.asarray(tensor.get("data"), dtype=NUMPY[datatype])
+        array = np.asarray(data, dtype=NUMPY[datatype])
     except (TypeError, ValueError) as e:
         raise bad(f"input {name!r}: 'data' is not {datatype} values: {e}") from None
     if array.size != int(np.prod(shape)):
         raise bad(f"input {name!r}: {array.size} values in 'data', expected {int(np.prod(shape))} "
                   f"for {datatype}{shape}")
-    return array.tobytes(), at
+    return array.tobytes()
 
 
 def infer_response(response: Any, binary_out: set[str], everything: bool) -> web.Response:
     outputs, blobs = [], []
-    for out, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+    raws = list(response.raw_output_contents) or [b""] * len(response.outputs)
+    for out, raw in zip(response.outputs, raws, strict=True):
         item: dict[str, Any] = {"name": out.name, "datatype": out.datatype,
                                 "shape": list(out.shape)}
-        if everything or out.name in binary_out or out.datatype not in NUMPY:
+        if "shared_memory_region" in out.parameters:  # written into the caller's region
+            item["parameters"] = {k: getattr(p, p.WhichOneof("parameter_choice"))
+                                  for k, p in out.parameters.items() if k in SHM}
+        elif everything or out.name in binary_out or out.datatype not in NUMPY:
             item["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
-            item["data"] = np.frombuffer(raw, dtype=NUMPY[out.datatype]).tolist()
+            item["data"] = np.frombuffer(raw, dtype=NUMPY[out.datatype])
         outputs.append(item)
     doc: dict[str, Any] = {"model_name": response.model_name,
                            "model_version": response.model_version, "outputs": outputs}
     if response.id:
         doc["id"] = response.id
-    head = json.dumps(doc).encode()
+    head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return web.Response(body=head, content_type="application/json")
     return web.Response(body=b"".join([head, *blobs]), content_type="application/octet-stream",
                         headers={HEADER_LENGTH: str(len(head))})
 
 
+def reply(doc: Any, status: int = 200) -> web.Response:
+    """A JSON answer typed exactly `application/json` (aiohttp's json_response adds a charset,
+    which KServe's client does not take for JSON, losing the error's message)."""
+    return web.Response(body=orjson.dumps(doc), status=status,
+                        content_type="application/json")
+
+
 def error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    return reply({"error": message}, status)
 
 
 class RestServer:
@@ -203,6 +260,11 @@ class RestServer:
         app.router.add_post("/v2/repository/index", self._index)
         app.router.add_post("/v2/repository/models/{name}/load", self._load)
         app.router.add_post("/v2/repository/models/{name}/unload", self._unload)
+        shm = "/v2/systemsharedmemory"
+        app.router.add_post(shm + "/region/{region}/register", self._shm_register)
+        for base in (shm, shm + "/region/{region}"):
+            app.router.add_get(base + "/status", self._shm_status)
+            app.router.add_post(base + "/unregister", self._shm_unregister)
         return app
 
     def start(self) -> None:
@@ -243,16 +305,18 @@ class RestServer:
 
     async def _server(self, request: web.Request) -> web.Response:
         meta = await self._call("ServerMetadata", pb.ServerMetadataRequest(), request)
-        return web.json_response({"name": meta.name, "version": meta.version,
+        return reply({"name": meta.name, "version": meta.version,
                                   "extensions": [e for e in meta.extensions
-                                                 if not e.endswith("_shared_memory")]})
+                                                 if e != "cuda_shared_memory"]})
 
+    # The status answers (Triton, the protocol); the JSON bodies are KServe's model server's,
+    # which kserve.InferenceRESTClient reads.
     async def _live(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return reply({"live": True})
 
     async def _ready(self, request: web.Request) -> web.Response:
         ready = await self._call("ServerReady", pb.ServerReadyRequest(), request)
-        return web.Response(status=200 if ready.ready else 503)
+        return reply({"ready": ready.ready}, status=200 if ready.ready else 503)
 
     async def _metadata(self, request: web.Request) -> web.Response:
         m = request.match_info
@@ -260,7 +324,7 @@ class RestServer:
             name=m["name"], version=m.get("version", "")), request)
         tensors = [[{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
                     for t in group] for group in (meta.inputs, meta.outputs)]
-        return web.json_response({"name": meta.name, "versions": list(meta.versions),
+        return reply({"name": meta.name, "versions": list(meta.versions),
                                   "platform": meta.platform, "inputs": tensors[0],
                                   "outputs": tensors[1]})
 
@@ -268,7 +332,8 @@ class RestServer:
         m = request.match_info
         ready = await self._call("ModelReady", pb.ModelReadyRequest(
             name=m["name"], version=m.get("version", "")), request)
-        return web.Response(status=200 if ready.ready else 400)
+        return reply({"name": m["name"], "ready": ready.ready},
+                                 status=200 if ready.ready else 400)
 
     async def _infer(self, request: web.Request) -> web.Response:
         m = request.match_info
@@ -281,24 +346,50 @@ class RestServer:
     async def _index(self, request: web.Request) -> web.Response:
         body = await request.read()
         try:
-            ready = bool(json.loads(body or b"{}").get("ready", False))
+            ready = bool(orjson.loads(body or b"{}").get("ready", False))
         except (ValueError, AttributeError):
             raise bad("expected a JSON object, e.g. {\"ready\": true}") from None
         index = await self._call("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready),
                                  request)
-        return web.json_response([{"name": i.name, "version": i.version, "state": i.state,
+        return reply([{"name": i.name, "version": i.version, "state": i.state,
                                    "reason": i.reason} for i in index.models])
 
 
     async def _load(self, request: web.Request) -> web.Response:
         await self._call("RepositoryModelLoad", pb.RepositoryModelLoadRequest(
             model_name=request.match_info["name"]), request)
-        return web.json_response({})
+        return reply({})
 
     async def _unload(self, request: web.Request) -> web.Response:
         await self._call("RepositoryModelUnload", pb.RepositoryModelUnloadRequest(
             model_name=request.match_info["name"]), request)
-        return web.json_response({})
+        return reply({})
+
+    async def _shm_register(self, request: web.Request) -> web.Response:
+        try:
+            doc = orjson.loads(await request.read() or b"{}")
+        except (ValueError, UnicodeDecodeError):
+            doc = None
+        fields = {"key": str, "offset": int, "byte_size": int}
+        if not isinstance(doc, dict) or not all(
+                isinstance(doc.get(k, 0 if t is int else None), t)
+                and not isinstance(doc.get(k), bool) for k, t in fields.items()):
+            raise bad('expected a JSON object {"key": "/name", "offset": int, "byte_size": int}')
+        await self._call("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest(
+            name=request.match_info["region"], key=doc["key"], offset=doc.get("offset", 0),
+            byte_size=doc["byte_size"]), request)
+        return reply({})
+
+    async def _shm_status(self, request: web.Request) -> web.Response:
+        status = await self._call("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(
+            name=request.match_info.get("region", "")), request)
+        return reply([{"name": r.name, "key": r.key, "offset": r.offset,
+                                   "byte_size": r.byte_size} for r in status.regions.values()])
+
+    async def _shm_unregister(self, request: web.Request) -> web.Response:
+        await self._call("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(
+            name=request.match_info.get("region", "")), request)
+        return reply({})
 
 
 def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:

@@ -3,9 +3,12 @@ storage initializer leaves it under /mnt/models."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,20 @@ def test_a_bad_model_repository_flag_is_a_config_error(tmp_path):
     assert f"model_repository: '{missing}' is not a readable directory" in done.stderr
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(address: str, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def wait_server_ready(triton: grpcclient.InferenceServerClient, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not triton.is_server_ready():
@@ -88,26 +105,48 @@ def wait_server_ready(triton: grpcclient.InferenceServerClient, timeout: float =
 
 @pytest.mark.daemon
 def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tmp_path):
-    model = mlp()
+    """A static model and a dynamic one with batching: both served; /v2/health/ready answers
+    200 only once both are READY (a bad entry, refused, does not hold it back)."""
+    model, rows = mlp(), mlp()
     root = tmp_path / "repo"
     save(model, root / "mlp" / "1" / "model.pt2")
+    batch = torch.export.Dim("batch", min=1, max=8)
+    (root / "rows" / "1").mkdir(parents=True)
+    torch.export.save(cuvild.export(rows, (torch.randn(2, 16),), dynamic_shapes=({0: batch},)),
+                      root / "rows" / "1" / "model.pt2")
     layout(root, {"mlp/config.yaml": "precision: fp32\n",
+                  "rows/config.yaml": "precision: fp32\nmax_batch: 4\nmax_delay_us: 2000\n",
                   "broken/1/model.pt2": b"not a zip archive",
                   "typo/config.yaml": "precison: fp32\n", "typo/1/model.pt2": b"x"})
-    daemon = make_daemon(model_repository=str(root))
+    http = f"127.0.0.1:{free_port()}"
+    daemon = make_daemon(model_repository=str(root),
+                         listen={"http": http, "insecure_loopback": True})
     x = torch.randn(2, 16)
     with grpcclient.InferenceServerClient(url=daemon.target) as triton:
-        wait_server_ready(triton)  # once every entry is READY or refused
-        assert triton.is_model_ready("mlp")
+        deadline, not_ready = time.monotonic() + 300, 0
+        while http_status(http, "/v2/health/ready") != 200:  # once every entry is settled
+            assert time.monotonic() < deadline, "not ready in time"
+            not_ready += 1
+            time.sleep(0.05)
+        # READY is kept once reached: a model not READY now was not READY at the 200 above
         index = {(m["name"], m.get("version", "")): m
                  for m in triton.get_model_repository_index(as_json=True)["models"]}
         assert index[("mlp", "1")]["state"] == "READY"
+        assert index[("rows", "1")]["state"] == "READY"
         assert index[("broken", "1")]["state"] == "UNAVAILABLE"
         assert "refused" in index[("broken", "1")]["reason"]
         assert "unknown option(s) precison" in index[("typo", "")]["reason"]
+        assert triton.is_model_ready("mlp") and triton.is_model_ready("rows")
+        print(f"/v2/health/ready answered 503 {not_ready} time(s) before 200")
     with Client(daemon.target) as client:
         torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x),
                                    rtol=1e-4, atol=1e-5)
+        for n in (1, 3, 8):  # any batch size, merged up to max_batch
+            xs = torch.randn(n, 16)
+            torch.testing.assert_close(client.infer("rows", xs)["output0"], rows(xs),
+                                       rtol=1e-4, atol=1e-5)
+        (served,) = [m for m in client.models() if m["name"] == "rows"]
+        assert served["batching"]["state"] == "on" and served["batching"]["max_batch"] == 4
     assert daemon.stop() == 0
     assert "model repository: mlp:1 registered\n" in daemon.log()
 

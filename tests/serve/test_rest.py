@@ -1,25 +1,35 @@
 """The Open Inference Protocol over HTTP/REST (listen.http, cuvild/serve/rest.py): tritonclient's
-HTTP client unchanged, plain JSON as curl sends it, Triton's errors and statuses."""
+HTTP client and KServe's own REST and gRPC clients unchanged, plain JSON as curl sends it, system
+shared memory under the TCP rule, Triton's errors and statuses."""
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+import yaml
 from daemons import DaemonProcess, suite_config
 
 from cuvild.client import Client, samples
+from protos import inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.daemon
+HERE = Path(__file__).parent
 TOKEN = "s3cret-token"
 
 
@@ -32,10 +42,14 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
            sock_dir: Path) -> Iterator[tuple[DaemonProcess, str, torch.nn.Module]]:
+    """A daemon on HTTP and TCP gRPC (both with the token), TCP/HTTP shared memory allowed
+    for this uid's objects."""
     workdir = tmp_path_factory.mktemp("rest")
     address = f"127.0.0.1:{free_port()}"
     config = suite_config(workdir, workdir / "state", sock_dir,
-                          listen={"http": address, "token": TOKEN})
+                          listen={"http": address, "tcp": f"127.0.0.1:{free_port()}",
+                                  "token": TOKEN},
+                          shm={"allow_tcp_clients": True, "allowed_uids": [os.getuid()]})
     daemon = DaemonProcess(workdir, config, profiles=state_root).start()
     torch.manual_seed(3)
     model = samples.MLP(width=16, depth=2).eval()
@@ -43,6 +57,11 @@ def served(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
         client.load("mlp", model, (torch.randn(2, 16),))
     yield daemon, address, model
     daemon.close()
+
+
+def grpc_address(daemon: DaemonProcess) -> str:
+    """The daemon's TCP gRPC listener, from the config it was started with."""
+    return yaml.safe_load(daemon.config_path.read_text())["listen"]["tcp"]
 
 
 def call(address: str, path: str, body: Any = None, token: str | None = TOKEN,
@@ -137,6 +156,112 @@ def test_errors_are_json_with_tritons_statuses(served):
     status, body, _ = call(address, "/v2/models/mlp/infer", head + b"\0" * 16,
                            headers={"Inference-Header-Content-Length": str(len(head))})
     assert status == 400 and "binary_data_size 128" in json.loads(body)["error"]
+
+
+def test_kserve_rest_and_grpc_clients_infer_unchanged(served, tmp_path):
+    """KServe's own clients (kserve.InferenceRESTClient with the v2 protocol, binary and JSON
+    tensors; kserve.InferenceGRPCClient) match eager. In a process of their own: kserve and
+    tritonclient.grpc cannot share one (tests/serve/kserve_sdk.py)."""
+    daemon, address, model = served
+    x = torch.randn(2, 16)
+    want = model(x).detach().numpy()
+    np.save(tmp_path / "x.npy", x.numpy())
+    done = subprocess.run([sys.executable, str(HERE / "kserve_sdk.py"), "clients", address,
+                           grpc_address(daemon), TOKEN, str(tmp_path / "x.npy")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["rest_ready"] == [True, True] and got["grpc_ready"] == [True, True]
+    for way in ("rest_binary", "rest_json", "grpc"):
+        assert got[way]["id"] == "k1", way
+        np.testing.assert_allclose(np.array(got[way]["output"], dtype=np.float32), want,
+                                   rtol=1e-4, atol=1e-5, err_msg=way)
+
+
+def test_system_shared_memory_over_http_as_over_tcp(served):
+    """tritonclient.http registers, infers with an input and an output in one region, lists
+    and unregisters; the object must be owned by a uid in shm.allowed_uids (the TCP rule)."""
+    daemon, address, model = served
+    x = torch.randn(2, 16)
+    want = model(x).detach().numpy()
+    name, key = "hx", f"/cuvil-resttest-{os.getpid()}"
+    handle = shm.create_shared_memory_region(name, key, x.numpy().nbytes + want.nbytes)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    triton = httpclient.InferenceServerClient(url=address)
+    try:
+        assert "system_shared_memory" in triton.get_server_metadata(headers=auth)["extensions"]
+        shm.set_shared_memory_region(handle, [x.numpy()])
+        triton.register_system_shared_memory(name, key, x.numpy().nbytes + want.nbytes,
+                                             headers=auth)
+        (status,) = triton.get_system_shared_memory_status(headers=auth)
+        assert status == {"name": name, "key": key, "offset": 0,
+                          "byte_size": x.numpy().nbytes + want.nbytes}
+        given = httpclient.InferInput("x", list(x.shape), "FP32")
+        given.set_shared_memory(name, x.numpy().nbytes)
+        out = httpclient.InferRequestedOutput("output0")
+        out.set_shared_memory(name, want.nbytes, offset=x.numpy().nbytes)
+        result = triton.infer("mlp", [given], outputs=[out], headers=dict(auth))
+        assert result.get_output("output0")["parameters"]["shared_memory_region"] == name
+        got = shm.get_contents_as_numpy(handle, np.float32, list(want.shape),
+                                        offset=x.numpy().nbytes)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        triton.unregister_system_shared_memory(name, headers=auth)
+        assert triton.get_system_shared_memory_status(headers=auth) == []
+    finally:
+        triton.close()
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_a_key_with_a_nul_byte_is_invalid_on_both_protocols(served):
+    """'/adv\\x00x' once answered UNKNOWN ("embedded null byte") over gRPC: a bad key is
+    INVALID_ARGUMENT (HTTP 400) naming it, over gRPC and HTTP alike."""
+    daemon, address, _ = served
+    key = "/adv\x00x"
+    with grpc.insecure_channel(grpc_address(daemon)) as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SystemSharedMemoryRegister(inference_pb2.SystemSharedMemoryRegisterRequest(
+                name="adv", key=key, byte_size=64), timeout=10,
+                metadata=[("authorization", f"Bearer {TOKEN}")])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert repr(key) in err.value.details()
+    status, body, _ = call(address, "/v2/systemsharedmemory/region/adv/register",
+                           {"key": key, "byte_size": 64})
+    assert status == 400 and repr(key) in json.loads(body)["error"]
+    status, body, _ = call(address, "/v2/systemsharedmemory/region/adv/register", {"key": 7})
+    assert status == 400 and "byte_size" in json.loads(body)["error"]
+
+
+def test_mutated_json_bodies_get_clear_statuses(served):
+    """A bounded fuzz over the JSON body (fixed seed): every answer is 200 or 4xx with a JSON
+    error, never a 5xx, and the model still answers correctly afterwards."""
+    daemon, address, model = served
+    rng = random.Random(20261204)
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(2, 16)
+    values: list[Any] = [None, "", "x", -1, 0, 2, 1 << 40, 1.5, True, [], {}, [[1]], ["a"],
+                         {"shared_memory_region": "nope"}, {"binary_data_size": 8},
+                         {"shared_memory_region": 3}, "\x00"]
+    statuses: dict[int, int] = {}
+    for _ in range(150):
+        doc: dict[str, Any] = {"inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32",
+                                           "data": x.tolist()}]}
+        tensor, output = doc["inputs"][0], {"name": "output0"}
+        if rng.random() < 0.5:
+            doc["outputs"] = [output]
+        for _ in range(rng.randrange(1, 4)):
+            where = rng.choice([doc, tensor, tensor, output])
+            where[rng.choice(["name", "shape", "datatype", "data", "parameters", "inputs",
+                              "outputs", "id"])] = rng.choice(values)
+        status, body, _ = call(address, "/v2/models/mlp/infer", doc)
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status == 200 or (400 <= status < 500 and "error" in json.loads(body)), \
+            (status, body, doc)
+    print(f"fuzzed JSON bodies: {statuses}")
+    status, body, _ = call(address, "/v2/models/mlp/infer", {"inputs": [
+        {"name": "x", "shape": [2, 16], "datatype": "FP32", "data": x.tolist()}]})
+    got = np.array(json.loads(body)["outputs"][0]["data"], dtype=np.float32).reshape(2, -1)
+    np.testing.assert_allclose(got, model(torch.from_numpy(x)).detach().numpy(), rtol=1e-4,
+                               atol=1e-5)
 
 
 def test_an_http_listener_needs_a_token_off_loopback(tmp_path, sock_dir):
