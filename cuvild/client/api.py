@@ -190,6 +190,8 @@ class Client:
                         "fingerprint": r.fingerprint},
             "devices": [profile_dict(d) for d in r.devices],
             "models": [model_dict(m) for m in r.models],
+            "repository_refused": [{"name": e.name, "version": e.version, "reason": e.reason}
+                                   for e in r.repository_refused],
         }
 
     def profile(self, refresh: bool = False, timeout: float = 600.0) -> dict[str, Any]:

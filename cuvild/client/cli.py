@@ -99,6 +99,12 @@ def print_status(status: dict[str, Any]) -> None:
     print()
     models = status["models"]
     print(models_table(models) if models else "models: none loaded")
+    refused = status.get("repository_refused") or []
+    if refused:
+        print(f"\nmodel repository: {len(refused)} entr{'y' if len(refused) == 1 else 'ies'} "
+              "not served")
+        for e in refused:
+            print(f"  {e['name']}{':' + e['version'] if e['version'] else ''}: {e['reason']}")
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:

@@ -101,6 +101,16 @@ class ModelManager:
             finally:
                 self.scanning = False
 
+    def refusals(self) -> list[tuple[str, str, str]]:
+        """(name, version, why) of the repository's entries not served (not registered since
+        by another way)."""
+        out = []
+        for key, why in sorted(self.refused.items()):
+            name, _, version = key.partition(":")
+            if self.get(name, version) is None:
+                out.append((name, version, why))
+        return out
+
     def _scan(self, root: Path, inspect: Callable[[Path], dict[str, Any]]) -> dict[str, str]:
         t0, refused, served = time.perf_counter(), {}, 0
         try:

@@ -90,6 +90,9 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             fingerprint=result.fingerprint,
             config_path=self._config_path,
             pid=os.getpid(),
+            repository_refused=[cuvil_pb2.RepositoryRefusal(name=n, version=v, reason=why)
+                                for n, v, why in (self._models.refusals() if self._models
+                                                  else [])],
         )
 
     def ProfileDevices(self, request: cuvil_pb2.ProfileDevicesRequest,

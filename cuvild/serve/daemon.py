@@ -183,7 +183,8 @@ class Daemon:
                                    gate=Gate(self.cfg.rpc_threads), cuda=self.cuda_regions)
         http = RestServer(service, self.cfg.http, self.cfg.rpc_threads, self.cfg.token,
                           tls_context(self.cfg.tls_cert, self.cfg.tls_key,
-                                      self.cfg.tls_client_ca), drain_s=DRAIN_GRACE_S)
+                                      self.cfg.tls_client_ca), drain_s=DRAIN_GRACE_S,
+                          metrics=self.metrics)
         try:
             http.start()
         except OSError as e:

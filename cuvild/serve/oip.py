@@ -366,11 +366,9 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             response.models.add(name=served.record.name, version=served.record.version,
                                 state=served.state, reason=served.reason)
         if not request.ready:  # model repository entries that could not be registered
-            for key, why in sorted(self.models.refused.items()):
-                name, _, version = key.partition(":")
-                if self.models.get(name, version) is None:
-                    response.models.add(name=name, version=version, state="UNAVAILABLE",
-                                        reason=why)
+            for name, version, why in self.models.refusals():
+                response.models.add(name=name, version=version, state="UNAVAILABLE",
+                                    reason=why)
         return response
 
     def RepositoryModelLoad(self, request, context):  # noqa: N802

@@ -19,6 +19,8 @@ listener does.
   POST /v2/systemsharedmemory/region/{r}/register        {"key", "offset", "byte_size"}
   GET  /v2/systemsharedmemory[/region/{r}]/status
   POST /v2/systemsharedmemory[/region/{r}]/unregister
+  GET  /metrics                                the Prometheus metrics (metrics.enabled), as
+                                               metrics.listen serves them, with the token
 
 Errors are `{"error": "..."}` with the status Triton gives (400 bad request, 404 unknown
 model, 503 not ready or busy). System shared memory follows the rule of the TCP gRPC
@@ -237,8 +239,9 @@ class RestServer:
     """The HTTP listener: `start` binds (raises OSError when it cannot), `stop` drains."""
 
     def __init__(self, service: Any, address: str, threads: int, token: str | None = None,
-                 tls: ssl.SSLContext | None = None, drain_s: float = 10.0) -> None:
-        self.service, self.drain_s = service, drain_s
+                 tls: ssl.SSLContext | None = None, drain_s: float = 10.0,
+                 metrics: Any = None) -> None:
+        self.service, self.drain_s, self.metrics = service, drain_s, metrics
         self.host, _, port = address.rpartition(":")
         self.host, self.port = self.host.strip("[]"), int(port)
         self.token, self.tls = token, tls
@@ -265,6 +268,8 @@ class RestServer:
         for base in (shm, shm + "/region/{region}"):
             app.router.add_get(base + "/status", self._shm_status)
             app.router.add_post(base + "/unregister", self._shm_unregister)
+        if self.metrics is not None:
+            app.router.add_get("/metrics", self._metrics)
         return app
 
     def start(self) -> None:
@@ -364,6 +369,12 @@ class RestServer:
         await self._call("RepositoryModelUnload", pb.RepositoryModelUnloadRequest(
             model_name=request.match_info["name"]), request)
         return reply({})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        text = await self.loop.run_in_executor(self.pool, generate_latest, self.metrics.registry)
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _shm_register(self, request: web.Request) -> web.Response:
         try:

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 from daemons import ROOT
 
 import cuvild
-from cuvild.client import Client, samples
+from cuvild.client import Client, cli, samples
 from cuvild.intake import repository
 
 SEED = 7
@@ -104,7 +104,7 @@ def wait_server_ready(triton: grpcclient.InferenceServerClient, timeout: float =
 
 
 @pytest.mark.daemon
-def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tmp_path):
+def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tmp_path, capsys):
     """A static model and a dynamic one with batching: both served; /v2/health/ready answers
     200 only once both are READY (a bad entry, refused, does not hold it back)."""
     model, rows = mlp(), mlp()
@@ -147,6 +147,12 @@ def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tm
                                        rtol=1e-4, atol=1e-5)
         (served,) = [m for m in client.models() if m["name"] == "rows"]
         assert served["batching"]["state"] == "on" and served["batching"]["max_batch"] == 4
+        status = client.status()  # what `cuvilctl status` shows
+    refused = {(e["name"], e["version"]): e["reason"] for e in status["repository_refused"]}
+    assert set(refused) == {("broken", "1"), ("typo", "")}
+    assert "unknown option(s) precison" in refused[("typo", "")]
+    cli.print_status(status)
+    assert "model repository: 2 entries not served" in capsys.readouterr().out
     assert daemon.stop() == 0
     assert "model repository: mlp:1 registered\n" in daemon.log()
 

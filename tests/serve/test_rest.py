@@ -132,6 +132,14 @@ def test_plain_json_health_metadata_and_index(served):
     assert status == 404 and "cuvilctl load" in json.loads(body)["error"]
 
 
+def test_metrics_share_the_http_port_behind_the_token(served):
+    daemon, address, _ = served
+    status, body, headers = call(address, "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert b'cuvil_inference_request_success_total{model="mlp",version="1"}' in body
+    assert call(address, "/metrics", token=None)[0] == 401
+
+
 def test_errors_are_json_with_tritons_statuses(served):
     daemon, address, _ = served
     status, body, _ = call(address, "/v2", token="wrong")
