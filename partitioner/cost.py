@@ -6,6 +6,11 @@ plus its nodes. A tensor crossing between parts on different devices costs bytes
 bandwidth + link latency of each non-host end: a copy between two accelerators goes through
 host memory, so it pays both links. Graph inputs start, and graph outputs end, in host memory.
 
+A node whose precision is `auto` (its annotation's, else the model's policy) is priced at the
+fastest precision its device measured among those a search may lower it to (bf16, fp16; int8
+when the model has calibration inputs): the precision it would run at, so that a device
+whose bf16 or int8 is fast is seen as the better home before anything is built.
+
 `latency` is one request's end-to-end time: parts run as soon as their inputs arrived and their
 device is free, so parts on different devices overlap. `throughput` is the period of a full
 pipeline: the busiest device or link. Ops a device cannot run cost infinity there.
@@ -44,12 +49,18 @@ class CostModel:
         objective: str = "latency",
         support: dict[str, Support] | None = None,
         corrections: Corrections | None = None,
+        precision: str = "fp32",
+        int8: bool = False,
     ) -> None:
+        """`precision`: the model's policy ("fp32" or "auto"), for nodes no annotation gives
+        one; `int8`: an `auto` search may try int8 (the model has calibration inputs)."""
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if not devices:
             raise ValueError("no devices to place on")
         self.graph, self.devices, self.objective = graph, list(devices), objective
+        self.policy = precision
+        self.lower = ("bf16", "fp16", "int8") if int8 else ("bf16", "fp16")
         self.n, self.k = len(graph), len(devices)
         self.preds = graph.preds
         self.succs = graph.succs
@@ -84,8 +95,10 @@ class CostModel:
             raise ValueError(f"device {dev.id!r}: peak_gflops is empty")
         if dev.mem_bw_gbs <= 0:
             raise ValueError(f"device {dev.id!r}: mem_bw_gbs must be > 0")
-        asked = _precision(node)
-        dtype = asked if asked in PRECISIONS else node.dtype  # "auto" is priced as the node's
+        asked = _precision(node) or self.policy
+        if asked == "auto":
+            asked = self.run_precision(node, dev)
+        dtype = asked if asked in PRECISIONS else node.dtype
         # integer/bool/scalar ops run at the fp32 rate; a device listing neither the dtype
         # nor fp32 gets its slowest listed rate, never an optimistic one
         peak = dev.peak_gflops.get(dtype) or dev.peak_gflops.get("fp32")
@@ -94,6 +107,14 @@ class CostModel:
         if asked in BYTES_PER and node.dtype in BYTES_PER:
             moved = moved * BYTES_PER[asked] / BYTES_PER[node.dtype]
         return max(node.flops / (peak * 1e6), moved / (dev.mem_bw_gbs * 1e6))
+
+    def run_precision(self, node: CostNode, dev: DeviceProfile) -> str:
+        """The precision an `auto` node would run at on `dev`: the fastest its profile
+        measured among fp32 and the lower ones a search may try (fp32 nodes only)."""
+        if node.dtype != "fp32":
+            return node.dtype
+        rates = {p: dev.peak_gflops.get(p, 0.0) for p in ("fp32", *self.lower)}
+        return max(rates, key=lambda p: (rates[p], p == "fp32"))  # a tie stays fp32
 
     def _links(self) -> None:
         """Per-byte and fixed cost of a copy between any two places (index k is the host)."""

@@ -88,6 +88,8 @@ def plan_model(
     method: str = "auto",
     corrections: Corrections | None = None,
     sizes: dict[str, int] | None = None,
+    precision: str = "fp32",
+    int8: bool = False,
 ) -> Plan:
     """Plan a model (ExportedProgram or CostGraph) on devices (profiles, dicts or a YAML path).
 
@@ -97,7 +99,9 @@ def plan_model(
     of op names it cannot run; devices without an entry run everything. `corrections` are
     what measured parts taught the cost model (partitioner/corrections.py); the plan's notes
     say which applied. `sizes` prices a dynamic-shape program at these sizes of its symbols
-    ("s0" -> 8) instead of its example's.
+    ("s0" -> 8) instead of its example's. `precision` is the model's policy ("fp32", "auto"):
+    an `auto` node is priced at the precision its device would run it at (`int8`: the model
+    has calibration inputs, so int8 may be tried); the plan's notes say which.
     Raises PlacementError when a strict annotation cannot be honoured or no device can run
     a node, ValueError on bad profiles or arguments.
     """
@@ -106,16 +110,30 @@ def plan_model(
         devices = load_profiles(devices)
     elif any(isinstance(d, dict) for d in devices):
         devices = profiles_from_data([d if isinstance(d, dict) else d.to_dict() for d in devices])
-    cost = CostModel(graph, devices, objective, support, corrections)
+    cost = CostModel(graph, devices, objective, support, corrections, precision, int8)
     placement = place(cost, method)
     plan = build_plan(cost, placement.assign, placement.notes, placement.method,
                       placement.proven_optimal)
+    priced = _priced_lower(cost, placement.assign)
+    if priced:
+        plan.notes.append("priced at the precision `auto` would run: " + ", ".join(priced))
     if corrections:
         used = [line for dev in sorted({p.device for p in plan.parts})
                 for line in corrections.describe(dev)]
         if used:
             plan.notes.append("cost corrections learned from measured parts: " + "; ".join(used))
     return plan
+
+
+def _priced_lower(cost: CostModel, assign: Sequence[int]) -> list[str]:
+    """'cpu0 at bf16' for each device whose `auto` nodes were priced below fp32."""
+    found: dict[str, set[str]] = {}
+    for node, d in zip(cost.graph.nodes, assign, strict=True):
+        if (node.annotation.precision if node.annotation else cost.policy) == "auto":
+            found.setdefault(cost.devices[d].id, set()).add(
+                cost.run_precision(node, cost.devices[d]))
+    return [f"{dev} at {'/'.join(sorted(p - {'fp32'}))}" for dev, p in sorted(found.items())
+            if p - {"fp32"}]
 
 
 def build_plan(

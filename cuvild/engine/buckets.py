@@ -219,12 +219,15 @@ def plan_for(engine: Engine, model: LoadedModel, shapes: Shapes) -> tuple[Any, A
     model's own are used (and its split shared in the workers)."""
     if model.program is None or len(engine.devices) < 2:
         return model.plan, model.split, False
+    from cuvild.engine.precision import PrecisionPolicy
     from partitioner.plan import plan_model
     from partitioner.split import split_program
 
+    policy = model.policy or PrecisionPolicy()
     plan = plan_model(model.program, list(engine.devices.values()), objective=model.objective,
                       support=engine.support(), corrections=engine.corrections.snapshot(),
-                      sizes=sizes_of(model.program, model.dynamic, shapes))
+                      sizes=sizes_of(model.program, model.dynamic, shapes),
+                      precision=policy.mode, int8=bool(policy.calibration))
     if placement(plan) == placement(model.plan):
         return model.plan, model.split, False
     return plan, split_program(model.program, [(p.id, p.nodes) for p in plan.parts]), True

@@ -187,7 +187,8 @@ class Engine:
             say("planning")
             plan = plan_model(ep, list(self.devices.values()), objective=objective,
                               support=fallback.support(self.support(), banned),
-                              corrections=corrections)
+                              corrections=corrections, precision=policy.mode,
+                              int8=bool(policy.calibration))
             plan.notes += fallback.notes(banned)
             self.counters["planned"] += 1
         split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])

@@ -299,5 +299,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         ep = load_exported_program(self._registry.archive_path(served.record.sha256))
         if served.loaded is not None:
             engine.feedback(served.key)
+        policy = self._models.policy(served.record)
         return plan_model(ep, self._profiles().devices, objective=objective,
-                          support=engine.support(), corrections=engine.corrections.snapshot())
+                          support=engine.support(), corrections=engine.corrections.snapshot(),
+                          precision=policy.mode, int8=bool(policy.calibration))

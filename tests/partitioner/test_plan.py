@@ -218,3 +218,26 @@ def test_plan_parts_split_the_real_program(decompose: bool) -> None:
     ids = torch.randint(0, 30522, (8, 128))
     expected = ep.module()(ids)
     torch.testing.assert_close(split.run(ids)[0], expected)
+
+
+def test_auto_prices_each_device_at_the_precision_it_would_run() -> None:
+    """Placement sees a device's fast lower precision under `auto` (issue: placement priced at
+    fp32 only, so a device whose bf16/fp16/int8 is fast was never the better home)."""
+    from dataclasses import replace
+
+    cpu, npu = load_shipped("ci-host")
+    cpu = replace(cpu, peak_gflops={"fp32": 150.0, "bf16": 150.0})  # no fast bf16
+    npu = replace(npu, peak_gflops={"fp32": 100.0, "fp16": 2000.0, "int8": 8000.0})
+    graph = refmodels.costgraph("mlp-4x-linear")
+    fp32 = plan_model(graph, [cpu, npu])
+    assert [p.device for p in fp32.parts] == ["cpu0"]  # the faster fp32 device
+    assert not any("priced at" in n for n in fp32.notes)
+    auto = plan_model(graph, [cpu, npu], precision="auto")
+    assert {p.device for p in auto.parts} == {"npu0"}, auto.parts
+    assert "priced at the precision `auto` would run: npu0 at fp16" in auto.notes
+    assert auto.predicted_ms < fp32.predicted_ms / 5
+    calibrated = plan_model(graph, [cpu, npu], precision="auto", int8=True)
+    assert "priced at the precision `auto` would run: npu0 at int8" in calibrated.notes
+    model = CostModel(graph, [cpu, npu], precision="auto")
+    node = next(n for n in graph.nodes if n.category == "matmul")
+    assert model.run_precision(node, cpu) == "fp32"  # a tie keeps fp32
