@@ -177,11 +177,16 @@ def _input(request: Any, tensor: Any, binary: memoryview, at: int) -> tuple[byte
         return None, at
     size = params.get("binary_data_size")
     if size is not None:
-        if not isinstance(size, int) or size < 0 or at + size > len(binary):
+        if not _count(size) or at + size > len(binary):
             raise bad(f"input {name!r}: binary_data_size {size!r} is past the body's "
                       f"{len(binary)} binary bytes")
         return bytes(binary[at:at + size]), at + size
     return _json_data(name, datatype, shape, tensor.get("data")), at
+
+
+def _count(value: Any) -> bool:
+    """A JSON integer >= 0 (not a bool, which Python takes for an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _json_data(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
@@ -381,14 +386,12 @@ class RestServer:
             doc = orjson.loads(await request.read() or b"{}")
         except (ValueError, UnicodeDecodeError):
             doc = None
-        fields = {"key": str, "offset": int, "byte_size": int}
-        if not isinstance(doc, dict) or not all(
-                isinstance(doc.get(k, 0 if t is int else None), t)
-                and not isinstance(doc.get(k), bool) for k, t in fields.items()):
+        doc = doc if isinstance(doc, dict) else {}
+        key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
+        if not isinstance(key, str) or not _count(offset) or not _count(size):
             raise bad('expected a JSON object {"key": "/name", "offset": int, "byte_size": int}')
         await self._call("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest(
-            name=request.match_info["region"], key=doc["key"], offset=doc.get("offset", 0),
-            byte_size=doc["byte_size"]), request)
+            name=request.match_info["region"], key=key, offset=offset, byte_size=size), request)
         return reply({})
 
     async def _shm_status(self, request: web.Request) -> web.Response:
