@@ -15,8 +15,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -171,6 +173,29 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+LEFTOVER_AGE_S = 3600.0  # a temp older than this was left by a crash, not a write in progress
+
+
+def remove_leftovers(root: Path, *patterns: str, older_than_s: float = LEFTOVER_AGE_S) -> int:
+    """Remove the `.tmp-*` files and directories a crash left under `root` (glob patterns such
+    as "compiled/.tmp-*", "*/.tmp-*"). Only old ones: another worker or daemon sharing the
+    directory may be writing a young one now. Returns how many were removed."""
+    removed, now = 0, time.time()
+    for pattern in patterns:
+        for leftover in root.glob(pattern):
+            try:
+                if now - leftover.lstat().st_mtime < older_than_s:
+                    continue
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    leftover.unlink(missing_ok=True)
+                removed += 1
+            except OSError:
+                continue
+    return removed
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partitioner.profile import DeviceProfile
-from runtimes.base import fsync_dir, write_atomic
+from runtimes.base import fsync_dir, remove_leftovers, write_atomic
 
 if TYPE_CHECKING:  # torch is imported only to hash a graph: a worker that loads builds
     from torch import fx  # from the cache need not import it (cuvild/engine/worker.py)
@@ -66,11 +66,8 @@ class CompileCache:
         self._lock = threading.Lock()
         for d in (self.entries, self.choices):
             d.mkdir(parents=True, exist_ok=True)
-            for leftover in d.glob(".tmp-*"):  # a crash mid-write
-                if leftover.is_dir():
-                    shutil.rmtree(leftover, ignore_errors=True)
-                else:
-                    leftover.unlink(missing_ok=True)
+        # a crash mid-write (each worker makes one: young temps may be another's write)
+        remove_leftovers(root, "compiled/.tmp-*", "choices/.tmp-*")
 
     # -- keys ----------------------------------------------------------------------------
     @staticmethod

@@ -44,7 +44,7 @@ from cuvild.engine.layout import Slot, input_table
 from cuvild.engine.loaded import LoadedModel, Route, cut_bytes
 from cuvild.engine.orders import Built, RawTensor, Reply, Restore, Variant
 from cuvild.engine.views import NUMPY
-from runtimes.base import array_error
+from runtimes.base import array_error, fsync_dir, remove_leftovers, write_atomic
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -84,6 +84,16 @@ def directory(cache_dir: Path, record_key: str) -> Path:
     return cache_dir / "loads" / record_key
 
 
+def clean(cache_dir: Path) -> int:
+    """Remove what a crash mid-write left of load records (`.tmp-*`, older than an hour:
+    a daemon sharing the cache may be writing a young one)."""
+    removed = remove_leftovers(cache_dir / "loads", ".tmp-*", "*/.tmp-*",
+                               f"*/{BUCKETS}/.tmp-*")
+    if removed:
+        log.info("removed %d temporary file(s) a crash left among the load records", removed)
+    return removed
+
+
 def read(where: Path) -> dict[str, Any] | None:
     """The record at `where`, or None (none, or unreadable: then it is rebuilt)."""
     try:
@@ -113,7 +123,11 @@ def recordable(model: LoadedModel) -> bool:
 
 def write(where: Path, model: LoadedModel, inputs: list[list[Any]],
           expected: list[list[Any]]) -> None:
-    """Record what the load derived (written to a temporary directory, then renamed)."""
+    """Record what the load derived: its files written and synced in a temporary directory,
+    which then replaces the record (a crash leaves the old record, none, or the new one; a
+    temporary left behind is removed by `clean`)."""
+    import io
+
     import numpy as np
 
     if not recordable(model):
@@ -138,10 +152,13 @@ def write(where: Path, model: LoadedModel, inputs: list[list[Any]],
                   for j, t in enumerate(xs)}
         arrays |= {f"o{i}_{j}": t.numpy() for i, ys in enumerate(expected)
                    for j, t in enumerate(ys)}
-        np.savez(tmp / EXPECTED, **arrays)
-        (tmp / RECORD).write_text(json.dumps(record, indent=1))
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        write_atomic(tmp / EXPECTED, buf.getvalue())
+        write_atomic(tmp / RECORD, json.dumps(record, indent=1).encode())
         shutil.rmtree(where, ignore_errors=True)
         tmp.rename(where)
+        fsync_dir(where.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -157,10 +174,7 @@ def write_dynamic(where: Path, model: LoadedModel) -> None:
               # whether its rows can be batched: "" yes, else why not; None: never asked
               "rows": model.unbatched if model.batcher or model.unbatched else None}
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        tmp = where / f".tmp-{RECORD}"
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.rename(where / RECORD)
+        write_atomic(where / RECORD, json.dumps(record, indent=1).encode())
     except OSError as e:
         log.warning("model %s: load record not written (%s)", model.key, e)
 

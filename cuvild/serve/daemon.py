@@ -203,6 +203,7 @@ class Daemon:
                                            require_client_auth=ca is not None)
 
     def _start_engine(self) -> None:
+        from cuvild.engine import warm
         from cuvild.engine.batching import Batching
         from cuvild.engine.engine import Engine
         from cuvild.engine.models import ModelManager
@@ -211,6 +212,7 @@ class Daemon:
 
         for name in reclaim_stale():
             log.info("reclaimed shared memory %s left by a stopped daemon", name)
+        warm.clean(self.cfg.cache_dir)  # what a crash mid-write left of load records
         self.arena = Arena(str(os.getpid()))
         profiles = self.current_profiles()
         engine = Engine(profiles.devices, self.cfg.cache_dir, self.arena,

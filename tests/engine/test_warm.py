@@ -228,3 +228,28 @@ def test_a_restart_serves_a_dynamic_model_and_its_buckets_from_their_records(tmp
         assert sorted(p.name for p in kept.iterdir()) == ["7-32", "9-32"]
     finally:
         engine.close()
+
+
+def test_what_a_crash_left_of_records_is_removed_when_old_and_kept_when_young(tmp_path):
+    """Load records are written as temporaries, synced, then renamed; a crash can leave
+    `.tmp-*` at three levels. A start removes the old ones; a young one may be a write of a
+    daemon sharing the cache (a pod on a shared volume), so it stays."""
+    loads = tmp_path / "loads"
+    old = [loads / ".tmp-abc", loads / "k1" / ".tmp-x1", loads / "k1" / "buckets" / ".tmp-2x8"]
+    young = loads / "k2" / ".tmp-y"
+    for path in [*old, young]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.name == ".tmp-abc":
+            path.mkdir()
+            (path / "record.json").write_text("{")
+        else:
+            path.write_text("partial")
+    kept = loads / "k1" / "record.json"
+    kept.write_text("{}")
+    hour_ago = os.path.getmtime(kept) - 7200
+    for path in old:
+        os.utime(path, (hour_ago, hour_ago))
+    assert warm.clean(tmp_path) == 3
+    assert not any(p.exists() for p in old)
+    assert young.exists() and kept.exists()
+    assert warm.clean(tmp_path) == 0
