@@ -286,6 +286,28 @@ def test_an_http_listener_needs_a_token_off_loopback(tmp_path, sock_dir):
     assert ok.http == "127.0.0.1:8000"
 
 
+def test_shared_memory_off_is_refused_with_403(tmp_path):
+    """`shm.allow_tcp_clients: false` (the default): the HTTP listener refuses every shared-
+    memory route, as the TCP gRPC listener does (in-process: no daemon, no model needed)."""
+    from cuvild.serve.oip import InferenceService
+    from cuvild.serve.regions import Regions
+    from cuvild.serve.rest import RestServer
+
+    address = f"127.0.0.1:{free_port()}"
+    server = RestServer(InferenceService(None, Regions(), shm_enabled=False), address, 2)
+    server.start()
+    try:
+        for path, body in [("/v2/systemsharedmemory/region/r/register",
+                            {"key": "/x", "byte_size": 64}),
+                           ("/v2/systemsharedmemory/status", None),
+                           ("/v2/systemsharedmemory/unregister", {})]:
+            status, reply, _ = call(address, path, body, token=None)
+            assert status == 403, (path, reply)
+            assert "shm.allow_tcp_clients" in json.loads(reply)["error"], path
+    finally:
+        server.stop()
+
+
 def test_sigterm_drains_and_closes_the_http_listener(served):  # last: it stops the daemon
     daemon, address, _ = served
     assert daemon.stop() == 0
