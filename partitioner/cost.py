@@ -95,7 +95,7 @@ class CostModel:
             raise ValueError(f"device {dev.id!r}: peak_gflops is empty")
         if dev.mem_bw_gbs <= 0:
             raise ValueError(f"device {dev.id!r}: mem_bw_gbs must be > 0")
-        asked = _precision(node) or self.policy
+        asked = _precision(node) or (self.policy if self.policy == "auto" else None)
         if asked == "auto":
             asked = self.run_precision(node, dev)
         dtype = asked if asked in PRECISIONS else node.dtype

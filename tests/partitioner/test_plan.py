@@ -13,7 +13,7 @@ import yaml
 
 from partitioner import plan_model
 from partitioner.cost import CostModel, PlacementError
-from partitioner.costgraph import ANNOTATION_KEY
+from partitioner.costgraph import ANNOTATION_KEY, CostGraph
 from partitioner.fragments import fragments
 from partitioner.fxgraph import build_costgraph
 from partitioner.plan import Plan, build_plan
@@ -241,3 +241,10 @@ def test_auto_prices_each_device_at_the_precision_it_would_run() -> None:
     model = CostModel(graph, [cpu, npu], precision="auto")
     node = next(n for n in graph.nodes if n.category == "matmul")
     assert model.run_precision(node, cpu) == "fp32"  # a tie keeps fp32
+    # a model already in bf16 is priced at its own dtype under the fp32 policy, as before
+    half = CostGraph([replace(n, dtype="bf16") for n in graph.nodes], graph.edges,
+                     graph.param_bytes, graph.input_bytes)
+    fast_bf16 = replace(cpu, peak_gflops={"fp32": 150.0, "bf16": 1500.0})
+    (on_own,) = zip(*CostModel(half, [fast_bf16]).roofline_ms, strict=True)
+    (at_fp32,) = zip(*CostModel(graph, [fast_bf16]).roofline_ms, strict=True)
+    assert sum(on_own) < sum(at_fp32) / 2
