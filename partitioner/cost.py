@@ -95,9 +95,7 @@ class CostModel:
             raise ValueError(f"device {dev.id!r}: peak_gflops is empty")
         if dev.mem_bw_gbs <= 0:
             raise ValueError(f"device {dev.id!r}: mem_bw_gbs must be > 0")
-        asked = _precision(node) or (self.policy if self.policy == "auto" else None)
-        if asked == "auto":
-            asked = self.run_precision(node, dev)
+        asked = self.run_precision(node, dev) if self.is_auto(node) else _precision(node)
         dtype = asked if asked in PRECISIONS else node.dtype
         # integer/bool/scalar ops run at the fp32 rate; a device listing neither the dtype
         # nor fp32 gets its slowest listed rate, never an optimistic one
@@ -107,6 +105,10 @@ class CostModel:
         if asked in BYTES_PER and node.dtype in BYTES_PER:
             moved = moved * BYTES_PER[asked] / BYTES_PER[node.dtype]
         return max(node.flops / (peak * 1e6), moved / (dev.mem_bw_gbs * 1e6))
+
+    def is_auto(self, node: CostNode) -> bool:
+        """Its precision is `auto`: its annotation's, else (none asked) the model's policy."""
+        return (_precision(node) or self.policy) == "auto"
 
     def run_precision(self, node: CostNode, dev: DeviceProfile) -> str:
         """The precision an `auto` node would run at on `dev`: the fastest its profile

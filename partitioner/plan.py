@@ -129,7 +129,7 @@ def _priced_lower(cost: CostModel, assign: Sequence[int]) -> list[str]:
     """'cpu0 at bf16' for each device whose `auto` nodes were priced below fp32."""
     found: dict[str, set[str]] = {}
     for node, d in zip(cost.graph.nodes, assign, strict=True):
-        if (node.annotation.precision if node.annotation else cost.policy) == "auto":
+        if cost.is_auto(node):
             found.setdefault(cost.devices[d].id, set()).add(
                 cost.run_precision(node, cost.devices[d]))
     return [f"{dev} at {'/'.join(sorted(p - {'fp32'}))}" for dev, p in sorted(found.items())

@@ -20,6 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120.0
 
 
+def free_port() -> int:
+    """A loopback TCP port free now (for a test's listener)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def two_core_layout() -> dict[str, Any]:
     """CPU worker on the first core, an emulated NPU on the second (the demo layout)."""
     cores = sorted(os.sched_getaffinity(0))

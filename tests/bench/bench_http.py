@@ -5,7 +5,6 @@ JSON (a 224x224 image is 150,528 numbers as JSON text)."""
 
 from __future__ import annotations
 
-import socket
 import statistics
 import sys
 import tempfile
@@ -21,17 +20,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "tests"))
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
-from daemons import DaemonProcess, suite_config  # noqa: E402
+from daemons import DaemonProcess, free_port, suite_config  # noqa: E402
 
 from cuvild.client import Client, samples  # noqa: E402
 
 ROUNDS, WARMUP = 300, 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(name: str, model: torch.nn.Module, x: torch.Tensor, tcp: str, http: str,

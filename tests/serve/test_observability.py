@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,13 @@ import xml.etree.ElementTree as ET
 import grpc
 import pytest
 import torch
+from daemons import free_port
 
 from cuvild import config
 from cuvild.client import Client
 from cuvild.client.samples import MLP, reference
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -3,7 +3,6 @@ storage initializer leaves it under /mnt/models."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from daemons import ROOT
+from daemons import ROOT, free_port
 
 import cuvild
 from cuvild.client import Client, cli, samples
@@ -80,12 +79,6 @@ def test_a_bad_model_repository_flag_is_a_config_error(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert f"model_repository: '{missing}' is not a readable directory" in done.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_status(address: str, path: str) -> int:

@@ -23,7 +23,7 @@ import torch
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 import yaml
-from daemons import DaemonProcess, suite_config
+from daemons import DaemonProcess, free_port, suite_config
 
 from cuvild.client import Client, samples
 from protos import inference_pb2, inference_pb2_grpc
@@ -31,12 +31,6 @@ from protos import inference_pb2, inference_pb2_grpc
 pytestmark = pytest.mark.daemon
 HERE = Path(__file__).parent
 TOKEN = "s3cret-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
