@@ -45,17 +45,23 @@ def read_text(path: Path) -> str:
         return ""
 
 
-def worker_processes(daemon_pid: int, marker: str = "spawn_main") -> list[Path]:
-    """/proc entries of a daemon's worker processes (multiprocessing spawns them), or of its
-    other children whose command line holds `marker` ("forkserver": the uploads' inspector)."""
+def worker_processes(daemon_pid: int, marker: str = "") -> list[Path]:
+    """/proc entries of a daemon's worker processes (named `cuvil-<device>`; spawned by the
+    daemon, or forked by its forkserver), or with `marker`, of its children whose command line
+    holds it ("forkserver": the uploads' inspector, which workers may fork from)."""
     def parent(proc: Path) -> int:
         try:
             return int(read_text(proc / "stat").rsplit(")", 1)[1].split()[1])
         except (IndexError, ValueError):
             return -1
 
-    return [p for p in Path("/proc").iterdir() if p.name.isdigit()
-            and parent(p) == daemon_pid and marker in read_text(p / "cmdline")]
+    procs = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+    children = [p for p in procs if parent(p) == daemon_pid]
+    if marker:
+        return [p for p in children if marker in read_text(p / "cmdline")]
+    servers = {int(p.name) for p in children if "forkserver" in read_text(p / "cmdline")}
+    return [p for p in procs if (p in children or parent(p) in servers)
+            and read_text(p / "comm").startswith("cuvil-")]
 
 
 class DaemonProcess:

@@ -30,6 +30,7 @@ from typing import Any
 
 from cuvild.engine.orders import Attach, Envelope, Order, Progress, Reply, Run
 from cuvild.engine.worker import Worker, answer, process_main, serve
+from cuvild.intake import forks
 from partitioner.profile import DeviceProfile
 
 
@@ -64,7 +65,10 @@ class WorkerHandle:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        # Forked from the daemon's forkserver once it runs (torch imported there once: a cold
+        # worker starts ~1.7 s of CPU sooner); spawned before that (a restored model's worker
+        # serves its records with no torch: cuvild/intake/forks.py).
+        ctx = forks.context() if forks.running() else mp.get_context("spawn")
         ours, theirs = ctx.Pipe()
         # The worker's end goes only into the process's arguments (dropped after start), so
         # the worker's death is EOF on ours.

@@ -350,14 +350,18 @@ class Control:
                 self.reply(envelope, answered)
 
 
+OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
 def _pin(device: DeviceProfile) -> None:
     """Own the device's cores with passive waits: spinning pools of two runtimes on shared
     cores slow each other by up to 1.6x (measured on the 2-core dev host)."""
     cores = device.cores or sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores)
-    os.environ.update({"OMP_NUM_THREADS": str(len(cores)), "OMP_WAIT_POLICY": "PASSIVE",
-                       "KMP_BLOCKTIME": "0"})  # (torch, imported only to build, reads them)
-    if "torch" in sys.modules:  # imported already (with the spawning program's main module):
+    os.environ.update({"OMP_NUM_THREADS": str(len(cores)), **OMP_ENV})  # (torch reads them
+    # as it loads: a spawned worker imports it only to build; cuvild/engine/omp_env.py)
+    if "torch" in sys.modules:  # imported already (forked from the daemon's forkserver, or
+        # with the spawning program's main module):
         import torch  # its pool was sized for every core; this thread runs the parts
 
         torch.set_num_threads(len(cores))
@@ -377,5 +381,8 @@ def process_main(conn: Any, direct: Any, device_dict: dict[str, Any], cache_dir:
     leaves without the interpreter's teardown (~1 s with torch: cuvild/engine/quick_exit.py)."""
     from cuvild.engine.quick_exit import quick_exit
 
+    with contextlib.suppress(OSError):  # `ps`/`top` name it (a forked one's command line is
+        # the forkserver's, a spawned one's python's)
+        Path("/proc/self/comm").write_text(f"cuvil-{device_dict['id']}"[:15])
     serve(conn, direct, DeviceProfile.from_dict(device_dict), cache_dir)
     quick_exit(0)

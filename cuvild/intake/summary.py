@@ -5,29 +5,26 @@ namespaces only); anything it refuses becomes INVALID_ARGUMENT naming the entry.
 
 `inspect_archive` opens it in a child process under memory and CPU limits, so that what a
 crafted archive costs to parse is paid there, not in the daemon's interpreter (its GIL, its
-deserializer lock, its heap). Children fork from a forkserver that has imported torch and the
-loader once (it stays resident, ~370 MB): +40-60 ms an upload over loading in-process. Its
+deserializer lock, its heap). Children fork from the daemon's forkserver (cuvild/intake/forks.py),
+which has imported torch and the loader once: +40-60 ms an upload over loading in-process. Its
 start costs ~5 s of CPU (2-core host, torch 2.13): a daemon with nothing registered starts
 it at once (`start_inspector`), so that its first upload does not wait for it.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import signal
-import threading
 import zipfile
 from pathlib import Path
 from typing import Any
+
+from cuvild.intake import forks
 
 # Limits of one inspection. Memory (RLIMIT_DATA): the child's data segment when it starts,
 # plus the archive's uncompressed size (payloads are read into memory), plus this much.
 INSPECT_MEMORY_BYTES = 1 << 30
 INSPECT_CPU_SECONDS = 120
 _WALL_SECONDS_PER_CPU_SECOND = 2.5  # a child that sleeps or blocks is stopped too
-_PRELOAD = ["torch", "cuvild.intake.safe_load", "cuvild.intake.summary", "partitioner.annotate"]
-_context_lock = threading.Lock()
-_context: Any = None
 
 
 def _spec(name: str, value: Any) -> dict[str, Any]:
@@ -76,26 +73,13 @@ def inspect_archive(path: Path, max_bytes: int) -> dict[str, Any]:
 def start_inspector() -> None:
     """Start the forkserver now (e.g. at daemon start-up, off the request path), so that the
     first upload does not pay for it. Optional: inspect_archive starts it when needed."""
-    from multiprocessing import forkserver
-
-    _get_context()
-    forkserver.ensure_running()
-
-
-def _get_context() -> Any:
-    global _context
-    with _context_lock:
-        if _context is None:
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(_PRELOAD)  # taken when the forkserver starts
-            _context = ctx
-        return _context
+    forks.start()
 
 
 def _inspect_in_child(path: Path, max_bytes: int, memory: int, cpu: int) -> dict[str, Any]:  # noqa: C901 - the child's steps and its failures in order
     from cuvild.intake.errors import UnsafeArchive  # (no torch in the daemon for this)
 
-    ctx = _get_context()
+    ctx = forks.context()
     reader, writer = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child, args=(writer, str(path), max_bytes, memory, cpu),
                         name="cuvild-inspect", daemon=True)

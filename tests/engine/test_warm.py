@@ -20,6 +20,7 @@ from cuvild.engine import buckets, warm
 from cuvild.engine.arena import Arena
 from cuvild.engine.engine import Engine
 from cuvild.engine.precision import PrecisionPolicy
+from cuvild.intake import forks
 from cuvild.intake.summary import summarize
 from partitioner.profile import DeviceProfile
 
@@ -42,6 +43,13 @@ def model(tmp_path_factory):
     torch.export.save(ep, archive)
     with torch.no_grad():
         return net, x, net(x), archive, summarize(ep)["inputs"]
+
+
+@pytest.fixture
+def spawned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers spawned, as a restarted daemon's are (it runs no forkserver until an upload:
+    cuvild/intake/forks.py), so that what a worker imports shows in its maps."""
+    monkeypatch.setattr(forks, "running", lambda: False)
 
 
 @pytest.fixture
@@ -93,6 +101,7 @@ def record_dir(cache: Path) -> Path:
     return where
 
 
+@pytest.mark.usefixtures("spawned")
 def test_a_restart_plans_and_compiles_nothing(tmp_path, arena, model):
     cache = tmp_path / "cache"
     phases: list[str] = []
@@ -169,6 +178,7 @@ def test_a_corrupt_record_or_part_is_built_again(tmp_path, arena, model, built, 
         engine.close()
 
 
+@pytest.mark.usefixtures("spawned")
 def test_a_restart_serves_a_dynamic_model_and_its_buckets_from_their_records(tmp_path, arena,  # noqa: PLR0915 - one restart story, step by step
                                                                             monkeypatch):
     """A dynamic-shape model is served at once after a restart, and each bucket it had built
