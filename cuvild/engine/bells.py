@@ -161,8 +161,7 @@ class Bells:
                     return bells
                 _close(bells)
         for device in {r.device for r in model.routes}:
-            worker = engine.workers.get(device)
-            if worker is None or not worker.alive() or not engine.usable[device].is_set():
+            if engine.workers.ready(device) is None:
                 return None
         made: dict[str, Bell] = {}
         try:
@@ -260,7 +259,7 @@ def ring_parts(engine: Any, model: LoadedModel, bells: dict[str, Bell],  # noqa:
         raise
     finally:
         for device in dead:
-            engine.revive_later(device)
+            engine.workers.revive_later(device)
     if failure is not None:
         raise failure
 
@@ -270,7 +269,7 @@ def _expired(engine: Any, running: dict[int, tuple[Route, Bell, int, float]],
     """The deadline passed with parts out: the first rung is named; with a patient request,
     their workers are taken as hung (killed and restarted)."""
     route, _, _, sent = min(running.values(), key=lambda r: r[3])
-    killed = patient and any([engine.hung(b.device, b.generation)
+    killed = patient and any([engine.workers.hung(b.device, b.generation)
                               for _, b, _, _ in running.values()])
     return RunTimeout(f"part {route.id} on {route.device} ({route.runtime}) gave no reply in "
                       f"{time.monotonic() - sent:.1f} s (the request's deadline)"

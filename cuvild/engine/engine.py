@@ -45,7 +45,7 @@ from cuvild.engine.errors import (
     WorkerLost,
     WorkerUnavailable,
 )
-from cuvild.engine.handle import WorkerDied, WorkerHandle, stop_all
+from cuvild.engine.handle import WorkerDied, WorkerHandle
 from cuvild.engine.lanes import Lanes
 from cuvild.engine.layout import (
     BadInput,
@@ -67,6 +67,7 @@ from cuvild.engine.orders import (
 )
 from cuvild.engine.precision import Accuracy, PrecisionPolicy
 from cuvild.engine.request import FEEDBACK_RUNS, Timeline, run_parts
+from cuvild.engine.workers import Workers
 from partitioner.profile import DeviceProfile
 from runtimes import registry
 
@@ -106,14 +107,12 @@ class Engine:
         self.cache_dir = cache_dir
         self.arena = arena
         self.in_process = in_process
-        self.workers: dict[str, WorkerHandle] = {}
+        self.workers = Workers(self.devices, cache_dir, in_process, run_timeout_s,
+                               self._restore)
         self.models: dict[str, LoadedModel] = {}
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
         self.active = 0  # requests inside run(): alone, a part's reply is read directly
         self._active_lock = threading.Lock()
-        self._workers_lock = threading.Lock()  # making a worker (control path only)
-        self._revive_locks: dict[str, threading.Lock] = {}  # per device
-        self.usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
         self.buckets_lock = threading.Lock()  # buckets' recency and use counts
         self.run_timeout_s = run_timeout_s
         self.max_buckets = max(1, max_buckets)
@@ -132,19 +131,6 @@ class Engine:
     def support(self) -> dict[str, Any]:
         """Per device, whether one of its runtimes can run a node (runtimes/registry.py)."""
         return registry.support(self.devices.values(), self.runtimes)
-
-    def worker(self, device_id: str) -> WorkerHandle:
-        worker = self.workers.get(device_id)
-        if worker is None:
-            with self._workers_lock:
-                worker = self.workers.get(device_id)
-                if worker is None:
-                    self.usable[device_id] = threading.Event()
-                    self.usable[device_id].set()
-                    self._revive_locks[device_id] = threading.Lock()
-                    worker = self.workers[device_id] = WorkerHandle(
-                        self.devices[device_id], self.cache_dir, in_process=self.in_process)
-        return worker
 
     # -- control path ----------------------------------------------------------------------
     def prepare(self, key: str, name: str, version: str, archive: Path,  # noqa: C901, PLR0915 - the load's steps in order; to split by plane
@@ -288,7 +274,7 @@ class Engine:
 
     def choose(self, model: LoadedModel, route: Route, at: str, final: bool = False) -> None:
         """Have the part's worker run it at precision `at` (built before)."""
-        reply = self.worker(route.device).call(Choose(model.key, route.id, at, final)).result(
+        reply = self.workers.of(route.device).call(Choose(model.key, route.id, at, final)).result(
             timeout=self.build_timeout_s)
         if not reply.ok:
             raise InferError(f"part {route.id} on {route.device}: {reply.error}")
@@ -334,7 +320,7 @@ class Engine:
         for k, (device, i, pid) in enumerate(todo, 1):
             route = next(r for r in model.routes if r.id == pid)
             label = f"building part {k} of {len(todo)} on {device}"
-            futures.append((route, self.worker(device).call(Build(
+            futures.append((route, self.workers.of(device).call(Build(
                 model=model.key, part=pid, archive=model.archive, assignment=assignment,
                 precisions=route.precisions or [route.precision],
                 input_specs=model.input_specs, timeout_s=self.compile_timeout_s,
@@ -399,8 +385,7 @@ class Engine:
             self.regions.forget(set(segments))
 
     def close(self) -> None:
-        stop_all(self.workers.values())
-        self.workers.clear()
+        self.workers.close()
 
     # -- data path -------------------------------------------------------------------------
     def resolve(self, model: LoadedModel, given: Sequence[tuple[str, tuple[int, ...]]],
@@ -532,7 +517,7 @@ class Engine:
         """Wait for the dead workers' restart, by the deadline."""
         t0 = time.monotonic()
         for device in lost.devices:
-            if not self.usable[device].wait(max(0.0, deadline - time.monotonic())):
+            if not self.workers.wait_usable(device, deadline - time.monotonic()):
                 raise RunTimeout(f"{lost}; its worker was not back in "
                                  f"{time.monotonic() - t0:.1f} s (the request's deadline)")
 
@@ -546,44 +531,14 @@ class Engine:
             with self._active_lock:
                 self.active -= 1
 
-    def hung(self, device: str, generation: int) -> bool:
-        """Kill start `generation` of a worker that gave no reply for a request's whole
-        deadline, and restart it; True if this call killed it."""
-        if not self.workers[device].kill(generation):
-            return False
-        log.error("worker for %s gave no reply for %.1f s; restarting it", device,
-                  self.run_timeout_s)
-        self.revive_later(device)
-        return True
-
-    def revive_later(self, device: str) -> None:
-        self.usable[device].clear()  # before the thread starts: a retry waits for it
-        threading.Thread(target=self._revive, args=(device,), name=f"revive-{device}",
-                         daemon=True).start()
-
-    def _revive(self, device: str) -> None:
-        """Restart a dead worker and rebuild its parts from the compile cache (one device's
-        restart never waits for another's)."""
-        with self._revive_locks[device]:
-            try:
-                worker = self.workers[device]
-                if worker.alive():
-                    return
-                log.error("worker for %s died; restarting it", device)
-                t0 = time.perf_counter()
-                worker.restart()
-                for model in list(self.models.values()):
-                    # (a dynamic-shape model's own parts are never built: its buckets are)
-                    if (device in model.parts_by_device and not model.evicted
-                            and not model.dynamic):
-                        self._rebuild(model, device)
-                        if model.evicted:  # evicted meanwhile: not kept there either
-                            worker.call(Unload(model.key))
-                log.info("worker for %s back in %.2f s", device, time.perf_counter() - t0)
-            except Exception:
-                log.exception("restarting the worker for %s failed", device)
-            finally:
-                self.usable[device].set()
+    def _restore(self, device: str, worker: WorkerHandle) -> None:
+        """Put a restarted worker's parts back (Workers revives it)."""
+        for model in list(self.models.values()):
+            # (a dynamic-shape model's own parts are never built: its buckets are)
+            if device in model.parts_by_device and not model.evicted and not model.dynamic:
+                self._rebuild(model, device)
+                if model.evicted:  # evicted meanwhile: not kept there either
+                    worker.call(Unload(model.key))
 
     def _rebuild(self, model: LoadedModel, device: str) -> None:
         """A revived worker's parts of `model`: loaded from the cache as a load record would

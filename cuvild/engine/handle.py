@@ -5,7 +5,7 @@ sends a Run whose reply comes back on a second pipe that the calling thread read
 which saves a thread wake-up per call (about 0.1 ms on the 2-core dev host) when its request
 is alone in the engine; with a worker in a thread (`in_process=True`), `run` executes the part
 in the calling thread. The worker's death is EOF on the pipes: pending calls fail with
-WorkerDied and the engine revives it.
+WorkerDied and the engine's Workers (workers.py) revive it.
 
 Every wait has a deadline: `run` gives up at its own (ReplyTimeout, whose `late` future
 completes when the reply comes after all, or the worker dies), and the engine waits on

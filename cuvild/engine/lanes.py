@@ -76,7 +76,7 @@ class Attached:
         """Its socket closed under a request: close it, and wait until its worker has said
         the session ended or its reader has seen the worker die. The socket closes as the
         process exits, before its pipes say so or it can be reaped: a restart decided in that
-        gap (engine._revive) found the dying worker alive and let the retry meet it."""
+        gap (Workers._revive) found the dying worker alive and let the retry meet it."""
         self.close()  # (a Lane's or a Bell's)
         with contextlib.suppress(Exception):
             self.ended.exception(timeout=LOST_WAIT_S)
@@ -196,8 +196,8 @@ class Lanes:
                     return lane
                 lane.close()
         route = model.routes[0]
-        worker = engine.workers.get(route.device)
-        if worker is None or not worker.alive() or not engine.usable[route.device].is_set():
+        worker = engine.workers.ready(route.device)
+        if worker is None:
             return None
         try:
             return Lane(worker, model, route)
@@ -221,11 +221,11 @@ class Lanes:
         try:
             return lane.run(engine, inputs, output_refs, raw, into, deadline)
         except RunTimeout as e:
-            if patient and engine.hung(lane.route.device, lane.generation):
+            if patient and engine.workers.hung(lane.route.device, lane.generation):
                 raise RunTimeout(f"{e}; its worker was stopped and is being restarted") from None
             raise
         except WorkerLost as e:
-            engine.revive_later(model.routes[0].device)
+            engine.workers.revive_later(model.routes[0].device)
             log.warning("model %s: %s; running the request again once its worker is back",
                         model.key, e)
             return None

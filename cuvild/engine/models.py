@@ -82,7 +82,7 @@ class ModelManager:
             devices |= warm.devices_of(warm.read(where) or {})
         started = sorted(devices & set(self.engine.devices))
         for device in started:
-            self.engine.worker(device)
+            self.engine.workers.of(device)
         return started
 
     def restore(self) -> None:

@@ -48,7 +48,7 @@ def measured(engine: Any, model: LoadedModel, route: Route, run_ms: float) -> No
 def usable(engine: Any, route: Route, deadline: float) -> None:
     """Wait, by the deadline, for the part's worker to be back if it is being restarted."""
     t0 = time.monotonic()
-    if not engine.usable[route.device].wait(max(0.0, deadline - t0)):
+    if not engine.workers.wait_usable(route.device, deadline - t0):
         raise RunTimeout(f"part {route.id} on {route.device}: its worker was being restarted "
                          f"and was not back in {time.monotonic() - t0:.1f} s (the request's "
                          "deadline)")
@@ -84,7 +84,7 @@ def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, Ten
 
     def start(route: Route) -> tuple[WorkerHandle, Run]:
         waiting.remove(route)
-        worker = engine.worker(route.device)
+        worker = engine.workers.of(route.device)
         usable(engine, route, deadline)
         sent[route.id] = time.monotonic()
         if timeline is not None:
@@ -94,7 +94,7 @@ def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, Ten
 
     def expired(route: Route, hung: list[tuple[str, int]]) -> RunTimeout:
         waited = time.monotonic() - sent[route.id]
-        killed = patient and any([engine.hung(device, gen) for device, gen in hung])
+        killed = patient and any([engine.workers.hung(device, gen) for device, gen in hung])
         return RunTimeout(f"part {route.id} on {route.device} ({route.runtime}) gave no reply "
                           f"in {waited:.1f} s (the request's deadline)"
                           + ("; its worker was stopped and is being restarted" if killed
@@ -143,6 +143,6 @@ def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, Ten
         raise
     finally:
         for device in dead:
-            engine.revive_later(device)
+            engine.workers.revive_later(device)
     if failure is not None:
         raise failure

@@ -248,7 +248,7 @@ def load_parts(engine: Any, model: LoadedModel, only_device: str | None = None) 
             continue
         variant = route.variants[route.precision]
         shapes = [(model.slots[n].dtype, model.slots[n].shape) for n in route.inputs]
-        futures.append((route, engine.worker(route.device).call(Restore(
+        futures.append((route, engine.workers.of(route.device).call(Restore(
             model.key, route.id, route.runtime, variant.part_key, route.precision, shapes))))
     deadline = time.monotonic() + engine.build_timeout_s
     for route, future in futures:

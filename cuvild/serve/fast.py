@@ -128,8 +128,8 @@ class Session:
         if engine.in_process or not one_part(self.model) or self.model.batcher is not None:
             return False  # (a batched model's requests queue in the daemon to share runs)
         route = self.model.routes[0]
-        worker = engine.workers.get(route.device)
-        if worker is None or not worker.alive() or not engine.usable[route.device].is_set():
+        worker = engine.workers.ready(route.device)
+        if worker is None:
             return False
         ended = worker.attach(Attach(self.model.key, route.id, self.layout),
                               [self.sock.fileno(), memfd, stats_fd])
@@ -148,7 +148,7 @@ class Session:
         if not engine.in_process or not one_part(self.model) or self.model.batcher is not None:
             return None
         route = self.model.routes[0]
-        worker, lock = engine.worker(route.device).inline
+        worker, lock = engine.workers.of(route.device).inline
         return WorkerSession(Attach(self.model.key, route.id, self.layout), self.sock,
                              os.dup(memfd), os.dup(stats_fd)), worker, lock
 

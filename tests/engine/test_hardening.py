@@ -339,7 +339,7 @@ def test_d_buckets_are_bounded_least_recently_used_first(make_engine, tmp_path):
     engine = make_engine(in_process=True, max_buckets=2)
     model, dyn = dynamic_mlp()
     loaded = prepare(engine, tmp_path, "dyn", model, (torch.randn(2, 32),), ["cpu0"], dyn)
-    parts = engine.worker("cpu0").inline[0].parts
+    parts = engine.workers.of("cpu0").inline[0].parts
 
     def infer(n: int) -> None:
         x = torch.randn(n, 32)
