@@ -38,12 +38,15 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.clientmem import RegionGone
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.engine.views import as_bytes
+
+if TYPE_CHECKING:
+    from cuvild.engine.request import Timeline
 
 log = logging.getLogger(__name__)
 Engine = Any  # cuvild/engine/engine.py, which imports this module
@@ -149,12 +152,13 @@ class Pending:
     """One queued request."""
 
     __slots__ = ("arrived", "deadline", "done", "error", "gap", "given", "inputs", "into",
-                 "model", "output_refs", "raw", "result", "rows", "sig", "taken")
+                 "model", "output_refs", "raw", "result", "rows", "sig", "taken", "timeline")
 
     def __init__(self, model: Any, inputs: Sequence[Any], output_refs: dict[str, TensorRef],
                  raw: bool, into: Sequence[memoryview] | None, given: float | None,
-                 default_s: float) -> None:
+                 default_s: float, timeline: Timeline | None = None) -> None:
         self.model, self.inputs, self.output_refs = model, inputs, output_refs
+        self.timeline = timeline  # a traced request's: the parts of its batch's run
         self.raw, self.into, self.given = raw, into, given  # given: the caller's deadline
         self.rows = model.shapes[0][0]
         self.sig = tuple((spec.dtype, shape[1:]) for spec, shape
@@ -192,11 +196,12 @@ class Batcher:
     # -- the request's side ----------------------------------------------------------------
     def run(self, engine: Engine, model: Any, inputs: Sequence[Any],
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
-            deadline: float | None) -> list[Any]:
+            deadline: float | None, timeline: Timeline | None = None) -> list[Any]:
         """Run one request of `model` (its bucket) in a batch; what Engine.run returns."""
-        me = Pending(model, inputs, output_refs, raw, into, deadline, engine.run_timeout_s)
+        me = Pending(model, inputs, output_refs, raw, into, deadline, engine.run_timeout_s,
+                     timeline)
         if me.rows >= self.settings.max_batch:
-            return engine.run_direct(model, inputs, output_refs, raw, None, deadline, into)
+            return engine.run_direct(model, inputs, output_refs, raw, timeline, deadline, into)
         with self._cond:
             me.gap, self._last = me.arrived - self._last, me.arrived
             self._back += 1
@@ -326,8 +331,8 @@ class Batcher:
     @staticmethod
     def _alone(engine: Engine, p: Pending) -> None:
         try:
-            p.result = engine.run_direct(p.model, p.inputs, p.output_refs, p.raw, None, p.given,
-                                   p.into)
+            p.result = engine.run_direct(p.model, p.inputs, p.output_refs, p.raw, p.timeline,
+                                         p.given, p.into)
         except Exception as e:  # noqa: BLE001 - the request's own answer
             p.error = e
 
@@ -342,6 +347,25 @@ class Batcher:
         deadline = None if None in given else max(given)  # type: ignore[type-var]
         model = engine.resolve(base, [(spec.dtype, shape) for spec, shape in  # its bucket
                                       zip(base.table, shapes, strict=True)], deadline)
+        inputs = self._gather(engine, batch, model, rows)
+        outs = [memoryview(bytearray(model.slots[n].nbytes)) for n in model.outputs]
+        traced = [p.timeline for p in batch if p.timeline is not None]
+        timeline: Timeline | None = [] if traced else None
+        engine.run_direct(model, inputs, {}, False, timeline, deadline, outs)
+        for each in traced:
+            each.extend(timeline or ())
+        at_row = 0
+        for p in batch:
+            if p.error is None:
+                try:
+                    p.result = self._scatter(engine, model, outs, p, at_row, rows)
+                except RegionGone as e:
+                    p.error = BadRegion(str(e))
+            at_row += p.rows
+
+    def _gather(self, engine: Engine, batch: list[Pending], model: Any,
+                rows: int) -> list[RawTensor]:
+        """The batch's inputs, each request's rows in turn, padded to `rows`."""
         inputs = []
         for i, name in enumerate(model.inputs):
             slot = model.slots[name]
@@ -359,16 +383,7 @@ class Batcher:
             for pad in range(at, slot.nbytes, row):  # padding: the last row again, so its
                 buf[pad:pad + row] = buf[at - row:at]  # values are ones the model takes
             inputs.append(RawTensor(buf, slot.dtype, slot.shape))  # type: ignore[arg-type]
-        outs = [memoryview(bytearray(model.slots[n].nbytes)) for n in model.outputs]
-        engine.run_direct(model, inputs, {}, False, None, deadline, outs)
-        at_row = 0
-        for p in batch:
-            if p.error is None:
-                try:
-                    p.result = self._scatter(engine, model, outs, p, at_row, rows)
-                except RegionGone as e:
-                    p.error = BadRegion(str(e))
-            at_row += p.rows
+        return inputs
 
     def _read(self, engine: Engine, value: Any, out: memoryview, dtype: str) -> None:
         if isinstance(value, RawTensor):

@@ -418,13 +418,14 @@ class Engine:
         there (None is returned for them), the rest come back as fresh host tensors, or with
         raw=True as bytes (the block is reused at once), or with `into` copied there (one place
         per output; nothing is returned). A `timeline` list gets each part's dispatch and
-        reply times (a traced request: never batched). `deadline` (time.monotonic()) bounds
+        reply times (a traced request: it takes the path an untraced one takes; batched, the
+        parts of its batch's run). `deadline` (time.monotonic()) bounds
         every wait of the request (None: run_timeout_s from now): RunTimeout after it. A
         request whose worker died runs once more when the worker is back; WorkerUnavailable
         if that fails too. A batched model's requests share runs (engine/batching.py)."""
-        if model.batcher is not None and timeline is None:
+        if model.batcher is not None:
             return model.batcher.run(self, model, inputs, output_refs or {}, raw, into,
-                                     deadline)
+                                     deadline, timeline)
         return self.run_direct(model, inputs, output_refs, raw, timeline, deadline, into)
 
     def run_direct(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
@@ -447,11 +448,10 @@ class Engine:
                 with self._counted():
                     if monitor:
                         monitor.queued(model, time.perf_counter() - t0)
-                    if timeline is None:  # one part on a worker process: a lane?
-                        done = self.lanes.run(self, model, inputs, output_refs, raw, into,
-                                              deadline, patient)
-                        if done is not None:
-                            return done
+                    done = self.lanes.run(self, model, inputs, output_refs, raw, into,
+                                          deadline, timeline, patient)  # one part: a lane?
+                    if done is not None:
+                        return done
                     return self._attempts(model, inputs, output_refs, raw, timeline, deadline,
                                           patient, into)
             finally:

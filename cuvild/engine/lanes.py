@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from cuvild.engine.clientmem import RegionGone
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
 from cuvild.engine.orders import Attach, RawTensor, TensorRef
-from cuvild.engine.request import measured
+from cuvild.engine.request import Timeline, measured
 from cuvild.engine.sessions import STATS, slot_layout
 from protos import fastpath as wire
 
@@ -97,10 +97,11 @@ class Lane(Attached):
 
     def run(self, engine: Any, inputs: Sequence[RawTensor | TensorRef],  # noqa: C901 - the dispatch loop; one for bells and lanes is planned
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
-            deadline: float) -> list[Any]:
+            deadline: float, timeline: Timeline | None = None) -> list[Any]:
         """One request; RunTimeout, WorkerLost (the lane is then closed), BadRegion or
         InferError. Inputs in a client's region are read into the slot, outputs named in
-        `output_refs` written from it (engine.regions: never mapped in the daemon)."""
+        `output_refs` written from it (engine.regions: never mapped in the daemon); a
+        `timeline` gets the part's ring and answer times."""
         route = self.route
         for place, value in zip(self.inputs, inputs, strict=True):
             if isinstance(value, TensorRef):
@@ -115,6 +116,7 @@ class Lane(Attached):
         busy = STATS.unpack_from(self.stats)[2]
         bell = wire.DOORBELL.pack(self.seq)
         wait = max(0.001, round(deadline - time.monotonic(), 2))
+        rung = time.perf_counter_ns()
         try:
             if wait != self.wait:  # the kernel's limit: one system call per wait
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
@@ -137,6 +139,8 @@ class Lane(Attached):
             text = bytes(self.mm[self.layout["errors"]:self.layout["errors"] + error_len])
             raise InferError(f"{where} failed: {json.loads(text or b'{}').get('error', '')}")
         measured(engine, self.model, route, (STATS.unpack_from(self.stats)[2] - busy) * 1e3)
+        if timeline is not None:
+            timeline.append((route, rung, time.perf_counter_ns()))
         if into is not None and not output_refs:
             for place, out in zip(into, self.outputs, strict=True):
                 place[:] = out
@@ -206,7 +210,8 @@ class Lanes:
 
     def run(self, engine: Any, model: LoadedModel, inputs: Sequence[Any],
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
-            deadline: float, patient: bool = False) -> list[Any] | None:
+            deadline: float, timeline: Timeline | None = None,
+            patient: bool = False) -> list[Any] | None:
         """The request on a lane of `model`; None where it takes none (then, as after its
         worker died, the engine runs it the usual way: that one waits for the worker).
         Inputs are raw bytes or in clients' regions; outputs may be written into theirs.
@@ -219,7 +224,7 @@ class Lanes:
         if lane is None:
             return None
         try:
-            return lane.run(engine, inputs, output_refs, raw, into, deadline)
+            return lane.run(engine, inputs, output_refs, raw, into, deadline, timeline)
         except RunTimeout as e:
             if patient and engine.workers.hung(lane.route.device, lane.generation):
                 raise RunTimeout(f"{e}; its worker was stopped and is being restarted") from None

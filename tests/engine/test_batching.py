@@ -151,6 +151,32 @@ def test_concurrent_requests_get_their_own_rows(make, tmp_path, threads):
     assert engine.arena.in_use() == 0
 
 
+def test_traced_requests_are_batched_and_get_their_batch_parts(make, tmp_path):
+    """Traced, a request takes the path an untraced one takes: it is batched, and its
+    timeline holds the parts of its batch's run."""
+    torch.manual_seed(2)
+    engine = make()
+    model = Rows().eval()
+    loaded = load(engine, tmp_path, "rows", model, torch.randn(2, 16), {0: batch_dim()},
+                  devices=("cpu0", "npu0"))
+    xs = [torch.randn(1, 16) for _ in range(6)]
+    timelines: list[list] = [[] for _ in xs]
+
+    def call(i: int):  # noqa: ANN202
+        return engine.run(engine.resolve(loaded, [("float32", (1, 16))]), [xs[i]],
+                          timeline=timelines[i])
+
+    for x, got in zip(xs, at_once(len(xs), call), strict=True):
+        assert not isinstance(got, Exception), got
+        with torch.no_grad():
+            for out, ref in zip(got, model(x), strict=True):
+                torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert max(loaded.batcher.stats()["sizes"]) > 1  # traced requests shared runs
+    for timeline in timelines:
+        assert [route.id for route, _, _ in timeline] == ["p0", "p1"], timeline
+        assert all(sent <= answered for _, sent, answered in timeline)
+
+
 def test_client_regions_are_read_and_written_per_request(make, tmp_path):
     torch.manual_seed(1)
     engine = make()

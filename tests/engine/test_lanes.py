@@ -80,6 +80,18 @@ def test_raw_requests_to_one_part_take_a_lane_and_no_arena_block(make_engine, tm
     assert lanes(engine) == 1
 
 
+def test_a_traced_request_takes_a_lane_and_gets_its_timeline(make_engine, tmp_path):
+    """Traced, a request takes the path an untraced one takes: the lane, with its ring."""
+    engine, loaded, model = served(make_engine, tmp_path)
+    timeline: list = []
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(result(engine, loaded, x, timeline=timeline), eager(model, x),
+                               **CLOSE)
+    assert lanes(engine) == 1 and engine.arena.in_use() == 0  # a lane, no arena block
+    ((route, rung, answered),) = timeline
+    assert route is loaded.routes[0] and rung <= answered
+
+
 def test_client_region_requests_take_a_lane_too(make_engine, tmp_path):
     """Inputs and outputs in a client's region (OIP shared memory) take a lane: the daemon
     reads the inputs into the slot and writes the outputs into the region, mapping neither;
