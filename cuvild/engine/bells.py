@@ -12,7 +12,7 @@ doorbell 0.07 ms, and no reader thread stands between the worker and the request
 A request holds one set of bells, a bell per part, for its run; a model gets sets as its
 concurrent requests need them (at most the engine's requests in flight). Parts run as soon
 as their inputs are ready (independent parts at once, their bells polled together), by the
-request's deadline, as `request.run_parts` does it for pickled orders: a part past the
+request's deadline, in `request.run_parts` (the loop pickled orders take too): a part past the
 deadline fails the request with RunTimeout (and its bell, closed once its late answer comes,
 holds the block until then); a worker that died fails it with WorkerLost (the engine runs it
 again once the worker is back).
@@ -34,10 +34,10 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
+from cuvild.engine.errors import BadRegion, InferError, WorkerLost
 from cuvild.engine.lanes import Attached
 from cuvild.engine.orders import Attach, TensorRef
-from cuvild.engine.request import Timeline, measured, usable
+from cuvild.engine.request import Answer, Timeline, run_parts
 from cuvild.engine.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
 from protos import fastpath as wire
 
@@ -199,81 +199,57 @@ class Bells:
         try:
             if not all(b.record(block, refs) for b in bells.values()):
                 return False
-            ring_parts(engine, model, bells, timeline, deadline, patient)
+            run_parts(engine, model, Rung(bells), timeline, deadline, patient)
             return True
         finally:
             self.give(engine, model, bells)
 
 
-def ring_parts(engine: Any, model: LoadedModel, bells: dict[str, Bell],  # noqa: C901 - the dispatch loop; one for bells and lanes is planned
-               timeline: Timeline | None, deadline: float, patient: bool) -> None:
-    """Ring each part once its inputs are ready (its record written); wait for the answers
-    by the deadline."""
-    ready = set(model.inputs)
-    waiting = list(model.routes)
-    running: dict[int, tuple[Route, Bell, int, float]] = {}  # fd -> route, bell, ns, sent
-    failure: InferError | None = None
-    dead: set[str] = set()
-    poll = select.poll()
-    try:
-        while waiting or running:
-            for route in [r for r in waiting if all(i in ready for i in r.inputs)
-                          ] if failure is None else []:
-                waiting.remove(route)
-                usable(engine, route, deadline)
-                bell = bells[route.id]
-                try:
-                    bell.ring()
-                except OSError:
-                    bell.lost()  # (its worker is gone: the set is not given back)
-                    dead.add(route.device)
-                    failure = failure or WorkerLost(f"part {route.id} on {route.device} "
-                                                    "failed: its worker died", dead)
-                    continue
-                running[bell.sock.fileno()] = (route, bell, time.perf_counter_ns(),
-                                               time.monotonic())
-                poll.register(bell.sock.fileno(), select.POLLIN)
-            if not running:
-                break
-            events = poll.poll(max(0.0, deadline - time.monotonic()) * 1e3)
-            if not events:
-                raise _expired(engine, running, patient)
-            for fd, _ in events:
-                route, bell, sent_ns, _ = running.pop(fd)
-                poll.unregister(fd)
-                try:
-                    error, run_ms = bell.answer()
-                except WorkerLost as e:
-                    dead.add(route.device)
-                    failure = failure or WorkerLost(str(e), dead)
-                    continue
-                if error is not None:
-                    failure = failure or error
-                    continue
-                measured(engine, model, route, run_ms)
-                if timeline is not None:
-                    timeline.append((route, sent_ns, time.perf_counter_ns()))
-                ready.update(route.outputs)
-    except RunTimeout as e:
-        e.outstanding = [bell.late() for _, bell, _, _ in running.values()]
-        raise
-    finally:
-        for device in dead:
-            engine.workers.revive_later(device)
-    if failure is not None:
-        raise failure
+class Rung:
+    """A request's parts rung on its set of bells (the transport `run_parts` drives): each
+    part's record is written already; a ring is 8 bytes, its answer polled with the others'."""
 
+    def __init__(self, bells: dict[str, Bell]) -> None:
+        self.bells = bells
+        self.running: dict[int, tuple[Route, Bell]] = {}  # by the bell's socket
+        self.done: list[Answer] = []  # a ring that failed: its worker is gone
+        self.poll = select.poll()
 
-def _expired(engine: Any, running: dict[int, tuple[Route, Bell, int, float]],
-             patient: bool) -> RunTimeout:
-    """The deadline passed with parts out: the first rung is named; with a patient request,
-    their workers are taken as hung (killed and restarted)."""
-    route, _, _, sent = min(running.values(), key=lambda r: r[3])
-    killed = patient and any([engine.workers.hung(b.device, b.generation)
-                              for _, b, _, _ in running.values()])
-    return RunTimeout(f"part {route.id} on {route.device} ({route.runtime}) gave no reply in "
-                      f"{time.monotonic() - sent:.1f} s (the request's deadline)"
-                      + ("; its worker was stopped and is being restarted" if killed else ""))
+    def out(self) -> bool:
+        return bool(self.running or self.done)
+
+    def send(self, route: Route, deadline: float, alone: bool) -> None:
+        bell = self.bells[route.id]
+        try:
+            bell.ring()
+        except OSError:
+            bell.lost()  # (its worker is gone: the set is not given back)
+            self.done.append((route, WorkerLost(f"part {route.id} on {route.device} failed: "
+                                                "its worker died", {route.device}), 0.0))
+            return
+        self.running[bell.sock.fileno()] = (route, bell)
+        self.poll.register(bell.sock.fileno(), select.POLLIN)
+
+    def wait(self, deadline: float) -> list[Answer]:
+        if self.done:
+            done, self.done = self.done, []
+            return done
+        answers: list[Answer] = []
+        for fd, _ in self.poll.poll(max(0.0, deadline - time.monotonic()) * 1e3):
+            route, bell = self.running.pop(fd)
+            self.poll.unregister(fd)
+            try:
+                error, run_ms = bell.answer()
+            except WorkerLost as e:
+                error, run_ms = e, 0.0
+            answers.append((route, error, run_ms))
+        return answers
+
+    def pending(self) -> list[tuple[Route, int]]:
+        return [(route, bell.generation) for route, bell in self.running.values()]
+
+    def outstanding(self) -> list[Future[Any]]:
+        return [bell.late() for _, bell in self.running.values()]
 
 
 def _close(bells: dict[str, Bell]) -> None:

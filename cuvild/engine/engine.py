@@ -66,7 +66,7 @@ from cuvild.engine.orders import (
     Unload,
 )
 from cuvild.engine.precision import Accuracy, PrecisionPolicy
-from cuvild.engine.request import FEEDBACK_RUNS, Timeline, run_parts
+from cuvild.engine.request import FEEDBACK_RUNS, Orders, Timeline, run_parts
 from cuvild.engine.workers import Workers
 from partitioner.profile import DeviceProfile
 from runtimes import registry
@@ -480,7 +480,8 @@ class Engine:
                         self.arena.tensor(block, model.slots[name]).copy_(value)
                 try:
                     if not self.bells.run(self, model, block, refs, timeline, deadline, patient):
-                        run_parts(self, model, block, refs, timeline, deadline, patient)
+                        run_parts(self, model, Orders(self, model, block, refs), timeline,
+                                  deadline, patient)
                     break
                 except RunTimeout as e:
                     outstanding = e.outstanding

@@ -1,7 +1,10 @@
 """One request's way through a model's parts, by its deadline.
 
 `run_parts` dispatches each part to its worker as soon as its inputs are ready (independent
-parts run at once; requests in flight pipeline across devices). Every wait has the request's
+parts run at once; requests in flight pipeline across devices), through one of two transports
+(`Parts`): bells (cuvild/engine/bells.py `Rung`: a doorbell per part, the request's block
+named in a record) or pickled `Run` orders (`Orders` here: thread workers, records too small
+for the request's regions). The loop, its deadline and its failures are the same for both. Every wait has the request's
 deadline (time.monotonic()): for a worker's restart, for a reply read directly, for the
 replies of parts in flight. When it passes, the request fails with RunTimeout naming the part
 it waited for, its device and the seconds; and when the caller gave the request at least the
@@ -18,10 +21,10 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
-from cuvild.engine.handle import ReplyTimeout, WorkerDied, WorkerHandle
+from cuvild.engine.handle import ReplyTimeout, WorkerDied
 from cuvild.engine.orders import Reply, Run, TensorRef
 
 if TYPE_CHECKING:
@@ -31,6 +34,22 @@ if TYPE_CHECKING:
 FEEDBACK_RUNS = 20  # a part's measured runs that teach the cost model (once per load)
 # A request's timeline, when it is traced: (route, dispatched, replied), perf_counter_ns.
 Timeline = list[tuple["Route", int, int]]
+# A part's answer: its failure (None: done; WorkerLost: its worker died) and its run time, ms.
+Answer = tuple["Route", "InferError | None", float]
+
+
+class Parts(Protocol):
+    """How a request's parts reach their workers and answer (`run_parts` drives it)."""
+
+    def out(self) -> bool: ...  # parts sent and not yet answered, or answers not yet taken
+
+    def send(self, route: Route, deadline: float, alone: bool) -> None: ...
+
+    def wait(self, deadline: float) -> list[Answer]: ...  # none: the deadline passed
+
+    def pending(self) -> list[tuple[Route, int]]: ...  # parts out, their workers' starts
+
+    def outstanding(self) -> list[Future[Any]]: ...  # done once the block is free of them
 
 
 def measured(engine: Any, model: LoadedModel, route: Route, run_ms: float) -> None:
@@ -54,95 +73,143 @@ def usable(engine: Any, route: Route, deadline: float) -> None:
                          "deadline)")
 
 
-def run_parts(engine: Any, model: LoadedModel, block: Block, refs: dict[str, TensorRef],  # noqa: C901, PLR0915 - the dispatch loop; one for bells and lanes is planned
-              timeline: Timeline | None, deadline: float, patient: bool) -> None:
-    """Run the request's parts (`engine`: the Engine, which imports this module)."""
-    def ref(name: str) -> TensorRef:
-        return refs.get(name) or engine.arena.ref(block, model.slots[name])
+class Orders:
+    """A request's parts sent to their workers as pickled `Run` orders, the replies read by
+    each worker's reader thread; a part alone in the engine is called and its reply read in
+    the request's thread (no reader thread between). The transport `run_parts` drives where
+    bells do not fit (thread workers, a record too small for the request's regions)."""
 
-    dispatched: dict[str, int] = {}  # perf_counter_ns, for a timeline
-    sent: dict[str, float] = {}  # time.monotonic() of each part's dispatch
+    def __init__(self, engine: Any, model: LoadedModel, block: Block,
+                 refs: dict[str, TensorRef]) -> None:
+        self.engine, self.model, self.block, self.refs = engine, model, block, refs
+        self.running: dict[Future[Reply], Route] = {}
+        self.done: list[Answer] = []  # answered as they were sent (alone)
+        self.late: tuple[Route, int] | None = None  # alone, and no reply by the deadline
+
+    def _ref(self, name: str) -> TensorRef:
+        return self.refs.get(name) or self.engine.arena.ref(self.block, self.model.slots[name])
+
+    def out(self) -> bool:
+        return bool(self.running or self.done or self.late)
+
+    def send(self, route: Route, deadline: float, alone: bool) -> None:
+        worker = self.engine.workers.of(route.device)
+        order = Run(self.model.key, route.id, [self._ref(n) for n in route.inputs],
+                    [self._ref(n) for n in route.outputs])
+        if not alone:
+            self.running[worker.call(order)] = route
+            return
+        try:
+            self.done.append(_answer(route, worker.run(order, deadline)))
+        except WorkerDied as e:
+            self.done.append(_answer(route, e))
+        except ReplyTimeout as e:
+            if e.late is not None:  # sent: the block waits for its reply
+                e.late.generation = e.generation  # type: ignore[attr-defined]
+                self.running[e.late] = route
+            self.late = (route, e.generation)
+
+    def wait(self, deadline: float) -> list[Answer]:
+        if self.done or self.late:
+            done, self.done = self.done, []
+            return done
+        finished, _ = wait(list(self.running), timeout=max(0.0, deadline - time.monotonic()),
+                           return_when=FIRST_COMPLETED)
+        answers = []
+        for future in finished:
+            route = self.running.pop(future)
+            try:
+                answers.append(_answer(route, future.result()))
+            except WorkerDied as e:
+                answers.append(_answer(route, e))
+        return answers
+
+    def pending(self) -> list[tuple[Route, int]]:
+        """The parts out, with the start (generation) of the worker each went to."""
+        out = [(r, getattr(f, "generation", 0)) for f, r in self.running.items()]
+        return out + ([self.late] if self.late and self.late[0] not in self.running.values()
+                      else [])
+
+    def outstanding(self) -> list[Future[Any]]:
+        return list(self.running)
+
+
+def _answer(route: Route, reply: Reply | WorkerDied) -> Answer:
+    where = f"part {route.id} on {route.device} ({route.runtime})"
+    if isinstance(reply, WorkerDied):
+        return route, WorkerLost(f"{where} failed: {reply}", {route.device}), 0.0
+    if not reply.ok or reply.result is None:
+        error = BadRegion if reply.kind == "invalid" else InferError
+        return route, error(f"{where} failed: {reply.error}"), 0.0
+    return route, None, reply.result.run_ms  # type: ignore[union-attr]
+
+
+def run_parts(engine: Any, model: LoadedModel, parts: Parts, timeline: Timeline | None,
+              deadline: float, patient: bool) -> None:
+    """Run the request's parts through `parts` (Orders here, bells.Rung): each part starts
+    as soon as its inputs are ready; the answers are waited for by the deadline.
+    (`engine`: the Engine, which imports this module.)"""
     ready = set(model.inputs)
     waiting = list(model.routes)
-    running: dict[Future[Reply], Route] = {}
+    sent: dict[str, tuple[float, int]] = {}  # monotonic (the deadline's), perf_counter_ns
     failure: InferError | None = None
     dead: set[str] = set()
-
-    def finish(route: Route, reply: Reply | WorkerDied) -> InferError | None:
-        where = f"part {route.id} on {route.device} ({route.runtime})"
-        if isinstance(reply, WorkerDied):
-            dead.add(route.device)
-            return WorkerLost(f"{where} failed: {reply}", dead)
-        if not reply.ok or reply.result is None:
-            error = BadRegion if reply.kind == "invalid" else InferError
-            return error(f"{where} failed: {reply.error}")
-        measured(engine, model, route, reply.result.run_ms)  # type: ignore[union-attr]
-        if timeline is not None:
-            timeline.append((route, dispatched[route.id], time.perf_counter_ns()))
-        ready.update(route.outputs)
-        return None
-
-    def start(route: Route) -> tuple[WorkerHandle, Run]:
-        waiting.remove(route)
-        worker = engine.workers.of(route.device)
-        usable(engine, route, deadline)
-        sent[route.id] = time.monotonic()
-        if timeline is not None:
-            dispatched[route.id] = time.perf_counter_ns()
-        return worker, Run(model.key, route.id, [ref(n) for n in route.inputs],
-                           [ref(n) for n in route.outputs])
-
-    def expired(route: Route, hung: list[tuple[str, int]]) -> RunTimeout:
-        waited = time.monotonic() - sent[route.id]
-        killed = patient and any([engine.workers.hung(device, gen) for device, gen in hung])
-        return RunTimeout(f"part {route.id} on {route.device} ({route.runtime}) gave no reply "
-                          f"in {waited:.1f} s (the request's deadline)"
-                          + ("; its worker was stopped and is being restarted" if killed
-                             else ""))
-
     try:
-        while waiting or running:
+        while waiting or parts.out():
             startable = ([r for r in waiting if all(i in ready for i in r.inputs)]
                          if failure is None else [])
-            if len(startable) == 1 and not running and engine.active == 1:
-                # Nothing to overlap with: call and read the reply in this thread. (With
-                # other requests in flight, queueing in the worker's pipe keeps it busy.)
-                route = startable[0]
-                worker, order = start(route)
-                try:
-                    reply: Reply | WorkerDied = worker.run(order, deadline)
-                except WorkerDied as e:
-                    reply = e
-                except ReplyTimeout as e:
-                    if e.late is not None:  # sent: the block waits for its reply
-                        running[e.late] = route
-                    raise expired(route, [(route.device, e.generation)]) from None
-                failure = finish(route, reply)
-                continue
+            # Nothing to overlap with: the part's reply is read in this thread. (With other
+            # requests in flight, queueing in the worker's pipe keeps it busy.)
+            alone = len(startable) == 1 and not parts.out() and engine.active == 1
             for route in startable:
-                worker, order = start(route)
-                running[worker.call(order)] = route
-            if not running:
+                waiting.remove(route)
+                usable(engine, route, deadline)
+                sent[route.id] = (time.monotonic(), time.perf_counter_ns())
+                parts.send(route, deadline, alone)
+            if not parts.out():
                 break
-            done, _ = wait(list(running), timeout=max(0.0, deadline - time.monotonic()),
-                           return_when=FIRST_COMPLETED)
-            if not done:
-                first = min(running.values(), key=lambda r: sent[r.id])
-                raise expired(first, [(r.device, getattr(f, "generation", 0))
-                                      for f, r in running.items()])
-            for future in done:
-                route = running.pop(future)
-                try:
-                    reply = future.result()
-                except WorkerDied as e:
-                    reply = e
-                failed = finish(route, reply)
-                failure = failure or failed
+            answers = parts.wait(deadline)
+            if not answers:
+                raise _expired(engine, parts.pending(), sent, patient)
+            traced = (timeline, sent) if timeline is not None else None
+            failed = _take(engine, model, answers, ready, dead, traced)  # (each answer)
+            failure = failure or failed
     except RunTimeout as e:
-        e.outstanding = list(running)  # type: ignore[attr-defined]
+        e.outstanding = parts.outstanding()  # type: ignore[attr-defined]
         raise
     finally:
         for device in dead:
             engine.workers.revive_later(device)
     if failure is not None:
         raise failure
+
+
+def _take(engine: Any, model: LoadedModel, answers: list[Answer], ready: set[str],
+          dead: set[str], traced: tuple[Timeline, dict[str, tuple[float, int]]] | None,
+          ) -> InferError | None:
+    """Take the parts' answers: a done part's outputs are ready (its run time measured, its
+    span on the timeline); the first failure is returned (WorkerLost: every device lost)."""
+    failure: InferError | None = None
+    for route, error, run_ms in answers:
+        if error is None:
+            measured(engine, model, route, run_ms)
+            if traced is not None:
+                traced[0].append((route, traced[1][route.id][1], time.perf_counter_ns()))
+            ready.update(route.outputs)
+            continue
+        if isinstance(error, WorkerLost):
+            dead.add(route.device)
+            error = WorkerLost(str(error), dead)
+        failure = failure or error
+    return failure
+
+
+def _expired(engine: Any, pending: list[tuple[Route, int]], sent: dict[str, tuple[float, int]],
+             patient: bool) -> RunTimeout:
+    """The deadline passed with parts out: the first sent is named; with a patient request,
+    their workers are taken as hung (killed and restarted)."""
+    route = min((r for r, _ in pending), key=lambda r: sent[r.id][0])
+    killed = patient and any([engine.workers.hung(r.device, gen) for r, gen in pending])
+    return RunTimeout(f"part {route.id} on {route.device} ({route.runtime}) gave no reply in "
+                      f"{time.monotonic() - sent[route.id][0]:.1f} s (the request's deadline)"
+                      + ("; its worker was stopped and is being restarted" if killed else ""))
