@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import BadRegion, InferError, WorkerLost
-from cuvild.engine.lanes import Attached
+from cuvild.engine.lanes import Attached, Pool
 from cuvild.engine.orders import Attach, TensorRef
 from cuvild.engine.request import Answer, Timeline, run_parts
 from cuvild.engine.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
@@ -141,25 +141,25 @@ class Bell(Attached):
             mm.close()
 
 
-class Bells:
+class Bells(Pool[dict[str, Bell]]):
     """Every model's idle sets of bells."""
 
-    def __init__(self) -> None:
-        self._idle: dict[str, list[dict[str, Bell]]] = {}
-        self._lock = threading.Lock()
+    @staticmethod
+    def usable(item: dict[str, Bell]) -> bool:
+        return all(b.usable() for b in item.values())
+
+    @staticmethod
+    def close(item: dict[str, Bell]) -> None:
+        _close(item)
 
     def take(self, engine: Any, model: LoadedModel) -> dict[str, Bell] | None:
         """An idle set of `model`'s bells, by part (made if none is idle); None where its
         parts cannot be rung: worker threads, a worker being restarted."""
         if engine.in_process or model.evicted:
             return None
-        with self._lock:  # (an idle bell whose worker died is over: not usable)
-            idle = self._idle.get(model.key)
-            while idle:
-                bells = idle.pop()
-                if all(b.usable() for b in bells.values()):
-                    return bells
-                _close(bells)
+        bells = self.reuse(model.key)
+        if bells is not None:
+            return bells
         for device in {r.device for r in model.routes}:
             if engine.workers.ready(device) is None:
                 return None
@@ -173,19 +173,7 @@ class Bells:
         return made
 
     def give(self, engine: Any, model: LoadedModel, bells: dict[str, Bell]) -> None:
-        if (not all(b.usable() for b in bells.values())
-                or engine.models.get(model.key) is not model):
-            _close(bells)
-            return
-        with self._lock:
-            self._idle.setdefault(model.key, []).append(bells)
-
-    def drop(self, key: str) -> None:
-        """Close the bells of model `key` (unloaded)."""
-        with self._lock:
-            sets = self._idle.pop(key, [])
-        for bells in sets:
-            _close(bells)
+        self.keep(model.key, bells, engine.models.get(model.key) is model)
 
     def run(self, engine: Any, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
             timeline: Timeline | None, deadline: float, patient: bool) -> bool:

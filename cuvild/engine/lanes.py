@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from cuvild.engine.clientmem import RegionGone
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel, Route
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 LOST_WAIT_S = 5.0  # how long a closed session waits to learn whether its worker died
 
 
@@ -180,25 +181,74 @@ class Lane(Attached):
                 pass
 
 
-class Lanes:
-    """Every model's idle lanes."""
+class Pool(Generic[T]):
+    """Idle sessions of the engine's own (a lane, a set of bells), by model: a request takes
+    one and gives it back; one whose worker died, or whose model was unloaded or replaced
+    meanwhile, is closed instead of kept."""
 
     def __init__(self) -> None:
-        self._idle: dict[str, list[Lane]] = {}
+        self._idle: dict[str, list[T]] = {}
         self._lock = threading.Lock()
+
+    @staticmethod
+    def usable(item: T) -> bool:
+        raise NotImplementedError  # (each pool's own kind of session)
+
+    @staticmethod
+    def close(item: T) -> None:
+        raise NotImplementedError
+
+    def idle(self) -> dict[str, list[T]]:
+        """The idle sessions, by model key (a copy)."""
+        with self._lock:
+            return {key: list(items) for key, items in self._idle.items() if items}
+
+    def reuse(self, key: str) -> T | None:
+        """An idle session of model `key`, if one is usable."""
+        with self._lock:
+            idle = self._idle.get(key)
+            while idle:
+                item = idle.pop()
+                if self.usable(item):
+                    return item
+                self.close(item)
+        return None
+
+    def keep(self, key: str, item: T, current: bool) -> None:
+        """Give a session back (`current`: its model is still the one served as `key`)."""
+        if not current or not self.usable(item):
+            self.close(item)
+            return
+        with self._lock:
+            self._idle.setdefault(key, []).append(item)
+
+    def drop(self, key: str) -> None:
+        """Close the sessions of model `key` (unloaded)."""
+        with self._lock:
+            items = self._idle.pop(key, [])
+        for item in items:
+            self.close(item)
+
+
+class Lanes(Pool[Lane]):
+    """Every model's idle lanes."""
+
+    @staticmethod
+    def usable(item: Lane) -> bool:
+        return item.usable()
+
+    @staticmethod
+    def close(item: Lane) -> None:
+        item.close()
 
     def take(self, engine: Any, model: LoadedModel) -> Lane | None:
         """An idle lane of `model` (one is made if none is idle); None where the model does
         not take lanes: several parts, a worker thread, a worker being restarted."""
         if engine.in_process or not one_part(model) or model.evicted:
             return None
-        with self._lock:  # (an idle lane whose worker died is over: not usable)
-            idle = self._idle.get(model.key)
-            while idle:
-                lane = idle.pop()
-                if lane.usable():
-                    return lane
-                lane.close()
+        lane = self.reuse(model.key)
+        if lane is not None:
+            return lane
         route = model.routes[0]
         worker = engine.workers.ready(route.device)
         if worker is None:
@@ -238,15 +288,4 @@ class Lanes:
             self.give(engine, lane)
 
     def give(self, engine: Any, lane: Lane) -> None:
-        if not lane.usable() or engine.models.get(lane.model.key) is not lane.model:
-            lane.close()
-            return
-        with self._lock:
-            self._idle.setdefault(lane.model.key, []).append(lane)
-
-    def drop(self, key: str) -> None:
-        """Close the lanes of model `key` (unloaded)."""
-        with self._lock:
-            lanes = self._idle.pop(key, [])
-        for lane in lanes:
-            lane.close()
+        self.keep(lane.model.key, lane, engine.models.get(lane.model.key) is lane.model)

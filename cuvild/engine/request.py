@@ -4,13 +4,14 @@
 parts run at once; requests in flight pipeline across devices), through one of two transports
 (`Parts`): bells (cuvild/engine/bells.py `Rung`: a doorbell per part, the request's block
 named in a record) or pickled `Run` orders (`Orders` here: thread workers, records too small
-for the request's regions). The loop, its deadline and its failures are the same for both. Every wait has the request's
-deadline (time.monotonic()): for a worker's restart, for a reply read directly, for the
-replies of parts in flight. When it passes, the request fails with RunTimeout naming the part
-it waited for, its device and the seconds; and when the caller gave the request at least the
-engine's `run_timeout_s` (it was patient), the worker that gave no reply in all that time is
-taken as hung: it is killed and restarted. Parts still out when a request gives up may still
-write its block: the RunTimeout's `outstanding` futures complete when they no longer can.
+for the request's regions). The loop, its deadline and its failures are the same for both.
+Every wait has the request's deadline (time.monotonic()): for a worker's restart, for a reply
+read directly, for the replies of parts in flight. When it passes, the request fails with
+RunTimeout naming the part it waited for, its device and the seconds; and when the caller
+gave the request at least the engine's `run_timeout_s` (it was patient), the worker that gave
+no reply in all that time is taken as hung: it is killed and restarted. Parts still out when
+a request gives up may still write its block: the RunTimeout's `outstanding` futures complete
+when they no longer can.
 
 A worker that died fails the request with WorkerLost (the engine runs it once more when the
 worker is back); a part that names a client region no longer holding its bytes fails it with

@@ -63,7 +63,7 @@ def raw(engine: Engine, loaded, x: torch.Tensor, **kwargs) -> torch.Tensor:  # n
 
 
 def idle_sets(engine: Engine) -> int:
-    return sum(len(v) for v in engine.bells._idle.values())  # noqa: SLF001 - white-box: the test reads _idle
+    return sum(len(v) for v in engine.bells.idle().values())
 
 
 def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(split):

@@ -62,7 +62,7 @@ def result(engine: Engine, loaded, x: torch.Tensor, **kwargs) -> torch.Tensor:  
 
 
 def lanes(engine: Engine) -> int:
-    return sum(len(v) for v in engine.lanes._idle.values())  # noqa: SLF001 - white-box: the test reads _idle
+    return sum(len(v) for v in engine.lanes.idle().values())
 
 
 def test_raw_requests_to_one_part_take_a_lane_and_no_arena_block(make_engine, tmp_path):
@@ -171,7 +171,7 @@ def test_a_lane_past_its_deadline_times_out_and_is_dropped(make_engine, tmp_path
 def test_unload_ends_the_lanes_and_their_sessions_in_the_worker(make_engine, tmp_path):
     engine, loaded, _ = served(make_engine, tmp_path)
     result(engine, loaded, torch.randn(3, 64))
-    (lane,) = engine.lanes._idle["mlp"]  # noqa: SLF001 - white-box: the test reads _idle
+    (lane,) = engine.lanes.idle()["mlp"]
     engine.unload("mlp")
     assert lanes(engine) == 0
     deadline = time.monotonic() + 10
