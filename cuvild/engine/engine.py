@@ -418,11 +418,11 @@ class Engine:
         there (None is returned for them), the rest come back as fresh host tensors, or with
         raw=True as bytes (the block is reused at once), or with `into` copied there (one place
         per output; nothing is returned). A `timeline` list gets each part's dispatch and
-        reply times (a traced request: it takes the path an untraced one takes; batched, the
-        parts of its batch's run). `deadline` (time.monotonic()) bounds
-        every wait of the request (None: run_timeout_s from now): RunTimeout after it. A
-        request whose worker died runs once more when the worker is back; WorkerUnavailable
-        if that fails too. A batched model's requests share runs (engine/batching.py)."""
+        reply times (a traced request takes the path an untraced one takes; batched, it gets
+        the parts of its batch's run). `deadline` (time.monotonic()) bounds every wait of the
+        request (None: run_timeout_s from now): RunTimeout after it. A request whose worker
+        died runs once more when the worker is back; WorkerUnavailable if that fails too. A
+        batched model's requests share runs (engine/batching.py)."""
         if model.batcher is not None:
             return model.batcher.run(self, model, inputs, output_refs or {}, raw, into,
                                      deadline, timeline)
