@@ -50,6 +50,7 @@ from torch import fx
 from partitioner.profile import DeviceProfile
 from runtimes import registry
 from runtimes.base import (
+    INT8_MIXED,
     TOLERANCE,
     CompileError,
     CompileSpec,
@@ -198,6 +199,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
                        example_inputs=placeholder_tensors(part, input_shapes),
                        threads=threads or max(len(device.cores), 1))
     mix_target = mix_target or tolerance / 2
+    if precision == INT8_MIXED:  # what the quantizer's accuracy control holds
+        spec.max_error = mix_target
     part_key, names = _problem(part, spec, precision, cache, cache_tag, mix_target, runtime,
                                allowed)
     recorded = cache.choice(part_key)
@@ -300,8 +303,9 @@ def _problem(part: fx.GraphModule, spec: CompileSpec, precision: str, cache: Com
              allowed: list[str] | None) -> tuple[str, list[str]]:
     """The part's compile-cache key and the runtimes that may build it."""
     mix = mixed_low(precision)
-    if mix:  # its groups depend on the error it aims at: a build per target
-        cache_tag = f"{mix_target:.1e}"
+    if mix or precision == INT8_MIXED:  # what it keeps fp32 depends on the error it aims
+        # at: a build per target
+        cache_tag = f"{cache_tag}:{mix_target:.1e}" if cache_tag else f"{mix_target:.1e}"
     key_precision = f"{precision}:{cache_tag}" if cache_tag else precision
     part_key = cache.part_key(graph_digest(part), spec.device, key_precision, spec.shapes())
     names = [n for n in registry.candidates_for(spec.device, spec.precision, runtime)

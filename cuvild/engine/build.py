@@ -19,7 +19,7 @@ import torch
 from cuvild.engine.orders import Build, Variant
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
-from runtimes.base import MIXED, CompileError
+from runtimes.base import INT8_MIXED, MIXED, CompileError
 from runtimes.cache import CompileCache
 from runtimes.select import BuiltPart, Candidate, build_part
 
@@ -109,7 +109,7 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
                 # fp32 always at its own tolerance; a lower precision of a search within
                 # the budget, also when a restart builds only the one chosen
                 tolerance=None if precision == "fp32" else order.tolerance,
-                cache_tag=order.calibration_tag if precision == "int8" else "",
+                cache_tag=order.calibration_tag if precision in ("int8", INT8_MIXED) else "",
                 mix_target=order.budget * MIX_SHARE if order.budget else None,
                 allowed=order.allowed, floor_ms=(order.floor_ms or {}).get(precision),
                 progress=told and (lambda name, p=precision: told(f"trying {name} at {p}")))

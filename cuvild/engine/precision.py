@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from runtimes.base import MIXED, relative_error, top1_agreement, write_atomic
+from runtimes.base import INT8_MIXED, MIXED, relative_error, top1_agreement, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +55,9 @@ class Engine(Protocol):
 log = logging.getLogger(__name__)
 MODES = ("fp32", "auto")
 LOWER = ("bf16", "fp16", "int8")  # the precisions a search may lower a part to, in this order
+# The least budget int8+fp32 is tried under: one int8 op is ~1/256 off, so below this nearly
+# every op would go back to fp32 (NNCF's accuracy control spends a build per op it puts back).
+INT8_MIXED_FLOOR = 1e-3
 CHECK_INPUTS = 4  # random check inputs when no calibration inputs were given
 COMPUTE_CLASSES = ("matmul", "conv", "attention")  # what a lower precision speeds up
 
@@ -137,9 +140,10 @@ def candidates(part: Part, device: DeviceProfile,
     # and the first of them with the fewest groups kept fp32 (runtimes/mixed.py): what a part
     # runs when one sensitive layer would send all of it back to fp32
     lower += [f"{p}{MIXED}" for p in lower[:1]]
-    if policy.calibration:
-        lower.append("int8")
-    return ["fp32", *lower], part.max_error or policy.max_error
+    budget = part.max_error or policy.max_error
+    if policy.calibration:  # int8, then int8 but for the ops that cost the most error
+        lower += ["int8"] + ([INT8_MIXED] if budget >= INT8_MIXED_FLOOR else [])
+    return ["fp32", *lower], budget
 
 
 def check_inputs(model: LoadedModel, policy: PrecisionPolicy) -> list[list[torch.Tensor]]:

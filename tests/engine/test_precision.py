@@ -97,8 +97,17 @@ def test_a_loose_budget_runs_int8_and_stays_within_it_on_held_out_inputs(engine,
 
 
 def test_a_budget_of_1e_2_serves_within_it_on_held_out_inputs(engine, model):
+    """int8 alone is ~3.7e-2 off here: the search builds int8+fp32 too, NNCF's accuracy
+    control putting the ops that cost the most back to fp32 until the part holds half the
+    budget; the model serves within the budget on held-out inputs, whichever variant ran
+    fastest (timing decides, so either may)."""
     calibration = str(model[3])
     loaded = load(engine, model, "tight", PrecisionPolicy("auto", 1e-2, calibration, "t1"))
+    tried = {c["precision"]: c for c in loaded.routes[0].built.candidates
+             if c["runtime"] == "openvino"}
+    assert tried["int8"]["rel_error"] > 1e-2, tried["int8"]  # (else nothing to back off)
+    assert tried["int8+fp32"]["status"] == "ok", tried["int8+fp32"]
+    assert tried["int8+fp32"]["rel_error"] <= 1e-2  # (it aims at half, on other inputs)
     assert loaded.accuracy.chosen.error <= 1e-2
     assert held_out_error(engine, model, "tight") <= 1e-2
 
