@@ -187,10 +187,15 @@ def quantize(model: ov.Model, calibration: list[list[torch.Tensor]], feed: list[
 
         restorer = nncf.AdvancedAccuracyRestorerParameters(
             max_num_iterations=RESTORE_ITERATIONS, num_ranking_workers=1)
-        return nncf.quantize_with_accuracy_control(
+        mixed = nncf.quantize_with_accuracy_control(
             model, nncf.Dataset(samples), nncf.Dataset(pairs, lambda pair: pair[0]), error,
             max_drop=max_error, subset_size=len(samples),
             advanced_accuracy_restorer_parameters=restorer)
+    if not any(op.get_type_name() == "FakeQuantize" for op in mixed.get_ordered_ops()):
+        raise CompileError(f"openvino: {INT8_MIXED}: to hold {max_error:.0e}, NNCF's accuracy "
+                           "control put every quantized op back to fp32 (nothing would run "
+                           "int8)")  # (the label is what runs)
+    return mixed
 
 
 def compile_config(device: str, precision: str, threads: int) -> dict[str, Any]:
@@ -354,6 +359,8 @@ class OpenVINORuntime(Runtime):
                                  if spec.precision == INT8_MIXED else None,
                                  lambda m: self.core.compile_model(m, device, config))
             compiled = self.core.compile_model(model, device, config)
+        except CompileError:
+            raise
         except Exception as e:
             raise CompileError(f"openvino: compile_model on {device} failed: "
                                f"{type(e).__name__}: {e}") from e
