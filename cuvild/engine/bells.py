@@ -144,13 +144,8 @@ class Bell(Attached):
 class Bells(Pool[dict[str, Bell]]):
     """Every model's idle sets of bells."""
 
-    @staticmethod
-    def usable(item: dict[str, Bell]) -> bool:
-        return all(b.usable() for b in item.values())
-
-    @staticmethod
-    def close(item: dict[str, Bell]) -> None:
-        _close(item)
+    def __init__(self) -> None:
+        super().__init__(lambda bells: all(b.usable() for b in bells.values()), _close)
 
     def take(self, engine: Any, model: LoadedModel) -> dict[str, Bell] | None:
         """An idle set of `model`'s bells, by part (made if none is idle); None where its

@@ -23,7 +23,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from cuvild.engine.clientmem import RegionGone
@@ -186,17 +186,10 @@ class Pool(Generic[T]):
     one and gives it back; one whose worker died, or whose model was unloaded or replaced
     meanwhile, is closed instead of kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, usable: Callable[[T], bool], close: Callable[[T], None]) -> None:
+        self.usable, self.close = usable, close  # (of its kind of session)
         self._idle: dict[str, list[T]] = {}
         self._lock = threading.Lock()
-
-    @staticmethod
-    def usable(item: T) -> bool:
-        raise NotImplementedError  # (each pool's own kind of session)
-
-    @staticmethod
-    def close(item: T) -> None:
-        raise NotImplementedError
 
     def idle(self) -> dict[str, list[T]]:
         """The idle sessions, by model key (a copy)."""
@@ -233,13 +226,8 @@ class Pool(Generic[T]):
 class Lanes(Pool[Lane]):
     """Every model's idle lanes."""
 
-    @staticmethod
-    def usable(item: Lane) -> bool:
-        return item.usable()
-
-    @staticmethod
-    def close(item: Lane) -> None:
-        item.close()
+    def __init__(self) -> None:
+        super().__init__(Lane.usable, Lane.close)
 
     def take(self, engine: Any, model: LoadedModel) -> Lane | None:
         """An idle lane of `model` (one is made if none is idle); None where the model does
