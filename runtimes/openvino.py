@@ -144,7 +144,7 @@ def device_precisions(profile: DeviceProfile) -> tuple[str, ...]:
 
 # int8+fp32: the most groups of quantized ops NNCF's accuracy control puts back to fp32, one
 # at a time (each a compile and a validation): a bound on the build's time (a ResNet-18 at
-# 64x64 held 1.5e-3 in 24-29 s on the 2-core dev host).
+# 64x64 took ~30 s to hold 5e-3 on the 2-core dev host).
 RESTORE_ITERATIONS = 64
 
 
@@ -154,9 +154,10 @@ def quantize(model: ov.Model, calibration: list[list[torch.Tensor]], feed: list[
     weights, per-channel, fast bias correction) calibrated on the part's own inputs.
 
     With `max_error` (int8+fp32), NNCF's quantization with accuracy control instead: it
-    ranks the quantized ops by what each costs the metric and keeps the fewest of them fp32
-    that hold it. The metric is the part's relative error against its fp32 build on the
-    calibration inputs (`compile_` compiles a model for it), so `max_drop` is the error."""
+    ranks the quantized ops by what each costs the metric and puts the costliest back to fp32
+    until it holds. The metric is the part's relative error against its fp32 build
+    (`compile_` compiles a model for it), so `max_drop` is the error; it calibrates on half
+    the inputs and validates on the other half. Refused if nothing is left int8."""
     if not calibration:
         raise CompileError("openvino: int8 needs calibration inputs (none were given)")
     import contextlib
