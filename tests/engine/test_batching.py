@@ -462,8 +462,13 @@ def test_a_loop_of_clients_slower_to_come_back_than_the_delay_keeps_its_batches_
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
     for t in threads:
+        # The first client runs alone at once (nobody in flight); the others queue during its
+        # run, and the batch after it waits for it until the delay plus a run from the first
+        # of them: started 50 ms apart, it has ~48 ms to come back (3 ms apart it had ~1 ms,
+        # and on a busy host it once missed it: then {3: 6, 1: 6}, each batch of three
+        # answered before the fourth returned, over and over).
         t.start()
-        time.sleep(0.003)  # (joined one by one: the first batch may not hold them all)
+        time.sleep(0.05)
     for t in threads:
         t.join(30)
     sizes = batcher.stats()["sizes"]
