@@ -50,10 +50,6 @@ class Workers:
                         self.devices[device], self.cache_dir, in_process=self.in_process)
         return worker
 
-    def get(self, device: str) -> WorkerHandle | None:
-        """The device's worker if it has one (none is started)."""
-        return self._handles.get(device)
-
     def ready(self, device: str) -> WorkerHandle | None:
         """The device's worker if it is alive and not being revived: a request may ring it."""
         worker = self._handles.get(device)
