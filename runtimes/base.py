@@ -75,6 +75,7 @@ class Executable(ABC):
     """A compiled part. `run` is called from one thread at a time."""
 
     runtime: str = ""
+    note: str = ""  # what its build decided that the plan should say (int8+fp32: ops kept fp32)
 
     @abstractmethod
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

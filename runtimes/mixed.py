@@ -203,44 +203,74 @@ def fold_batch_norms(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def lower(gm: fx.GraphModule, nodes: set[str], low: str) -> fx.GraphModule:
-    """A copy of `gm` in which `nodes` run at `low`: a floating input that comes from
-    outside them is cast down (weights fold into low-precision constants at compile), and
-    an output used outside them is cast back to fp32."""
-    out = copy.deepcopy(gm)
-    dtype = LOW[low]
-    cast = torch.ops.aten._to_copy.default  # noqa: SLF001 - the cast export writes for .to()
+    """A copy of `gm` in which `nodes` run at `low`: a weight they read becomes a constant at
+    `low`, rounded by torch (OpenVINO folds a cast of a constant without rounding to nearest:
+    a ResNet-50 lowered that way ran 3x further off than torch's bf16 of the same graph); an
+    activation from outside them is cast down, and an output used outside them is cast back
+    to fp32. The copy shares `gm`'s weights (the search lowers a part dozens of times: copies
+    of ViT-B's took 10 GiB)."""
+    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    out.meta.update(gm.meta)
     graph = out.graph
     downs: dict[fx.Node, fx.Node] = {}
     for node in list(graph.nodes):
         if node.name not in nodes or not _float(node):
             continue
-
-        def down(arg: object, node: fx.Node = node) -> object:
-            if not isinstance(arg, fx.Node) or arg.name in nodes or not _float(arg):
-                return arg
-            if arg not in downs:
-                with graph.inserting_after(arg):
-                    downs[arg] = graph.call_function(cast, (arg,), {"dtype": dtype})
-                _retype(downs[arg], arg, dtype)
-            return downs[arg]
-
-        node.args = tuple(down(a) for a in node.args)
-        node.kwargs = {k: down(v) for k, v in node.kwargs.items()}
+        node.args = tuple(_down(out, a, node, nodes, low, downs) for a in node.args)
+        node.kwargs = {k: _down(out, v, node, nodes, low, downs)
+                       for k, v in node.kwargs.items()}
     for node in list(graph.nodes):
         if node.name not in nodes or not _float(node):
             continue
         outside = [u for u in node.users if u.name not in nodes or u.op == "output"]
         if outside:
-            with graph.inserting_after(node):
-                back = graph.call_function(cast, (node,), {"dtype": torch.float32})
-            _retype(back, node, torch.float32)
+            back = _after(node, CAST, (node,), {"dtype": torch.float32})
             for user in outside:
                 user.replace_input_with(node, back)
-        _retype(node, node, dtype)
+        _retype(node, node, LOW[low])
+    graph.eliminate_dead_code()  # the fp32 weights no lowered op reads any more
     graph.lint()
     out.recompile()
     out.meta["cuvil_mixed"] = low  # what runtimes/openvino.py checks ran low
     return out
+
+
+CAST = torch.ops.aten._to_copy.default  # noqa: SLF001 - the cast export writes for .to()
+
+
+def _down(out: fx.GraphModule, arg: object, node: fx.Node, nodes: set[str], low: str,
+          downs: dict[fx.Node, fx.Node]) -> object:
+    """`node`'s input `arg` at `low` (once per input): a weight as a constant rounded by
+    torch, an activation from outside `nodes` cast."""
+    if not isinstance(arg, fx.Node) or arg.name in nodes or not _float(arg):
+        return arg
+    if arg not in downs:
+        dtype = LOW[low]
+        if arg.op == "get_attr":
+            name = f"_cuvil_{low}_{str(arg.target).replace('.', '_')}"
+            if not hasattr(out, name):
+                out.register_buffer(name, _attr(out, str(arg.target)).detach().to(dtype))
+            with out.graph.inserting_before(node):
+                downs[arg] = out.graph.get_attr(name)
+        else:
+            downs[arg] = _after(arg, CAST, (arg,), {"dtype": dtype})
+        _retype(downs[arg], arg, dtype)
+    return downs[arg]
+
+
+def _after(node: fx.Node, op: object, args: tuple[object, ...],
+           kwargs: dict[str, object] | None = None) -> fx.Node:
+    """A call of `op` placed right after `node`, typed as `node` at fp32."""
+    with node.graph.inserting_after(node):
+        new = node.graph.call_function(op, args, kwargs or {})  # type: ignore[arg-type]
+    _retype(new, node, torch.float32)
+    return new
+
+
+def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module  # type: ignore[return-value]
 
 
 def _retype(node: fx.Node, like: fx.Node, dtype: torch.dtype) -> None:

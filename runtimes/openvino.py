@@ -199,6 +199,23 @@ def quantize(model: ov.Model, calibration: list[list[torch.Tensor]], feed: list[
     return mixed
 
 
+QUANTIZABLE = ("Convolution", "GroupConvolution", "MatMul", "ConvolutionBackpropData")
+
+
+def kept_fp32(model: ov.Model) -> str:
+    """Which of a quantized model's matmuls and convolutions NNCF left at fp32 (no
+    FakeQuantize feeds them), for the plan's notes; "" when every one runs int8."""
+    ops = [op for op in model.get_ordered_ops() if op.get_type_name() in QUANTIZABLE]
+    kept = [op.get_friendly_name().split("/")[0] for op in ops
+            if not any(i.get_source_output().get_node().get_type_name() == "FakeQuantize"
+                       for i in op.inputs())]
+    if not kept:
+        return ""
+    more = f" and {len(kept) - 6} more" if len(kept) > 6 else ""
+    return (f"int8 except {len(kept)} of {len(ops)} matmuls/convolutions kept fp32 by NNCF's "
+            f"accuracy control: {', '.join(kept[:6])}{more}")
+
+
 def compile_config(device: str, precision: str, threads: int) -> dict[str, Any]:
     """The compile_model config: precision always explicit, latency-oriented, thread count."""
     config: dict[str, Any] = {
@@ -261,6 +278,7 @@ class OpenVINOExecutable(Executable):
         self._model = model  # kept for `save` after a compile
         self._source = source  # the cache entry this was loaded from
         self._request = compiled.create_infer_request()
+        self.note = str(meta.get("note", ""))
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         arrays = [as_array(inputs[i]) for i in self.feed]
@@ -370,7 +388,8 @@ class OpenVINORuntime(Runtime):
         if low:
             check_lowered(compiled, device, low)
         meta = {"format": META_FORMAT, "device": device, "config": config, "feed": feed,
-                "openvino": self.version(), "lowered": low}
+                "openvino": self.version(), "lowered": low,
+                "note": kept_fp32(model) if spec.precision == INT8_MIXED else ""}
         return OpenVINOExecutable(compiled, feed, meta, model=model)
 
     def load(self, directory: Path, spec: CompileSpec) -> Executable:

@@ -4,6 +4,7 @@ reports (cuvild/engine/precision.py). One CPU worker; OpenVINO's int8 via NNCF."
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -108,6 +109,9 @@ def test_a_budget_of_1e_2_serves_within_it_on_held_out_inputs(engine, model):
     assert tried["int8"]["rel_error"] > 1e-2, tried["int8"]  # (else nothing to back off)
     assert tried["int8+fp32"]["status"] == "ok", tried["int8+fp32"]
     assert tried["int8+fp32"]["rel_error"] <= 1e-2  # (it aims at half, on other inputs)
+    # the plan says which ops NNCF kept fp32
+    assert re.match(r"int8 except \d+ of \d+ matmuls/convolutions kept fp32",
+                    tried["int8+fp32"]["reason"]), tried["int8+fp32"]
     assert loaded.accuracy.chosen.error <= 1e-2
     assert held_out_error(engine, model, "tight") <= 1e-2
 
