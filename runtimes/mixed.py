@@ -319,7 +319,9 @@ def choose(gm: fx.GraphModule, low: str, target: float,
 
     def ranked() -> list[str]:
         if not order:
-            alone.update({g: _error(lower(gm, spans[g], low), inputs, expected)
+            # on the first input: a run of the part per group (the count is then settled
+            # on all of them)
+            alone.update({g: _error(lower(gm, spans[g], low), inputs[:1], expected[:1])
                           for g in groups})
             order.extend(sorted(groups, key=lambda g: -alone[g]))
         return order
@@ -328,7 +330,7 @@ def choose(gm: fx.GraphModule, low: str, target: float,
         keep = {n for g in ranked()[:k] for n in spans[g]} if k else set()
         return lower(gm, everything - keep, low)
 
-    k = _estimate(keeping, len(groups), target, inputs, expected)
+    k = _estimate(keeping, len(groups), target, inputs[:4], expected[:4])  # a first guess
     if measure is None:
         if k >= len(groups):
             raise CompileError(f"{name(low)}: no group short of all {len(groups)} at fp32 "

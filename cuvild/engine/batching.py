@@ -43,13 +43,13 @@ from typing import TYPE_CHECKING, Any
 from cuvild.engine.clientmem import RegionGone
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
 from cuvild.engine.orders import RawTensor, TensorRef
+from cuvild.engine.plane import Served
 from cuvild.engine.views import as_bytes
 
 if TYPE_CHECKING:
     from cuvild.engine.request import Timeline
 
 log = logging.getLogger(__name__)
-Engine = Any  # cuvild/engine/engine.py, which imports this module
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class Batcher:
         self.waits: deque[float] = deque(maxlen=1000)  # the last queue waits, seconds
 
     # -- the request's side ----------------------------------------------------------------
-    def run(self, engine: Engine, model: Any, inputs: Sequence[Any],
+    def run(self, engine: Served, model: Any, inputs: Sequence[Any],
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
             deadline: float | None, timeline: Timeline | None = None) -> list[Any]:
         """Run one request of `model` (its bucket) in a batch; what Engine.run returns."""
@@ -296,7 +296,7 @@ class Batcher:
         return batch
 
     # -- the leader's side: one batch -------------------------------------------------------
-    def _run(self, engine: Engine, batch: list[Pending]) -> None:  # noqa: C901 - a batch's run: merge, run, split, answer each
+    def _run(self, engine: Served, batch: list[Pending]) -> None:  # noqa: C901 - a batch's run: merge, run, split, answer each
         """Run the batch and give each request its answer (result or error)."""
         start = time.monotonic()
         rows = sum(p.rows for p in batch)
@@ -329,14 +329,14 @@ class Batcher:
                     p.error = e
 
     @staticmethod
-    def _alone(engine: Engine, p: Pending) -> None:
+    def _alone(engine: Served, p: Pending) -> None:
         try:
             p.result = engine.run_direct(p.model, p.inputs, p.output_refs, p.raw, p.timeline,
                                          p.given, p.into)
         except Exception as e:  # noqa: BLE001 - the request's own answer
             p.error = e
 
-    def _merged(self, engine: Engine, batch: list[Pending], rows: int) -> None:
+    def _merged(self, engine: Served, batch: list[Pending], rows: int) -> None:
         base = engine.models.get(self.base_key)
         if base is None:
             raise InferError(f"model {self.base_key} is not loaded any more")
@@ -363,7 +363,7 @@ class Batcher:
                     p.error = BadRegion(str(e))
             at_row += p.rows
 
-    def _gather(self, engine: Engine, batch: list[Pending], model: Any,
+    def _gather(self, engine: Served, batch: list[Pending], model: Any,
                 rows: int) -> list[RawTensor]:
         """The batch's inputs, each request's rows in turn, padded to `rows`."""
         inputs = []
@@ -385,7 +385,7 @@ class Batcher:
             inputs.append(RawTensor(buf, slot.dtype, slot.shape))  # type: ignore[arg-type]
         return inputs
 
-    def _read(self, engine: Engine, value: Any, out: memoryview, dtype: str) -> None:
+    def _read(self, engine: Served, value: Any, out: memoryview, dtype: str) -> None:
         if isinstance(value, RawTensor):
             out[:] = memoryview(value.data).cast("B")
         elif isinstance(value, TensorRef):
@@ -397,7 +397,7 @@ class Batcher:
             out[:] = as_bytes(value, dtype)
 
     @staticmethod
-    def _scatter(engine: Engine, model: Any, outs: list[memoryview], p: Pending, at_row: int,
+    def _scatter(engine: Served, model: Any, outs: list[memoryview], p: Pending, at_row: int,
                  rows: int) -> list[Any]:
         """Request p's rows of each output: into its region or `into`, or as its result."""
         result = []

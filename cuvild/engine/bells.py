@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from cuvild.engine.errors import BadRegion, InferError, WorkerLost
 from cuvild.engine.lanes import Attached, Pool
 from cuvild.engine.orders import Attach, TensorRef
+from cuvild.engine.plane import Served
 from cuvild.engine.request import Answer, Timeline, run_parts
 from cuvild.engine.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
 from protos import fastpath as wire
@@ -147,7 +148,7 @@ class Bells(Pool[dict[str, Bell]]):
     def __init__(self) -> None:
         super().__init__(lambda bells: all(b.usable() for b in bells.values()), _close)
 
-    def take(self, engine: Any, model: LoadedModel) -> dict[str, Bell] | None:
+    def take(self, engine: Served, model: LoadedModel) -> dict[str, Bell] | None:
         """An idle set of `model`'s bells, by part (made if none is idle); None where its
         parts cannot be rung: worker threads, a worker being restarted."""
         if engine.in_process or model.evicted:
@@ -167,10 +168,10 @@ class Bells(Pool[dict[str, Bell]]):
             return None
         return made
 
-    def give(self, engine: Any, model: LoadedModel, bells: dict[str, Bell]) -> None:
+    def give(self, engine: Served, model: LoadedModel, bells: dict[str, Bell]) -> None:
         self.keep(model.key, bells, engine.models.get(model.key) is model)
 
-    def run(self, engine: Any, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
+    def run(self, engine: Served, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
             timeline: Timeline | None, deadline: float, patient: bool) -> bool:
         """Run the request's parts on bells; False where it takes none (the caller then
         sends them the usual way). `refs`: the request's tensors in clients' regions."""

@@ -33,8 +33,8 @@ from cuvild.engine import warm
 from cuvild.engine.errors import InferError, RunTimeout
 from cuvild.engine.layout import BadInput, input_table, layout
 from cuvild.engine.loaded import LoadedModel, cut_bytes
+from cuvild.engine.plane import Builds
 
-Engine = Any  # cuvild/engine/engine.py, which imports this module
 log = logging.getLogger(__name__)
 Shapes = tuple[tuple[int, ...], ...]
 RECORDS = 32  # bucket load records kept on disk per model, the last written
@@ -51,7 +51,7 @@ def check_dims(model: LoadedModel, given: Sequence[tuple[str, tuple[int, ...]]],
                            f"largest this server builds for a dynamic dimension ({max_dim})")
 
 
-def bucket(engine: Engine, model: LoadedModel, shapes: Shapes,
+def bucket(engine: Builds, model: LoadedModel, shapes: Shapes,
            deadline: float | None = None) -> LoadedModel:
     """The bucket of `model` for `shapes`, built on first use (waited for by `deadline`,
     time.monotonic(); None: the engine's build_timeout_s)."""
@@ -63,7 +63,7 @@ def bucket(engine: Engine, model: LoadedModel, shapes: Shapes,
     return build(engine, model, shapes, deadline)
 
 
-def hold(engine: Engine, model: LoadedModel, deadline: float | None) -> LoadedModel:
+def hold(engine: Builds, model: LoadedModel, deadline: float | None) -> LoadedModel:
     """Count a request in on its bucket, so that it is not evicted while the request runs;
     a bucket evicted since `resolve` is built again. A model that is no bucket is itself."""
     while model.base_key:
@@ -78,13 +78,13 @@ def hold(engine: Engine, model: LoadedModel, deadline: float | None) -> LoadedMo
     return model
 
 
-def release(engine: Engine, model: LoadedModel) -> None:
+def release(engine: Builds, model: LoadedModel) -> None:
     if model.base_key:
         with engine.buckets_lock:
             model.users -= 1
 
 
-def build(engine: Engine, model: LoadedModel, shapes: Shapes,
+def build(engine: Builds, model: LoadedModel, shapes: Shapes,
           deadline: float | None) -> LoadedModel:
     """The bucket from its load record (cuvild/engine/warm.py) or, where it has none that
     serves, planned, laid out and built."""
@@ -108,7 +108,7 @@ def build(engine: Engine, model: LoadedModel, shapes: Shapes,
         model.variant_lock.release()
 
 
-def restored(engine: Engine, model: LoadedModel, shapes: Shapes) -> LoadedModel | None:
+def restored(engine: Builds, model: LoadedModel, shapes: Shapes) -> LoadedModel | None:
     """The bucket as its load record has it (nothing planned, split or compiled: no torch),
     checked end to end; None where it has no record, or one that no longer serves."""
     if model.record_at is None:
@@ -130,7 +130,7 @@ def restored(engine: Engine, model: LoadedModel, shapes: Shapes) -> LoadedModel 
     return variant
 
 
-def cold(engine: Engine, model: LoadedModel, shapes: Shapes,
+def cold(engine: Builds, model: LoadedModel, shapes: Shapes,
          deadline: float | None) -> LoadedModel:
     import torch
 
@@ -166,7 +166,7 @@ def cold(engine: Engine, model: LoadedModel, shapes: Shapes,
     return variant
 
 
-def record(engine: Engine, model: LoadedModel, variant: LoadedModel, inputs: list[Any],
+def record(engine: Builds, model: LoadedModel, variant: LoadedModel, inputs: list[Any],
            expected: list[Any]) -> None:
     """Write a bucket's load record, with its check: torch eager's outputs on one input and
     how far the bucket's are from them now."""
@@ -189,7 +189,7 @@ def record(engine: Engine, model: LoadedModel, variant: LoadedModel, inputs: lis
         log.warning("bucket %s: load record not written (%s)", variant.key, e)
 
 
-def reread(engine: Engine, model: LoadedModel) -> None:
+def reread(engine: Builds, model: LoadedModel) -> None:
     """A model restored from its load record reads its archive (torch) for a bucket of new
     shapes: its split, and its program where each bucket is planned at its own shapes."""
     if model.split is not None:
@@ -212,7 +212,7 @@ def specs(model: LoadedModel, shapes: Shapes) -> list[dict[str, Any]]:
                                                              strict=True)]
 
 
-def plan_for(engine: Engine, model: LoadedModel, shapes: Shapes) -> tuple[Any, Any, bool]:
+def plan_for(engine: Builds, model: LoadedModel, shapes: Shapes) -> tuple[Any, Any, bool]:
     """A bucket's plan and split, and whether they are its own: a model the engine planned
     is planned again at the bucket's shapes (a batch of 8 may be placed on another device
     than a request of 1); where that places every node as the model's plan does, the
@@ -250,7 +250,7 @@ def sizes_of(program: Any, dynamic: list[tuple[int, int, int, int]],
     return sizes
 
 
-def evict(engine: Engine, model: LoadedModel) -> None:
+def evict(engine: Builds, model: LoadedModel) -> None:
     """Unload the least recently used buckets past `max_buckets` that no request is running
     (under the model's build lock, so an eviction reaches the workers before a rebuild)."""
     gone = []

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from cuvild.engine import buckets, fallback, precision, warm
 from cuvild.engine.arena import Arena
@@ -65,6 +65,7 @@ from cuvild.engine.orders import (
     TensorRef,
     Unload,
 )
+from cuvild.engine.plane import Monitor
 from cuvild.engine.precision import Accuracy, PrecisionPolicy
 from cuvild.engine.request import FEEDBACK_RUNS, Orders, Timeline, run_parts
 from cuvild.engine.workers import Workers
@@ -80,17 +81,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 __all__ = ["FEEDBACK_RUNS", "BadInput", "BadRegion", "Engine", "InferError", "LoadedModel",
            "Route", "RunTimeout", "Timeline", "WorkerUnavailable", "cut_bytes"]
-
-
-class Monitor(Protocol):
-    """What watches the engine (cuvild/serve/metrics.py): told of each request's wait for a
-    place in flight and of each part's run, on the request's thread (keep it cheap)."""
-
-    def queued(self, model: LoadedModel, seconds: float) -> None: ...
-
-    def part(self, model: LoadedModel, route: Route, seconds: float) -> None: ...
-
-    def batched(self, model: LoadedModel, rows: int, waits: list[float]) -> None: ...
 
 
 class Engine:
@@ -214,7 +204,7 @@ class Engine:
                 route.budget = budget
                 if decided and route.id in decided:  # a restart builds only what was chosen
                     route.precisions = [decided[route.id]]
-        inputs = precision.check_inputs(model, policy)
+        inputs = precision.check_inputs(model, policy, searched=bool(budgets))
         expected, eager_ms = precision.reference(ep, inputs)
         del ep, split  # workers hold the parts; the daemon keeps only the wiring
         try:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from cuvild.engine.clientmem import RegionGone
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
 from cuvild.engine.orders import Attach, RawTensor, TensorRef
+from cuvild.engine.plane import Served
 from cuvild.engine.request import Timeline, measured
 from cuvild.engine.sessions import STATS, slot_layout
 from protos import fastpath as wire
@@ -96,7 +97,7 @@ class Lane(Attached):
         self.outputs = [view[base + t["offset"]:base + t["offset"] + t["nbytes"]]
                         for t in self.layout["outputs"]]
 
-    def run(self, engine: Any, inputs: Sequence[RawTensor | TensorRef],  # noqa: C901 - the dispatch loop; one for bells and lanes is planned
+    def run(self, engine: Served, inputs: Sequence[RawTensor | TensorRef],  # noqa: C901 - the dispatch loop; one for bells and lanes is planned
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
             deadline: float, timeline: Timeline | None = None) -> list[Any]:
         """One request; RunTimeout, WorkerLost (the lane is then closed), BadRegion or
@@ -148,7 +149,7 @@ class Lane(Attached):
             return []
         return self._outputs(engine, output_refs, raw)
 
-    def _outputs(self, engine: Any, output_refs: dict[str, TensorRef], raw: bool) -> list[Any]:
+    def _outputs(self, engine: Served, output_refs: dict[str, TensorRef], raw: bool) -> list[Any]:
         """Outputs named in `output_refs` written into their regions (None for them), the
         others as bytes (raw) or fresh tensors."""
         out: list[Any] = []
@@ -229,7 +230,7 @@ class Lanes(Pool[Lane]):
     def __init__(self) -> None:
         super().__init__(Lane.usable, Lane.close)
 
-    def take(self, engine: Any, model: LoadedModel) -> Lane | None:
+    def take(self, engine: Served, model: LoadedModel) -> Lane | None:
         """An idle lane of `model` (one is made if none is idle); None where the model does
         not take lanes: several parts, a worker thread, a worker being restarted."""
         if engine.in_process or not one_part(model) or model.evicted:
@@ -246,7 +247,7 @@ class Lanes(Pool[Lane]):
         except OSError:
             return None
 
-    def run(self, engine: Any, model: LoadedModel, inputs: Sequence[Any],
+    def run(self, engine: Served, model: LoadedModel, inputs: Sequence[Any],
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
             deadline: float, timeline: Timeline | None = None,
             patient: bool = False) -> list[Any] | None:
@@ -275,5 +276,5 @@ class Lanes(Pool[Lane]):
         finally:
             self.give(engine, lane)
 
-    def give(self, engine: Any, lane: Lane) -> None:
+    def give(self, engine: Served, lane: Lane) -> None:
         self.keep(lane.model.key, lane, engine.models.get(lane.model.key) is lane.model)

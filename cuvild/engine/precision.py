@@ -58,7 +58,8 @@ LOWER = ("bf16", "fp16", "int8")  # the precisions a search may lower a part to,
 # The least budget int8+fp32 is tried under: one int8 op is ~1/256 off, so below this nearly
 # every op would go back to fp32 (NNCF's accuracy control spends a build per op it puts back).
 INT8_MIXED_FLOOR = 1e-3
-CHECK_INPUTS = 4  # random check inputs when no calibration inputs were given
+CHECK_INPUTS = 4  # random check inputs when no calibration inputs were given (and no
+# budget: then build.SEARCH_SAMPLES)
 COMPUTE_CLASSES = ("matmul", "conv", "attention")  # what a lower precision speeds up
 
 
@@ -146,12 +147,16 @@ def candidates(part: Part, device: DeviceProfile,
     return ["fp32", *lower], budget
 
 
-def check_inputs(model: LoadedModel, policy: PrecisionPolicy) -> list[list[torch.Tensor]]:
-    from cuvild.engine.build import calibration_inputs, sample_inputs
+def check_inputs(model: LoadedModel, policy: PrecisionPolicy,
+                 searched: bool = False) -> list[list[torch.Tensor]]:
+    """The inputs the whole model is checked on: the calibration inputs, else random ones
+    (more where a precision search holds a budget on them)."""
+    from cuvild.engine.build import SEARCH_SAMPLES, calibration_inputs, sample_inputs
 
     if policy.calibration:
         return calibration_inputs(policy.calibration, model.input_specs)
-    return [sample_inputs(model.input_specs, seed) for seed in range(CHECK_INPUTS)]
+    count = SEARCH_SAMPLES if searched else CHECK_INPUTS
+    return [sample_inputs(model.input_specs, seed) for seed in range(count)]
 
 
 def eager(ep: Any) -> Any:

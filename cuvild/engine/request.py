@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
 from cuvild.engine.handle import ReplyTimeout, WorkerDied
 from cuvild.engine.orders import Reply, Run, TensorRef
+from cuvild.engine.plane import Served, Timeline
 
 if TYPE_CHECKING:
     from cuvild.engine.arena import Block
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 
 FEEDBACK_RUNS = 20  # a part's measured runs that teach the cost model (once per load)
 # A request's timeline, when it is traced: (route, dispatched, replied), perf_counter_ns.
-Timeline = list[tuple["Route", int, int]]
 # A part's answer: its failure (None: done; WorkerLost: its worker died) and its run time, ms.
 Answer = tuple["Route", "InferError | None", float]
 
@@ -53,7 +53,7 @@ class Parts(Protocol):
     def outstanding(self) -> list[Future[Any]]: ...  # done once the block is free of them
 
 
-def measured(engine: Any, model: LoadedModel, route: Route, run_ms: float) -> None:
+def measured(engine: Served, model: LoadedModel, route: Route, run_ms: float) -> None:
     """A part's run time, as its worker measured it: kept (the last 100), told to the
     monitor, and once per load, at FEEDBACK_RUNS runs, taught to the cost model."""
     route.measured_ms.append(run_ms)
@@ -65,7 +65,7 @@ def measured(engine: Any, model: LoadedModel, route: Route, run_ms: float) -> No
         engine.corrections.later(engine.feedback, model.key)
 
 
-def usable(engine: Any, route: Route, deadline: float) -> None:
+def usable(engine: Served, route: Route, deadline: float) -> None:
     """Wait, by the deadline, for the part's worker to be back if it is being restarted."""
     t0 = time.monotonic()
     if not engine.workers.wait_usable(route.device, deadline - t0):
@@ -80,7 +80,7 @@ class Orders:
     the request's thread (no reader thread between). The transport `run_parts` drives where
     bells do not fit (thread workers, a record too small for the request's regions)."""
 
-    def __init__(self, engine: Any, model: LoadedModel, block: Block,
+    def __init__(self, engine: Served, model: LoadedModel, block: Block,
                  refs: dict[str, TensorRef]) -> None:
         self.engine, self.model, self.block, self.refs = engine, model, block, refs
         self.running: dict[Future[Reply], Route] = {}
@@ -145,7 +145,7 @@ def _answer(route: Route, reply: Reply | WorkerDied) -> Answer:
     return route, None, reply.result.run_ms  # type: ignore[union-attr]
 
 
-def run_parts(engine: Any, model: LoadedModel, parts: Parts, timeline: Timeline | None,
+def run_parts(engine: Served, model: LoadedModel, parts: Parts, timeline: Timeline | None,
               deadline: float, patient: bool) -> None:
     """Run the request's parts through `parts` (Orders here, bells.Rung): each part starts
     as soon as its inputs are ready; the answers are waited for by the deadline.
@@ -185,7 +185,7 @@ def run_parts(engine: Any, model: LoadedModel, parts: Parts, timeline: Timeline 
         raise failure
 
 
-def _take(engine: Any, model: LoadedModel, answers: list[Answer], ready: set[str],
+def _take(engine: Served, model: LoadedModel, answers: list[Answer], ready: set[str],
           dead: set[str], traced: tuple[Timeline, dict[str, tuple[float, int]]] | None,
           ) -> InferError | None:
     """Take the parts' answers: a done part's outputs are ready (its run time measured, its
@@ -205,7 +205,7 @@ def _take(engine: Any, model: LoadedModel, answers: list[Answer], ready: set[str
     return failure
 
 
-def _expired(engine: Any, pending: list[tuple[Route, int]], sent: dict[str, tuple[float, int]],
+def _expired(engine: Served, pending: list[tuple[Route, int]], sent: dict[str, tuple[float, int]],
              patient: bool) -> RunTimeout:
     """The deadline passed with parts out: the first sent is named; with a patient request,
     their workers are taken as hung (killed and restarted)."""

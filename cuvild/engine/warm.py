@@ -43,6 +43,7 @@ from cuvild.engine.errors import InferError
 from cuvild.engine.layout import Slot, input_table
 from cuvild.engine.loaded import LoadedModel, Route, cut_bytes
 from cuvild.engine.orders import Built, RawTensor, Reply, Restore, Variant
+from cuvild.engine.plane import Builds
 from cuvild.engine.views import NUMPY
 from runtimes.base import array_error, fsync_dir, remove_leftovers, write_atomic
 
@@ -179,7 +180,7 @@ def write_dynamic(where: Path, model: LoadedModel) -> None:
         log.warning("model %s: load record not written (%s)", model.key, e)
 
 
-def restore(engine: Any, where: Path, record: dict[str, Any], key_: str, name: str,
+def restore(engine: Builds, where: Path, record: dict[str, Any], key_: str, name: str,
             version: str, archive: str, input_specs: list[dict[str, Any]],
             policy: PrecisionPolicy, objective: str = "latency",
             settings: batching.Batching | None = None) -> LoadedModel:
@@ -240,7 +241,7 @@ def _route(r: dict[str, Any]) -> Route:
                  built=Built(r["runtime"], True, r.get("candidates", []), [variant]))
 
 
-def load_parts(engine: Any, model: LoadedModel, only_device: str | None = None) -> None:
+def load_parts(engine: Builds, model: LoadedModel, only_device: str | None = None) -> None:
     """Have the workers load the model's parts from the cache (Stale if one cannot)."""
     futures: list[tuple[Route, Future[Reply]]] = []
     for route in model.routes:
@@ -263,7 +264,7 @@ def load_parts(engine: Any, model: LoadedModel, only_device: str | None = None) 
         engine.counters["restored"] += 1
 
 
-def _check(engine: Any, model: LoadedModel, where: Path) -> None:
+def _check(engine: Builds, model: LoadedModel, where: Path) -> None:
     """Run the model on the first recorded check input (bytes in, bytes out: no torch): its
     outputs must still match torch eager's, as recorded, within what the load measured on
     all of them (twice that, at least 1e-5, at most the budget). One input tells a part that
