@@ -203,12 +203,14 @@ def fold_batch_norms(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def lower(gm: fx.GraphModule, nodes: set[str], low: str) -> fx.GraphModule:
-    """A copy of `gm` in which `nodes` run at `low`: a weight they read becomes a constant at
-    `low`, rounded by torch (OpenVINO folds a cast of a constant without rounding to nearest:
-    a ResNet-50 lowered that way ran 3x further off than torch's bf16 of the same graph); an
-    activation from outside them is cast down, and an output used outside them is cast back
-    to fp32. The copy shares `gm`'s weights (the search lowers a part dozens of times: copies
-    of ViT-B's took 10 GiB)."""
+    """A copy of `gm` in which `nodes` run at `low`: a weight they read is rounded to `low` by
+    torch and cast (OpenVINO folds a cast of a constant without rounding to nearest: a
+    ResNet-50 lowered that way ran 3x further off than torch's bf16 of the same graph; the
+    rounded weight stays fp32, so the cast it folds is exact, and its constants its own: built
+    from bf16 tensors they were shared with torch, and read freed memory once the build's
+    tensors were gone); an activation from outside them is cast down, and an output used
+    outside them is cast back to fp32. The copy shares `gm`'s other weights (the search
+    lowers a part dozens of times: copies of ViT-B's took 10 GiB)."""
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     out.meta.update(gm.meta)
     graph = out.graph
@@ -240,20 +242,22 @@ CAST = torch.ops.aten._to_copy.default  # noqa: SLF001 - the cast export writes 
 
 def _down(out: fx.GraphModule, arg: object, node: fx.Node, nodes: set[str], low: str,
           downs: dict[fx.Node, fx.Node]) -> object:
-    """`node`'s input `arg` at `low` (once per input): a weight as a constant rounded by
-    torch, an activation from outside `nodes` cast."""
+    """`node`'s input `arg` at `low` (once per input): a weight rounded by torch, then cast;
+    an activation from outside `nodes` cast."""
     if not isinstance(arg, fx.Node) or arg.name in nodes or not _float(arg):
         return arg
     if arg not in downs:
         dtype = LOW[low]
-        if arg.op == "get_attr":
+        source = arg
+        if arg.op == "get_attr":  # its values rounded by torch, still fp32: the cast is exact
             name = f"_cuvil_{low}_{str(arg.target).replace('.', '_')}"
             if not hasattr(out, name):
-                out.register_buffer(name, _attr(out, str(arg.target)).detach().to(dtype))
+                weight = _attr(out, str(arg.target)).detach()
+                out.register_buffer(name, weight.to(dtype).to(weight.dtype))
             with out.graph.inserting_before(node):
-                downs[arg] = out.graph.get_attr(name)
-        else:
-            downs[arg] = _after(arg, CAST, (arg,), {"dtype": dtype})
+                source = out.graph.get_attr(name)
+            _retype(source, arg, torch.float32)
+        downs[arg] = _after(source, CAST, (source,), {"dtype": dtype})
         _retype(downs[arg], arg, dtype)
     return downs[arg]
 

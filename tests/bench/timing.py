@@ -61,4 +61,5 @@ def rel_error(got: Any, expected: Any) -> float:
     import numpy as np
 
     got, expected = np.asarray(got), np.asarray(expected)
-    return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-12))
+    error = float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-12))
+    return error if error == error else float("inf")  # NaN: inf, which max() keeps
