@@ -1,7 +1,8 @@
 """Mixed precision inside a part: its compute groups at bf16 (or fp16), the fewest at fp32.
 
 A part's precision "bf16+fp32" asks for it at bf16 except the fewest layer groups that must
-stay fp32 for its outputs to stay within `target` of fp32 (half the error budget). How:
+stay fp32 for its outputs to stay within `target` of fp32 (0.8 of the error budget, on the
+inputs the model is checked on end to end: cuvild/engine/build.py). How:
 
 1. Groups: the part's compute ops (matmul, conv, attention: what a lower precision speeds up)
    by the module that made them (`nn_module_stack`: "encoder.layer.3.intermediate.dense"),
@@ -12,13 +13,13 @@ stay fp32 for its outputs to stay within `target` of fp32 (half the error budget
    that runs a graph's own dtypes runs it as asked, with no per-runtime switch: OpenVINO
    compiles it with an f32 inference hint and runs those ops in bf16 (its runtime model says
    so, checked in runtimes/openvino.py), inductor likewise.
-3. Which groups: on the part's sample inputs in torch eager, the error of the whole part
-   with only one group lowered ranks the groups (NNCF's accuracy-aware back-off ranks layers
-   the same way, by what each costs the metric), and the smallest k such that lowering all
-   but the k worst holds `target` is estimated by bisection. torch's bf16 is not a
-   runtime's (OpenVINO ran ViT-B 2-4x further off than torch's estimate), so k is then
-   settled on real builds (`measure`): more groups kept, doubling, until a build holds, then
-   the gap halved, five builds at most. Where everything lowered holds, k is 0 (still a
+3. Which groups: on the part's first sample input in torch eager, the error of the whole
+   part with only one group lowered ranks the groups (NNCF's accuracy-aware back-off ranks
+   layers the same way, by what each costs the metric), and the smallest k such that
+   lowering all but the k worst holds `target` is estimated by bisection on the first four.
+   A runtime's bf16 is not exactly torch's, so k is then settled on real builds (`measure`,
+   on every sample): more groups kept, doubling, until a build holds, then the gap halved,
+   five builds at most. Where everything lowered holds, k is 0 (still a
    mix: the ops between the lowered ones stay fp32, unlike a whole-part bf16 build); where
    nothing short of all fp32 does, the mix is refused.
 
