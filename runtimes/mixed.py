@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -253,7 +254,7 @@ def _down(out: fx.GraphModule, arg: object, node: fx.Node, nodes: set[str], low:
         if arg.op == "get_attr":  # its values rounded by torch, still fp32: the cast is exact
             name = f"_cuvil_{low}_{str(arg.target).replace('.', '_')}"
             if not hasattr(out, name):
-                weight = _attr(out, str(arg.target)).detach()
+                weight = operator.attrgetter(str(arg.target))(out).detach()
                 out.register_buffer(name, weight.to(dtype).to(weight.dtype))
             with out.graph.inserting_before(node):
                 source = out.graph.get_attr(name)
@@ -270,12 +271,6 @@ def _after(node: fx.Node, op: object, args: tuple[object, ...],
         new = node.graph.call_function(op, args, kwargs or {})  # type: ignore[arg-type]
     _retype(new, node, torch.float32)
     return new
-
-
-def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
-    for name in target.split("."):
-        module = getattr(module, name)
-    return module  # type: ignore[return-value]
 
 
 def _retype(node: fx.Node, like: fx.Node, dtype: torch.dtype) -> None:

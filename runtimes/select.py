@@ -230,7 +230,7 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
             progress(name)
         cand, exe = _try(name, part, spec, inputs, expected, cache, part_key, timeout_s)
         cand.precision = precision
-        if cand.status == "ok" and (chosen is not None or getattr(exe, "note", "")):
+        if exe is not None and cand.status == "ok" and (chosen is not None or exe.note):
             # which groups stayed fp32, and why (a mix); which ops the quantizer kept fp32
             cand.reason = chosen.describe() if chosen is not None else exe.note
         tried.append(cand)
