@@ -14,10 +14,16 @@ from math import prod
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.fx.experimental import symbolic_shapes
 
 from partitioner import flops
 from partitioner.costgraph import ANNOTATION_KEY, Annotation, CostGraph, CostNode, Edge
+
+# A symbolic size's hint, under the name this torch gives it: optimization_hint from 2.13,
+# size_hint in 2.11 (the GPU machines' torch; its hint_int warns that it is size_hint).
+optimization_hint = next(getattr(symbolic_shapes, name) for name in
+                         ("optimization_hint", "size_hint", "hint_int")
+                         if hasattr(symbolic_shapes, name))
 
 DTYPE_NAMES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8",

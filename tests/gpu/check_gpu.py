@@ -11,14 +11,18 @@ check"). Sections, each of which reports its error and lets the next one run:
 1. environment: nvidia-smi, versions, the C compiler and headers AOTInductor needs;
 2. the measured GPU profile (`runtimes.profiling.benchmarks`) next to the card's published
    figures, and host<->device copies from pinned and from pageable memory;
-3. the daemon (tests/gpu/check_daemon.py): a CPU+GPU split with each cut's measured copy next
+3. per reference model (resnet18, resnet50 when torchvision is there, bert4; batch 1 then 16),
+   fp32 and bf16: torch eager on the GPU, torch.compile (inductor) on the GPU, and the part
+   compiled by TritonRuntime (AOTInductor): p50, error against eager fp32 on the CPU, cold
+   compile, save + warm load. The first model runs before the daemon, the rest after it;
+4. the daemon (tests/gpu/check_daemon.py): a CPU+GPU split with each cut's measured copy next
    to its prediction, resnet18 on the GPU end to end vs its part, CUDA shared memory through
    tritonclient, dynamic batching at 1 vs 16 clients, a restart to READY from the cache;
-4. per reference model (resnet18, resnet50 when torchvision is there, bert4; batch 1 then 16),
-   fp32 and bf16: torch eager on the GPU, torch.compile (inductor) on the GPU, and the part
-   compiled by TritonRuntime (AOTInductor, cold caches so "cold" is honest): p50, error against
-   eager fp32 on the CPU, cold compile, save + warm load;
 5. `pytest tests/gpu` on the now warm caches, with what is left of the budget.
+
+The daemon and each (model, batch) run in a child process of this script (faulthandler on):
+a crash loses its own rows only. After one, AOTInductor is switched off
+(CUVILD_TRITON_AOTI=0) for the rest of the run, the daemon included, and the row runs again.
 
 Past the time budget, the remaining work is skipped and says so. A JSON summary goes to
 $OUT/gpu_summary.json when OUT is set (rewritten after every section, so a killed run still
@@ -29,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,6 +63,11 @@ PRECISIONS = ("fp32", "bf16")
 WARMUP, REPS = 10, 50
 T0 = time.monotonic()
 SUMMARY: dict[str, Any] = {"errors": []}
+
+
+def pythonpath() -> str:
+    """The repository first, then what the caller had (carried wheels, for one)."""
+    return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def say(message: str) -> None:
@@ -239,7 +250,8 @@ def reference_model(name: str, batch: int) -> tuple[Any, tuple[Any, ...]]:
             (torch.randn(batch, 3, 224, 224),))
 
 
-def time_model(name: str, batch: int, deadline: float) -> dict[str, Any]:
+def time_model(name: str, batch: int, deadline: float,
+               keep: Callable[[str, Any], None]) -> dict[str, Any]:
     import torch
 
     from partitioner.split import split_program
@@ -265,32 +277,82 @@ def time_model(name: str, batch: int, deadline: float) -> dict[str, Any]:
             SUMMARY["errors"].append(f"timing {name} b{batch} {precision}: "
                                      f"{type(e).__name__}: {e}"[:300])
         torch.cuda.empty_cache()
+        keep(precision, results[precision])
         say(f"{name} b{batch} {precision}: {json.dumps(results[precision])}")
     return results
 
 
-def timing(models: list[str], deadline: float) -> dict[str, Any]:
+def timing(keys: list[tuple[str, int]], deadline: float) -> dict[str, Any]:
+    """Each (model, batch) in a child process: a crash in a compiler (a segfault in a build
+    or a load, as seen on torch 2.11) loses that row alone, and the child's Python stack is
+    printed (faulthandler). After a crash the row is run again with AOTInductor off
+    (runtimes/triton.py AOTI_ENV), and so is everything after it, the daemon included."""
     import torch
+
+    from runtimes.triton import AOTI_ENV
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
-    torch.manual_seed(0)
-    results: dict[str, Any] = {}
-    SUMMARY["models"] = results
-    for batch in BATCHES:
-        for name in models:
-            key = f"{name}_b{batch}"
-            if elapsed() > deadline:
-                results[key] = "skipped: past the time budget"
-                continue
-            try:
-                results[key] = time_model(name, batch, deadline)
-            except Exception as e:
-                traceback.print_exc()
-                results[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-                SUMMARY["errors"].append(f"timing {key}: {type(e).__name__}: {e}"[:300])
-            write_summary()
+    results: dict[str, Any] = SUMMARY.setdefault("models", {})
+    for name, batch in keys:
+        key = f"{name}_b{batch}"
+        if elapsed() > deadline:
+            results[key] = "skipped: past the time budget"
+            continue
+        argv = ["--child", "timing", "--models", name, "--batch", str(batch)]
+        results[key] = in_child(argv, deadline, key)
+        if "crash" in results[key].get("child", "") and os.environ.get(AOTI_ENV) != "0":
+            os.environ[AOTI_ENV] = "0"
+            SUMMARY["aoti_off_after"] = key
+            say(f"{key} crashed: again, and from now on, with {AOTI_ENV}=0")
+            results[f"{key}_torch_compile_path"] = in_child(argv, deadline, f"{key}_tc")
+        write_summary()
     return results
+
+
+def in_child(argv: list[str], deadline: float, label: str) -> dict[str, Any]:
+    """This script again as a child for one section; it writes what it found to a JSON file
+    after every step, so what it finished before a crash or a kill is kept."""
+    result = SCRATCH / f"{label}.json"
+    command = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), *argv,
+               "--result", str(result), "--deadline-s", str(max(1.0, deadline - elapsed()))]
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    # Output is not captured: it streams into this run's log as it comes. A session of its
+    # own, so that a kill takes the child's daemon and compilers with it.
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        rc: int | str = proc.wait(timeout=max(30.0, deadline - elapsed() + 90))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = "killed: past the time budget"
+    found: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
+    if rc != 0:
+        why = f"exited {rc}" + (" (a crash: see the Python stack above)"
+                                if isinstance(rc, int) and rc < 0 else "")
+        found["child"] = why
+        SUMMARY["errors"].append(f"{label}: child {why}")
+    return found
+
+
+def child(options: argparse.Namespace) -> int:
+    """The child's side of in_child."""
+    out = Path(options.result)
+    deadline = elapsed() + options.deadline_s
+    found: dict[str, Any] = {}
+
+    def keep(key: str, value: Any) -> None:
+        found[key] = value
+        out.write_text(json.dumps(found, indent=1, default=str))
+
+    if options.child == "daemon":
+        import check_daemon  # tests/gpu/check_daemon.py; needs grpcio and tritonclient
+
+        check_daemon.run(Path(os.environ["OUT"]) if os.environ.get("OUT") else None, keep,
+                         lambda: deadline - elapsed())
+    else:
+        time_model(options.models, options.batch, deadline, keep)
+    return 0
 
 
 # ---- 2b. copies between host and device ----------------------------------------------------
@@ -339,7 +401,7 @@ def pytest_suite(deadline: float) -> dict[str, Any]:
     # --noconftest: tests/conftest.py starts daemons and needs pyyaml; tests/gpu needs neither.
     command = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
                "--noconftest"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     timeout = max(30.0, deadline - elapsed())
     say(f"{' '.join(command[1:])} (timeout {timeout:.0f} s)")
     t0 = time.perf_counter()
@@ -372,7 +434,7 @@ def pytest_suite(deadline: float) -> dict[str, Any]:
 def profile() -> Any:
     spec = {"task": "host", "cpu": False, "openvino": False}  # the GPUs alone
     command = [sys.executable, "-m", "runtimes.profiling.benchmarks", json.dumps(spec)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
     if done.returncode == 0:
@@ -392,17 +454,8 @@ def daemon(deadline: float) -> dict[str, Any]:
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
-    import check_daemon  # tests/gpu/check_daemon.py; needs grpcio and tritonclient
-
-    out = os.environ.get("OUT")
-    results: dict[str, Any] = {}
-
-    def record(name: str, result: dict[str, Any]) -> None:
-        results[name] = result
-        SUMMARY["daemon"] = results
-        write_summary()
-
-    check_daemon.run(Path(out) if out else None, record, lambda: deadline - elapsed())
+    results = in_child(["--child", "daemon"], deadline, "daemon")
+    SUMMARY["daemon"] = results
     return results
 
 
@@ -414,18 +467,31 @@ def main() -> int:
                         help="seconds after which no new work starts (default 420)")
     parser.add_argument("--skip-pytest", action="store_true")
     parser.add_argument("--skip-daemon", action="store_true")
+    parser.add_argument("--child", choices=("daemon", "timing"), help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline-s", type=float, default=0.0, help=argparse.SUPPRESS)
     options = parser.parse_args()
+    faulthandler.enable()  # a crash in native code prints the Python stack that led there
+    if options.child:
+        try:
+            return child(options)
+        finally:
+            shutil.rmtree(SCRATCH, ignore_errors=True)
     models = [m for m in options.models.split(",") if m]
     budget = options.budget
     say(f"cuvild GPU check: models {models}, budget {budget:.0f} s, caches in {SCRATCH}")
     SUMMARY["environment"] = section("environment", environment)
     SUMMARY["profile"] = section("GPU profile (runtimes.profiling.benchmarks)", profile)
     SUMMARY["transfers"] = section("host<->device copies", transfers)
+    keys = [(name, batch) for batch in BATCHES for name in models]
+    # One model first: it shows whether AOTInductor works here before the daemon relies on it.
+    section("timing (first)", lambda: timing(keys[:1], deadline=0.9 * budget))
     if options.skip_daemon:
         SUMMARY["daemon"] = {"skipped": "--skip-daemon"}
-    else:  # the daemon gets up to ~45% of the budget; the models most of the rest
-        section("daemon (tests/gpu/check_daemon.py)", lambda: daemon(0.45 * budget))
-    section("timing", lambda: timing(models, deadline=0.9 * budget))
+    else:  # the daemon runs until ~55% of the budget; the models most of the rest
+        section("daemon (tests/gpu/check_daemon.py)", lambda: daemon(0.55 * budget))
+    section("timing (the rest)", lambda: timing(keys[1:], deadline=0.9 * budget))
     if options.skip_pytest:
         SUMMARY["pytest"] = {"skipped": "--skip-pytest"}
     else:
