@@ -31,8 +31,12 @@ import copy
 import inspect
 import json
 import logging
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -50,6 +54,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PACKAGE = "part.pt2"  # the AOTInductor package inside a compile-cache directory
 META = "triton.json"  # what `load` needs besides the package
 META_FORMAT = 1
+AOTI_ENV = "CUVILD_TRITON_AOTI"  # "0": compile with torch.compile, not AOTInductor
+# A measured GPU profile's feature when AOTInductor failed its check there (aoti_check): its
+# parts are compiled with torch.compile instead.
+AOTI_BROKEN = "aoti-broken"
 # Outputs at least this big are copied back into pinned host memory: a pinned device-to-host
 # copy runs at full link speed, while for small tensors the plain copy is as fast and does
 # not hold on to page-locked memory (torch's caching host allocator reuses the pinned blocks).
@@ -74,6 +82,54 @@ def aoti_missing() -> str | None:
     if absent:
         return f"torch {torch.__version__} has no torch._inductor.{', '.join(absent)}"
     return None
+
+
+def aoti_check(device: torch.device, timeout_s: float = 600) -> str | None:
+    """None when a small part AOTInductor compiles for `device` loads and answers right, in
+    a child process; else why not. On the lent H200 (torch 2.11.0+cu130) loading the package
+    a compile had just made killed the process with SIGSEGV (`aoti_load_package`), so the
+    check runs where a crash costs nothing. The GPU profile runs it once per measurement."""
+    code = ("import torch, runtimes.triton as t; "
+            f"t.aoti_selftest(torch.device({device.type!r}, {device.index!r}))")
+    return child_verdict([sys.executable, "-c", code], timeout_s)
+
+
+def child_verdict(command: list[str], timeout_s: float) -> str | None:
+    """None when `command` exits 0; else what went wrong, in one line."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    try:
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"the AOTInductor check took over {timeout_s:.0f} s"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        return (f"the AOTInductor check was killed by {signal.Signals(-done.returncode).name} "
+                f"(torch {torch.__version__})")
+    tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+    return f"the AOTInductor check failed: {tail[0][:300]}"
+
+
+def aoti_selftest(device: torch.device) -> None:
+    """Compile, load and run a small MLP with AOTInductor on `device`; raise unless it ran
+    through AOTInductor and matches eager."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                              torch.nn.Linear(64, 8)).eval()
+    x = torch.randn(4, 64)
+    gm = torch.export.export(mlp, (x,)).module()
+    executable = compile_part(gm, [x], device)
+    if executable.path != "aoti":
+        raise RuntimeError(f"AOTInductor did not build: {executable.aoti_error}")
+    with torch.inference_mode():
+        want = mlp(x)
+    got = executable.run([x])[0]
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        raise RuntimeError(f"AOTInductor's answer is off eager by "
+                           f"{(got - want).abs().max().item():.3g}")
 
 
 @contextlib.contextmanager
@@ -265,8 +321,10 @@ class TritonRuntime(Runtime):
     kinds = ("gpu",)
     precisions = ("fp32", "bf16", "fp16")
 
-    def __init__(self, aoti: bool = True) -> None:
-        self.aoti = aoti  # False forces the torch.compile path (for comparing the two)
+    def __init__(self, aoti: bool | None = None) -> None:
+        # False forces the torch.compile path (for comparing the two, or where this torch's
+        # AOTInductor fails on the host): by default CUVILD_TRITON_AOTI=0 in the environment.
+        self.aoti = os.environ.get(AOTI_ENV, "1") != "0" if aoti is None else aoti
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -304,8 +362,14 @@ class TritonRuntime(Runtime):
         if not spec.example_inputs:
             raise CompileError("triton: spec.example_inputs is empty; inductor compiles for "
                                "the shapes of real sample inputs")
-        return compile_part(part, spec.example_inputs, self._device(spec), spec.precision,
-                            aoti=self.aoti)
+        device = self._device(spec)
+        if self.aoti and AOTI_BROKEN in spec.device.features:
+            executable = compile_part(part, spec.example_inputs, device, spec.precision,
+                                      aoti=False)
+            executable.aoti_error = (f"{spec.device.id}'s profile says {AOTI_BROKEN}: "
+                                     "AOTInductor failed its check there (aoti_check)")
+            return executable
+        return compile_part(part, spec.example_inputs, device, spec.precision, aoti=self.aoti)
 
     def load(self, directory: Path, spec: CompileSpec) -> Executable:
         """Load a package saved by `InductorExecutable.save`; compiles nothing."""

@@ -334,9 +334,11 @@ class Engine:
             except FutureTimeout:
                 raise RunTimeout(f"building part {route.id} for {route.device}: no reply in "
                                  f"{time.monotonic() - t0:.1f} s") from None
-            except WorkerDied as e:
-                raise InferError(f"building part {route.id} for {route.device} failed: "
-                                 f"{e}") from None
+            except WorkerDied as e:  # a compiler crashed it (AOTInductor's load on torch
+                # 2.11 did on an H200): as a build that failed, so the part is planned again
+                # off that device; the worker is revived for the next build
+                raise fallback.BuildFailed(f"building part {route.id} for {route.device} "
+                                           f"failed: {e}", route.id, route.device) from None
             if not reply.ok or not isinstance(reply.result, Built):
                 raise fallback.BuildFailed(f"building part {route.id} for {route.device} "
                                            f"failed: {reply.error}", route.id, route.device)

@@ -6,7 +6,8 @@ refuses an AvgPool whose kernel is wider than its input (EfficientNet's head), w
 ONNX Runtime and IREE run. When such a part lands on a device whose only runtime is OpenVINO
 (an NPU, emulated or not), the engine bans the part's nodes from that device and plans the
 model again, once per device, saying so in the plan; a part strictly pinned there fails as
-before, with the build's own error.
+before, with the build's own error. A worker that dies while building (a compiler's crash:
+AOTInductor's package load on torch 2.11 did on an H200) is such a failed build too.
 """
 
 from __future__ import annotations

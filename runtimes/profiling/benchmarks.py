@@ -194,8 +194,22 @@ def profile_cuda(index: int) -> dict[str, Any]:
         "launch_us": best_time(launch_many, reps=3, sync=sync) / launches * 1e6,
         "runtimes": ["triton"] if installed("triton") else [],
         "cores": [],
-        "features": [f"sm_{props.major}{props.minor}"],
+        "features": [f"sm_{props.major}{props.minor}", *_aoti_feature(dev)],
     }
+
+
+def _aoti_feature(dev: Any) -> list[str]:
+    """[AOTI_BROKEN] where AOTInductor fails its check on `dev` (runtimes/triton.py)."""
+    if not installed("triton"):
+        return []
+    from runtimes.triton import AOTI_BROKEN, aoti_check
+
+    reason = aoti_check(dev, timeout_s=180)
+    if reason is None:
+        return []
+    print(f"note: {dev}: {reason}; its parts are compiled with torch.compile",
+          file=sys.stderr)
+    return [AOTI_BROKEN]
 
 
 # ---- OpenVINO devices (real NPU / GPU, or an emulated device on the CPU plugin) -----------

@@ -24,6 +24,7 @@ from runtimes.base import write_atomic
 from runtimes.profiling import hardware
 
 log = logging.getLogger(__name__)
+NOTE = "note: "  # a stderr line of the benchmarks that the log repeats
 MEASURE_TIMEOUT_S = 300
 
 
@@ -66,6 +67,9 @@ def _measure_one(spec: dict[str, Any]) -> list[dict[str, Any]]:
         what = spec.get("id", "host devices")
         tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise ProfilingError(f"measuring {what} failed: {tail[0]}")
+    for line in proc.stderr.splitlines():  # what the measurement wants said, e.g. AOTInductor
+        if line.startswith(NOTE):
+            log.warning("%s", line.removeprefix(NOTE))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +22,17 @@ from torch import nn
 from partitioner.profile import DeviceProfile
 from partitioner.split import split_program
 from runtimes import registry
+from runtimes import triton as triton_runtime
 from runtimes.base import TOLERANCE, CompileError, CompileSpec, RuntimeUnavailable
-from runtimes.triton import TritonRuntime, compile_part, cuda_device, load_package_dir
+from runtimes.triton import (
+    AOTI_BROKEN,
+    TritonRuntime,
+    aoti_check,
+    child_verdict,
+    compile_part,
+    cuda_device,
+    load_package_dir,
+)
 
 HERE = Path(__file__).resolve().parent  # the project's kernel lives next to this test
 GPU = DeviceProfile(id="gpu0", kind="gpu", runtimes=["triton"])
@@ -187,3 +197,38 @@ def test_torch_compile_fallback_on_host() -> None:
     assert relative_error(executable.run([x])[0], model(x).detach()) < TOLERANCE["fp32"]
     with pytest.raises(NotImplementedError, match="torch.compile"):
         executable.save(Path("/nonexistent"))
+
+
+# ---- AOTInductor's check (a measured GPU profile says aoti-broken where it fails) ----------
+
+def test_aoti_check_passes_where_aotinductor_works() -> None:
+    """The check the GPU profile runs, on the host CPU: compile, load, run in a child."""
+    assert aoti_check(torch.device("cpu")) is None
+
+
+def test_a_check_that_crashes_says_so() -> None:
+    """As AOTInductor's package load did on the lent H200 (torch 2.11): SIGSEGV."""
+    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    assert "killed by SIGSEGV" in (child_verdict(crash, 60) or "")
+    fails = [sys.executable, "-c", "raise RuntimeError('no nvcc')"]
+    assert child_verdict(fails, 60) == "the AOTInductor check failed: RuntimeError: no nvcc"
+
+
+def test_a_profile_marked_aoti_broken_compiles_with_torch_compile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _, part, x = small_part()
+    asked: list[bool] = []
+
+    def compile_part_(part: object, inputs: object, device: object, precision: str,
+                      aoti: bool = True) -> Any:
+        asked.append(aoti)
+        return compile_part(part, inputs, torch.device("cpu"), precision, aoti=False)
+
+    monkeypatch.setattr(triton_runtime, "compile_part", compile_part_)
+    monkeypatch.setattr(TritonRuntime, "_device", lambda self, spec: torch.device("cpu"))
+    broken = DeviceProfile(id="gpu0", kind="gpu", runtimes=["triton"], features=[AOTI_BROKEN])
+    executable = TritonRuntime(aoti=True).compile(part, CompileSpec(broken, "fp32", [x]))
+    TritonRuntime(aoti=True).compile(part, CompileSpec(GPU, "fp32", [x]))
+    assert asked == [False, True]
+    assert executable.path == "torch.compile"
+    assert "aoti-broken" in (executable.aoti_error or "")

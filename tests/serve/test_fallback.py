@@ -7,6 +7,7 @@ NPU's only runtime) and ONNX Runtime runs."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,3 +58,45 @@ def test_a_part_pinned_there_fails_with_the_build_error(make_daemon: Any) -> Non
     with Client(daemon.target) as client, pytest.raises(LoadFailed,
                                                         match=r"for npu0 failed: .*openvino"):
         client.load("pinned", model, (x,), precision="fp32")
+
+
+# Loaded by every process of the daemon below (it is first on their PYTHONPATH): the emulated
+# NPU's OpenVINO compile kills its worker with SIGSEGV, as AOTInductor's package load did to a
+# process on the lent H200 (torch 2.11). Only the test puts it there.
+CRASHING_COMPILE = '''
+import os, signal
+from runtimes.openvino import OpenVINORuntime
+
+_compile = OpenVINORuntime.compile
+
+
+def compile(self, part, spec):
+    if spec.device.id == "npu0":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return _compile(self, part, spec)
+
+
+OpenVINORuntime.compile = compile
+'''
+
+
+def test_a_compiler_that_kills_its_worker_is_a_failed_build(
+        make_daemon: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(CRASHING_COMPILE)
+    root = str(Path(__file__).resolve().parents[2])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    torch.manual_seed(0)
+    model, x = Head(strict=False).eval(), torch.randn(2, 3, 8, 8)
+    daemon = make_daemon(engine={"runtimes": RUNTIMES}, devices={"overrides": FAST_NPU},
+                         cache_dir=str(tmp_path / "cache"))  # built, not loaded from a cache
+    with Client(daemon.target) as client:
+        client.load("crashing", model, (x,), precision="fp32")
+        plan = client.plan("crashing")["plan"]
+        got = client.infer("crashing", x)["output0"]
+    assert {p["device"] for p in plan["parts"]} == {"cpu0"}, plan["parts"]
+    assert any("planned again off npu0" in n and "worker for npu0 died" in n
+               for n in plan["notes"]), plan["notes"]
+    assert relative_error(got, model(x).detach()) <= 1e-4
