@@ -40,10 +40,12 @@ INT8_MIX_SHARE = 0.5
 
 
 def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tensor]:
-    """Deterministic sample inputs from the model's input specs. Integer and bool inputs are
-    ones: they are often indices, which random values would push out of range, or masks,
-    where zeros mask everything out (a transformer's attention over no token is 0/0, which
-    eager and OpenVINO round differently: finite against NaN)."""
+    """Deterministic sample inputs from the model's input specs. An integer input that
+    indexes an embedding (intake found its table's rows: spec["high"]) gets random ids below
+    that; other integer and bool inputs are ones: indices of unknown range, which random
+    values would push out of it, or masks, where zeros mask everything out (a transformer's
+    attention over no token is 0/0, which eager and OpenVINO round differently: finite
+    against NaN)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for spec in specs:
@@ -51,6 +53,8 @@ def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tens
         shape = [d if d >= 0 else 1 for d in spec["shape"]]
         if dtype.is_floating_point:
             out.append(torch.randn(shape, generator=gen).to(dtype))
+        elif spec.get("high"):
+            out.append(torch.randint(0, spec["high"], shape, generator=gen, dtype=dtype))
         else:
             out.append(torch.ones(shape, dtype=dtype))
     return out

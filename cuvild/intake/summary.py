@@ -33,6 +33,35 @@ def _spec(name: str, value: Any) -> dict[str, Any]:
     return {"name": name, "dtype": dtype, "shape": shape}
 
 
+# Ops an index passes through unchanged in value on its way to an embedding.
+_SAME_VALUES = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "flatten",
+                "clone", "contiguous", "alias", "_to_copy", "to", "slice", "select", "permute",
+                "transpose", "t"}
+
+
+def index_bound(node: Any) -> int | None:
+    """The rows of the smallest embedding table that integer input `node` indexes (through
+    ops that keep its values), or None when it indexes none: token ids below this bound are
+    valid inputs, so the checks of a text model can draw them at random instead of all ones
+    (an attention mask, which indexes nothing, stays ones)."""
+    bounds, seen, todo = [], set(), [node]
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            name = getattr(getattr(user.target, "_schema", None), "name", "")
+            op = name.removeprefix("aten::")
+            if op == "embedding" and len(user.args) > 1 and user.args[1] is current:
+                weight = getattr(user.args[0], "meta", {}).get("val")
+                if weight is not None and isinstance(weight.shape[0], int):
+                    bounds.append(weight.shape[0])
+            elif op in _SAME_VALUES and user.args and user.args[0] is current:
+                todo.append(user)
+    return min(bounds) if bounds else None
+
+
 def summarize(ep: Any, out_spec: str = "") -> dict[str, Any]:
     """Node counts and the user-visible inputs/outputs (-1 for dynamic dims) of a program.
     Inputs are named as the program's placeholders (the forward's argument names), outputs
@@ -47,6 +76,10 @@ def summarize(ep: Any, out_spec: str = "") -> dict[str, Any]:
     nodes = {n.name: n for n in ep.graph.nodes}
     sig = ep.graph_signature
     inputs = [_spec(name, nodes[name].meta.get("val")) for name in sig.user_inputs]
+    for spec in inputs:
+        high = index_bound(nodes[spec["name"]]) if "int" in spec["dtype"] else None
+        if high:
+            spec["high"] = high  # exclusive; the engine's check inputs draw ids below it
     output_node = next(n for n in ep.graph.nodes if n.op == "output")
     values = output_node.args[0][: len(sig.user_outputs)]
     spec = ep.call_spec.out_spec

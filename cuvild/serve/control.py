@@ -42,7 +42,8 @@ def profile_to_pb(dev: DeviceProfile) -> cuvil_pb2.DeviceProfile:
 def record_to_pb(record: ModelRecord) -> cuvil_pb2.ModelSummary:
     fields = asdict(record)
     fields.pop("calibration")  # a file's digest: the count says what a user needs to know
-    specs = {k: [cuvil_pb2.TensorSpec(**t) for t in fields.pop(k)] for k in ("inputs", "outputs")}
+    specs = {k: [cuvil_pb2.TensorSpec(name=t["name"], dtype=t["dtype"], shape=t["shape"])
+                 for t in fields.pop(k)] for k in ("inputs", "outputs")}  # not "high": internal
     return cuvil_pb2.ModelSummary(state="registered", measured_error=-1, **fields, **specs)
 
 
