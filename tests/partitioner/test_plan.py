@@ -61,7 +61,10 @@ def _device_index(devices, plan: Plan, node: str) -> int:
 def test_heavy_ops_go_to_the_h100(name: str) -> None:
     plan = plan_model(refmodels.costgraph(name), load_shipped("xeon-amx-h100"))
     graph = refmodels.costgraph(name)
-    heavy = [n.name for n in graph.nodes if n.category in ("conv", "matmul", "attention")]
+    # Heavy: 10 MFLOP and more. A classifier head of 1 MFLOP may run on the CPU after the
+    # backbone (a GPU kernel costs a launch however small: partitioner/cost.py).
+    heavy = [n.name for n in graph.nodes
+             if n.category in ("conv", "matmul", "attention") and n.flops >= 1e7]
     on_gpu = {n for p in plan.parts if p.device == "gpu0" for n in p.nodes}
     assert heavy and set(heavy) <= on_gpu
     assert plan.predicted_ms < 1.0  # a few GFLOPs on an H100: well under a millisecond
