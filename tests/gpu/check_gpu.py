@@ -22,7 +22,8 @@ check"). Sections, each of which reports its error and lets the next one run:
 
 The daemon and each (model, batch) run in a child process of this script (faulthandler on):
 a crash loses its own rows only. After one, AOTInductor is switched off
-(CUVILD_TRITON_AOTI=0) for the rest of the run, the daemon included, and the row runs again.
+(CUVILD_TRITON_AOTI=0) for the rest of the run, the daemon included, and the row runs again;
+so it is from the start when the measured profile lists aoti-broken (runtimes/triton.py).
 
 Past the time budget, the remaining work is skipped and says so. A JSON summary goes to
 $OUT/gpu_summary.json when OUT is set (rewritten after every section, so a killed run still
@@ -460,6 +461,8 @@ def daemon(deadline: float) -> dict[str, Any]:
 
 
 def main() -> int:
+    from runtimes.triton import AOTI_BROKEN, AOTI_ENV
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, from {MODELS} (default: all)")
@@ -485,6 +488,10 @@ def main() -> int:
     SUMMARY["profile"] = section("GPU profile (runtimes.profiling.benchmarks)", profile)
     SUMMARY["transfers"] = section("host<->device copies", transfers)
     keys = [(name, batch) for batch in BATCHES for name in models]
+    broken = [p["id"] for p in SUMMARY.get("profile") or [] if AOTI_BROKEN in p.get("features", [])]
+    if broken:  # the profile's own check crashed or failed: no compile of ~100 s to crash again
+        os.environ[AOTI_ENV] = "0"
+        say(f"{', '.join(broken)}: {AOTI_BROKEN} in the measured profile: {AOTI_ENV}=0")
     # One model first: it shows whether AOTInductor works here before the daemon relies on it.
     section("timing (first)", lambda: timing(keys[:1], deadline=0.9 * budget))
     if options.skip_daemon:
