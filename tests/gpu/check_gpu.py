@@ -192,6 +192,18 @@ def eager_ms(module: Any, args: tuple[Any, ...], dtype: Any, device: Any) -> dic
         compiled(*dev_args)
         row["torch_compile_s"] = round(time.perf_counter() - t0, 2)
         row["torch_compile_gpu_ms"] = median_ms(lambda: compiled(*dev_args))
+        # CUDA graphs (inductor's cudagraph trees): what a static-shape part could gain at
+        # small batch, where launches, not FLOPs, are the time (resnet18 b1 on the H200:
+        # 2.2 ms for a 0.09 ms roofline). Measured only, for the decision to use them.
+        try:
+            graphed = torch.compile(copy.deepcopy(eager), mode="reduce-overhead")
+            t0 = time.perf_counter()
+            for _ in range(3):  # cudagraph trees record on a later call than the first
+                graphed(*dev_args)
+            row["cudagraphs_compile_s"] = round(time.perf_counter() - t0, 2)
+            row["cudagraphs_gpu_ms"] = median_ms(lambda: graphed(*dev_args))
+        except Exception as e:  # a measurement only: its failure is a fact to report
+            row["cudagraphs_error"] = f"{type(e).__name__}: {e}"[:500]
     return row
 
 
