@@ -12,6 +12,10 @@ OpenVINO's CPU plugin on the other, as `make demo`):
    from the other models only (what a new model on this host is predicted with).
 3. The shipped xeon-amx-h100 profile with partial GPU coverage: the plan vs an ORT-style
    greedy assignment on resnet18-like (goal <= 0.8x).
+4. The lent H200 (configs/profiles/h200.yaml, measured there on 2026-12-04): each GPU part
+   that run measured (torch.compile path, p50 on the device) against the cost model's
+   prediction, and where the models that run loaded next are placed once the corrections
+   have learned from its first two GPU parts, as its daemon did (no GPU needed).
 """
 
 from __future__ import annotations
@@ -171,6 +175,63 @@ def placement_section() -> list[dict[str, Any]]:
     return rows
 
 
+# What the lent H200 measured (tests/gpu/check_gpu.py, gpu_summary.json of 2026-12-04): a
+# part compiled by inductor (torch.compile path: AOTInductor crashed there), p50 ms on the GPU.
+H200_PARTS = {("resnet18", 1, "fp32"): 2.239, ("resnet18", 1, "bf16"): 1.814,
+              ("resnet18", 16, "fp32"): 3.122, ("resnet18", 16, "bf16"): 1.739,
+              ("bert4", 1, "fp32"): 0.874, ("bert4", 1, "bf16"): 0.738}
+# Its daemon's GPU parts, in the order it measured them: the split model's backbone, then
+# resnet18 at fp32 (ms).
+H200_DAEMON = (2.1185, 2.1336)
+
+
+def h200_section() -> dict[str, Any]:
+    """Section 4: predicted vs measured GPU parts on the H200, and the placements after the
+    corrections learn from the daemon's first two GPU parts."""
+    from torch import nn
+
+    from partitioner.annotate import partition
+    from partitioner.corrections import Corrections
+    from partitioner.cost import CostModel
+    from partitioner.fxgraph import build_costgraph
+    from partitioner.plan import plan_model
+    from partitioner.profile import load_shipped
+
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    import check_daemon
+
+    devices = load_shipped("h200")
+    gpu = next(d for d in devices if d.kind == "gpu")
+    parts = []
+    for (name, batch, precision), measured in H200_PARTS.items():
+        model, args = reference(name, batch)
+        if precision != "fp32":
+            model = partition(precision=precision)(model)
+        cost = CostModel(build_costgraph(cuvild.export(model, args)), [gpu])
+        predicted = sum(row[0] for row in cost.node_ms) + cost.launch_ms[0]
+        parts.append({"model": name, "batch": batch, "precision": precision,
+                      "measured_ms": measured, "predicted_ms": round(predicted, 3),
+                      "measured_over_predicted": round(measured / predicted, 2)})
+    corrections = Corrections()
+    steps = [check_daemon.split_model(), reference("resnet18")]
+    for (model, args), measured in zip(steps, H200_DAEMON, strict=True):
+        plan = plan_model(cuvild.export(model, args), devices, corrections=corrections)
+        on_gpu = next(p for p in plan.parts if p.device == gpu.id)
+        corrections.observe(gpu.id, "triton", on_gpu.class_ms, gpu.launch_us / 1e3, measured)
+    torch.manual_seed(0)
+    width = 2048
+    mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width),
+                        nn.GELU(), nn.Linear(width, width)).eval()
+    later = {"mlp 2048 b16": (mlp, (torch.randn(16, width),)),
+             "resnet18 bf16": (partition(precision="bf16")(reference("resnet18")[0]),
+                               reference("resnet18")[1])}
+    placed = {}
+    for label, (model, args) in later.items():
+        plan = plan_model(cuvild.export(model, args), devices, corrections=corrections)
+        placed[label] = [(p.device, p.precision, round(p.predicted_ms, 3)) for p in plan.parts]
+    return {"parts": parts, "learned": corrections.describe(gpu.id), "placed": placed}
+
+
 def main() -> dict[str, Any]:
     quick = "--quick" in sys.argv
     settings = layout()
@@ -184,6 +245,7 @@ def main() -> dict[str, Any]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report["placement"] = placement_section()
+    report["h200"] = h200_section()
     return report
 
 
@@ -215,6 +277,17 @@ def show(r: dict[str, Any]) -> None:
               f"{row['plan_ms']:.3f} ms vs ORT-style greedy {row['ort_greedy_ms']:.3f} ms = "
               f"{row['plan_ms'] / row['ort_greedy_ms']:.3f}x (goal <= 0.8x); {bound} "
               f"{row['optimum_ms']:.3f} ms = {row['optimum_ms'] / row['ort_greedy_ms']:.3f}x")
+
+
+    h = r["h200"]
+    print("\nthe lent H200 (2026-12-04; torch.compile path): GPU part measured vs predicted")
+    for p in h["parts"]:
+        print(f"  {p['model']:<9} b{p['batch']:<3} {p['precision']}: measured "
+              f"{p['measured_ms']:.3f} ms, predicted {p['predicted_ms']:.3f} ms, "
+              f"{p['measured_over_predicted']:.2f}x")
+    print("  after its daemon's first two GPU parts, learned: " + "; ".join(h["learned"]))
+    for label, parts in h["placed"].items():
+        print(f"  {label} placed: {parts}")
 
 
 if __name__ == "__main__":
