@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,6 +147,14 @@ def device_precisions(profile: DeviceProfile) -> tuple[str, ...]:
 # at a time (each a compile and a validation): a bound on the build's time (a ResNet-18 at
 # 64x64 took ~30 s to hold 5e-3 on the 2-core dev host).
 RESTORE_ITERATIONS = 64
+# ... and the seconds it may take: each iteration is a compile and a validation, and a part
+# whose int8 is far off can spend all 64 (the BERT-like encoder took 324 s on the 2-core
+# host and kept bf16). Past this the search stops and int8+fp32 is not built.
+MIX_SEARCH_S = 120.0
+
+
+class _OutOfTime(Exception):
+    """Raised from NNCF's validation callback once the search is past MIX_SEARCH_S."""
 
 
 def quantize(model: ov.Model, calibration: list[list[torch.Tensor]], feed: list[int],
@@ -180,7 +189,13 @@ def quantize(model: ov.Model, calibration: list[list[torch.Tensor]], feed: list[
         samples = samples[::2]
         pairs = [(sample, [np.asarray(v) for v in fp32(sample).values()]) for sample in held]
 
+        deadline = time.monotonic() + MIX_SEARCH_S
+        validations = []
+
         def error(compiled: Any, items: Any) -> tuple[float, list[float]]:
+            if time.monotonic() > deadline:
+                raise _OutOfTime
+            validations.append(1)
             each = [max(relative_error(torch.from_numpy(np.asarray(got)), torch.from_numpy(want))
                         for got, want in zip(compiled(sample).values(), ref, strict=True))
                     for sample, ref in items]
@@ -188,10 +203,15 @@ def quantize(model: ov.Model, calibration: list[list[torch.Tensor]], feed: list[
 
         restorer = nncf.AdvancedAccuracyRestorerParameters(
             max_num_iterations=RESTORE_ITERATIONS, num_ranking_workers=1)
-        mixed = nncf.quantize_with_accuracy_control(
-            model, nncf.Dataset(samples), nncf.Dataset(pairs, lambda pair: pair[0]), error,
-            max_drop=max_error, subset_size=len(samples),
-            advanced_accuracy_restorer_parameters=restorer)
+        try:
+            mixed = nncf.quantize_with_accuracy_control(
+                model, nncf.Dataset(samples), nncf.Dataset(pairs, lambda pair: pair[0]), error,
+                max_drop=max_error, subset_size=len(samples),
+                advanced_accuracy_restorer_parameters=restorer)
+        except _OutOfTime:
+            raise CompileError(f"openvino: {INT8_MIXED}: NNCF's accuracy control did not hold "
+                               f"{max_error:.0e} within {MIX_SEARCH_S:.0f} s ({len(validations)}"
+                               " validations): not built") from None
     if not any(op.get_type_name() == "FakeQuantize" for op in mixed.get_ordered_ops()):
         raise CompileError(f"openvino: {INT8_MIXED}: to hold {max_error:.0e}, NNCF's accuracy "
                            "control put every quantized op back to fp32 (nothing would run "

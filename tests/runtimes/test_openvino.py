@@ -279,3 +279,26 @@ def test_fp16_on_a_cpu_with_it_overflows() -> None:
                                                         threads=THREADS, example_inputs=[x]))
     assert exe.compiled.get_property("INFERENCE_PRECISION_HINT") == openvino.Type.f16
     assert relative_error(exe.run([x]), [expected]) > TOLERANCE["fp16"]
+
+
+def test_int8_with_fp32_back_off_stops_at_its_time_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NNCF's accuracy control compiles and validates once per op it puts back (the BERT-like
+    encoder's search took 324 s); past MIX_SEARCH_S the search stops and says so."""
+    pytest.importorskip("nncf", reason="NNCF (int8 post-training quantization) is missing")
+    from runtimes import openvino as ov_runtime
+
+    monkeypatch.setattr(ov_runtime, "MIX_SEARCH_S", 0.0)
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 8)).eval()
+    x = torch.randn(4, 32)
+    exported = export(mlp, (x,))
+    part = split_program(exported, {n.name: "p0" for n in exported.graph.nodes
+                                    if n.op == "call_function"}).parts[0].module
+    spec = CompileSpec(device=CPU, precision=ov_runtime.INT8_MIXED, threads=THREADS,
+                       example_inputs=[x], calibration=[[torch.randn(4, 32)] for _ in range(4)],
+                       max_error=1e-6)
+    with pytest.raises(CompileError, match=r"int8\+fp32: NNCF's accuracy control did not hold "
+                                           r"1e-06 within 0 s \(\d+ validations\): not built"):
+        OpenVINORuntime().compile(part, spec)
