@@ -204,6 +204,16 @@ def remove_leftovers(root: Path, *patterns: str, older_than_s: float = LEFTOVER_
     return removed
 
 
+ROOT = Path(__file__).resolve().parents[1]  # the directory that holds runtimes/
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child Python that imports our packages, however this process
+    was started (venv or checkout): the repository first on PYTHONPATH, then the caller's."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so that a crash at any point leaves the old file or the new
     one, never a mix: write a temp file in the same directory, fsync it, rename it over

@@ -46,7 +46,15 @@ import torch
 from torch import fx
 
 from partitioner.profile import DeviceProfile
-from runtimes.base import CompileError, CompileSpec, Executable, Runtime, RuntimeUnavailable
+from runtimes.base import (
+    ROOT,
+    CompileError,
+    CompileSpec,
+    Executable,
+    Runtime,
+    RuntimeUnavailable,
+    child_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +104,9 @@ def aoti_check(device: torch.device, timeout_s: float = 600) -> str | None:
 
 def child_verdict(command: list[str], timeout_s: float) -> str | None:
     """None when `command` exits 0; else what went wrong, in one line."""
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
-        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
+        done = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True,
+                              text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"the AOTInductor check took over {timeout_s:.0f} s"
     if done.returncode == 0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.profile import DeviceProfile
-from runtimes.base import write_atomic
+from runtimes.base import child_env, write_atomic
 from runtimes.profiling import hardware
 
 log = logging.getLogger(__name__)
@@ -55,13 +54,9 @@ def _specs(settings: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _measure_one(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    # The subprocess must find our packages however the daemon was started (venv or checkout).
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run(
         [sys.executable, "-m", "runtimes.profiling.benchmarks", json.dumps(spec)],
-        capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, env=env,
+        capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, env=child_env(),
     )
     if proc.returncode != 0:
         what = spec.get("id", "host devices")

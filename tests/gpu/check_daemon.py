@@ -19,7 +19,6 @@ Each section records its own error and the next one runs. Needs grpcio and trito
 from __future__ import annotations
 
 import copy
-import os
 import signal
 import statistics
 import subprocess
@@ -88,8 +87,9 @@ class Daemon:
 
         self.starts += 1
         log = open((self.out or self.tmp) / f"cuvild_{self.starts}.log", "wb")  # noqa: SIM115
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        from runtimes.base import child_env
+
+        env = child_env()
         t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "cuvild", "--config",
                                       str(self.config)], cwd=ROOT, env=env, stdout=log,

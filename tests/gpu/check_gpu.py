@@ -58,17 +58,14 @@ os.environ.setdefault("TRITON_CACHE_DIR", str(SCRATCH / "triton"))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
+from runtimes.base import child_env  # noqa: E402 - after the path; imports no torch
+
 MODELS = ("resnet18", "resnet50", "bert4")
 BATCHES = (1, 16)
 PRECISIONS = ("fp32", "bf16")
 WARMUP, REPS = 10, 50
 T0 = time.monotonic()
 SUMMARY: dict[str, Any] = {"errors": []}
-
-
-def pythonpath() -> str:
-    """The repository first, then what the caller had (carried wheels, for one)."""
-    return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def say(message: str) -> None:
@@ -329,7 +326,7 @@ def in_child(argv: list[str], deadline: float, label: str) -> dict[str, Any]:
     result = SCRATCH / f"{label}.json"
     command = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), *argv,
                "--result", str(result), "--deadline-s", str(max(1.0, deadline - elapsed()))]
-    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    env = child_env()  # the repository, then the carried wheels
     # Output is not captured: it streams into this run's log as it comes. A session of its
     # own, so that a kill takes the child's daemon and compilers with it.
     proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
@@ -414,7 +411,7 @@ def pytest_suite(deadline: float) -> dict[str, Any]:
     # --noconftest: tests/conftest.py starts daemons and needs pyyaml; tests/gpu needs neither.
     command = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
                "--noconftest"]
-    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    env = child_env()  # the repository, then the carried wheels
     timeout = max(30.0, deadline - elapsed())
     say(f"{' '.join(command[1:])} (timeout {timeout:.0f} s)")
     t0 = time.perf_counter()
@@ -447,7 +444,7 @@ def pytest_suite(deadline: float) -> dict[str, Any]:
 def profile() -> Any:
     spec = {"task": "host", "cpu": False, "openvino": False}  # the GPUs alone
     command = [sys.executable, "-m", "runtimes.profiling.benchmarks", json.dumps(spec)]
-    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    env = child_env()  # the repository, then the carried wheels
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
     if done.returncode == 0:
