@@ -40,7 +40,7 @@ from torch import fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from partitioner.flops import category
-from runtimes.base import MIXED, CompileError, relative_error
+from runtimes.base import MIXED, CompileError, set_error
 
 log = logging.getLogger(__name__)
 
@@ -285,13 +285,9 @@ def _retype(node: fx.Node, like: fx.Node, dtype: torch.dtype) -> None:
 
 def _error(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
            expected: Sequence[Sequence[torch.Tensor]]) -> float:
-    worst = 0.0
     with torch.no_grad():
-        for x, want in zip(inputs, expected, strict=True):
-            got = gm(*x)
-            got = list(got) if isinstance(got, (list, tuple)) else [got]
-            worst = max(worst, relative_error(got, list(want)))
-    return worst
+        outputs = [gm(*x) for x in inputs]
+    return set_error(outputs, [list(want) for want in expected])
 
 
 def choose(gm: fx.GraphModule, low: str, target: float,

@@ -2,7 +2,7 @@
 
 With `runtime="auto"` every runtime that can target the device and precision is compiled
 (each time-boxed), run on the sample inputs (one, or every calibration sample), its relative
-error against torch eager measured (runtimes/base.py `relative_error`), timed, and the
+error against torch eager measured (runtimes/base.py `set_error`), timed, and the
 fastest one within the tolerance is kept: the precision's (`TOLERANCE`), or the error budget
 the caller gives. Every candidate's time and error are recorded in the cache whatever the
 tolerance, so a restarted daemon, or a load with another budget, picks again from the record
@@ -58,6 +58,7 @@ from runtimes.base import (
     RuntimeUnavailable,
     compiled_as,
     relative_error,
+    set_error,
     unusable,
 )
 from runtimes.cache import CompileCache, graph_digest
@@ -283,8 +284,7 @@ def _mix(part: fx.GraphModule, precision: str, target: float,
                 continue
             try:
                 exe = _compile_boxed(rt, module, spec, timeout_s)
-                return max(relative_error(exe.run(x), want)
-                           for x, want in zip(inputs, expected, strict=True))
+                return set_error([exe.run(x) for x in inputs], expected)
             except Exception as e:  # noqa: BLE001 - the mix cannot be measured: no mix
                 raise CompileError(f"{name}: {type(e).__name__}: {e}"[:500]) from e
         raise CompileError(f"none of {names} can build a mixed part for {spec.device.id}")
@@ -407,13 +407,15 @@ def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[t
         return Candidate(name, "failed", f"{type(e).__name__}: {e}"[:500],
                          time.perf_counter() - t0), None
     compile_s = time.perf_counter() - t0
-    error = 0.0
+    outputs = []
     try:
         for x, want in zip(inputs, expected, strict=True):
             got = exe.run(x)
-            error = max(error, relative_error(got, want))
-            if error == float("inf"):  # never usable, whatever the budget
-                return Candidate(name, "failed", unusable(got, want), compile_s, error), None
+            if relative_error(got, want) == float("inf"):  # never usable, whatever budget
+                return Candidate(name, "failed", unusable(got, want), compile_s,
+                                 float("inf")), None
+            outputs.append(got)
+        error = set_error(outputs, expected)
     except Exception as e:  # noqa: BLE001
         return Candidate(name, "failed", f"run: {type(e).__name__}: {e}"[:500], compile_s), None
     if entry is None:

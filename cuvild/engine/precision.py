@@ -2,9 +2,10 @@
 
 A model is loaded with a precision policy: `fp32` (exact, the default, as ONNX Runtime and
 Triton Inference Server do) or `auto` with an error budget (`max_error`). The error is one
-metric everywhere (runtimes/base.py `relative_error`): max |y - y_eager| / max |y_eager| of
-the outputs against torch eager fp32, the worst over all outputs and all inputs checked; for
-classifier-shaped outputs the top-1 agreement is reported beside it.
+metric everywhere (runtimes/base.py `set_error`): max |y - y_eager| / max |y_eager| of the
+outputs against torch eager fp32, both maxima over all the inputs checked (the error against
+the range the outputs take), the worst over the outputs; for classifier-shaped outputs the
+top-1 agreement is reported beside it.
 
 Under `auto` each part is built at its own precision and at the lower ones its device runs
 fast (bf16 and fp16 where the profile measured them; int8, post-training quantized, only when
@@ -35,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from runtimes.base import INT8_MIXED, MIXED, relative_error, top1_agreement, write_atomic
+from runtimes.base import INT8_MIXED, MIXED, set_error, top1_agreement, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -195,19 +196,19 @@ def check(engine: Engine, model: LoadedModel, inputs: list[list[torch.Tensor]],
     """The plan as it is served now, on every check input."""
     import torch
 
-    errors, shares, times = [], [], []
+    shares, times = [], []
     for x, want in zip(inputs, expected, strict=True):
         t0 = time.perf_counter()
         got = engine.run(model, x)
         times.append((time.perf_counter() - t0) * 1e3)
-        errors.append(relative_error(got, want))
         shares.append((got, want))
     top1 = None
     if shares:  # over all inputs at once: one row per input and output
         outs = [torch.cat([g[i] for g, _ in shares]) for i in range(len(shares[0][0]))]
         refs = [torch.cat([w[i] for _, w in shares]) for i in range(len(shares[0][1]))]
         top1 = top1_agreement(outs, refs)
-    return Check(max(errors), top1, statistics.median(times))
+    error = set_error([g for g, _ in shares], [w for _, w in shares])
+    return Check(error, top1, statistics.median(times))
 
 
 def search(engine: Engine, model: LoadedModel, budgets: dict[str, float],

@@ -37,7 +37,7 @@ from daemons import DaemonProcess, daemon_config  # noqa: E402
 
 from cuvild.client import Client  # noqa: E402
 from cuvild.client.samples import reference  # noqa: E402
-from runtimes.base import relative_error  # noqa: E402
+from runtimes.base import set_error  # noqa: E402
 from runtimes.profiling import hardware  # noqa: E402
 
 MODELS = ("resnet18", "bert4")
@@ -116,9 +116,7 @@ def one_model(name: str, root: Path, rounds: int, threads: int) -> dict[str, Any
                     for p in report["parts"]], *report["notes"]]
                 runners[label] = (lambda a, c=fast, s=served:
                                   c.infer(s, torch.from_numpy(a))["output0"].numpy())
-            errors = {k: max(relative_error(torch.from_numpy(np.asarray(run(h.numpy()))),
-                                            torch.from_numpy(e))
-                             for h, e in zip(held, expected, strict=True))
+            errors = {k: set_error([np.asarray(run(h.numpy())) for h in held], expected)
                       for k, run in runners.items()}
             samples: dict[str, list[float]] = {k: [] for k in runners}
             a = held[0].numpy()
