@@ -38,6 +38,12 @@ def two_core_layout() -> dict[str, Any]:
     }
 
 
+def one_cpu() -> dict[str, Any]:
+    """One CPU device on every core, and no GPU: the benchmarks compare CPU runtimes (on a
+    GPU host a fresh state dir would also measure the GPU, AOTInductor's check included)."""
+    return {"cpu": {"cores": None}, "gpu": {"enabled": False}}
+
+
 def read_text(path: Path) -> str:
     try:
         return path.read_text(errors="replace")

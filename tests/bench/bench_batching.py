@@ -131,7 +131,7 @@ def ceiling(max_batch: int, rounds: int = 10) -> dict[str, Any]:
 
 def main(max_batch: int, max_delay_us: int, seconds: float) -> dict[str, Any]:
     import torch
-    from daemons import DaemonProcess, daemon_config
+    from daemons import DaemonProcess, daemon_config, one_cpu
     from serving_load import load, merged
 
     import cuvild
@@ -144,7 +144,7 @@ def main(max_batch: int, max_delay_us: int, seconds: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cuvil-bench-batching-") as tmp:
         home = Path(tmp)
         config = daemon_config(home, home / "state", home)
-        config["devices"] = {"cpu": {"cores": None}}  # one CPU device on every core
+        config["devices"] = one_cpu()
         config["engine"] = {"batching": {"max_batch": max_batch, "max_delay_us": max_delay_us}}
         config["log_level"] = "info"
         daemon = DaemonProcess(home, config)

@@ -17,7 +17,7 @@ import torch
 # for daemons.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from daemons import DaemonProcess, daemon_config  # noqa: E402
+from daemons import DaemonProcess, daemon_config, one_cpu  # noqa: E402
 
 import cuvild  # noqa: E402
 from cuvild.client import Client  # noqa: E402
@@ -64,7 +64,7 @@ def main() -> dict[str, Any]:
         work = root / "w0"
         work.mkdir()
         config = daemon_config(work, root / "state", root)
-        config["devices"] = {"cpu": {"cores": None}}
+        config["devices"] = one_cpu()
         daemon = DaemonProcess(work, config).start()
         with Client(daemon.target) as client:
             t0 = time.perf_counter()

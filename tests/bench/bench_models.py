@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "tests"))
 sys.path.append(str(Path(__file__).resolve().parent))
-from daemons import DaemonProcess, daemon_config  # noqa: E402
+from daemons import DaemonProcess, daemon_config, one_cpu  # noqa: E402
 from timing import interleaved, rel_error, stats  # noqa: E402
 
 from cuvild.client import Client  # noqa: E402
@@ -268,7 +268,7 @@ def main() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cuvil-modelbench-") as tmp:
         home = Path(tmp)
         config = daemon_config(home, home / "state", home)
-        config["devices"] = {"cpu": {"cores": None}}  # one CPU device on every core
+        config["devices"] = one_cpu()
         config["log_level"] = "warning"
         daemon = DaemonProcess(home, config).start()
         try:

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "tests"))
 
-from daemons import DaemonProcess, daemon_config  # noqa: E402
+from daemons import DaemonProcess, daemon_config, one_cpu  # noqa: E402
 
 from cuvild.client import Client  # noqa: E402
 from cuvild.client.samples import reference  # noqa: E402
@@ -95,7 +95,7 @@ def one_model(name: str, root: Path, rounds: int, threads: int) -> dict[str, Any
     home = root / name
     home.mkdir()
     config = daemon_config(home, home / "state", home)
-    config["devices"] = {"cpu": {"cores": None}}  # one CPU device on every core
+    config["devices"] = one_cpu()
     config["log_level"] = "warning"
     daemon = DaemonProcess(home, config).start()
     notes: dict[str, list[str]] = {}

@@ -414,7 +414,7 @@ def metrics_update_us(n: int = 20000) -> float:
 def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]:
     import torch
     import tritonclient.grpc as grpcclient
-    from daemons import DaemonProcess, daemon_config
+    from daemons import DaemonProcess, daemon_config, one_cpu
     from serving_load import load
 
     from cuvild.client import Client
@@ -437,7 +437,7 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
                 home = root / label.replace(" ", "-").replace(",", "")
                 home.mkdir()
                 config = daemon_config(home, home / "state", home)
-                config["devices"] = {"cpu": {"cores": None}}  # one CPU device on every core
+                config["devices"] = one_cpu()
                 config["engine"] = {"workers": workers}
                 config["metrics"] = {"enabled": metrics}
                 config["log_level"] = "info"
