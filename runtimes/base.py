@@ -153,7 +153,7 @@ def as_array(value: Any) -> Any:
 def like_inputs(inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
     """A run's numpy outputs as torch tensors when its inputs were torch tensors, else as
     numpy arrays: a worker that never imported torch runs OpenVINO and ONNX Runtime parts on
-    numpy views (cuvild/engine/worker.py)."""
+    numpy views (cuvild/workers/worker.py)."""
     arrays = (isinstance(inputs[0], np.ndarray) if inputs
               else "torch" not in sys.modules)
     if arrays:

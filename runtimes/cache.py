@@ -26,7 +26,7 @@ from partitioner.profile import DeviceProfile
 from runtimes.base import fsync_dir, remove_leftovers, write_atomic
 
 if TYPE_CHECKING:  # torch is imported only to hash a graph: a worker that loads builds
-    from torch import fx  # from the cache need not import it (cuvild/engine/worker.py)
+    from torch import fx  # from the cache need not import it (cuvild/workers/worker.py)
 
 log = logging.getLogger(__name__)
 PRIOR_KEEP = 20  # times and compile times kept per runtime: recent ones, so upgrades show

@@ -2,7 +2,7 @@
 
 A part's precision "bf16+fp32" asks for it at bf16 except the fewest layer groups that must
 stay fp32 for its outputs to stay within `target` of fp32 (0.8 of the error budget, on the
-inputs the model is checked on end to end: cuvild/engine/build.py). How:
+inputs the model is checked on end to end: cuvild/workers/build.py). How:
 
 1. Groups: the part's compute ops (matmul, conv, attention: what a lower precision speeds up)
    by the module that made them (`nn_module_stack`: "encoder.layer.3.intermediate.dense"),

@@ -17,18 +17,33 @@ MAX_LINES = 600
 
 # Which rooms a room may import, besides itself. A room is a package, or for the top of
 # cuvild/ (its __init__ and config) "cuvild", and for the entry point "cuvild.__main__".
-# serve -> engine -> intake -> partitioner; engine -> runtimes; client -> protos, config,
-# the engine's arena, dtype table and spin. Only the modules named here with a dot after a room
-# (cuvild.engine.arena) are open to rooms that may not import the whole of it.
+# serve -> engine -> load -> run -> workers -> the engine's vocabulary; engine -> intake ->
+# partitioner; the planes -> runtimes; client -> protos, config, the engine's arena, dtype
+# table and spin. Only the modules named here with a dot after a room (cuvild.engine.arena)
+# are open to rooms that may not import the whole of it.
+# The engine's vocabulary: what every plane shares (a model and its routes, the arena and
+# its layout, the orders to workers, errors, dtypes, views, and the planes' protocols).
+VOCABULARY = {f"cuvild.engine.{m}" for m in (
+    "arena", "dtypes", "errors", "layout", "loaded", "orders", "plane", "spin", "views")}
 ALLOWED: dict[str, set[str]] = {
     "cuvild.__main__": {"cuvild.serve"},
     # `from cuvild import partition, export`, lazily; config checks runtime names (no torch)
     "cuvild": {"partitioner", "runtimes.registry"},
-    "cuvild.serve": {"cuvild", "cuvild.engine", "cuvild.intake", "partitioner", "runtimes",
-                     "protos"},
-    # (protos.fastpath: a worker serves fast-path sessions, cuvild/engine/sessions.py)
-    "cuvild.engine": {"cuvild.intake", "partitioner", "runtimes", "protos.fastpath"},
-    # the registry persists with runtimes.base.write_atomic, the one atomic-write helper
+    "cuvild.serve": {"cuvild", "cuvild.engine", "cuvild.load", "cuvild.run", "cuvild.workers",
+                     "cuvild.intake", "partitioner", "runtimes", "protos"},
+    # the engine: the vocabulary, and Engine, which composes the three planes
+    # (protos.fastpath: a worker serves fast-path sessions, cuvild/workers/sessions.py)
+    "cuvild.engine": {"cuvild.load", "cuvild.run", "cuvild.workers", "cuvild.intake",
+                      "partitioner", "runtimes", "protos.fastpath"},
+    # the control plane: prepare, search precision, record, build buckets; the served models
+    # (load/models.py) drive the Engine they are handed
+    "cuvild.load": VOCABULARY | {"cuvild.engine.engine", "cuvild.run", "cuvild.workers",
+                                 "cuvild.intake", "partitioner", "runtimes"},
+    # the data plane: never the control plane (a bucket miss calls a builder it is handed)
+    "cuvild.run": VOCABULARY | {"cuvild.workers", "partitioner", "runtimes", "protos.fastpath"},
+    # the device workers and the daemon's end of them
+    "cuvild.workers": VOCABULARY | {"cuvild.intake", "partitioner", "runtimes",
+                                    "protos.fastpath"},
     "cuvild.intake": {"partitioner", "runtimes.base"},
     # cuvilctl plans a local .pt2 offline: it opens it with the safe loader
     # and rebuilds a model's output container from its spec (cuvild/client/trees.py)
@@ -82,7 +97,7 @@ def room(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "cuvild":
         return "cuvild." + parts[1] if len(parts) > 1 and parts[1] in {
-            "serve", "engine", "intake", "client"} else "cuvild"
+            "serve", "engine", "load", "run", "workers", "intake", "client"} else "cuvild"
     return parts[0]
 
 
@@ -146,9 +161,9 @@ def test_no_import_cycles() -> None:  # noqa: C901 - the import walk and its rep
 def test_the_walk_sees_what_it_checks() -> None:
     """Guard against a walk that passes because it finds nothing."""
     edges = graph()
-    assert "cuvild.engine.orders" in edges["cuvild.engine.worker"]
+    assert "cuvild.engine.orders" in edges["cuvild.workers.worker"]
     assert "cuvild.intake.safe_load" in edges["cuvild.engine.engine"]  # a function-level one
-    assert "cuvild.engine.models" in edges["cuvild.serve.control"]  # under TYPE_CHECKING
+    assert "cuvild.load.models" in edges["cuvild.serve.control"]  # under TYPE_CHECKING
     assert room("cuvild.config") == "cuvild" and room("cuvild.serve.oip") == "cuvild.serve"
 
 

@@ -1,11 +1,16 @@
-"""The engine: a plan becomes a served model.
+"""The engine: a plan becomes a served model, in three rooms around a shared vocabulary.
 
-`models.py` prepares registered models in the background; `engine.py` plans, splits, lays out
-and builds them, then runs requests (`request.py`: one request's parts, with its deadline and
-one retry after a worker dies); `buckets.py` keeps a dynamic-shape model's built shapes
-(bounded, least recently used evicted); `handle.py` is the daemon's end of a device worker and
-`worker.py` the worker itself (`clientmem.py`: how it reaches clients' regions, size-checked on
-every use); `orders.py` holds the typed messages between them; `errors.py` how a request fails
-(each with a `kind` the serving layer maps to a status); `arena.py` is the shared memory
-tensors cross through; `dtypes.py` the one dtype table.
+- here, the vocabulary every plane shares: `loaded.py` (a prepared model and its routes),
+  `layout.py` and `arena.py` (where a request's tensors live, the shared memory they cross
+  through), `orders.py` (the typed messages to workers), `errors.py` (how a request fails,
+  each with a `kind` the serving layer maps to a status), `dtypes.py` (the one dtype table),
+  `views.py`, `spin.py`, and `plane.py` (what each plane may read of the engine); and
+  `engine.py`, the `Engine` that composes the planes;
+- `cuvild/load/`, the control plane: served models, the precision search, load records
+  (warm restarts), corrections, dynamic-shape buckets and the fallback off a failed device;
+- `cuvild/run/`, the data plane: one request's parts (`request.py`), the doorbells and lanes
+  that ring a worker, dynamic batching; it never imports the control plane;
+- `cuvild/workers/`, the device workers: the worker process, the daemon's handle on it, the
+  part build, client-session serving and client regions, and the pool that starts, watches
+  and revives them.
 """

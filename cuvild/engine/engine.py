@@ -32,12 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine import buckets, fallback, precision, warm
 from cuvild.engine.arena import Arena
-from cuvild.engine.batching import Batching, batcher_for
-from cuvild.engine.bells import Bells
-from cuvild.engine.clientmem import DaemonRegions
-from cuvild.engine.corrections import CorrectionStore
 from cuvild.engine.errors import (
     BadRegion,
     InferError,
@@ -45,8 +40,6 @@ from cuvild.engine.errors import (
     WorkerLost,
     WorkerUnavailable,
 )
-from cuvild.engine.handle import WorkerDied, WorkerHandle
-from cuvild.engine.lanes import Lanes
 from cuvild.engine.layout import (
     BadInput,
     check_inputs,
@@ -66,9 +59,16 @@ from cuvild.engine.orders import (
     Unload,
 )
 from cuvild.engine.plane import Monitor
-from cuvild.engine.precision import Accuracy, PrecisionPolicy
-from cuvild.engine.request import FEEDBACK_RUNS, Orders, Timeline, run_parts
-from cuvild.engine.workers import Workers
+from cuvild.load import buckets, fallback, precision, warm
+from cuvild.load.corrections import CorrectionStore
+from cuvild.load.precision import Accuracy, PrecisionPolicy
+from cuvild.run.batching import Batching, batcher_for
+from cuvild.run.bells import Bells
+from cuvild.run.lanes import Lanes
+from cuvild.run.request import FEEDBACK_RUNS, Orders, Timeline, run_parts
+from cuvild.workers.clientmem import DaemonRegions
+from cuvild.workers.handle import WorkerDied, WorkerHandle
+from cuvild.workers.workers import Workers
 from partitioner.profile import DeviceProfile
 from runtimes import registry
 
@@ -130,13 +130,13 @@ class Engine:
                 batching: Batching | None = None,
                 banned: fallback.Banned | None = None) -> LoadedModel | None:
         """Plan, split, lay out and build a registered model, settle each part's precision
-        under the policy (cuvild/engine/precision.py) and check the whole model against
+        under the policy (cuvild/load/precision.py) and check the whole model against
         torch eager; returns it ready to serve. A model loaded before (same archive, policy,
-        devices, software) comes back from its load record (cuvild/engine/warm.py) with
+        devices, software) comes back from its load record (cuvild/load/warm.py) with
         nothing planned or compiled (cold=False: only so, else None); `progress` is told
         each phase. `batching`: how to merge concurrent requests of a model whose first
-        dimension is dynamic (cuvild/engine/batching.py; None or max_batch 1: not at all).
-        A part its device cannot build is planned off it again (cuvild/engine/fallback.py)."""
+        dimension is dynamic (cuvild/run/batching.py; None or max_batch 1: not at all).
+        A part its device cannot build is planned off it again (cuvild/load/fallback.py)."""
         policy = policy or PrecisionPolicy()
         say = progress or (lambda phase: None)
         record_at = warm.directory(self.cache_dir, warm.key(
@@ -414,7 +414,7 @@ class Engine:
         the parts of its batch's run). `deadline` (time.monotonic()) bounds every wait of the
         request (None: run_timeout_s from now): RunTimeout after it. A request whose worker
         died runs once more when the worker is back; WorkerUnavailable if that fails too. A
-        batched model's requests share runs (engine/batching.py)."""
+        batched model's requests share runs (cuvild/run/batching.py)."""
         if model.batcher is not None:
             return model.batcher.run(self, model, inputs, output_refs or {}, raw, into,
                                      deadline, timeline)

@@ -56,7 +56,7 @@ class LoadedModel:
     # to lay out and build one variant per concrete shape (bucket) on first use.
     dynamic: list[tuple[int, int, int, int]] = field(default_factory=list)
     split: SplitProgram | None = None
-    # its buckets, least recently used first (cuvild/engine/buckets.py)
+    # its buckets, least recently used first (cuvild/load/buckets.py)
     variants: OrderedDict[tuple[tuple[int, ...], ...], LoadedModel] = field(
         default_factory=OrderedDict)
     variant_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -65,20 +65,20 @@ class LoadedModel:
     users: int = 0  # a bucket's requests running now: it is not evicted under them
     evicted: bool = False  # a bucket unloaded to keep its model's count bounded
     part_input_shapes: dict[str, list[list[int]]] = field(default_factory=dict)
-    policy: Any = None  # the PrecisionPolicy it was built under (cuvild/engine/precision.py)
+    policy: Any = None  # the PrecisionPolicy it was built under (cuvild/load/precision.py)
     cut_bytes: int = 0  # bytes one request hands from part to part through the arena
     accuracy: Any = None  # what the load measured end to end (precision.Accuracy)
-    warm: bool = False  # loaded from its load record (cuvild/engine/warm.py)
+    warm: bool = False  # loaded from its load record (cuvild/load/warm.py)
     # A dynamic-shape model's load record: its buckets' records are kept under it
     record_at: Any = None
     replans: bool = False  # the engine planned it: each bucket is planned at its shapes
     # A dynamic-shape model the engine planned keeps its program: each bucket is planned
-    # again at its own shapes (cuvild/engine/buckets.py), and one placed otherwise has its
+    # again at its own shapes (cuvild/load/buckets.py), and one placed otherwise has its
     # own split (own_split)
     program: Any = None
     objective: str = "latency"
     own_split: bool = False
-    # Dynamic batching (cuvild/engine/batching.py): the model's queue, shared by its buckets,
+    # Dynamic batching (cuvild/run/batching.py): the model's queue, shared by its buckets,
     # or why it is not batched ("" when it was not asked)
     batcher: Any = None
     unbatched: str = ""

@@ -58,7 +58,7 @@ class Build:
 @dataclass(frozen=True, slots=True)
 class Restore:
     """Load one part's executable from the compile cache, as a load record names it: no
-    archive, no split, nothing compiled or timed (cuvild/engine/warm.py)."""
+    archive, no split, nothing compiled or timed (cuvild/load/warm.py)."""
 
     model: str
     part: str
@@ -105,7 +105,7 @@ class Forget:
 @dataclass(frozen=True, slots=True)
 class Attach:
     """Serve a fast-path session of a one-part model here, or with layout "kind" "bell" an
-    engine's bell for one part (cuvild/engine/sessions.py): the client's socket, the
+    engine's bell for one part (cuvild/workers/sessions.py): the client's socket, the
     session's memfd and its counts' memfd follow this order on the pipe (SCM_RIGHTS)."""
 
     model: str

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cuvild.engine.arena import Arena
-from cuvild.engine.clientmem import DaemonRegions
-from cuvild.engine.corrections import CorrectionStore
 from cuvild.engine.loaded import LoadedModel, Route
-from cuvild.engine.workers import Workers
+from cuvild.load.corrections import CorrectionStore
+from cuvild.workers.clientmem import DaemonRegions
+from cuvild.workers.workers import Workers
 from partitioner.profile import DeviceProfile
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 imported torch, as numpy arrays.
 
 A worker whose parts were all restored from the cache on OpenVINO or ONNX Runtime (a load
-record's, cuvild/engine/warm.py) runs them on numpy views: importing torch would cost it
+record's, cuvild/load/warm.py) runs them on numpy views: importing torch would cost it
 ~1.5 s of start and ~220 MB of memory for nothing. Once torch is imported (a part is built,
 or runs on torch), new views are torch tensors; both kinds may meet in one run, and the
 runtimes take either (runtimes/base.py `as_array`, `like_inputs`).

@@ -1,5 +1,5 @@
 """The daemon's forkserver: one process that imported torch and the loader once, from which
-archive inspections (cuvild/intake/summary.py) and device workers (cuvild/engine/handle.py)
+archive inspections (cuvild/intake/summary.py) and device workers (cuvild/workers/handle.py)
 fork instead of starting an interpreter and importing torch each (~1.7 s of CPU a process on
 the 2-core dev host, torch 2.13). It stays resident (~370 MB, shared with what forks from it).
 
@@ -9,7 +9,7 @@ spawned, and serve their records with no torch in any process. Workers fork from
 it runs (`running`).
 
 Its first import sets the OpenMP settings a worker's pools read when torch's OpenMP library
-loads (passive waits: cuvild/engine/omp_env.py); a worker still sizes its pool to its cores.
+loads (passive waits: cuvild/workers/omp_env.py); a worker still sizes its pool to its cores.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import multiprocessing
 import threading
 from typing import Any
 
-PRELOAD = ["cuvild.engine.omp_env", "torch", "cuvild.intake.safe_load", "cuvild.intake.summary",
-           "partitioner.annotate", "cuvild.engine.worker"]
+PRELOAD = ["cuvild.workers.omp_env", "torch", "cuvild.intake.safe_load", "cuvild.intake.summary",
+           "partitioner.annotate", "cuvild.workers.worker"]
 _lock = threading.Lock()
 _context: Any = None
 _started = False

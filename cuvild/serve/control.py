@@ -23,7 +23,7 @@ from protos import cuvil_pb2, cuvil_pb2_grpc
 from runtimes.profiling.measure import ProfileResult, ProfilingError
 
 if TYPE_CHECKING:
-    from cuvild.engine.models import ModelManager, ServedModel
+    from cuvild.load.models import ModelManager, ServedModel
     from cuvild.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "metrics are off (metrics.enabled: false in the config)")
         stats = self._metrics.snapshot()
-        if self._models is not None:  # what loads did since start (cuvild/engine/warm.py)
+        if self._models is not None:  # what loads did since start (cuvild/load/warm.py)
             stats["loads"] = dict(self._models.engine.counters)
         return cuvil_pb2.GetStatsResponse(stats_json=json.dumps(stats))
 

@@ -95,7 +95,7 @@ class Daemon:
         self.health = health.HealthServicer()
         self.servers: list[grpc.Server] = []
         self.registry: Registry | None = None
-        self.models: Any = None  # cuvild.engine.models.ModelManager, made once profiles are known
+        self.models: Any = None  # cuvild.load.models.ModelManager, made once profiles are known
         self.regions: Any = None
         self.cuda_regions: Any = None  # the cuda_shared_memory extension's
         self.arena: Arena | None = None
@@ -203,10 +203,10 @@ class Daemon:
                                            require_client_auth=ca is not None)
 
     def _start_engine(self) -> None:
-        from cuvild.engine import warm
-        from cuvild.engine.batching import Batching
         from cuvild.engine.engine import Engine
-        from cuvild.engine.models import ModelManager
+        from cuvild.load import warm
+        from cuvild.load.models import ModelManager
+        from cuvild.run.batching import Batching
         from cuvild.serve.cuda_regions import CudaRegions
         from cuvild.serve.regions import Regions
 
@@ -309,8 +309,8 @@ class Daemon:
             self.cuda_regions.max_regions, self.cuda_regions.max_bytes = (new.shm_max_regions,
                                                                           new.shm_max_bytes)
         if self.models is not None:  # for the next request, build or load
-            from cuvild.engine.batching import Batching
-            from cuvild.engine.precision import PrecisionPolicy
+            from cuvild.load.precision import PrecisionPolicy
+            from cuvild.run.batching import Batching
 
             engine = self.models.engine
             engine.run_timeout_s, engine.max_dim = new.run_timeout_s, new.max_dim
@@ -469,7 +469,7 @@ def default_config_path() -> str | None:
 
 def entry() -> None:
     """The `cuvild` command: main(), then out without the interpreter's teardown."""
-    from cuvild.engine.quick_exit import quick_exit
+    from cuvild.workers.quick_exit import quick_exit
 
     quick_exit(main())
 

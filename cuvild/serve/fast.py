@@ -6,8 +6,8 @@ sealed memfd holding a request ring and the model's input and output slots; from
 request is a ring entry and an 8-byte doorbell on its own connection: no gRPC, no protobuf,
 nothing pickled, no check of the request's shapes (they were fixed when the session opened:
 a dynamic-shape model's session is opened for its client's shapes, and serves the model's
-bucket for them, cuvild/engine/buckets.py). Who answers the doorbell: for a one-part model,
-its worker process itself (the session is attached to it, cuvild/engine/sessions.py) or, on
+bucket for them, cuvild/load/buckets.py). Who answers the doorbell: for a one-part model,
+its worker process itself (the session is attached to it, cuvild/workers/sessions.py) or, on
 a worker thread, the session's thread, both running the part on the slot in place; for any
 other model, and for a batched one (its requests queue to share runs with other clients'),
 the session's thread through `Engine.run` (inputs copied once into the arena, as raw OIP
@@ -35,17 +35,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import InferError
-from cuvild.engine.lanes import one_part
 from cuvild.engine.layout import BadInput
 from cuvild.engine.orders import Attach, RawTensor
-from cuvild.engine.sessions import STATS, STATS_BYTES, TIMES, fail, slot_layout
-from cuvild.engine.sessions import Session as WorkerSession
+from cuvild.run.lanes import one_part
 from cuvild.serve.errors import CODES
+from cuvild.workers.sessions import STATS, STATS_BYTES, TIMES, fail, slot_layout
+from cuvild.workers.sessions import Session as WorkerSession
 from protos import fastpath as wire
 
 if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel
-    from cuvild.engine.models import ModelManager, ServedModel
+    from cuvild.load.models import ModelManager, ServedModel
     from cuvild.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class Session:
         self.batch = (self.layout["inputs"][0]["shape"] or [1])[0] if self.layout["inputs"] else 1
 
     def _attach(self, memfd: int, stats_fd: int) -> bool:
-        """Hand a one-part model's session to its worker process (cuvild/engine/sessions.py:
+        """Hand a one-part model's session to its worker process (cuvild/workers/sessions.py:
         the client's doorbell then wakes the worker itself); False where the daemon serves
         it (several parts, thread workers, a worker being restarted)."""
         engine = self.fast.models.engine
@@ -143,7 +143,7 @@ class Session:
     def _inline(self, memfd: int, stats_fd: int) -> tuple[Any, Any, threading.Lock] | None:
         """A one-part model on a worker thread (`engine.workers: thread`): this session's
         thread runs the part itself, under the worker's lock, straight on the session's
-        memory (cuvild/engine/sessions.py), as a worker process would."""
+        memory (cuvild/workers/sessions.py), as a worker process would."""
         engine = self.fast.models.engine
         if not engine.in_process or not one_part(self.model) or self.model.batcher is not None:
             return None
@@ -239,7 +239,7 @@ class Session:
     def counts(self) -> list[float]:
         """Requests done and failed that a worker ran on this session's memory (the others
         are in the request metrics already), and the histogram of the ones done: seconds
-        summed, requests per bucket (cuvild/engine/sessions.py, TIMES)."""
+        summed, requests per bucket (cuvild/workers/sessions.py, TIMES)."""
         if not (self.attached or self.inline) or self.stats.closed:
             return [0] * COUNTS
         done, failed, _ = STATS.unpack_from(self.stats)
@@ -328,7 +328,7 @@ class FastPath:
 
     def _model(self, request: Any) -> tuple[ServedModel, LoadedModel, int]:
         """The open request's model and depth; with "shapes" (a dynamic-shape model's
-        inputs), the model's bucket for them, built if it is new (cuvild/engine/buckets.py)."""
+        inputs), the model's bucket for them, built if it is new (cuvild/load/buckets.py)."""
         if not isinstance(request, dict) or not isinstance(request.get("model"), str):
             raise Refused("INVALID_ARGUMENT", 'open request: expected {"model": name, ...}')
         name, version = request["model"], str(request.get("version") or "")

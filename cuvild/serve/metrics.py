@@ -27,11 +27,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from cuvild.engine.sessions import SECONDS
+from cuvild.workers.sessions import SECONDS
 
 if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel, Route
-    from cuvild.engine.models import ModelManager
+    from cuvild.load.models import ModelManager
     from cuvild.serve.regions import Regions
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ import cuvild
 from cuvild.engine.dtypes import BY_OIP, nbytes, oip_name
 from cuvild.engine.engine import InferError, LoadedModel
 from cuvild.engine.layout import BadInput
-from cuvild.engine.models import ModelManager, ServedModel
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.registry import RegistryError
+from cuvild.load.models import ModelManager, ServedModel
 from cuvild.serve.cuda_regions import CudaRegions
 from cuvild.serve.errors import CODES, abort
 from cuvild.serve.limits import Gate

@@ -1,7 +1,7 @@
 """Engine figures, one run: handoff cost per cut, 2-part vs 1-part latency, pipelined
 throughput over two single-core devices vs one (emulated NPU on OpenVINO + CPU), and the
-parts of a request rung (cuvild/engine/bells.py) against sent as pickled Runs
-(cuvild/engine/request.py), taken in turn: a tiny two-part MLP's latency (where the hand-off
+parts of a request rung (cuvild/run/bells.py) against sent as pickled Runs
+(cuvild/run/request.py), taken in turn: a tiny two-part MLP's latency (where the hand-off
 is most of it) and two-part resnet18's latency and throughput."""
 
 from __future__ import annotations

@@ -420,7 +420,7 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
     from cuvild.client import Client
     from cuvild.client.samples import MLP, reference
 
-    # Library chatter (as cuvild/engine/worker.py silences it in the workers).
+    # Library chatter (as cuvild/workers/worker.py silences it in the workers).
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     t_start = time.perf_counter()

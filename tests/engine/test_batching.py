@@ -1,4 +1,4 @@
-"""Dynamic batching in the engine (cuvild/engine/batching.py): concurrent requests merged into
+"""Dynamic batching in the engine (cuvild/run/batching.py): concurrent requests merged into
 one run and split back, each caller getting exactly its rows, on worker processes and threads;
 client regions read and written per request; buckets built once; the delay bound; shapes that
 differ never merge; failures and deadlines that stay with their request."""
@@ -21,13 +21,13 @@ from engine_helpers import CORES, chunked_plan, close_all, device
 import cuvild
 from cuvild.client.samples import MLP
 from cuvild.engine.arena import SHM_DIR, Arena
-from cuvild.engine.batching import Batcher, Batching
 from cuvild.engine.engine import Engine
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout
 from cuvild.engine.layout import InputSpec, Slot
 from cuvild.engine.loaded import bucket_stats
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.summary import summarize
+from cuvild.run.batching import Batcher, Batching
 from partitioner.profile import DeviceProfile
 
 

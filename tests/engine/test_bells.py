@@ -1,4 +1,4 @@
-"""Bells (cuvild/engine/bells.py): the parts of a split model on worker processes are rung
+"""Bells (cuvild/run/bells.py): the parts of a split model on worker processes are rung
 through their records in shared memory, not sent as pickled orders, and every promise of the
 usual path still holds: eager's outputs whatever the inputs are (raw bytes, tensors, client
 regions read in place), each caller its own rows, a retry on a worker that died, a deadline

@@ -201,7 +201,7 @@ def test_a_worker_sizes_torch_for_its_own_cores_when_torch_came_first():
     import subprocess
 
     code = ("import os, torch\n"
-            "from cuvild.engine.worker import _pin\n"
+            "from cuvild.workers.worker import _pin\n"
             "from partitioner.profile import DeviceProfile\n"
             f"_pin(DeviceProfile(id='cpu0', kind='cpu', cores=[{CORES[0]}]))\n"
             "print(torch.get_num_threads(), sorted(os.sched_getaffinity(0)))\n")

@@ -21,9 +21,7 @@ import torch
 from engine_helpers import CORES, close_all, device, prepare
 
 from cuvild.client.samples import MLP
-from cuvild.engine import buckets, worker
 from cuvild.engine.arena import SHM_DIR, Arena
-from cuvild.engine.clientmem import ClientObjects
 from cuvild.engine.engine import (
     BadInput,
     BadRegion,
@@ -31,8 +29,11 @@ from cuvild.engine.engine import (
     RunTimeout,
     WorkerUnavailable,
 )
-from cuvild.engine.handle import WorkerHandle
 from cuvild.engine.orders import TensorRef, Unload
+from cuvild.load import buckets
+from cuvild.workers import worker
+from cuvild.workers.clientmem import ClientObjects
+from cuvild.workers.handle import WorkerHandle
 from partitioner.profile import DeviceProfile
 
 DEVICES = [device(d) for d in ["cpu0", "npu0"]]

@@ -1,4 +1,4 @@
-"""Lanes (cuvild/engine/lanes.py): a one-part model's requests with raw inputs go to its
+"""Lanes (cuvild/run/lanes.py): a one-part model's requests with raw inputs go to its
 worker process through a session of the engine's own, and still meet every promise of the
 usual path: eager's outputs, each caller its own rows, a deadline, a retry on a worker that
 died, nothing left behind on unload."""

@@ -15,8 +15,8 @@ from torch import nn
 import cuvild
 from cuvild.engine.arena import Arena
 from cuvild.engine.engine import Engine
-from cuvild.engine.precision import PrecisionPolicy
 from cuvild.intake.summary import summarize
+from cuvild.load.precision import PrecisionPolicy
 from partitioner.profile import DeviceProfile
 from partitioner.split import split_program
 from runtimes import mixed, registry

@@ -1,5 +1,5 @@
 """Precision under an error budget, in the engine: the search, its fallbacks and what it
-reports (cuvild/engine/precision.py). One CPU worker; OpenVINO's int8 via NNCF."""
+reports (cuvild/load/precision.py). One CPU worker; OpenVINO's int8 via NNCF."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import cuvild
 from cuvild.client.api import save_calibration
 from cuvild.client.samples import ResNet18
 from cuvild.engine.arena import Arena
-from cuvild.engine.build import SEARCH_SAMPLES
 from cuvild.engine.engine import Engine
-from cuvild.engine.precision import PrecisionPolicy
 from cuvild.intake.summary import summarize
+from cuvild.load.precision import PrecisionPolicy
+from cuvild.workers.build import SEARCH_SAMPLES
 from partitioner.profile import DeviceProfile
 from runtimes.base import set_error
 from runtimes.profiling.hardware import cpuinfo

@@ -1,4 +1,4 @@
-"""Load records (cuvild/engine/warm.py): a second engine on the same cache serves the model
+"""Load records (cuvild/load/warm.py): a second engine on the same cache serves the model
 again with nothing read from the archive, planned or compiled (asserted on the engine's
 counters, not on time), and a record or part that is stale or corrupt is built again and the
 model still serves torch eager's results."""
@@ -16,12 +16,12 @@ import torch
 
 import cuvild
 from cuvild.client.samples import MLP
-from cuvild.engine import buckets, warm
 from cuvild.engine.arena import Arena
 from cuvild.engine.engine import Engine
-from cuvild.engine.precision import PrecisionPolicy
 from cuvild.intake import forks
 from cuvild.intake.summary import summarize
+from cuvild.load import buckets, warm
+from cuvild.load.precision import PrecisionPolicy
 from partitioner.profile import DeviceProfile
 
 CORES = sorted(os.sched_getaffinity(0))

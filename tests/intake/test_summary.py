@@ -1,5 +1,5 @@
 """What intake records of a model's inputs for the engine's checks (cuvild/intake/summary.py),
-and the check inputs drawn from it (cuvild/engine/build.sample_inputs): token ids of a text
+and the check inputs drawn from it (cuvild/workers/build.sample_inputs): token ids of a text
 model are random ids below its embedding table's rows, not all ones, so that a precision
 search's check inputs differ from one another."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cuvild.engine.build import sample_inputs
 from cuvild.intake.registry import ModelRecord
 from cuvild.intake.summary import summarize
 from cuvild.serve.control import record_to_pb
+from cuvild.workers.build import sample_inputs
 
 
 class Text(nn.Module):

@@ -21,7 +21,7 @@ from test_observability import free_port, scrape, series
 import cuvild
 from cuvild.client import Client
 from cuvild.client.samples import MLP
-from cuvild.engine.batching import padded_rows
+from cuvild.run.batching import padded_rows
 
 
 def wait_ready(client: Client, name: str) -> dict:

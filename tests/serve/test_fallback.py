@@ -1,5 +1,5 @@
 """A part none of its device's runtimes builds is planned again off that device
-(cuvild/engine/fallback.py), and the plan says so; a part pinned there strictly fails with
+(cuvild/load/fallback.py), and the plan says so; a part pinned there strictly fails with
 the build's own error. The part: an AvgPool wider than its input with ceil_mode, as
 transformers' EfficientNet head has it, which OpenVINO's CPU plugin refuses (the emulated
 NPU's only runtime) and ONNX Runtime runs."""

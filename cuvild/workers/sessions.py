@@ -8,7 +8,7 @@ outputs into the slot: one round trip between two processes per request, nothing
 copy of the inputs. The worker's loop polls its pipe and its sessions' sockets together
 (`Sessions.wait`); a session ends when the client closes it (or dies), when its model is
 unloaded here (the client then opens a new one), or with the worker. The engine's bells
-(cuvild/engine/bells.py) are served the same way, by `BellSession`.
+(cuvild/run/bells.py) are served the same way, by `BellSession`.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def count_time(stats: mmap.mmap, seconds: float) -> None:
     at += _SUM.size + _COUNT.size * bisect.bisect_left(SECONDS, seconds)
     (n,) = _COUNT.unpack_from(stats, at)
     _COUNT.pack_into(stats, at, n + 1)
-# A bell's request record (cuvild/engine/bells.py), one page: seq, state, error_len, the
+# A bell's request record (cuvild/run/bells.py), one page: seq, state, error_len, the
 # arena block's offset, its segment's name's length and the count of tensors elsewhere; the
 # name at BELL_NAME; the error text (JSON: kind, error) at BELL_ERRORS; from BELL_ELSEWHERE,
 # each tensor in a client's region: TENSOR_AT (0 input, 1 output; its index; the object's

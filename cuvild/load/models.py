@@ -3,7 +3,7 @@ background and then served by the engine. State is READY, LOADING or UNAVAILABLE
 reason), with the phase of a load. Everything here can be rebuilt from disk: the registry and
 the compile cache.
 
-A model with a load record (cuvild/engine/warm.py) is restored on a pool of its own, several
+A model with a load record (cuvild/load/warm.py) is restored on a pool of its own, several
 at once, beside the builds; one without, or whose record fails, is built on the build pool,
 one at a time (compilers saturate the cores on their own). At start the workers of the
 devices the records name are started before anything else, so their start overlaps the
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cuvild.engine import warm
-from cuvild.engine.batching import Batching
 from cuvild.engine.engine import Engine, LoadedModel
-from cuvild.engine.precision import PrecisionPolicy
 from cuvild.intake import repository
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
+from cuvild.load import warm
+from cuvild.load.precision import PrecisionPolicy
+from cuvild.run.batching import Batching
 
 log = logging.getLogger(__name__)
 UNLOAD_WAIT_S = 10.0  # an unload waits this long for the workers to let the model go

@@ -2,7 +2,7 @@
 
 A request to a model that is one part on a worker process takes a lane when its inputs are
 raw bytes (an OIP request's) or in clients' shared-memory regions: the daemon is then the
-session's client (cuvild/engine/sessions.py): it copies the inputs into the lane's slot (a
+session's client (cuvild/workers/sessions.py): it copies the inputs into the lane's slot (a
 client's region read with preadv, never mapped), rings an 8-byte doorbell on a socketpair
 and reads the outputs from the slot (or writes them into the client's region). Nothing is
 pickled and no arena block is taken: a pickled `Run` and
@@ -26,17 +26,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from cuvild.engine.clientmem import RegionGone
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
 from cuvild.engine.orders import Attach, RawTensor, TensorRef
 from cuvild.engine.plane import Served
-from cuvild.engine.request import Timeline, measured
-from cuvild.engine.sessions import STATS, slot_layout
+from cuvild.run.request import Timeline, measured
+from cuvild.workers.clientmem import RegionGone
+from cuvild.workers.sessions import STATS, slot_layout
 from protos import fastpath as wire
 
 if TYPE_CHECKING:
-    from cuvild.engine.handle import WorkerHandle
     from cuvild.engine.loaded import LoadedModel, Route
+    from cuvild.workers.handle import WorkerHandle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -20,7 +20,7 @@ models take the cold path.
 A dynamic-shape model has a record of its own (its plan, wiring, dynamic dimensions and
 whether its rows can be batched: what it serves with before any bucket), and each bucket,
 once built, a record under it (`buckets/<shapes>/`, as a static model's, checked the same
-way on its first use after a restart; cuvild/engine/buckets.py). So a restart serves a
+way on its first use after a restart; cuvild/load/buckets.py). So a restart serves a
 dynamic model, and every bucket it had built, with nothing planned, split or compiled; only
 a bucket of new shapes reads the archive (torch) and builds.
 """
@@ -38,19 +38,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine import batching, precision
 from cuvild.engine.errors import InferError
 from cuvild.engine.layout import Slot, input_table
 from cuvild.engine.loaded import LoadedModel, Route, cut_bytes
 from cuvild.engine.orders import Built, RawTensor, Reply, Restore, Variant
 from cuvild.engine.plane import Builds
 from cuvild.engine.views import NUMPY
+from cuvild.load import precision
+from cuvild.run import batching
 from runtimes.base import fsync_dir, remove_leftovers, set_error, write_atomic
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from cuvild.engine.precision import PrecisionPolicy
+    from cuvild.load.precision import PrecisionPolicy
     from partitioner.profile import DeviceProfile
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cuvild.engine.handle import WorkerHandle, stop_all
+from cuvild.workers.handle import WorkerHandle, stop_all
 from partitioner.profile import DeviceProfile
 
 log = logging.getLogger(__name__)

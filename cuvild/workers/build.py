@@ -157,3 +157,18 @@ def variants(built: dict[str, BuiltPart]) -> list[Variant]:
         out.append(Variant(precision, b.runtime, winner.median_ms, winner.rel_error,
                            b.part_key))
     return out
+
+
+def eager(ep: Any) -> Any:
+    """`ep` on torch eager as the engine sees a model: its inputs flat, in the graph's order
+    (keyword ones included), its outputs a flat list (dicts and nested containers too)."""
+    import torch.utils._pytree as pytree
+
+    module, spec = ep.module(), ep.call_spec.in_spec
+
+    def run(*inputs: Any) -> list[Any]:
+        args, kwargs = pytree.tree_unflatten(list(inputs), spec)
+        out = module(*args, **kwargs)
+        return pytree.tree_flatten(out, is_leaf=lambda x: x is None)[0]
+
+    return run

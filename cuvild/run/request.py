@@ -2,7 +2,7 @@
 
 `run_parts` dispatches each part to its worker as soon as its inputs are ready (independent
 parts run at once; requests in flight pipeline across devices), through one of two transports
-(`Parts`): bells (cuvild/engine/bells.py `Rung`: a doorbell per part, the request's block
+(`Parts`): bells (cuvild/run/bells.py `Rung`: a doorbell per part, the request's block
 named in a record) or pickled `Run` orders (`Orders` here: thread workers, records too small
 for the request's regions). The loop, its deadline and its failures are the same for both.
 Every wait has the request's deadline (time.monotonic()): for a worker's restart, for a reply
@@ -25,9 +25,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
-from cuvild.engine.handle import ReplyTimeout, WorkerDied
 from cuvild.engine.orders import Reply, Run, TensorRef
 from cuvild.engine.plane import Served, Timeline
+from cuvild.workers.handle import ReplyTimeout, WorkerDied
 
 if TYPE_CHECKING:
     from cuvild.engine.arena import Block

@@ -152,7 +152,7 @@ def check_inputs(model: LoadedModel, policy: PrecisionPolicy,
                  searched: bool = False) -> list[list[torch.Tensor]]:
     """The inputs the whole model is checked on: the calibration inputs, else random ones
     (more where a precision search holds a budget on them)."""
-    from cuvild.engine.build import SEARCH_SAMPLES, calibration_inputs, sample_inputs
+    from cuvild.workers.build import SEARCH_SAMPLES, calibration_inputs, sample_inputs
 
     if policy.calibration:
         return calibration_inputs(policy.calibration, model.input_specs)
@@ -160,25 +160,12 @@ def check_inputs(model: LoadedModel, policy: PrecisionPolicy,
     return [sample_inputs(model.input_specs, seed) for seed in range(count)]
 
 
-def eager(ep: Any) -> Any:
-    """`ep` on torch eager as the engine sees a model: its inputs flat, in the graph's order
-    (keyword ones included), its outputs a flat list (dicts and nested containers too)."""
-    import torch.utils._pytree as pytree
-
-    module, spec = ep.module(), ep.call_spec.in_spec
-
-    def run(*inputs: Any) -> list[Any]:
-        args, kwargs = pytree.tree_unflatten(list(inputs), spec)
-        out = module(*args, **kwargs)
-        return pytree.tree_flatten(out, is_leaf=lambda x: x is None)[0]
-
-    return run
-
-
 def reference(ep: Any, inputs: list[list[torch.Tensor]]) -> tuple[list[list[torch.Tensor]],
                                                                   float]:
     """torch eager fp32's outputs for each input, and its median time, in this process."""
     import torch
+
+    from cuvild.workers.build import eager
 
     module = eager(ep)
     outputs, times = [], []

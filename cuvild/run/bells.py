@@ -1,6 +1,6 @@
 """Bells: the parts of a request rung in their worker processes, not sent as pickled orders.
 
-Each part of a model on a worker process gets bells in its worker (cuvild/engine/sessions.py
+Each part of a model on a worker process gets bells in its worker (cuvild/workers/sessions.py
 `BellSession`): a socketpair and a one-page record. Where the part's tensors lie in a
 request's arena block is fixed at load (the model's slots, cuvild/engine/layout.py) and told
 to the worker once, when the bell is made; so a request rings a part by writing its block's
@@ -35,17 +35,17 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import BadRegion, InferError, WorkerLost
-from cuvild.engine.lanes import Attached, Pool
 from cuvild.engine.orders import Attach, TensorRef
 from cuvild.engine.plane import Served
-from cuvild.engine.request import Answer, Timeline, run_parts
-from cuvild.engine.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
+from cuvild.run.lanes import Attached, Pool
+from cuvild.run.request import Answer, Timeline, run_parts
+from cuvild.workers.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
 from protos import fastpath as wire
 
 if TYPE_CHECKING:
     from cuvild.engine.arena import Block
-    from cuvild.engine.handle import WorkerHandle
     from cuvild.engine.loaded import LoadedModel, Route
+    from cuvild.workers.handle import WorkerHandle
 
 
 class Bell(Attached):

@@ -6,7 +6,7 @@ than a single request.
 Bounded both ways. A dynamic dimension above the engine's `max_dim` is refused (BadInput)
 before anything is built for it. A model keeps at most `max_buckets` buckets: when a build
 makes one more, the least recently used buckets that no request is running go (unloaded from
-the workers), and one asked for again is restored from its load record (cuvild/engine/warm.py:
+the workers), and one asked for again is restored from its load record (cuvild/load/warm.py:
 written when a bucket is built, the last `RECORDS` of a model kept; a restart restores its
 buckets the same way), else built again (from the compile cache). A bucket in use is never
 evicted: `hold` counts a request in, and rebuilds a bucket evicted between
@@ -29,11 +29,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cuvild.engine import warm
 from cuvild.engine.errors import InferError, RunTimeout
 from cuvild.engine.layout import BadInput, input_table, layout
 from cuvild.engine.loaded import LoadedModel, cut_bytes
 from cuvild.engine.plane import Builds
+from cuvild.load import warm
 
 log = logging.getLogger(__name__)
 Shapes = tuple[tuple[int, ...], ...]
@@ -86,7 +86,7 @@ def release(engine: Builds, model: LoadedModel) -> None:
 
 def build(engine: Builds, model: LoadedModel, shapes: Shapes,
           deadline: float | None) -> LoadedModel:
-    """The bucket from its load record (cuvild/engine/warm.py) or, where it has none that
+    """The bucket from its load record (cuvild/load/warm.py) or, where it has none that
     serves, planned, laid out and built."""
     t0 = time.monotonic()
     if not model.variant_lock.acquire(
@@ -134,7 +134,7 @@ def cold(engine: Builds, model: LoadedModel, shapes: Shapes,
          deadline: float | None) -> LoadedModel:
     import torch
 
-    from cuvild.engine.build import sample_inputs
+    from cuvild.workers.build import sample_inputs
 
     reread(engine, model)
     assert model.split is not None
@@ -170,7 +170,7 @@ def record(engine: Builds, model: LoadedModel, variant: LoadedModel, inputs: lis
            expected: list[Any]) -> None:
     """Write a bucket's load record, with its check: torch eager's outputs on one input and
     how far the bucket's are from them now."""
-    from cuvild.engine import precision
+    from cuvild.load import precision
 
     try:
         check = precision.check(engine, variant, [inputs], [expected])
@@ -219,7 +219,7 @@ def plan_for(engine: Builds, model: LoadedModel, shapes: Shapes) -> tuple[Any, A
     model's own are used (and its split shared in the workers)."""
     if model.program is None or len(engine.devices) < 2:
         return model.plan, model.split, False
-    from cuvild.engine.precision import PrecisionPolicy
+    from cuvild.load.precision import PrecisionPolicy
     from partitioner.plan import plan_model
     from partitioner.split import split_program
 

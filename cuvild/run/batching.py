@@ -13,7 +13,7 @@ rows queued reach `max_batch`, then takes the oldest requests that fit (first co
 served), hands leadership on and runs them: inputs gathered into one buffer per input (client
 regions read without mapping them: clientmem.py DaemonRegions), the model's bucket for the
 merged shapes padded to the next power of two rows (`padded_rows`; built once, on first use:
-cuvild/engine/buckets.py), one run, and each request's rows scattered back (into its client
+cuvild/load/buckets.py), one run, and each request's rows scattered back (into its client
 region where it named one). A request alone in a model
 that is otherwise idle (no other request was in flight with it since the last batch began,
 or none arrived and no batch ended within the delay before it) is not held back: it runs at
@@ -40,14 +40,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.clientmem import RegionGone
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.engine.plane import Served
 from cuvild.engine.views import as_bytes
+from cuvild.workers.clientmem import RegionGone
 
 if TYPE_CHECKING:
-    from cuvild.engine.request import Timeline
+    from cuvild.run.request import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def check(ep: Any, specs: list[dict[str, Any]], low: int) -> str:
     say normalisation across the batch, cannot be batched)."""
     import torch
 
-    from cuvild.engine.precision import eager
+    from cuvild.workers.build import eager
 
     module = eager(ep)
     torch.manual_seed(0)

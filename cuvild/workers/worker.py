@@ -8,9 +8,9 @@ thread, so a bucket's build (seconds) never holds up the runs of the parts alrea
 Tensors never travel through the pipe, only references into shared memory: the arena's are
 wrapped in place (once per place, then reused: numpy arrays in a worker that never needed
 torch, cuvild/engine/views.py); a client's are checked on every use
-(cuvild/engine/clientmem.py). Fast-path sessions, the engine's lanes and its bells (a part
+(cuvild/workers/clientmem.py). Fast-path sessions, the engine's lanes and its bells (a part
 of a request rung through a record naming its arena block) attached to a worker process
-(`Attach`, cuvild/engine/sessions.py) are served by the same loop, which then polls the
+(`Attach`, cuvild/workers/sessions.py) are served by the same loop, which then polls the
 pipe and their sockets together.
 
 The same `serve` loop runs in a process (the default: a crashing compiler or driver takes down
@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from cuvild.engine import views
-from cuvild.engine.clientmem import ClientObjects, Key, RegionGone
 from cuvild.engine.dtypes import nbytes
 from cuvild.engine.orders import (
     Attach,
@@ -50,7 +49,8 @@ from cuvild.engine.orders import (
     TensorRef,
     Unload,
 )
-from cuvild.engine.sessions import Sessions
+from cuvild.workers.clientmem import ClientObjects, Key, RegionGone
+from cuvild.workers.sessions import Sessions
 from partitioner.profile import DeviceProfile
 
 MAX_VIEWS = 4096  # tensor views kept per worker (arena blocks recur request after request)
@@ -181,7 +181,7 @@ class Worker:
     def build(self, order: Build) -> Built:
         import torch
 
-        from cuvild.engine.build import build_model_part, forget, variants
+        from cuvild.workers.build import build_model_part, forget, variants
 
         if not self.in_process:  # this worker's cores (torch may be imported only now)
             torch.set_num_threads(len(os.sched_getaffinity(0)))
@@ -237,7 +237,7 @@ class Worker:
         return Ran(run_ms)
 
     def unload(self, order: Unload) -> None:
-        from cuvild.engine.build import forget
+        from cuvild.workers.build import forget
 
         forget(order.model)
         for key in [k for k in list(self.parts) if k[0] == order.model]:
@@ -359,7 +359,7 @@ def _pin(device: DeviceProfile) -> None:
     cores = device.cores or sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores)
     os.environ.update({"OMP_NUM_THREADS": str(len(cores)), **OMP_ENV})  # (torch reads them
-    # as it loads: a spawned worker imports it only to build; cuvild/engine/omp_env.py)
+    # as it loads: a spawned worker imports it only to build; cuvild/workers/omp_env.py)
     if "torch" in sys.modules:  # imported already (forked from the daemon's forkserver, or
         # with the spawning program's main module):
         import torch  # its pool was sized for every core; this thread runs the parts
@@ -378,8 +378,8 @@ def _quiet() -> None:
 
 def process_main(conn: Any, direct: Any, device_dict: dict[str, Any], cache_dir: str) -> None:
     """The worker process's entry point (a spawned process gets the profile as a dict). It
-    leaves without the interpreter's teardown (~1 s with torch: cuvild/engine/quick_exit.py)."""
-    from cuvild.engine.quick_exit import quick_exit
+    leaves without the interpreter's teardown (~1 s with torch: cuvild/workers/quick_exit.py)."""
+    from cuvild.workers.quick_exit import quick_exit
 
     with contextlib.suppress(OSError):  # `ps`/`top` name it (a forked one's command line is
         # the forkserver's, a spawned one's python's)

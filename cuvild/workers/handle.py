@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from cuvild.engine.orders import Attach, Envelope, Order, Progress, Reply, Run
-from cuvild.engine.worker import Worker, answer, process_main, serve
 from cuvild.intake import forks
+from cuvild.workers.worker import Worker, answer, process_main, serve
 from partitioner.profile import DeviceProfile
 
 
@@ -151,7 +151,7 @@ class WorkerHandle:
         return future
 
     def attach(self, order: Attach, fds: list[int]) -> Future[Reply]:
-        """Send a fast-path session to the worker process (cuvild/engine/sessions.py): the
+        """Send a fast-path session to the worker process (cuvild/workers/sessions.py): the
         order, then the client's socket and the session's memfd (SCM_RIGHTS) right behind
         it on the pipe. The future completes when the session ends (or the worker dies)."""
         from multiprocessing.reduction import sendfds
