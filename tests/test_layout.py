@@ -40,10 +40,11 @@ ALLOWED: dict[str, set[str]] = {
     "cuvild.load": VOCABULARY | {"cuvild.engine.engine", "cuvild.run", "cuvild.workers",
                                  "cuvild.intake", "partitioner", "runtimes"},
     # the data plane: never the control plane (a bucket miss calls a builder it is handed)
-    "cuvild.run": VOCABULARY | {"cuvild.workers", "partitioner", "runtimes", "protos.fastpath"},
+    "cuvild.run": VOCABULARY | {"cuvild.workers", "partitioner", "runtimes", "protos.fastpath",
+                                "protos.sessions"},
     # the device workers and the daemon's end of them
     "cuvild.workers": VOCABULARY | {"cuvild.intake", "partitioner", "runtimes",
-                                    "protos.fastpath"},
+                                    "protos.fastpath", "protos.sessions"},
     "cuvild.intake": {"partitioner", "runtimes.base"},
     # cuvilctl plans a local .pt2 offline: it opens it with the safe loader
     # and rebuilds a model's output container from its spec (cuvild/client/trees.py)

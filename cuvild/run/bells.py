@@ -39,8 +39,8 @@ from cuvild.engine.orders import Attach, TensorRef
 from cuvild.engine.plane import Served
 from cuvild.run.lanes import Attached, Pool
 from cuvild.run.request import Answer, Timeline, run_parts
-from cuvild.workers.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
 from protos import fastpath as wire
+from protos.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
 
 if TYPE_CHECKING:
     from cuvild.engine.arena import Block

@@ -31,8 +31,9 @@ from cuvild.engine.orders import Attach, RawTensor, TensorRef
 from cuvild.engine.plane import Served
 from cuvild.run.request import Timeline, measured
 from cuvild.workers.clientmem import RegionGone
-from cuvild.workers.sessions import STATS, slot_layout
+from cuvild.workers.sessions import slot_layout
 from protos import fastpath as wire
+from protos.sessions import STATS
 
 if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel, Route

@@ -39,9 +39,10 @@ from cuvild.engine.layout import BadInput
 from cuvild.engine.orders import Attach, RawTensor
 from cuvild.run.lanes import one_part
 from cuvild.serve.errors import CODES
-from cuvild.workers.sessions import STATS, STATS_BYTES, TIMES, fail, slot_layout
 from cuvild.workers.sessions import Session as WorkerSession
+from cuvild.workers.sessions import fail, slot_layout
 from protos import fastpath as wire
+from protos.sessions import STATS, STATS_BYTES, TIMES
 
 if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel
@@ -239,7 +240,7 @@ class Session:
     def counts(self) -> list[float]:
         """Requests done and failed that a worker ran on this session's memory (the others
         are in the request metrics already), and the histogram of the ones done: seconds
-        summed, requests per bucket (cuvild/workers/sessions.py, TIMES)."""
+        summed, requests per bucket (protos/sessions.py, TIMES)."""
         if not (self.attached or self.inline) or self.stats.closed:
             return [0] * COUNTS
         done, failed, _ = STATS.unpack_from(self.stats)

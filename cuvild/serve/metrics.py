@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from cuvild.workers.sessions import SECONDS
+from protos.sessions import SECONDS
 
 if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel, Route
@@ -172,8 +172,8 @@ class Metrics:
                     "p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
                     "n": len(times)}
         # Fast-path requests a worker ran on the session's memory count here too; their times
-        # are only in the histogram the worker keeps (sessions.TIMES), so their quantiles are
-        # its buckets' bounds, over every such request since the daemon started.
+        # are only in the histogram the worker keeps (protos/sessions.py TIMES), so their
+        # quantiles are its buckets' bounds, over every such request since the daemon started.
         for (name, version), (done, failed, _, *per_bucket) in (self.fast.counts() if self.fast
                                                                  else {}).items():
             entry = models.setdefault(f"{name}:{version}", {"success": 0, "failure": 0,

@@ -32,6 +32,16 @@ from cuvild.engine.dtypes import nbytes
 from cuvild.engine.orders import Attach, Run, TensorRef
 from cuvild.engine.spin import MOST_S, Spin
 from protos import fastpath as wire
+from protos.sessions import (
+    BELL,
+    BELL_ELSEWHERE,
+    BELL_ERRORS,
+    BELL_NAME,
+    SECONDS,
+    STATS,
+    STATS_BYTES,
+    TENSOR_AT,
+)
 
 if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel
@@ -60,16 +70,6 @@ def slot_layout(model: LoadedModel, inputs: list[str], outputs: list[str],
             "size": max(first + depth * slot_bytes, mmap.PAGESIZE), **tensors}
 
 
-# A session's counts, in a memfd of its own that the daemon and the worker share (the client
-# never gets it): requests done, failed, seconds run. The metrics read them.
-STATS = struct.Struct("<QQd")
-# After them, on a fast-path session (whose requests the daemon never sees), a histogram of
-# the requests done: seconds from doorbell to answer, summed, then the requests per bucket
-# (each up to its bound in SECONDS, the metrics' buckets; the last one past them all).
-SECONDS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
-           2.5, 5.0, 10.0, 60.0)  # from a tenth of a millisecond to a minute
-TIMES = struct.Struct(f"<d{len(SECONDS) + 1}Q")
-STATS_BYTES = STATS.size + TIMES.size
 _SUM, _COUNT = struct.Struct("<d"), struct.Struct("<Q")
 
 
@@ -81,16 +81,6 @@ def count_time(stats: mmap.mmap, seconds: float) -> None:
     at += _SUM.size + _COUNT.size * bisect.bisect_left(SECONDS, seconds)
     (n,) = _COUNT.unpack_from(stats, at)
     _COUNT.pack_into(stats, at, n + 1)
-# A bell's request record (cuvild/run/bells.py), one page: seq, state, error_len, the
-# arena block's offset, its segment's name's length and the count of tensors elsewhere; the
-# name at BELL_NAME; the error text (JSON: kind, error) at BELL_ERRORS; from BELL_ELSEWHERE,
-# each tensor in a client's region: TENSOR_AT (0 input, 1 output; its index; the object's
-# inode; the offset; its name's length) and the name.
-BELL = struct.Struct("<QIIQHH")
-BELL_NAME, BELL_ERRORS, BELL_ELSEWHERE = 64, 320, 1344
-TENSOR_AT = struct.Struct("<BHQQH")
-
-
 def fail(mm: mmap.mmap, layout: dict[str, Any], at: int, index: int, seq: int, slot: int,
          code: str, error: str) -> None:
     """Mark ring entry `index` (at offset `at`) FAILED with its error text."""
