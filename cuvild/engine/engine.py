@@ -47,7 +47,7 @@ from cuvild.engine.layout import (
     input_table,
     layout,
 )
-from cuvild.engine.loaded import LoadedModel, Route, cut_bytes, part_stats
+from cuvild.engine.loaded import Family, LoadedModel, Route, cut_bytes, part_stats
 from cuvild.engine.orders import (
     Build,
     Built,
@@ -177,14 +177,15 @@ class Engine:
         model = LoadedModel(key, name, version, plan, self.make_routes(plan, split),
                             list(split.inputs), list(split.outputs),
                             input_table(input_specs, dynamic), slots, footprint, total,
-                            str(archive), input_specs, dynamic=dynamic,
-                            split=split if dynamic else None, objective=objective)
+                            str(archive), input_specs, objective=objective,
+                            family=Family(dynamic, split) if dynamic else None)
         for route in model.routes:
             model.parts_by_device.setdefault(route.device, []).append(route.id)
         model.cut_bytes = cut_bytes(model)
-        if dynamic:  # its buckets are planned and built at their shapes (buckets.py)
-            model.policy, model.program = policy, ep if planned else None  # (else: one plan)
-            model.replans, model.record_at = planned, record_at
+        if model.family:  # its buckets are planned and built at their shapes (buckets.py)
+            model.policy = policy
+            model.family.program = ep if planned else None  # (else: one plan)
+            model.family.replans, model.family.record_at = planned, record_at
             if batching is not None and batching.max_batch > 1:
                 say("checking that its rows can be batched")
                 batcher_for(model, ep, batching)
@@ -275,7 +276,7 @@ class Engine:
         runtime each runs on); returns how many parts taught it. Control path: the data path
         only submits it, once per part and load, when a part reaches FEEDBACK_RUNS."""
         model = self.models.get(key)
-        if model is None or model.base_key:  # a bucket's parts are not the plan's shapes
+        if model is None or model.bucket:  # a bucket's parts are not the plan's shapes
             return 0
         parts = {p.id: p for p in model.plan.parts}
         taught = []
@@ -320,7 +321,7 @@ class Engine:
                 tolerance=route.tolerance, budget=route.budget, calibration=policy.calibration,
                 calibration_tag=policy.calibration_tag,
                 allowed=registry.allowed_runtimes(self.runtimes, self.devices[device]),
-                floor_ms=None if model.base_key else precision.floors(
+                floor_ms=None if model.bucket else precision.floors(
                     parts[pid], self.devices[device], route.precisions or [route.precision])),
                 told=progress and (lambda text, label=label: progress(f"{label}: {text}")))))
         model.policy = policy
@@ -357,9 +358,10 @@ class Engine:
         if model is None:
             return
         with self.buckets_lock:
-            variants = list(model.variants.values())
+            variants = list(model.family.buckets.values()) if model.family else []
             for variant in variants:
-                variant.evicted = True
+                assert variant.bucket is not None
+                variant.bucket.evicted = True
         for variant in variants:
             self.unload(variant.key, wait_s)
         unloads = [self.workers[d].call(Unload(key)) for d in model.parts_by_device

@@ -36,8 +36,41 @@ class Route:
     variants: dict[str, Variant] = field(default_factory=dict)
 
 
+Shapes = tuple[tuple[int, ...], ...]  # a request's input shapes, one tuple per input
+
+
+@dataclass
+class Family:
+    """What a dynamic-shape model keeps to build a bucket per concrete input shape on first use
+    (cuvild/load/buckets.py)."""
+
+    dims: list[tuple[int, int, int, int]]  # (input index, dim, low, high) per symbolic dim
+    split: SplitProgram | None = None  # its split: a bucket is laid out from it
+    # where the engine planned it, its program: each bucket is planned again at its shapes
+    program: Any = None
+    replans: bool = False
+    record_at: Any = None  # its load record's folder: its buckets' records are kept under it
+    # its buckets, least recently used first
+    buckets: OrderedDict[Shapes, LoadedModel] = field(default_factory=OrderedDict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held by a bucket's build
+
+
+@dataclass
+class Bucket:
+    """What a bucket (a dynamic-shape model built for one input shape) is besides a model."""
+
+    of: str  # its model's key
+    shapes: Shapes
+    users: int = 0  # its requests running now: it is not evicted under them
+    evicted: bool = False  # unloaded to keep its model's count bounded
+    own_split: bool = False  # planned at its own shapes, apart from its model's plan
+
+
 @dataclass
 class LoadedModel:
+    """A prepared model as every plane reads it: a static-shape model, a dynamic-shape one
+    (`family`: it serves no request itself, its buckets do) or a bucket (`bucket`)."""
+
     key: str
     name: str
     version: str
@@ -52,42 +85,33 @@ class LoadedModel:
     archive: str = ""
     input_specs: list[dict[str, Any]] = field(default_factory=list)
     parts_by_device: dict[str, list[str]] = field(default_factory=dict)
-    # Dynamic shapes: (input index, dim, low, high) per symbolic input dim; the split is kept
-    # to lay out and build one variant per concrete shape (bucket) on first use.
-    dynamic: list[tuple[int, int, int, int]] = field(default_factory=list)
-    split: SplitProgram | None = None
-    # its buckets, least recently used first (cuvild/load/buckets.py)
-    variants: OrderedDict[tuple[tuple[int, ...], ...], LoadedModel] = field(
-        default_factory=OrderedDict)
-    variant_lock: threading.Lock = field(default_factory=threading.Lock)
-    base_key: str = ""
-    shapes: tuple[tuple[int, ...], ...] = ()  # a bucket's input shapes
-    users: int = 0  # a bucket's requests running now: it is not evicted under them
-    evicted: bool = False  # a bucket unloaded to keep its model's count bounded
     part_input_shapes: dict[str, list[list[int]]] = field(default_factory=dict)
     policy: Any = None  # the PrecisionPolicy it was built under (cuvild/load/precision.py)
     cut_bytes: int = 0  # bytes one request hands from part to part through the arena
     accuracy: Any = None  # what the load measured end to end (precision.Accuracy)
     warm: bool = False  # loaded from its load record (cuvild/load/warm.py)
-    # A dynamic-shape model's load record: its buckets' records are kept under it
-    record_at: Any = None
-    replans: bool = False  # the engine planned it: each bucket is planned at its shapes
-    # A dynamic-shape model the engine planned keeps its program: each bucket is planned
-    # again at its own shapes (cuvild/load/buckets.py), and one placed otherwise has its
-    # own split (own_split)
-    program: Any = None
     objective: str = "latency"
-    own_split: bool = False
     # Dynamic batching (cuvild/run/batching.py): the model's queue, shared by its buckets,
     # or why it is not batched ("" when it was not asked)
     batcher: Any = None
     unbatched: str = ""
+    family: Family | None = None  # a dynamic-shape model's
+    bucket: Bucket | None = None  # a bucket's
+
+    @property
+    def dynamic(self) -> list[tuple[int, int, int, int]]:
+        """Its symbolic input dims ([] for a static-shape model and for a bucket)."""
+        return self.family.dims if self.family else []
+
+    @property
+    def evicted(self) -> bool:
+        return self.bucket is not None and self.bucket.evicted
 
     @property
     def split_key(self) -> str:
         """What a worker caches this model's split under: a bucket shares its model's,
         unless it was planned apart."""
-        return self.base_key if self.base_key and not self.own_split else self.key
+        return self.bucket.of if self.bucket and not self.bucket.own_split else self.key
 
 
 def cut_bytes(model: LoadedModel) -> int:
@@ -115,4 +139,4 @@ def bucket_stats(model: LoadedModel) -> list[dict[str, Any]]:
     each part runs for them (the runtime is chosen per bucket, by timing it at its shapes)."""
     return [{"shapes": [list(s) for s in shapes], "key": variant.key,
              "parts": [{**stats, "id": part} for part, stats in part_stats(variant).items()]}
-            for shapes, variant in list(model.variants.items())]
+            for shapes, variant in list(model.family.buckets.items() if model.family else [])]

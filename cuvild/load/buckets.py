@@ -31,12 +31,11 @@ from typing import Any
 
 from cuvild.engine.errors import InferError, RunTimeout
 from cuvild.engine.layout import BadInput, input_table, layout
-from cuvild.engine.loaded import LoadedModel, cut_bytes
+from cuvild.engine.loaded import Bucket, Family, LoadedModel, Shapes, cut_bytes
 from cuvild.engine.plane import Builds
 from cuvild.load import warm
 
 log = logging.getLogger(__name__)
-Shapes = tuple[tuple[int, ...], ...]
 RECORDS = 32  # bucket load records kept on disk per model, the last written
 
 
@@ -56,9 +55,9 @@ def bucket(engine: Builds, model: LoadedModel, shapes: Shapes,
     """The bucket of `model` for `shapes`, built on first use (waited for by `deadline`,
     time.monotonic(); None: the engine's build_timeout_s)."""
     with engine.buckets_lock:
-        variant = model.variants.get(shapes)
+        variant = family(model).buckets.get(shapes)
         if variant is not None:
-            model.variants.move_to_end(shapes)
+            family(model).buckets.move_to_end(shapes)
             return variant
     return build(engine, model, shapes, deadline)
 
@@ -66,22 +65,28 @@ def bucket(engine: Builds, model: LoadedModel, shapes: Shapes,
 def hold(engine: Builds, model: LoadedModel, deadline: float | None) -> LoadedModel:
     """Count a request in on its bucket, so that it is not evicted while the request runs;
     a bucket evicted since `resolve` is built again. A model that is no bucket is itself."""
-    while model.base_key:
+    while model.bucket:
         with engine.buckets_lock:
-            if not model.evicted:
-                model.users += 1
+            if not model.bucket.evicted:
+                model.bucket.users += 1
                 return model
-        base = engine.models.get(model.base_key)
+        base = engine.models.get(model.bucket.of)
         if base is None:
-            raise InferError(f"model {model.base_key} is not loaded any more")
-        model = bucket(engine, base, model.shapes, deadline)
+            raise InferError(f"model {model.bucket.of} is not loaded any more")
+        model = bucket(engine, base, model.bucket.shapes, deadline)
     return model
 
 
 def release(engine: Builds, model: LoadedModel) -> None:
-    if model.base_key:
+    if model.bucket:
         with engine.buckets_lock:
-            model.users -= 1
+            model.bucket.users -= 1
+
+
+def family(model: LoadedModel) -> Family:
+    """A dynamic-shape model's Family (every function here is handed one)."""
+    assert model.family is not None, f"model {model.key} has fixed shapes"
+    return model.family
 
 
 def build(engine: Builds, model: LoadedModel, shapes: Shapes,
@@ -89,31 +94,31 @@ def build(engine: Builds, model: LoadedModel, shapes: Shapes,
     """The bucket from its load record (cuvild/load/warm.py) or, where it has none that
     serves, planned, laid out and built."""
     t0 = time.monotonic()
-    if not model.variant_lock.acquire(
+    if not family(model).lock.acquire(
             timeout=-1 if deadline is None else max(0.0, deadline - t0)):
         raise RunTimeout(f"model {model.key}: waited {time.monotonic() - t0:.1f} s for "
                          "another bucket's build (the request's deadline)")
     try:
         with engine.buckets_lock:
-            variant = model.variants.get(shapes)
+            variant = family(model).buckets.get(shapes)
         if variant is not None:
             return variant
         variant = restored(engine, model, shapes) or cold(engine, model, shapes, deadline)
         with engine.buckets_lock:
-            model.variants[shapes] = variant
+            family(model).buckets[shapes] = variant
             engine.models[variant.key] = variant
         evict(engine, model)
         return variant
     finally:
-        model.variant_lock.release()
+        family(model).lock.release()
 
 
 def restored(engine: Builds, model: LoadedModel, shapes: Shapes) -> LoadedModel | None:
     """The bucket as its load record has it (nothing planned, split or compiled: no torch),
     checked end to end; None where it has no record, or one that no longer serves."""
-    if model.record_at is None:
+    if family(model).record_at is None:
         return None
-    where = model.record_at / warm.BUCKETS / tag(shapes)
+    where = family(model).record_at / warm.BUCKETS / tag(shapes)
     record = warm.read(where)
     if record is None:
         return None
@@ -124,7 +129,7 @@ def restored(engine: Builds, model: LoadedModel, shapes: Shapes) -> LoadedModel 
     except Exception as e:  # noqa: BLE001 - never trusted blindly: built again
         log.warning("bucket %s: load record not used (%s); building it again", key, e)
         return None
-    variant.base_key, variant.shapes, variant.batcher = model.key, shapes, model.batcher
+    variant.bucket, variant.batcher = Bucket(model.key, shapes), model.batcher
     log.info("restored %s for input shapes %s from its load record", model.key,
              [list(s) for s in shapes])
     return variant
@@ -137,7 +142,7 @@ def cold(engine: Builds, model: LoadedModel, shapes: Shapes,
     from cuvild.workers.build import sample_inputs
 
     reread(engine, model)
-    assert model.split is not None
+    assert family(model).split is not None
     plan, split, own = plan_for(engine, model, shapes)
     given = specs(model, shapes)
     inputs = sample_inputs(given, 0)  # (a check input, as a static model's load has)
@@ -151,8 +156,8 @@ def cold(engine: Builds, model: LoadedModel, shapes: Shapes,
     variant = LoadedModel(f"{model.key}@{tag(shapes)}", model.name, model.version, plan, routes,
                           model.inputs, model.outputs, input_table(given, []), slots,
                           footprint, total, model.archive, given,
-                          parts_by_device=by_device, base_key=model.key, shapes=shapes,
-                          own_split=own)
+                          parts_by_device=by_device,
+                          bucket=Bucket(model.key, shapes, own_split=own))
     variant.policy = model.policy
     variant.cut_bytes = cut_bytes(variant)
     variant.part_input_shapes = {
@@ -160,7 +165,7 @@ def cold(engine: Builds, model: LoadedModel, shapes: Shapes,
     log.info("building %s for input shapes %s%s", model.key, [list(s) for s in shapes],
              ": " + ", ".join(f"{r.id}@{r.device}" for r in routes) if own else "")
     engine.build(variant, deadline=deadline)
-    if model.record_at is not None:
+    if family(model).record_at is not None:
         record(engine, model, variant, inputs, [values[n] for n in model.outputs])
     variant.batcher = model.batcher
     return variant
@@ -179,9 +184,10 @@ def record(engine: Builds, model: LoadedModel, variant: LoadedModel, inputs: lis
         return
     policy = variant.policy or precision.PrecisionPolicy()
     variant.accuracy = precision.Accuracy(policy.mode, None, 1, False, 0.0, check, check)
-    kept = model.record_at / warm.BUCKETS
+    assert variant.bucket is not None
+    kept = family(model).record_at / warm.BUCKETS
     try:
-        warm.write(kept / tag(variant.shapes), variant, [inputs], [expected])
+        warm.write(kept / tag(variant.bucket.shapes), variant, [inputs], [expected])
         records = sorted(kept.iterdir(), key=lambda p: p.stat().st_mtime)
         for old in records[:max(0, len(records) - RECORDS)]:  # the oldest go
             shutil.rmtree(old, ignore_errors=True)
@@ -192,15 +198,16 @@ def record(engine: Builds, model: LoadedModel, variant: LoadedModel, inputs: lis
 def reread(engine: Builds, model: LoadedModel) -> None:
     """A model restored from its load record reads its archive (torch) for a bucket of new
     shapes: its split, and its program where each bucket is planned at its own shapes."""
-    if model.split is not None:
+    kept = family(model)
+    if kept.split is not None:
         return
     from cuvild.intake.safe_load import load_exported_program
     from partitioner.split import split_program
 
     ep = load_exported_program(model.archive)
     engine.counters["archive_loads"] += 1
-    model.split = split_program(ep, [(p.id, p.nodes) for p in model.plan.parts])
-    model.program = ep if model.replans else None
+    kept.split = split_program(ep, [(p.id, p.nodes) for p in model.plan.parts])
+    kept.program = ep if kept.replans else None
 
 
 def tag(shapes: Shapes) -> str:
@@ -217,20 +224,21 @@ def plan_for(engine: Builds, model: LoadedModel, shapes: Shapes) -> tuple[Any, A
     is planned again at the bucket's shapes (a batch of 8 may be placed on another device
     than a request of 1); where that places every node as the model's plan does, the
     model's own are used (and its split shared in the workers)."""
-    if model.program is None or len(engine.devices) < 2:
-        return model.plan, model.split, False
+    kept = family(model)
+    if kept.program is None or len(engine.devices) < 2:
+        return model.plan, kept.split, False
     from cuvild.load.precision import PrecisionPolicy
     from partitioner.plan import plan_model
     from partitioner.split import split_program
 
     policy = model.policy or PrecisionPolicy()
-    plan = plan_model(model.program, list(engine.devices.values()), objective=model.objective,
+    plan = plan_model(kept.program, list(engine.devices.values()), objective=model.objective,
                       support=engine.support(), corrections=engine.corrections.snapshot(),
-                      sizes=sizes_of(model.program, model.dynamic, shapes),
+                      sizes=sizes_of(kept.program, kept.dims, shapes),
                       precision=policy.mode, int8=bool(policy.calibration))
     if placement(plan) == placement(model.plan):
-        return model.plan, model.split, False
-    return plan, split_program(model.program, [(p.id, p.nodes) for p in plan.parts]), True
+        return model.plan, kept.split, False
+    return plan, split_program(kept.program, [(p.id, p.nodes) for p in plan.parts]), True
 
 
 def placement(plan: Any) -> dict[str, str]:
@@ -255,13 +263,15 @@ def evict(engine: Builds, model: LoadedModel) -> None:
     (under the model's build lock, so an eviction reaches the workers before a rebuild)."""
     gone = []
     with engine.buckets_lock:
-        over = len(model.variants) - engine.max_buckets
-        for shapes, variant in list(model.variants.items()):
+        buckets = family(model).buckets
+        over = len(buckets) - engine.max_buckets
+        for shapes, variant in list(buckets.items()):
             if over <= 0:
                 break
-            if variant.users == 0:
-                del model.variants[shapes]
-                variant.evicted = True
+            assert variant.bucket is not None
+            if variant.bucket.users == 0:
+                del buckets[shapes]
+                variant.bucket.evicted = True
                 gone.append(variant)
                 over -= 1
     for variant in gone:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import InferError
 from cuvild.engine.layout import Slot, input_table
-from cuvild.engine.loaded import LoadedModel, Route, cut_bytes
+from cuvild.engine.loaded import Family, LoadedModel, Route, cut_bytes
 from cuvild.engine.orders import Built, RawTensor, Reply, Restore, Variant
 from cuvild.engine.plane import Builds
 from cuvild.engine.views import NUMPY
@@ -169,7 +169,8 @@ def write(where: Path, model: LoadedModel, inputs: list[list[Any]],
 def write_dynamic(where: Path, model: LoadedModel) -> None:
     """A dynamic-shape model's record (its buckets' go under it as they are built)."""
     record = {"format": FORMAT, "written_at": time.time(), "plan": model.plan.to_dict(),
-              "dynamic": [list(d) for d in model.dynamic], "replans": model.replans,
+              "dynamic": [list(d) for d in model.dynamic],
+              "replans": bool(model.family and model.family.replans),
               "inputs": model.inputs, "outputs": model.outputs,
               "routes": [{"id": r.id, "device": r.device, "precision": r.precision,
                           "inputs": r.inputs, "outputs": r.outputs} for r in model.routes],
@@ -199,7 +200,7 @@ def restore(engine: Builds, where: Path, record: dict[str, Any], key_: str, name
                       list(r["outputs"])) for r in record["routes"]],
                 list(record["inputs"]), list(record["outputs"]),
                 input_table(input_specs, dynamic), {}, 0, 0, archive, input_specs,
-                dynamic=dynamic, objective=objective, replans=bool(record["replans"]))
+                objective=objective, family=Family(dynamic, replans=bool(record["replans"])))
             rows = record["rows"]
         else:
             slots = {n: Slot(d, tuple(s), o) for n, (d, s, o) in record["slots"].items()}
@@ -215,12 +216,12 @@ def restore(engine: Builds, where: Path, record: dict[str, Any], key_: str, name
             raise Stale(f"part {route.id} ran on {route.device}, which is gone")
         model.parts_by_device.setdefault(route.device, []).append(route.id)
     model.cut_bytes, model.policy, model.warm = cut_bytes(model), policy, True
-    if model.dynamic:
+    if model.family:
         if settings is not None and settings.max_batch > 1:
             if rows is None:
                 raise Stale("whether its rows can be batched was never checked")
             batching.settle(model, rows, settings)
-        model.record_at = where  # (its buckets' records are under it)
+        model.family.record_at = where  # (its buckets' records are under it)
         engine.models[key_] = model
         return model
     engine.models[key_] = model  # (served only once the manager marks it READY)

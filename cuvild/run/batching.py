@@ -160,9 +160,10 @@ class Pending:
         self.model, self.inputs, self.output_refs = model, inputs, output_refs
         self.timeline = timeline  # a traced request's: the parts of its batch's run
         self.raw, self.into, self.given = raw, into, given  # given: the caller's deadline
-        self.rows = model.shapes[0][0]
+        shapes = model.bucket.shapes  # (a batched request's model is a bucket)
+        self.rows = shapes[0][0]
         self.sig = tuple((spec.dtype, shape[1:]) for spec, shape
-                         in zip(model.table, model.shapes, strict=True))
+                         in zip(model.table, shapes, strict=True))
         self.arrived = time.monotonic()
         self.deadline = self.arrived + default_s if given is None else given
         self.gap = 0.0  # since the request queued, or the batch ended, before it
@@ -342,7 +343,7 @@ class Batcher:
             raise InferError(f"model {self.base_key} is not loaded any more")
         first = batch[0].model
         rows = padded_rows(rows, self.settings.max_batch)  # padding after the requests' rows
-        shapes = tuple((rows, *shape[1:]) for shape in first.shapes)
+        shapes = tuple((rows, *shape[1:]) for shape in first.bucket.shapes)
         given = [p.given for p in batch]  # None: the engine's own (a silent worker is hung)
         deadline = None if None in given else max(given)  # type: ignore[type-var]
         model = engine.resolve(base, [(spec.dtype, shape) for spec, shape in  # its bucket

@@ -24,7 +24,7 @@ from cuvild.engine.arena import SHM_DIR, Arena
 from cuvild.engine.engine import Engine
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout
 from cuvild.engine.layout import InputSpec, Slot
-from cuvild.engine.loaded import bucket_stats
+from cuvild.engine.loaded import Bucket, bucket_stats
 from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.summary import summarize
 from cuvild.run.batching import Batcher, Batching
@@ -147,7 +147,7 @@ def test_concurrent_requests_get_their_own_rows(make, tmp_path, threads):
     assert sum(rows * runs for rows, runs in stats["sizes"].items()) == 2 * sum(
         len(x) for x in xs)
     # every batch size was built once and reused: one bucket per size, never built again
-    assert engine.counters["built"] == 2 * len(loaded.variants)  # two parts per bucket
+    assert engine.counters["built"] == 2 * len(loaded.family.buckets)  # two parts per bucket
     assert engine.arena.in_use() == 0
 
 
@@ -258,7 +258,7 @@ def test_a_request_waits_at_most_the_delay_and_the_run_ahead(make, tmp_path):
     for t in threads:
         t.join(60)
     assert len(done) == 24
-    runs = [ms for v in loaded.variants.values() for r in v.routes for ms in r.measured_ms]
+    runs = [ms for v in loaded.family.buckets.values() for r in v.routes for ms in r.measured_ms]
     bound = delay + max(runs) / 1e3 + 0.25  # the delay, one run ahead, this host's jitter
     assert max(loaded.batcher.waits) < bound, (list(loaded.batcher.waits), bound)
     assert max(loaded.batcher.stats()["sizes"]) > 1
@@ -279,9 +279,9 @@ def test_rows_of_different_shapes_never_merge(make, tmp_path):
             torch.testing.assert_close(got[0], model(x), rtol=1e-4, atol=1e-5)
     # each bucket is one time length; their rows add up to the requests of that length
     for steps in (3, 5):
-        assert all(shapes[0][1] in (3, 5) for shapes in loaded.variants)
-        rows = [s[0][0] for s in loaded.variants if s[0][1] == steps]
-        assert rows, loaded.variants.keys()
+        assert all(shapes[0][1] in (3, 5) for shapes in loaded.family.buckets)
+        rows = [s[0][0] for s in loaded.family.buckets if s[0][1] == steps]
+        assert rows, loaded.family.buckets.keys()
 
 
 def test_models_whose_rows_mix_or_have_no_batch_are_not_batched(make, tmp_path):
@@ -331,7 +331,7 @@ class HeldEngine:
 def held_model(rows: int) -> Any:
     """A bucket as the Batcher sees it: one float32 input of `rows` x 2, the output alike."""
     spec = InputSpec("x", "float32", (-1, 2), ((0, 1, 64),))
-    return SimpleNamespace(key=f"m@{rows}", base_key="m", shapes=((rows, 2),), table=[spec],
+    return SimpleNamespace(key=f"m@{rows}", bucket=Bucket("m", ((rows, 2),)), table=[spec],
                            inputs=["x"], outputs=["y"], slots={"x": Slot("float32", (rows, 2)),
                                                               "y": Slot("float32", (rows, 2))})
 
@@ -426,8 +426,8 @@ def test_a_batch_is_planned_at_its_own_size(tmp_path):
         where = {b["shapes"][0][0]: {p["device"] for p in b["parts"]}
                  for b in bucket_stats(loaded)}
         assert where == {1: {"cpu0"}, 64: {"npu0"}}, where
-        assert loaded.variants[((64, 256),)].own_split
-        assert not loaded.variants[((1, 256),)].own_split
+        assert loaded.family.buckets[((64, 256),)].bucket.own_split
+        assert not loaded.family.buckets[((1, 256),)].bucket.own_split
     finally:
         engine.close()
         arena.close()

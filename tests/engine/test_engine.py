@@ -145,7 +145,7 @@ def test_dynamic_batch_builds_per_shape_and_checks_the_range(engine, tmp_path):
         (out,) = engine.infer("dyn", (x,))
         with torch.no_grad():
             torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
-    assert sorted(s[0][0] for s in loaded.variants) == [1, 5, 8]  # one build per bucket
+    assert sorted(s[0][0] for s in loaded.family.buckets) == [1, 5, 8]  # one build per bucket
     with pytest.raises(BadInput, match=r"dim 0 is 9, outside the exported range \[1, 8\]"):
         engine.infer("dyn", (torch.randn(9, 32),))
     with pytest.raises(BadInput, match="dim 1 must be 32"):

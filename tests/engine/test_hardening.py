@@ -350,8 +350,8 @@ def test_d_buckets_are_bounded_least_recently_used_first(make_engine, tmp_path):
     def kept() -> list[int]:
         engine.workers["cpu0"].call(Unload("none")).result(30)  # after the evictions' unloads
         assert {k[0] for k in parts} == {f"dyn@{n}-32" for n in
-                                         (s[0][0] for s in loaded.variants)}
-        return [s[0][0] for s in loaded.variants]
+                                         (s[0][0] for s in loaded.family.buckets)}
+        return [s[0][0] for s in loaded.family.buckets]
 
     for n in (1, 2, 3):
         infer(n)
@@ -363,7 +363,7 @@ def test_d_buckets_are_bounded_least_recently_used_first(make_engine, tmp_path):
     infer(4)
     assert kept() == [3, 4]
     # A bucket a request is running is not evicted; one evicted after `resolve` is rebuilt.
-    held = buckets.hold(engine, loaded.variants[((3, 32),)], None)
+    held = buckets.hold(engine, loaded.family.buckets[((3, 32),)], None)
     resolved = engine.resolve(loaded, [("float32", (4, 32))])
     infer(5)
     infer(6)
@@ -381,7 +381,7 @@ def test_d_a_dynamic_dimension_above_max_dim_is_refused(make_engine, tmp_path):
     loaded = prepare(engine, tmp_path, "dyn", model, (torch.randn(2, 32),), ["cpu0"], dyn)
     with pytest.raises(BadInput, match=r"input x: dim 0 is 17, above the largest .* \(16\)"):
         engine.infer("dyn", (torch.randn(17, 32),))
-    assert not loaded.variants
+    assert not loaded.family.buckets
     x = torch.randn(16, 32)
     torch.testing.assert_close(engine.infer("dyn", (x,))[0], eager(model, x), **CLOSE)
 
