@@ -422,9 +422,11 @@ class Engine:
                                      deadline, timeline)
         return self.run_direct(model, inputs, output_refs, raw, timeline, deadline, into)
 
-    def run_direct(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
-             output_refs: dict[str, TensorRef] | None, raw: bool, timeline: Timeline | None,
-             deadline: float | None, into: Sequence[memoryview] | None) -> list[Any]:
+    def run_direct(self, model: LoadedModel,
+                   inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
+                   output_refs: dict[str, TensorRef] | None, raw: bool,
+                   timeline: Timeline | None, deadline: float | None,
+                   into: Sequence[memoryview] | None) -> list[Any]:
         """One run of the model, as `run` describes."""
         output_refs = output_refs or {}
         monitor = self.monitor
