@@ -2,7 +2,7 @@
 
 - here, the vocabulary every plane shares: `loaded.py` (a prepared model and its routes),
   `layout.py` and `arena.py` (where a request's tensors live, the shared memory they cross
-  through), `orders.py` (the typed messages to workers), `errors.py` (how a request fails,
+  through; the typed orders to workers are protos/orders.py), `errors.py` (how a request fails,
   each with a `kind` the serving layer maps to a status), `dtypes.py` (the one dtype table),
   `views.py`, `spin.py`, and `plane.py` (what each plane may read of the engine); and
   `engine.py`, the `Engine` that composes the planes;

@@ -206,7 +206,7 @@ class Arena:
 
     # A request's tensors in its block (`slot`: a cuvild/engine/layout.py Slot).
     def ref(self, block: Block, slot: Any) -> Any:
-        from cuvild.engine.orders import TensorRef
+        from protos.orders import TensorRef
 
         return TensorRef(block.segment, block.offset + slot.offset, slot.dtype, slot.shape)
 

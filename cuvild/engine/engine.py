@@ -48,16 +48,6 @@ from cuvild.engine.layout import (
     layout,
 )
 from cuvild.engine.loaded import Family, LoadedModel, Route, cut_bytes, part_stats
-from cuvild.engine.orders import (
-    Build,
-    Built,
-    Choose,
-    Forget,
-    RawTensor,
-    Reply,
-    TensorRef,
-    Unload,
-)
 from cuvild.engine.plane import Monitor
 from cuvild.load import buckets, fallback, precision, warm
 from cuvild.load.corrections import CorrectionStore
@@ -70,6 +60,16 @@ from cuvild.workers.clientmem import DaemonRegions
 from cuvild.workers.handle import WorkerDied, WorkerHandle
 from cuvild.workers.workers import Workers
 from partitioner.profile import DeviceProfile
+from protos.orders import (
+    Build,
+    Built,
+    Choose,
+    Forget,
+    RawTensor,
+    Reply,
+    TensorRef,
+    Unload,
+)
 from runtimes import registry
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.layout import InputSpec, Slot
-from cuvild.engine.orders import Built, Variant
+from protos.orders import Built, Variant
 
 if TYPE_CHECKING:
     from partitioner.plan import Plan

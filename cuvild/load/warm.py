@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 from cuvild.engine.errors import InferError
 from cuvild.engine.layout import Slot, input_table
 from cuvild.engine.loaded import Family, LoadedModel, Route, cut_bytes
-from cuvild.engine.orders import Built, RawTensor, Reply, Restore, Variant
 from cuvild.engine.plane import Builds
 from cuvild.engine.views import NUMPY
 from cuvild.load import precision
 from cuvild.run import batching
+from protos.orders import Built, RawTensor, Reply, Restore, Variant
 from runtimes.base import fsync_dir, remove_leftovers, set_error, write_atomic
 
 if TYPE_CHECKING:

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
-from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.engine.plane import Served
 from cuvild.engine.views import as_bytes
 from cuvild.workers.clientmem import RegionGone
+from protos.orders import RawTensor, TensorRef
 
 if TYPE_CHECKING:
     from cuvild.run.request import Timeline

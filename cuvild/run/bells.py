@@ -35,11 +35,11 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import BadRegion, InferError, WorkerLost
-from cuvild.engine.orders import Attach, TensorRef
 from cuvild.engine.plane import Served
 from cuvild.run.lanes import Attached, Pool
 from cuvild.run.request import Answer, Timeline, run_parts
 from protos import fastpath as wire
+from protos.orders import Attach, TensorRef
 from protos.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
 
 if TYPE_CHECKING:

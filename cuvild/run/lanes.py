@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
-from cuvild.engine.orders import Attach, RawTensor, TensorRef
 from cuvild.engine.plane import Served
 from cuvild.run.request import Timeline, measured
 from cuvild.workers.clientmem import RegionGone
 from cuvild.workers.sessions import slot_layout
 from protos import fastpath as wire
+from protos.orders import Attach, RawTensor, TensorRef
 from protos.sessions import STATS
 
 if TYPE_CHECKING:

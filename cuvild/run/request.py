@@ -25,9 +25,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerLost
-from cuvild.engine.orders import Reply, Run, TensorRef
 from cuvild.engine.plane import Served, Timeline
 from cuvild.workers.handle import ReplyTimeout, WorkerDied
+from protos.orders import Reply, Run, TensorRef
 
 if TYPE_CHECKING:
     from cuvild.engine.arena import Block

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import InferError
 from cuvild.engine.layout import BadInput
-from cuvild.engine.orders import Attach, RawTensor
 from cuvild.run.lanes import one_part
 from cuvild.serve.errors import CODES
 from cuvild.workers.sessions import Session as WorkerSession
 from cuvild.workers.sessions import fail, slot_layout
 from protos import fastpath as wire
+from protos.orders import Attach, RawTensor
 from protos.sessions import STATS, STATS_BYTES, TIMES
 
 if TYPE_CHECKING:

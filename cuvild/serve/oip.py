@@ -22,7 +22,6 @@ import cuvild
 from cuvild.engine.dtypes import BY_OIP, nbytes, oip_name
 from cuvild.engine.engine import InferError, LoadedModel
 from cuvild.engine.layout import BadInput
-from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.registry import RegistryError
 from cuvild.load.models import ModelManager, ServedModel
 from cuvild.serve.cuda_regions import CudaRegions
@@ -31,6 +30,7 @@ from cuvild.serve.limits import Gate
 from cuvild.serve.regions import RegionError, Regions
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
+from protos.orders import RawTensor, TensorRef
 
 if TYPE_CHECKING:
     from cuvild.serve.metrics import Metrics

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from cuvild.engine.orders import Build, Variant
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
+from protos.orders import Build, Variant
 from runtimes.base import INT8_MIXED, MIXED, CompileError
 from runtimes.cache import CompileCache
 from runtimes.select import BuiltPart, Candidate, build_part

@@ -28,10 +28,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from cuvild.engine.orders import Attach, Envelope, Order, Progress, Reply, Run
 from cuvild.intake import forks
 from cuvild.workers.worker import Worker, answer, process_main, serve
 from partitioner.profile import DeviceProfile
+from protos.orders import Attach, Envelope, Order, Progress, Reply, Run
 
 
 class WorkerDied(RuntimeError):

@@ -29,9 +29,9 @@ import numpy as np
 from cuvild.engine import views
 from cuvild.engine.arena import align
 from cuvild.engine.dtypes import nbytes
-from cuvild.engine.orders import Attach, Run, TensorRef
 from cuvild.engine.spin import MOST_S, Spin
 from protos import fastpath as wire
+from protos.orders import Attach, Run, TensorRef
 from protos.sessions import (
     BELL,
     BELL_ELSEWHERE,

@@ -1,6 +1,6 @@
 """A device worker: one process per device, pinned to its cores, running compiled parts.
 
-It takes typed orders (cuvild/engine/orders.py) from a pipe and answers each with a Reply
+It takes typed orders (protos/orders.py) from a pipe and answers each with a Reply
 tagged with the order's id: on the main pipe, or on the `direct` pipe when the daemon's
 calling thread reads the reply itself. Runs (and Forgets) are answered by the loop that reads
 the pipe, in order; Builds, Restores, Chooses and Unloads, in their own order, by a second
@@ -33,7 +33,10 @@ from typing import Any
 
 from cuvild.engine import views
 from cuvild.engine.dtypes import nbytes
-from cuvild.engine.orders import (
+from cuvild.workers.clientmem import ClientObjects, Key, RegionGone
+from cuvild.workers.sessions import Sessions
+from partitioner.profile import DeviceProfile
+from protos.orders import (
     Attach,
     Build,
     Built,
@@ -49,9 +52,6 @@ from cuvild.engine.orders import (
     TensorRef,
     Unload,
 )
-from cuvild.workers.clientmem import ClientObjects, Key, RegionGone
-from cuvild.workers.sessions import Sessions
-from partitioner.profile import DeviceProfile
 
 MAX_VIEWS = 4096  # tensor views kept per worker (arena blocks recur request after request)
 # torch.export keeps global state: in the daemon (thread workers), one build at a time.

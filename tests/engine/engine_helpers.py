@@ -16,10 +16,10 @@ import torch
 import cuvild
 from cuvild.engine.arena import SHM_DIR, Arena
 from cuvild.engine.engine import Engine
-from cuvild.engine.orders import TensorRef
 from cuvild.intake.summary import summarize
 from partitioner.plan import Part, Plan
 from partitioner.profile import DeviceProfile
+from protos.orders import TensorRef
 
 CORES = sorted(os.sched_getaffinity(0))
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}  # outputs against torch eager

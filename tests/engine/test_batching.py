@@ -25,10 +25,10 @@ from cuvild.engine.engine import Engine
 from cuvild.engine.errors import BadRegion, InferError, RunTimeout
 from cuvild.engine.layout import InputSpec, Slot
 from cuvild.engine.loaded import Bucket, bucket_stats
-from cuvild.engine.orders import RawTensor, TensorRef
 from cuvild.intake.summary import summarize
 from cuvild.run.batching import Batcher, Batching
 from partitioner.profile import DeviceProfile
+from protos.orders import RawTensor, TensorRef
 
 
 class Rows(torch.nn.Module):

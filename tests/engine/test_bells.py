@@ -28,7 +28,7 @@ from engine_helpers import (
 from cuvild.client.samples import MLP
 from cuvild.engine.arena import Arena
 from cuvild.engine.engine import BadRegion, Engine, RunTimeout
-from cuvild.engine.orders import RawTensor, Run
+from protos.orders import RawTensor, Run
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ import cuvild
 from cuvild.client.samples import MLP, Encoder, ResNet18
 from cuvild.engine.arena import SHM_DIR, Arena
 from cuvild.engine.engine import FEEDBACK_RUNS, BadInput, Engine, InferError
-from cuvild.engine.orders import Unload
 from cuvild.intake.summary import summarize
 from partitioner.corrections import Corrections
 from partitioner.profile import DeviceProfile
+from protos.orders import Unload
 
 DEVICES = [device(d) for d in ["cpu0", "npu0", "npu1"]]
 

@@ -29,12 +29,12 @@ from cuvild.engine.engine import (
     RunTimeout,
     WorkerUnavailable,
 )
-from cuvild.engine.orders import TensorRef, Unload
 from cuvild.load import buckets
 from cuvild.workers import worker
 from cuvild.workers.clientmem import ClientObjects
 from cuvild.workers.handle import WorkerHandle
 from partitioner.profile import DeviceProfile
+from protos.orders import TensorRef, Unload
 
 DEVICES = [device(d) for d in ["cpu0", "npu0"]]
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}
