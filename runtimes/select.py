@@ -407,15 +407,14 @@ def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[t
         return Candidate(name, "failed", f"{type(e).__name__}: {e}"[:500],
                          time.perf_counter() - t0), None
     compile_s = time.perf_counter() - t0
-    outputs = []
     try:
-        for x, want in zip(inputs, expected, strict=True):
-            got = exe.run(x)
-            if relative_error(got, want) == float("inf"):  # never usable, whatever budget
-                return Candidate(name, "failed", unusable(got, want), compile_s,
-                                 float("inf")), None
-            outputs.append(got)
+        outputs = [exe.run(x) for x in inputs]
         error = set_error(outputs, expected)
+        if error == float("inf"):  # never usable, whatever the budget: say where
+            why = next((unusable(got, want) for got, want in zip(outputs, expected, strict=True)
+                        if relative_error(got, want) == float("inf")),
+                       "returned outputs unlike torch eager's")
+            return Candidate(name, "failed", why, compile_s, error), None
     except Exception as e:  # noqa: BLE001
         return Candidate(name, "failed", f"run: {type(e).__name__}: {e}"[:500], compile_s), None
     if entry is None:
