@@ -1,7 +1,8 @@
 """The model families users bring, at realistic sizes, one run, side by side:
 
     python tests/bench/bench_models.py [--json] [--quick] [--rounds N] [--models a,b]
-                                       [--auto 1e-2,5e-2 | --auto none]
+                                       [--auto 1e-2,5e-2 | --auto none] [--calibrate N]
+                                       [--timing interleaved | blocks]
 
 ResNet-50 and ViT-Base (224x224, batch 1), BERT-base with 4 layers and a 4-layer Llama
 (hidden 512; 128 tokens, batch 1), built with transformers from their configs (seeded random
@@ -17,7 +18,11 @@ take over the four, as a budget is (runtimes/base.py set_error). Timed interleav
 (default 1e-2,5e-2, as `make bench` runs it; `none`: fp32 only): the model loaded again under
 `precision="auto"` at each budget (its own fast-path row, the plan's precisions and which
 groups stayed fp32), and OpenVINO with `INFERENCE_PRECISION_HINT=f32` beside its default.
-ConvNeXt-T and Swin-T are in the default list too.
+`--calibrate N`: each budget's model loaded once more with N calibration inputs (seeds
+200 on; int8 is then tried, with its back-off). `--timing blocks`: each runner alone, 5 calls
+back to back, the runners in turn `--rounds` times (timing.py `in_blocks`: no other runner's
+threads wake between its calls), instead of call by call. ConvNeXt-T and Swin-T are in the
+default list too.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "tests"))
 sys.path.append(str(Path(__file__).resolve().parent))
 from daemons import DaemonProcess, daemon_config, one_cpu  # noqa: E402
-from timing import interleaved, rel_error, stats  # noqa: E402
+from timing import in_blocks, interleaved, rel_error, stats  # noqa: E402
 
 from cuvild.client import Client  # noqa: E402
 from runtimes.base import set_error  # noqa: E402
@@ -54,6 +59,8 @@ CLASSES = 1000
 # The inputs each runner's error is measured on: none of them is one the daemon checked
 # (sample_inputs' seeds 0-3 draw the same values for a float input) or loaded with.
 HELD_OUT = (100, 101, 102, 103)
+CALIBRATION_SEED = 200  # --calibrate's inputs: seeds 200 on (neither checked nor held out)
+BLOCK_SIZE = 5
 
 
 def families() -> dict[str, Callable[[], tuple[torch.nn.Module,
@@ -172,7 +179,8 @@ def triton_shm(target: str, name: str, feed: dict[str, np.ndarray], output: str,
 
 
 def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, threads: int,  # noqa: PLR0915 - one model's table, row by row
-              tmp: Path, budgets: list[float]) -> dict[str, Any]:
+              tmp: Path, budgets: list[float], calibrate: int = 0,
+              blocks: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     model, inputs_of = make()
     model.eval()
@@ -202,20 +210,23 @@ def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, thre
 
     runners["cuvild fast path"] = served(name)
     chosen: dict[str, Any] = {}
-    for budget in budgets:
-        auto = f"{name}-auto-{budget:.0e}"
+    calibration = [inputs_of(CALIBRATION_SEED + i) for i in range(calibrate)]
+    for budget, calibrated in [(b, c) for b in budgets for c in (False, True)
+                               if calibration or not c]:
+        label = f"{budget:.0e}" + (" + calibration" if calibrated else "")
+        auto = f"{name}-auto-{budget:.0e}" + ("-c" if calibrated else "")
         with Client(target, timeout=1800) as client:
             t0 = time.perf_counter()
             client.load(auto, model, kwargs=kwargs, precision="auto", max_error=budget,
-                        timeout=1800)
+                        calibration=calibration if calibrated else None, timeout=1800)
             report = client.compare(auto)
-            chosen[f"{budget:.0e}"] = {
+            chosen[label] = {
                 "load_s": round(time.perf_counter() - t0, 1),
                 "plan": [f"{p['id']} {p['runtime']} {p['precision']}"
                          for p in client.plan(auto)["plan"]["parts"]],
                 "notes": [n for n in report.get("notes", []) if " runs " in n
                           or " refused" in n or " stays " in n]}
-        runners[f"cuvild auto {budget:.0e} fast path"] = served(auto)
+        runners[f"cuvild auto {label} fast path"] = served(auto)
     shm_run, shm_close = triton_shm(target, name, feed, output, list(expected.shape))
     runners["cuvild tritonclient shm"] = shm_run
     try:
@@ -225,7 +236,8 @@ def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, thre
         # over the held-out set, as the budget is read (runtimes/base.py set_error)
         held = {k: set_error([np.asarray(run(other)) for other in others], wants)
                 for k, run in runners.items()}
-        samples = interleaved(runners, rounds, warmup=3)
+        samples = (in_blocks(runners, blocks=rounds, size=BLOCK_SIZE) if blocks else
+                   interleaved(runners, rounds, warmup=3))
     finally:
         shm_close()
         fast.close()
@@ -238,7 +250,7 @@ def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, thre
             for k, s in samples.items()}
     parts = [f"{p.get('id', i)} {p['device']} {p.get('runtime', '?')} "
              f"{p.get('precision', '?')}" for i, p in enumerate(plan.get("parts", []))]
-    return {"model": name, "load_s": round(load_s, 1), "plan": parts,
+    return {"model": name, "load_s": round(load_s, 1), "plan": parts, "calibration": calibrate,
             "openvino_default_precision": ov_precision, "output": output, "rows": rows,
             "auto": chosen}
 
@@ -251,6 +263,9 @@ def main() -> dict[str, Any]:
     parser.add_argument("--models", default="")
     parser.add_argument("--auto", default="1e-2,5e-2",
                         help="budgets of precision='auto' (none: fp32 only)")
+    parser.add_argument("--calibrate", type=int, default=0, metavar="N",
+                        help="also load each budget with N calibration inputs (int8 tried)")
+    parser.add_argument("--timing", choices=("interleaved", "blocks"), default="interleaved")
     args = parser.parse_args()
     budgets = [] if args.auto == "none" else [float(b) for b in args.auto.split(",") if b]
     warnings.filterwarnings("ignore")
@@ -264,7 +279,7 @@ def main() -> dict[str, Any]:
     info = hardware.cpuinfo()
     report: dict[str, Any] = {"host": {"cpu": info["name"], "cores": threads,
                                        "flags": hardware.cpu_features(info["flags"])},
-                              "rounds": rounds, "models": []}
+                              "rounds": rounds, "timing": args.timing, "models": []}
     with tempfile.TemporaryDirectory(prefix="cuvil-modelbench-") as tmp:
         home = Path(tmp)
         config = daemon_config(home, home / "state", home)
@@ -275,7 +290,8 @@ def main() -> dict[str, Any]:
             for name in names:
                 print(f"{name} ...", file=sys.stderr, flush=True)
                 report["models"].append(one_model(name, wanted[name], daemon.target, rounds,
-                                                  threads, home, budgets))
+                                                  threads, home, budgets, args.calibrate,
+                                                  args.timing == "blocks"))
         finally:
             daemon.stop()
             daemon.close()
@@ -284,7 +300,7 @@ def main() -> dict[str, Any]:
 
 def show(r: dict[str, Any]) -> None:
     print(f"host: {r['host']['cpu']}, {r['host']['cores']} cores, flags {r['host']['flags']}; "
-          f"{r['rounds']} interleaved rounds")
+          f"{r['rounds']} {r.get('timing', 'interleaved')} rounds")
     for m in r["models"]:
         print(f"\n{m['model']}: READY in {m['load_s']} s; plan: {'; '.join(m['plan'])}; "
               f"OpenVINO's default precision here: {m['openvino_default_precision']}")
