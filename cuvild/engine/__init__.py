@@ -8,8 +8,8 @@
   `engine.py`, the `Engine` that composes the planes;
 - `cuvild/load/`, the control plane: served models, the precision search, load records
   (warm restarts), corrections, dynamic-shape buckets and the fallback off a failed device;
-- `cuvild/run/`, the data plane: one request's parts (`request.py`), the doorbells and lanes
-  that ring a worker, dynamic batching; it never imports the control plane;
+- `cuvild/run/`, the data plane: one request's parts (`request.py`), the doorbells that
+  ring a worker (`bells.py`), dynamic batching; it never imports the control plane;
 - `cuvild/workers/`, the device workers: the worker process, the daemon's handle on it, the
   part build, client-session serving and client regions, and the pool that starts, watches
   and revives them.

@@ -7,10 +7,10 @@ lifetimes do not overlap share bytes), and have each device's worker build its p
 Data path: `resolve` checks a request's inputs against the model's input table (once) and,
 for a dynamic-shape model, picks the bucket for its shapes (buckets.py); a batched model's
 request queues to share a run (batching.py); `run` takes a block, puts the inputs in it,
-rings each part's worker as soon as its inputs are ready (bells.py; request.py sends pickled
-orders where bells do not fit), reads the outputs, gives the block back; raw inputs to one
-part on a worker process take a lane instead (lanes.py). No planning, compiling or file I/O,
-and only short locks (a batch waits apart).
+rings each part's worker as soon as its inputs are ready (bells.py, one part as several;
+request.py sends pickled orders to thread workers and where bells do not fit), reads the
+outputs, gives the block back. No planning, compiling or file I/O, and only short locks (a
+batch waits apart).
 
 Every request has a deadline (by default `run_timeout_s` from its start): every wait of it
 ends there with RunTimeout, and a worker that gave no reply for all of it is restarted. A
@@ -54,7 +54,6 @@ from cuvild.load.corrections import CorrectionStore
 from cuvild.load.precision import Accuracy, PrecisionPolicy
 from cuvild.run.batching import Batching, batcher_for
 from cuvild.run.bells import Bells
-from cuvild.run.lanes import Lanes
 from cuvild.run.request import FEEDBACK_RUNS, Orders, Timeline, run_parts
 from cuvild.workers.clientmem import DaemonRegions
 from cuvild.workers.handle import WorkerDied, WorkerHandle
@@ -112,8 +111,7 @@ class Engine:
         self.compile_timeout_s = compile_timeout_s
         self.corrections = CorrectionStore(corrections_path)
         self.monitor: Monitor | None = None
-        self.lanes = Lanes()  # one-part models' requests with raw inputs (lanes.py)
-        self.bells = Bells()  # the other requests' parts on worker processes (bells.py)
+        self.bells = Bells()  # the parts on worker processes: their doorbells (bells.py)
         self.regions = DaemonRegions()  # clients' regions the daemon reads and writes itself
         # loads' "archive_loads", "planned", parts "built", "compiled", "restored" (warm.py)
         self.counters: Counter[str] = Counter()
@@ -353,7 +351,6 @@ class Engine:
         """Stop serving model `key`; with `wait_s`, wait that long for its workers to have
         let it go (a fast-path session a worker serves then ends at its next request)."""
         model = self.models.pop(key, None)
-        self.lanes.drop(key)
         self.bells.drop(key)
         if model is None:
             return
@@ -444,10 +441,6 @@ class Engine:
                 with self._counted():
                     if monitor:
                         monitor.queued(model, time.perf_counter() - t0)
-                    done = self.lanes.run(self, model, inputs, output_refs, raw, into,
-                                          deadline, timeline, patient)  # one part: a lane?
-                    if done is not None:
-                        return done
                     return self._attempts(model, inputs, output_refs, raw, timeline, deadline,
                                           patient, into)
             finally:

@@ -121,6 +121,13 @@ def cut_bytes(model: LoadedModel) -> int:
     return sum(model.slots[n].nbytes for n in crossing if n in model.slots)
 
 
+def one_part(model: LoadedModel) -> bool:
+    """Whether the model is one part that takes the model's inputs and gives its outputs,
+    in order: a fast-path session's slots (the model's) are then the part's own."""
+    return (len(model.routes) == 1 and model.routes[0].inputs == model.inputs
+            and model.routes[0].outputs == model.outputs)
+
+
 def part_stats(model: LoadedModel) -> dict[str, Any]:
     """Predicted vs measured time per part (the profile feedback)."""
     predicted = {p.id: p.predicted_ms for p in model.plan.parts}

@@ -1,4 +1,4 @@
-"""The engine as each plane sees it. The modules that serve a request (request.py, lanes.py,
+"""The engine as each plane sees it. The modules that serve a request (request.py,
 bells.py, batching.py) and those that build and restore models (buckets.py, warm.py) are
 handed the engine (cuvild/engine/engine.py) but may not import it, which imports them: they
 name what they read of it here, and engine.Engine is both."""

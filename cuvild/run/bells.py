@@ -1,21 +1,25 @@
 """Bells: the parts of a request rung in their worker processes, not sent as pickled orders.
 
-Each part of a model on a worker process gets bells in its worker (cuvild/workers/sessions.py
-`BellSession`): a socketpair and a one-page record. Where the part's tensors lie in a
-request's arena block is fixed at load (the model's slots, cuvild/engine/layout.py) and told
-to the worker once, when the bell is made; so a request rings a part by writing its block's
-place into the record (seq, offset, segment) and sending 8 bytes, and the worker answers
-with the same 8 bytes once the part's outputs are in the block. A pickled `Run` and its
-`Reply` cost 0.26 ms a round trip through multiprocessing's pipes on the 2-core dev host, a
-doorbell 0.07 ms, and no reader thread stands between the worker and the request.
+The engine's one doorbell: every request whose parts are on worker processes rings them
+this way, a one-part model's as a split model's (thread workers, and records too small for a
+request's regions, send pickled `Run`s: cuvild/run/request.py `Orders`). Each part of a model
+gets bells in its worker (cuvild/workers/sessions.py `BellSession`): a socketpair and a
+one-page record. Where the part's tensors lie in a request's arena block is fixed at load
+(the model's slots, cuvild/engine/layout.py) and told to the worker once, when the bell is
+made; so a request rings a part by writing its block's place into the record (seq, offset,
+segment) and sending 8 bytes, and the worker answers with the same 8 bytes once the part's
+outputs are in the block. A pickled `Run` and its `Reply` cost 0.26 ms a round trip through
+multiprocessing's pipes on the 2-core dev host, a doorbell 0.07 ms, and no reader thread
+stands between the worker and the request.
 
 A request holds one set of bells, a bell per part, for its run; a model gets sets as its
 concurrent requests need them (at most the engine's requests in flight). Parts run as soon
-as their inputs are ready (independent parts at once, their bells polled together), by the
-request's deadline, in `request.run_parts` (the loop pickled orders take too): a part past the
-deadline fails the request with RunTimeout (and its bell, closed once its late answer comes,
-holds the block until then); a worker that died fails it with WorkerLost (the engine runs it
-again once the worker is back).
+as their inputs are ready (independent parts at once, their bells polled together; a part
+alone is waited for with one blocking read), by the request's deadline, in
+`request.run_parts` (the loop pickled orders take too): a part past the deadline fails the
+request with RunTimeout (and its bell, closed once its late answer comes, holds the block
+until then); a worker that died fails it with WorkerLost (the engine runs it again once the
+worker is back).
 
 A request's tensors in clients' regions (OIP shared memory) are named in the record after
 the block (object, inode, offset), and the worker checks and maps them as it would a `Run`'s:
@@ -25,10 +29,13 @@ read and written in place, never copied by the daemon. A record they do not fit 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
+import os
 import select
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import Future
@@ -36,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import BadRegion, InferError, WorkerLost
 from cuvild.engine.plane import Served
-from cuvild.run.lanes import Attached, Pool
 from cuvild.run.request import Answer, Timeline, run_parts
 from protos import fastpath as wire
 from protos.orders import Attach, TensorRef
@@ -47,9 +53,12 @@ if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel, Route
     from cuvild.workers.handle import WorkerHandle
 
+LOST_WAIT_S = 5.0  # how long a closed bell waits to learn whether its worker died
 
-class Bell(Attached):
-    """One part's bell in its worker."""
+
+class Bell:
+    """One part's bell in its worker: its socket, its record (a page), its counts, and the
+    Attach's future (done when the worker let it go)."""
 
     def __init__(self, worker: WorkerHandle, model: LoadedModel, route: Route) -> None:
         def places(names: list[str]) -> list[dict[str, Any]]:
@@ -58,11 +67,36 @@ class Bell(Attached):
 
         self.route, self.device = route, route.device
         self.names = {"inputs": route.inputs, "outputs": route.outputs}
-        layout = {"kind": "bell", "inputs": places(route.inputs),
-                  "outputs": places(route.outputs)}
-        super().__init__(worker, Attach(model.key, route.id, layout), mmap.PAGESIZE,
-                         f"bell-{model.name}")
-        self.busy = 0.0
+        order = Attach(model.key, route.id, {"kind": "bell", "inputs": places(route.inputs),
+                                             "outputs": places(route.outputs)})
+        ours, theirs = socket.socketpair()
+        memfd = os.memfd_create(f"cuvild-bell-{model.name}", os.MFD_CLOEXEC)
+        stats_fd = os.memfd_create("cuvild-bell-counts", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(memfd, mmap.PAGESIZE)
+            os.ftruncate(stats_fd, mmap.PAGESIZE)
+            self.mm = mmap.mmap(memfd, mmap.PAGESIZE)
+            self.stats = mmap.mmap(stats_fd, STATS.size)
+            self.ended = worker.attach(order, [theirs.fileno(), memfd, stats_fd])
+        finally:
+            theirs.close()
+            os.close(memfd)
+            os.close(stats_fd)
+        self.generation: int = getattr(self.ended, "generation", 0)  # the worker's start
+        self.sock, self.seq, self.closed = ours, 0, False
+        self.busy, self.wait = 0.0, 0.0  # the counts' busy time at the ring; SO_RCVTIMEO set
+
+    def usable(self) -> bool:
+        return not self.closed and not self.ended.done()
+
+    def lost(self) -> None:
+        """Its socket closed under a request: close it, and wait until its worker has said
+        the bell ended or its reader has seen the worker die. The socket closes as the
+        process exits, before its pipes say so or it can be reaped: a restart decided in that
+        gap (Workers._revive) found the dying worker alive and let the retry meet it."""
+        self.close()
+        with contextlib.suppress(Exception):
+            self.ended.exception(timeout=LOST_WAIT_S)
 
     def record(self, block: Block, refs: dict[str, TensorRef]) -> bool:
         """Write the request's record: its block, and its tensors in clients' regions;
@@ -94,13 +128,18 @@ class Bell(Attached):
         self.busy = STATS.unpack_from(self.stats)[2]
         self.sock.sendall(wire.DOORBELL.pack(self.seq))
 
-    def answer(self) -> tuple[InferError | None, float]:
-        """The answer to the last ring, once it came (the socket is readable): the part's
-        failure (None: done; BadRegion for a client's region that no longer holds its
-        bytes) and its run time in ms. WorkerLost if the worker died."""
+    def answer(self, deadline: float | None = None) -> tuple[InferError | None, float]:
+        """The answer to the last ring: the part's failure (None: done; BadRegion for a
+        client's region that no longer holds its bytes) and its run time in ms. Read once
+        the socket is readable, or (`deadline`, time.monotonic()) waited for by the deadline:
+        TimeoutError after it. WorkerLost if the worker died."""
         where = f"part {self.route.id} on {self.device} ({self.route.runtime})"
+        if deadline is not None:
+            self._limit(max(0.001, round(deadline - time.monotonic(), 2)))
         try:
             answer = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
+        except (BlockingIOError, TimeoutError):
+            raise TimeoutError(where) from None
         except OSError:
             answer = b""
         if answer != wire.DOORBELL.pack(self.seq):
@@ -117,6 +156,14 @@ class Bell(Attached):
             return error(f"{where} failed: {said.get('error', '')}"), 0.0
         return None, (STATS.unpack_from(self.stats)[2] - self.busy) * 1e3
 
+    def _limit(self, seconds: float) -> None:
+        """The socket's read timeout (the kernel's: a blocking read is one system call);
+        0: none."""
+        if seconds != self.wait:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                 struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+            self.wait = seconds
+
     def late(self) -> Future[Any]:
         """A future that completes once this bell's worker can no longer write the block of
         the ring that timed out: its answer came, or the worker died. The bell then closes."""
@@ -124,7 +171,7 @@ class Bell(Attached):
 
         def wait() -> None:
             try:
-                self.sock.settimeout(None)
+                self._limit(0)
                 self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
             except OSError:
                 pass
@@ -142,24 +189,45 @@ class Bell(Attached):
             mm.close()
 
 
-class Bells(Pool[dict[str, Bell]]):
-    """Every model's idle sets of bells."""
+Set = dict[str, "Bell"]  # a request's bells, by part
+
+
+class Bells:
+    """Every model's idle sets of bells: a request takes one and gives it back; one whose
+    worker died, or whose model was unloaded or replaced meanwhile, is closed instead."""
 
     def __init__(self) -> None:
-        super().__init__(lambda bells: all(b.usable() for b in bells.values()), _close)
+        self._idle: dict[str, list[Set]] = {}
+        self._lock = threading.Lock()
 
-    def take(self, engine: Served, model: LoadedModel) -> dict[str, Bell] | None:
+    def idle(self) -> dict[str, list[Set]]:
+        """The idle sets, by model key (a copy)."""
+        with self._lock:
+            return {key: list(items) for key, items in self._idle.items() if items}
+
+    def drop(self, key: str) -> None:
+        """Close the sets of model `key` (unloaded)."""
+        with self._lock:
+            items = self._idle.pop(key, [])
+        for item in items:
+            _close(item)
+
+    def take(self, engine: Served, model: LoadedModel) -> Set | None:
         """An idle set of `model`'s bells, by part (made if none is idle); None where its
         parts cannot be rung: worker threads, a worker being restarted."""
         if engine.in_process or model.evicted:
             return None
-        bells = self.reuse(model.key)
-        if bells is not None:
-            return bells
+        with self._lock:
+            idle = self._idle.get(model.key)
+            while idle:
+                bells = idle.pop()
+                if _usable(bells):
+                    return bells
+                _close(bells)
         for device in {r.device for r in model.routes}:
             if engine.workers.ready(device) is None:
                 return None
-        made: dict[str, Bell] = {}
+        made: Set = {}
         try:
             for route in model.routes:
                 made[route.id] = Bell(engine.workers[route.device], model, route)
@@ -168,8 +236,12 @@ class Bells(Pool[dict[str, Bell]]):
             return None
         return made
 
-    def give(self, engine: Served, model: LoadedModel, bells: dict[str, Bell]) -> None:
-        self.keep(model.key, bells, engine.models.get(model.key) is model)
+    def give(self, engine: Served, model: LoadedModel, bells: Set) -> None:
+        if engine.models.get(model.key) is not model or not _usable(bells):
+            _close(bells)
+            return
+        with self._lock:
+            self._idle.setdefault(model.key, []).append(bells)
 
     def run(self, engine: Served, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
             timeline: Timeline | None, deadline: float, patient: bool) -> bool:
@@ -193,7 +265,7 @@ class Rung:
     """A request's parts rung on its set of bells (the transport `run_parts` drives): each
     part's record is written already; a ring is 8 bytes, its answer polled with the others'."""
 
-    def __init__(self, bells: dict[str, Bell]) -> None:
+    def __init__(self, bells: Set) -> None:
         self.bells = bells
         self.running: dict[int, tuple[Route, Bell]] = {}  # by the bell's socket
         self.done: list[Answer] = []  # a ring that failed: its worker is gone
@@ -203,6 +275,8 @@ class Rung:
         return bool(self.running or self.done)
 
     def send(self, route: Route, deadline: float, alone: bool) -> None:
+        """Ring the part; one `alone` (nothing else out) is waited for here, with one
+        blocking read (an answer not in by the deadline stays out: `wait` then has none)."""
         bell = self.bells[route.id]
         try:
             bell.ring()
@@ -211,6 +285,15 @@ class Rung:
             self.done.append((route, WorkerLost(f"part {route.id} on {route.device} failed: "
                                                 "its worker died", {route.device}), 0.0))
             return
+        if alone:
+            try:
+                self.done.append((route, *bell.answer(deadline)))
+                return
+            except WorkerLost as e:
+                self.done.append((route, e, 0.0))
+                return
+            except TimeoutError:
+                pass
         self.running[bell.sock.fileno()] = (route, bell)
         self.poll.register(bell.sock.fileno(), select.POLLIN)
 
@@ -236,7 +319,11 @@ class Rung:
         return [bell.late() for _, bell in self.running.values()]
 
 
-def _close(bells: dict[str, Bell]) -> None:
+def _usable(bells: Set) -> bool:
+    return all(b.usable() for b in bells.values())
+
+
+def _close(bells: Set) -> None:
     for bell in bells.values():
         if not bell.closed:
             bell.close()

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import InferError
 from cuvild.engine.layout import BadInput
-from cuvild.run.lanes import one_part
+from cuvild.engine.loaded import one_part
 from cuvild.serve.errors import CODES
 from cuvild.workers.sessions import Session as WorkerSession
 from cuvild.workers.sessions import fail, slot_layout

@@ -152,9 +152,8 @@ class ClientObjects:
 
 
 class DaemonRegions:
-    """Client objects the daemon itself reads and writes (a batch's gather and scatter, a
-    lane's inputs and outputs): never mapped, so no client can make the daemon fault; shared
-    by the daemon's threads."""
+    """Client objects the daemon itself reads and writes (a batch's gather and scatter):
+    never mapped, so no client can make the daemon fault; shared by the daemon's threads."""
 
     def __init__(self) -> None:
         self._objects = ClientObjects(lambda key: None)

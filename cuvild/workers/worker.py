@@ -8,8 +8,8 @@ thread, so a bucket's build (seconds) never holds up the runs of the parts alrea
 Tensors never travel through the pipe, only references into shared memory: the arena's are
 wrapped in place (once per place, then reused: numpy arrays in a worker that never needed
 torch, cuvild/engine/views.py); a client's are checked on every use
-(cuvild/workers/clientmem.py). Fast-path sessions, the engine's lanes and its bells (a part
-of a request rung through a record naming its arena block) attached to a worker process
+(cuvild/workers/clientmem.py). Clients' fast-path sessions and the engine's bells (a part of a
+request rung through a record naming its arena block) attached to a worker process
 (`Attach`, cuvild/workers/sessions.py) are served by the same loop, which then polls the
 pipe and their sockets together.
 
@@ -30,6 +30,8 @@ import time
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from cuvild.engine import views
 from cuvild.engine.dtypes import nbytes
@@ -131,20 +133,36 @@ class Worker:
         return view
 
     def _view(self, ref: TensorRef) -> Any:
-        from cuvild.engine.arena import Segment
-
         size = nbytes(ref.dtype, ref.shape)
         if size == 0:
             return views.empty(ref.dtype, ref.shape)
         if ref.inode:  # pinned to the inode it was registered with: a replacement is refused
             raw = self.clients.get(ref.segment, ref.inode).view(ref.offset, size)
-        else:  # the arena's segment names are never reused
-            seg = self.segments.get(ref.segment)
-            if seg is None:
-                seg = self.segments[ref.segment] = Segment(ref.segment, 0, create=False,
-                                                           lock=False)
-            raw = seg.view(ref.offset, size)
+        else:
+            raw = self._arena(ref.segment).view(ref.offset, size)
         return views.frombuffer(raw, ref.dtype, ref.shape)
+
+    def _arena(self, name: str) -> Any:
+        """The daemon's arena segment `name`, mapped once (its names are never reused)."""
+        from cuvild.engine.arena import Segment
+
+        seg = self.segments.get(name)
+        if seg is None:
+            seg = self.segments[name] = Segment(name, 0, create=False, lock=False)
+        return seg
+
+    def block_view(self, segment: str, offset: int, dtype: str, shape: tuple[int, ...],
+                   numpy: bool) -> Any:
+        """A view of bytes in the daemon's arena, made for a bell (not kept here: the bell
+        keeps its own); `numpy`: a numpy array where numpy has the dtype (for the runtimes
+        that take them, views.NUMPY_RUNTIMES), else a tensor."""
+        size = nbytes(dtype, shape)
+        if size == 0:
+            return views.empty(dtype, shape)
+        raw = self._arena(segment).view(offset, size)
+        if numpy and dtype in views.NUMPY:
+            return np.frombuffer(raw, dtype=dtype).reshape(shape)
+        return views.frombuffer(raw, dtype, shape)
 
     def _input(self, ref: TensorRef) -> Any:
         """An input: in place, but a client's bytes in a worker thread as a fresh copy read

@@ -1,8 +1,9 @@
-"""Bells (cuvild/run/bells.py): the parts of a split model on worker processes are rung
-through their records in shared memory, not sent as pickled orders, and every promise of the
-usual path still holds: eager's outputs whatever the inputs are (raw bytes, tensors, client
-regions read in place), each caller its own rows, a retry on a worker that died, a deadline
-that frees the block only once the late part is done, nothing left behind on unload."""
+"""Bells (cuvild/run/bells.py): the parts of a model on worker processes, one part or
+several, are rung through their records in shared memory, not sent as pickled orders, and
+every promise of the usual path still holds: eager's outputs whatever the inputs are (raw
+bytes, tensors, client regions read in place), each caller its own rows, a retry on a worker
+that died, a deadline that frees the block only once the late part is done, nothing left
+behind on unload."""
 
 from __future__ import annotations
 
@@ -31,16 +32,17 @@ from cuvild.engine.engine import BadRegion, Engine, RunTimeout
 from protos.orders import RawTensor, Run
 
 
-@pytest.fixture
-def split(tmp_path):
-    """An MLP in two parts, cpu0 then npu0, each on a worker process; pickled Runs fail."""
+@pytest.fixture(params=[["cpu0", "npu0"], ["npu0"]], ids=["split", "one-part"])
+def split(tmp_path, request):
+    """An MLP in two parts, cpu0 then npu0, or one part on npu0, each part on a worker
+    process; every pickled Run is counted."""
     arena = Arena(f"{os.getpid()}-bells")
     engine = Engine([device("cpu0"), device("npu0")], tmp_path / "cache", arena,
                     max_in_flight=4)
     torch.manual_seed(0)
     model = MLP(width=64, depth=2).eval()
-    loaded = prepare(engine, tmp_path, "mlp", model, (torch.randn(3, 64),), ["cpu0", "npu0"])
-    assert len(loaded.routes) == 2
+    loaded = prepare(engine, tmp_path, "mlp", model, (torch.randn(3, 64),), request.param)
+    assert [r.device for r in loaded.routes] == request.param
     sent: list[Run] = []
     for handle in engine.workers.values():  # every Run from here on is counted
         for name in ("run", "call"):
@@ -77,7 +79,8 @@ def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(split):
         torch.testing.assert_close(engine.infer("mlp", (y,))[0], eager(model, y), **CLOSE)
     assert sent == []  # no pickled Run: every part was rung
     assert idle_sets(engine) == 1  # one set of bells, a bell per part, taken six times
-    assert [len(r.measured_ms) - b for r, b in zip(loaded.routes, before, strict=True)] == [6, 6]
+    assert [len(r.measured_ms) - b for r, b in zip(loaded.routes, before,
+                                                   strict=True)] == [6] * len(loaded.routes)
     assert engine.arena.in_use() == 0
 
     with client_region(engine) as (region, inp, out_ref):
@@ -102,7 +105,8 @@ def test_a_traced_request_is_rung_and_gets_its_timeline(split):
     x = torch.randn(3, 64)
     (out,) = engine.run(loaded, [x], timeline=timeline)
     torch.testing.assert_close(out, eager(model, x), **CLOSE)
-    assert [route.id for route, _, _ in timeline] == ["p0", "p1"] and sent == []
+    assert [route.id for route, _, _ in timeline] == [r.id for r in loaded.routes]
+    assert sent == []
     assert all(dispatched <= replied for _, dispatched, replied in timeline)
 
 
@@ -141,7 +145,7 @@ def test_a_part_past_the_deadline_holds_the_block_until_it_answers(split):
     pid = engine.workers["npu0"].process.pid
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
-    with pytest.raises(RunTimeout, match="part p1 on npu0"):
+    with pytest.raises(RunTimeout, match=f"part {loaded.routes[-1].id} on npu0"):
         raw(engine, loaded, torch.randn(3, 64), deadline=time.monotonic() + 1.0)
     assert time.monotonic() - t0 < 3.0
     assert idle_sets(engine) == 0  # its late answer would be nobody's
@@ -171,7 +175,8 @@ def test_a_worker_hung_under_a_patient_request_is_restarted(split):
     engine, loaded, model, _ = split
     raw(engine, loaded, torch.randn(3, 64))
     hang_under_a_patient_request(engine, "npu0", lambda: raw(engine, loaded,
-                                                             torch.randn(3, 64)), "part p1")
+                                                             torch.randn(3, 64)),
+                                 f"part {loaded.routes[-1].id}")
     x = torch.randn(3, 64)
     torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
     assert engine.workers["npu0"].restarts == 1
