@@ -105,7 +105,7 @@ class Bell:
         at, count = BELL_ELSEWHERE, 0
         if len(name) > BELL_ERRORS - BELL_NAME:
             return False
-        for kind, names in enumerate(self.names.values()):
+        for kind, names in enumerate(self.names.values() if refs else ()):
             for index, tensor in enumerate(names):
                 ref = refs.get(tensor)
                 if ref is None:
@@ -237,7 +237,9 @@ class Bells:
         return made
 
     def give(self, engine: Served, model: LoadedModel, bells: Set) -> None:
-        if engine.models.get(model.key) is not model or not _usable(bells):
+        """A set back after its request (one closed under it is not kept; a worker that died
+        meanwhile is seen when the set is next taken)."""
+        if engine.models.get(model.key) is not model or any(b.closed for b in bells.values()):
             _close(bells)
             return
         with self._lock:
@@ -268,8 +270,8 @@ class Rung:
     def __init__(self, bells: Set) -> None:
         self.bells = bells
         self.running: dict[int, tuple[Route, Bell]] = {}  # by the bell's socket
-        self.done: list[Answer] = []  # a ring that failed: its worker is gone
-        self.poll = select.poll()
+        self.done: list[Answer] = []  # answered as it was rung (alone), or its worker is gone
+        self.poll: Any = None  # made for the first part left out
 
     def out(self) -> bool:
         return bool(self.running or self.done)
@@ -295,6 +297,7 @@ class Rung:
             except TimeoutError:
                 pass
         self.running[bell.sock.fileno()] = (route, bell)
+        self.poll = self.poll or select.poll()
         self.poll.register(bell.sock.fileno(), select.POLLIN)
 
     def wait(self, deadline: float) -> list[Answer]:

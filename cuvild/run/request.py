@@ -44,7 +44,8 @@ class Parts(Protocol):
 
     def out(self) -> bool: ...  # parts sent and not yet answered, or answers not yet taken
 
-    def send(self, route: Route, deadline: float, alone: bool) -> None: ...
+    def send(self, route: Route, deadline: float, alone: bool) -> None: ...  # alone: no other
+    # part of the request is out or startable
 
     def wait(self, deadline: float) -> list[Answer]: ...  # none: the deadline passed
 
@@ -97,8 +98,8 @@ class Orders:
         worker = self.engine.workers.of(route.device)
         order = Run(self.model.key, route.id, [self._ref(n) for n in route.inputs],
                     [self._ref(n) for n in route.outputs])
-        if not alone:
-            self.running[worker.call(order)] = route
+        if not alone or self.engine.active != 1:  # (others: queued in the worker's pipe,
+            self.running[worker.call(order)] = route  # read by its reader thread)
             return
         try:
             self.done.append(_answer(route, worker.run(order, deadline)))
@@ -159,9 +160,10 @@ def run_parts(engine: Served, model: LoadedModel, parts: Parts, timeline: Timeli
         while waiting or parts.out():
             startable = ([r for r in waiting if all(i in ready for i in r.inputs)]
                          if failure is None else [])
-            # Nothing to overlap with: the part's reply is read in this thread. (With other
-            # requests in flight, queueing in the worker's pipe keeps it busy.)
-            alone = len(startable) == 1 and not parts.out() and engine.active == 1
+            # Nothing to overlap with: the transport may wait for the part's answer as it
+            # sends it (a bell's blocking read; a Run's reply read in this thread when no
+            # other request is in flight)
+            alone = len(startable) == 1 and not parts.out()
             for route in startable:
                 waiting.remove(route)
                 usable(engine, route, deadline)
