@@ -31,7 +31,7 @@ from cuvild.engine.arena import align
 from cuvild.engine.dtypes import nbytes
 from cuvild.engine.spin import MOST_S, Spin
 from protos import fastpath as wire
-from protos.orders import Attach, Run, TensorRef
+from protos.orders import Attach, TensorRef
 from protos.sessions import (
     BELL,
     BELL_ELSEWHERE,
@@ -207,19 +207,18 @@ class Session:
 class BellSession:
     """A bell: the engine's doorbell for one part of a model, whose tensors lie in the
     request's arena block at offsets fixed at load (the order's layout: "inputs" and
-    "outputs", each offset, dtype, shape). The record names the block; the part runs on
-    views of the block, made once per block and kept (a fast-path session's way: numpy
-    arrays for the runtimes that take them), and fails as a `Run` would (a part not built
-    here, unloaded under its request, says so). A request with tensors in clients' regions
-    runs as a `Run` (the regions checked and mapped by the worker). The engine ends a bell
-    by closing its socket."""
+    "outputs", each offset, dtype, shape). The record names the block, and the tensors the
+    request has in clients' regions (checked on every use, mapped by the worker); the part
+    runs on views of them, made once per place and kept (numpy arrays for the runtimes that
+    take them, as a client's session has), and fails as a `Run` would (a part not built here,
+    unloaded under its request, says so). The engine ends a bell by closing its socket."""
 
     def __init__(self, order: Attach, sock: socket.socket, memfd: int, stats_fd: int,
                  worker: Any) -> None:
         self.model, self.part, self.worker, self.sock = order.model, order.part, worker, sock
         self.places = {kind: [(t["offset"], t["dtype"], tuple(t["shape"]))
                               for t in order.layout[kind]] for kind in ("inputs", "outputs")}
-        # views of the blocks rung for, by (segment, offset, numpy views): blocks recur
+        # the views of the blocks rung for, by (segment, offset, numpy views): blocks recur
         self.blocks: dict[tuple[str, int, bool], tuple[list[Any], list[Any]]] = {}
         try:
             self.mm = mmap.mmap(memfd, mmap.PAGESIZE)
@@ -242,20 +241,8 @@ class BellSession:
             if got != seq or state != wire.SUBMITTED:
                 raise ValueError(f"the record holds request {got} in state {state}, the bell "
                                  f"rang for request {seq}")
-            segment = bytes(self.mm[BELL_NAME:BELL_NAME + name_len]).decode()
-            refs = {kind: [TensorRef(segment, offset + at, dtype, shape)
-                           for at, dtype, shape in places]
-                    for kind, places in self.places.items()} if elsewhere else {}
-            at = BELL_ELSEWHERE
-            for _ in range(elsewhere):  # in clients' regions: checked and mapped as a Run's
-                kind, index, inode, where, length = TENSOR_AT.unpack_from(self.mm, at)
-                name = bytes(self.mm[at + TENSOR_AT.size:at + TENSOR_AT.size + length])
-                at += TENSOR_AT.size + length
-                ref = refs[("inputs", "outputs")[kind]][index]
-                refs[("inputs", "outputs")[kind]][index] = TensorRef(
-                    name.decode(), where, ref.dtype, ref.shape, inode)
-            run_ms = (self._run(parts, segment, offset) if not elsewhere else self.worker.run(
-                Run(self.model, self.part, refs["inputs"], refs["outputs"])).run_ms)
+            run_ms = self._run(parts, bytes(self.mm[BELL_NAME:BELL_NAME + name_len]).decode(),
+                               offset, elsewhere)
         except Exception as e:  # noqa: BLE001 - the request's failure, told to the engine
             error = f"{type(e).__name__}: {e}"[:wire.MAX_ERROR_TEXT]
             text = json.dumps({"kind": getattr(e, "kind", ""), "error": error}).encode()[
@@ -272,8 +259,9 @@ class BellSession:
         except OSError:
             return False
 
-    def _run(self, parts: dict[tuple[str, str], Any], segment: str, offset: int) -> float:
-        """The part on the block's views; its run time in ms."""
+    def _run(self, parts: dict[tuple[str, str], Any], segment: str, offset: int,
+             elsewhere: int) -> float:
+        """The part on the request's views; its run time in ms."""
         exe = parts.get((self.model, self.part))
         if exe is None:
             raise KeyError(f"part {self.part} of model {self.model} is not built here")
@@ -283,9 +271,19 @@ class BellSession:
             if len(self.blocks) >= MAX_BLOCKS:
                 self.blocks.clear()
             block = self.blocks[(segment, offset, numpy)] = tuple(  # type: ignore[assignment]
-                [self.worker.block_view(segment, offset + at, dtype, shape, numpy)
+                [self.worker.tensor(TensorRef(segment, offset + at, dtype, shape), numpy)
                  for at, dtype, shape in self.places[kind]] for kind in ("inputs", "outputs"))
         inputs, outputs = block
+        if elsewhere:  # in clients' regions: checked on every use
+            inputs, outputs = list(inputs), list(outputs)
+            at = BELL_ELSEWHERE
+            for _ in range(elsewhere):
+                kind, index, inode, where, length = TENSOR_AT.unpack_from(self.mm, at)
+                name = bytes(self.mm[at + TENSOR_AT.size:at + TENSOR_AT.size + length])
+                at += TENSOR_AT.size + length
+                _, dtype, shape = self.places[("inputs", "outputs")[kind]][index]
+                (inputs, outputs)[kind][index] = self.worker.tensor(
+                    TensorRef(name.decode(), where, dtype, shape, inode), numpy)
         t0 = time.perf_counter()
         got = exe.run(inputs)
         run_ms = (time.perf_counter() - t0) * 1e3

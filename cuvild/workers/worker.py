@@ -76,6 +76,7 @@ class Worker:
         self.segments: dict[str, Any] = {}  # the daemon's arena segments, by name
         self.clients = ClientObjects(self._drop_views)
         self.views: dict[TensorRef, Any] = {}
+        self.arrays: dict[TensorRef, Any] = {}  # numpy views, for the runtimes that take them
         self.numpy_views = False  # some views are numpy arrays (torch not imported then)
         # A worker thread the daemon gave up on (a part hung) answers nothing more; `current`
         # is the order it is running, whose reply still comes.
@@ -115,12 +116,20 @@ class Worker:
             return self.current
 
     # -- shared memory -----------------------------------------------------------------
-    def tensor(self, ref: TensorRef) -> Any:
-        """A tensor aliasing `ref`'s bytes; made once per place, then reused. A client's
-        object is checked to still hold the bytes, on every use."""
+    def tensor(self, ref: TensorRef, numpy: bool = False) -> Any:
+        """A tensor aliasing `ref`'s bytes; made once per place, then reused (`numpy`: a numpy
+        array where numpy has the dtype, for the runtimes that take them). A client's object
+        is checked to still hold the bytes, on every use."""
         if ref.inode:
             self.clients.get(ref.segment, ref.inode).check(ref.offset,
                                                            nbytes(ref.dtype, ref.shape))
+        if numpy and ref.dtype in views.NUMPY:
+            array = self.arrays.get(ref)
+            if array is None:
+                if len(self.arrays) >= MAX_VIEWS:
+                    self.arrays.clear()
+                array = self.arrays[ref] = self._view(ref, numpy=True)
+            return array
         if self.numpy_views and "torch" in sys.modules:  # torch came (a build, a runtime
             self.views.clear()  # that needs it): its parts get torch tensors from now on
             self.numpy_views = False
@@ -132,37 +141,23 @@ class Worker:
             self.numpy_views |= views.lean(ref.dtype)
         return view
 
-    def _view(self, ref: TensorRef) -> Any:
+    def _view(self, ref: TensorRef, numpy: bool = False) -> Any:
         size = nbytes(ref.dtype, ref.shape)
         if size == 0:
-            return views.empty(ref.dtype, ref.shape)
+            return np.empty(ref.shape, ref.dtype) if numpy else views.empty(ref.dtype, ref.shape)
         if ref.inode:  # pinned to the inode it was registered with: a replacement is refused
             raw = self.clients.get(ref.segment, ref.inode).view(ref.offset, size)
-        else:
-            raw = self._arena(ref.segment).view(ref.offset, size)
+        else:  # the arena's segment names are never reused
+            from cuvild.engine.arena import Segment
+
+            seg = self.segments.get(ref.segment)
+            if seg is None:
+                seg = self.segments[ref.segment] = Segment(ref.segment, 0, create=False,
+                                                           lock=False)
+            raw = seg.view(ref.offset, size)
+        if numpy:
+            return np.frombuffer(raw, dtype=ref.dtype).reshape(ref.shape)
         return views.frombuffer(raw, ref.dtype, ref.shape)
-
-    def _arena(self, name: str) -> Any:
-        """The daemon's arena segment `name`, mapped once (its names are never reused)."""
-        from cuvild.engine.arena import Segment
-
-        seg = self.segments.get(name)
-        if seg is None:
-            seg = self.segments[name] = Segment(name, 0, create=False, lock=False)
-        return seg
-
-    def block_view(self, segment: str, offset: int, dtype: str, shape: tuple[int, ...],
-                   numpy: bool) -> Any:
-        """A view of bytes in the daemon's arena, made for a bell (not kept here: the bell
-        keeps its own); `numpy`: a numpy array where numpy has the dtype (for the runtimes
-        that take them, views.NUMPY_RUNTIMES), else a tensor."""
-        size = nbytes(dtype, shape)
-        if size == 0:
-            return views.empty(dtype, shape)
-        raw = self._arena(segment).view(offset, size)
-        if numpy and dtype in views.NUMPY:
-            return np.frombuffer(raw, dtype=dtype).reshape(shape)
-        return views.frombuffer(raw, dtype, shape)
 
     def _input(self, ref: TensorRef) -> Any:
         """An input: in place, but a client's bytes in a worker thread as a fresh copy read
@@ -187,8 +182,9 @@ class Worker:
         views.copy_into(self.tensor(ref), out)
 
     def _drop_views(self, key: Key) -> None:
-        for ref in [r for r in self.views if (r.segment, r.inode) == key]:
-            del self.views[ref]
+        for kept in (self.views, self.arrays):
+            for ref in [r for r in kept if (r.segment, r.inode) == key]:
+                del kept[ref]
 
     def forget(self, order: Forget) -> None:
         """Unmap client objects whose regions were unregistered. A runtime may still hold
