@@ -84,6 +84,19 @@ def count_time(stats: mmap.mmap, seconds: float) -> None:
     at += _SUM.size + _COUNT.size * bisect.bisect_left(SECONDS, seconds)
     (n,) = _COUNT.unpack_from(stats, at)
     _COUNT.pack_into(stats, at, n + 1)
+def run_into(exe: Any, inputs: list[Any], outputs: list[Any]) -> float:
+    """Run a part on `inputs` and put its outputs into `outputs` (views of shared memory, of
+    the planned shapes); the run's seconds."""
+    t0 = time.perf_counter()
+    got = exe.run(inputs)
+    seconds = time.perf_counter() - t0
+    for out, place in zip(got, outputs, strict=True):
+        if tuple(out.shape) != tuple(place.shape):
+            raise ValueError(f"output shape {tuple(out.shape)} != planned {tuple(place.shape)}")
+        views.copy_into(place, out)
+    return seconds
+
+
 def fail(mm: mmap.mmap, layout: dict[str, Any], at: int, index: int, seq: int, slot: int,
          code: str, error: str) -> None:
     """Mark ring entry `index` (at offset `at`) FAILED with its error text."""
@@ -166,19 +179,15 @@ class Session:
         except ValueError as e:
             self._fail(at, index, seq, slot, "INVALID_ARGUMENT", str(e))
             return self._answer(bell)
-        t0 = time.perf_counter()
         try:
-            outputs = exe.run(self.inputs[slot])
-            for out, place in zip(outputs, self.outputs[slot], strict=True):
-                views.copy_into(place, out)
+            seconds = run_into(exe, self.inputs[slot], self.outputs[slot])
         except Exception as e:  # noqa: BLE001 - the request's failure, said to its client
             self._fail(at, index, seq, slot, "INTERNAL",
                        f"part {self.part} failed: {type(e).__name__}: {e}")
             return self._answer(bell)
         done, failed, busy = STATS.unpack_from(self.stats)
-        now = time.perf_counter()
-        STATS.pack_into(self.stats, 0, done + 1, failed, busy + now - t0)
-        count_time(self.stats, now - rung)
+        STATS.pack_into(self.stats, 0, done + 1, failed, busy + seconds)
+        count_time(self.stats, time.perf_counter() - rung)
         wire.ENTRY.pack_into(self.mm, at, seq, slot, wire.DONE, 0)
         return self._answer(bell)
 
@@ -241,7 +250,7 @@ class BellSession:
             if got != seq or state != wire.SUBMITTED:
                 raise ValueError(f"the record holds request {got} in state {state}, the bell "
                                  f"rang for request {seq}")
-            run_ms = self._run(parts, bytes(self.mm[BELL_NAME:BELL_NAME + name_len]).decode(),
+            seconds = self._run(parts, bytes(self.mm[BELL_NAME:BELL_NAME + name_len]).decode(),
                                offset, elsewhere)
         except Exception as e:  # noqa: BLE001 - the request's failure, told to the engine
             error = f"{type(e).__name__}: {e}"[:wire.MAX_ERROR_TEXT]
@@ -252,7 +261,7 @@ class BellSession:
             STATS.pack_into(self.stats, 0, done, failed + 1, busy)
         else:
             BELL.pack_into(self.mm, 0, seq, wire.DONE, 0, offset, name_len, elsewhere)
-            STATS.pack_into(self.stats, 0, done + 1, failed, busy + run_ms / 1e3)
+            STATS.pack_into(self.stats, 0, done + 1, failed, busy + seconds)
         try:
             self.sock.sendall(bell)
             return True
@@ -261,7 +270,7 @@ class BellSession:
 
     def _run(self, parts: dict[tuple[str, str], Any], segment: str, offset: int,
              elsewhere: int) -> float:
-        """The part on the request's views; its run time in ms."""
+        """The part on the request's views; its run's seconds."""
         exe = parts.get((self.model, self.part))
         if exe is None:
             raise KeyError(f"part {self.part} of model {self.model} is not built here")
@@ -284,17 +293,10 @@ class BellSession:
                 _, dtype, shape = self.places[("inputs", "outputs")[kind]][index]
                 (inputs, outputs)[kind][index] = self.worker.tensor(
                     TensorRef(name.decode(), where, dtype, shape, inode), numpy)
-        t0 = time.perf_counter()
-        got = exe.run(inputs)
-        run_ms = (time.perf_counter() - t0) * 1e3
-        for out, place in zip(got, outputs, strict=True):
-            if tuple(out.shape) != tuple(place.shape):
-                raise ValueError(f"output shape {tuple(out.shape)} != planned "
-                                 f"{tuple(place.shape)}")
-            views.copy_into(place, out)
+        seconds = run_into(exe, inputs, outputs)
         if self.worker.clients.closing:
             self.worker.clients.close_pending()
-        return run_ms
+        return seconds
 
     def close(self) -> None:
         self.sock.close()
