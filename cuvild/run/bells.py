@@ -84,7 +84,7 @@ class Bell:
             os.close(stats_fd)
         self.generation: int = getattr(self.ended, "generation", 0)  # the worker's start
         self.sock, self.seq, self.closed = ours, 0, False
-        self.busy, self.wait = 0.0, 0.0  # the counts' busy time at the ring; SO_RCVTIMEO set
+        self.busy, self.read_timeout = 0.0, 0.0  # the counts' busy time at the ring; SO_RCVTIMEO
 
     def usable(self) -> bool:
         return not self.closed and not self.ended.done()
@@ -159,10 +159,10 @@ class Bell:
     def _limit(self, seconds: float) -> None:
         """The socket's read timeout (the kernel's: a blocking read is one system call);
         0: none."""
-        if seconds != self.wait:
+        if seconds != self.read_timeout:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                                  struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
-            self.wait = seconds
+            self.read_timeout = seconds
 
     def late(self) -> Future[Any]:
         """A future that completes once this bell's worker can no longer write the block of
