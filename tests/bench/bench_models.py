@@ -13,16 +13,18 @@ memory; in this process, OpenVINO on its default settings (its own precision: bf
 that has it), ONNX Runtime fp32 and torch eager; and each one's relative error against eager
 on the first output, on the load's sample (seed 0, the one it is timed on) and over four
 held-out inputs (seeds 100-103: none the daemon checked), read against the range the outputs
-take over the four, as a budget is (runtimes/base.py set_error). Timed interleaved
-(tests/bench/timing.py). `--quick`: ResNet-50 and BERT only, fewer rounds. `--auto B1,B2`
-(default 1e-2,5e-2, as `make bench` runs it; `none`: fp32 only): the model loaded again under
-`precision="auto"` at each budget (its own fast-path row, the plan's precisions and which
-groups stayed fp32), and OpenVINO with `INFERENCE_PRECISION_HINT=f32` beside its default.
-`--calibrate N`: each budget's model loaded once more with N calibration inputs (seeds
-200 on; int8 is then tried, with its back-off). `--timing blocks`: each runner alone, 5 calls
-back to back, the runners in turn `--rounds` times (timing.py `in_blocks`: no other runner's
-threads wake between its calls), instead of call by call. ConvNeXt-T and Swin-T are in the
-default list too.
+take over the four, as a budget is (runtimes/base.py set_error). Timed alone in turn
+(timing.py `in_blocks`: each runner 5 calls back to back, the runners in turn, `--rounds`
+calls each in all), so that no other runner's threads wake between a runner's calls: timed
+call by call (`--timing interleaved`), OpenVINO's threads in this process and the worker's
+slowed each other (ResNet-50 bf16 through the fast path read 1.07x OpenVINO's default
+interleaved, 0.98x alone in turn, same build, 2-core EPYC). `--quick`: ResNet-50 and BERT
+only, fewer rounds. `--auto B1,B2` (default 1e-2,5e-2, as `make bench` runs it; `none`: fp32
+only): the model loaded again under `precision="auto"` at each budget (its own fast-path
+row, the plan's precisions and which groups stayed fp32), and OpenVINO with
+`INFERENCE_PRECISION_HINT=f32` beside its default. `--calibrate N`: each budget's model
+loaded once more with N calibration inputs (seeds 200 on; int8 is then tried, with its
+back-off). ConvNeXt-T and Swin-T are in the default list too.
 """
 
 from __future__ import annotations
@@ -236,7 +238,8 @@ def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, thre
         # over the held-out set, as the budget is read (runtimes/base.py set_error)
         held = {k: set_error([np.asarray(run(other)) for other in others], wants)
                 for k, run in runners.items()}
-        samples = (in_blocks(runners, blocks=rounds, size=BLOCK_SIZE) if blocks else
+        samples = (in_blocks(runners, blocks=max(1, rounds // BLOCK_SIZE), size=BLOCK_SIZE)
+                   if blocks else
                    interleaved(runners, rounds, warmup=3))
     finally:
         shm_close()
@@ -259,20 +262,20 @@ def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=0, help="timed calls per runner")
     parser.add_argument("--models", default="")
     parser.add_argument("--auto", default="1e-2,5e-2",
                         help="budgets of precision='auto' (none: fp32 only)")
     parser.add_argument("--calibrate", type=int, default=0, metavar="N",
                         help="also load each budget with N calibration inputs (int8 tried)")
-    parser.add_argument("--timing", choices=("interleaved", "blocks"), default="interleaved")
+    parser.add_argument("--timing", choices=("interleaved", "blocks"), default="blocks")
     args = parser.parse_args()
     budgets = [] if args.auto == "none" else [float(b) for b in args.auto.split(",") if b]
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    rounds = args.rounds or (8 if args.quick else 20)
+    rounds = args.rounds or (10 if args.quick else 20)
     wanted = families()
     names = (args.models.split(",") if args.models else
              ["resnet50", "bert-base-4l"] if args.quick else list(wanted))
@@ -300,7 +303,7 @@ def main() -> dict[str, Any]:
 
 def show(r: dict[str, Any]) -> None:
     print(f"host: {r['host']['cpu']}, {r['host']['cores']} cores, flags {r['host']['flags']}; "
-          f"{r['rounds']} {r.get('timing', 'interleaved')} rounds")
+          f"{r['rounds']} calls per runner, timed {r.get('timing', 'interleaved')}")
     for m in r["models"]:
         print(f"\n{m['model']}: READY in {m['load_s']} s; plan: {'; '.join(m['plan'])}; "
               f"OpenVINO's default precision here: {m['openvino_default_precision']}")
