@@ -7,7 +7,9 @@ and with bf16 (where the CPU has AVX512_BF16 or AMX); cuvild fp32; cuvild `auto`
 of 1e-2 without calibration inputs and with them (int8 tried); cuvild `auto` at 5e-2 with
 them. cuvild runs as a daemon with one CPU device on every core, reached through the fast
 path (`Client(fast=True)`, the path the precision goals are stated for). Each row: p50 / p99
-ms over interleaved rounds and the relative error against torch eager fp32 on held-out inputs
+ms over 30 calls per runner, timed alone in turn (5 back to back a turn: timing.py
+`in_blocks`, so that OpenVINO's threads in this process and the worker's do not slow each
+other's calls), and the relative error against torch eager fp32 on held-out inputs
 (never the calibration inputs), with the host's CPU and flags. Goal: cuvild auto <= 0.5x
 ORT fp32 and <= 1.0x OpenVINO's default, within its budget.
 """
@@ -32,8 +34,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "tests"))
+sys.path.append(str(Path(__file__).resolve().parent))
 
 from daemons import DaemonProcess, daemon_config, one_cpu  # noqa: E402
+from timing import in_blocks  # noqa: E402
 
 from cuvild.client import Client  # noqa: E402
 from cuvild.client.samples import reference  # noqa: E402
@@ -43,6 +47,7 @@ from runtimes.profiling import hardware  # noqa: E402
 MODELS = ("resnet18", "bert4")
 CALIBRATION = 16
 HELD_OUT = 8
+BLOCK_SIZE = 5  # calls back to back per runner and turn
 CUVILD = (("cuvild fp32", "fp32", None, False), ("cuvild auto 1e-2", "auto", 1e-2, False),
           ("cuvild auto 1e-2 + calibration", "auto", 1e-2, True),
           ("cuvild auto 5e-2 + calibration", "auto", 5e-2, True))
@@ -81,7 +86,7 @@ def in_process(model: torch.nn.Module, x: torch.Tensor,
         request = compiled.create_infer_request()
         runners[label] = lambda a, r=request: r.infer([a], share_inputs=True)[0].copy()
         if not extra:
-            default_hint = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+            default_hint = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
     return runners, default_hint
 
 
@@ -118,15 +123,9 @@ def one_model(name: str, root: Path, rounds: int, threads: int) -> dict[str, Any
                                   c.infer(s, torch.from_numpy(a))["output0"].numpy())
             errors = {k: set_error([np.asarray(run(h.numpy())) for h in held], expected)
                       for k, run in runners.items()}
-            samples: dict[str, list[float]] = {k: [] for k in runners}
             a = held[0].numpy()
-            for run in runners.values():
-                run(a)
-            for _ in range(rounds):
-                for k, run in runners.items():
-                    t0 = time.perf_counter()
-                    run(a)
-                    samples[k].append((time.perf_counter() - t0) * 1e3)
+            samples = in_blocks({k: (lambda run=run: run(a)) for k, run in runners.items()},
+                                blocks=max(1, rounds // BLOCK_SIZE), size=BLOCK_SIZE)
     finally:
         daemon.stop()
         daemon.close()
