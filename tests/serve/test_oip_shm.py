@@ -217,16 +217,17 @@ def test_a_replaced_object_is_refused_until_registered_again(env, triton, region
         shm.destroy_shared_memory_region(fresh)
 
 
-def test_workers_unmap_a_region_once_it_is_unregistered(env, triton, regions):
+@pytest.mark.parametrize("model", ["mlp", "demo"])  # one part; two parts on two workers
+def test_workers_unmap_a_region_once_it_is_unregistered(env, triton, regions, model):
     """An unlinked object lives as long as somebody maps it: unregistering must unmap it in
     the workers too, or a client could pin /dev/shm memory through cuvild."""
-    served = env.models["demo"]  # two parts on two workers
+    served = env.models[model]
     x = served.inputs[0]
     name, key, handle = regions(x.nbytes)
     shm.set_shared_memory_region(handle, [x])
     inp = grpcclient.InferInput(served.input_names[0], list(x.shape), "FP32")
     inp.set_shared_memory(name, x.nbytes)
-    triton.infer("demo", [inp])
+    triton.infer(model, [inp])
     workers = worker_processes(env.daemon.proc.pid)
 
     def mapped() -> list[str]:
