@@ -4,27 +4,28 @@
                                        [--auto 1e-2,5e-2 | --auto none] [--calibrate N]
                                        [--timing interleaved | blocks]
 
-ResNet-50 and ViT-Base (224x224, batch 1), BERT-base with 4 layers and a 4-layer Llama
-(hidden 512; 128 tokens, batch 1), built with transformers from their configs (seeded random
-weights). Per model: cuvild's load time (upload to READY, every runtime tried: the default
-config, one CPU device on every core, fp32) and its plan (parts, runtime, precision); p50 /
-p99 ms through the fast path (`Client(fast=True)`) and through tritonclient with system shared
-memory; in this process, OpenVINO on its default settings (its own precision: bf16 on a CPU
-that has it), ONNX Runtime fp32 and torch eager; and each one's relative error against eager
-on the first output, on the load's sample (seed 0, the one it is timed on) and over four
-held-out inputs (seeds 100-103: none the daemon checked), read against the range the outputs
-take over the four, as a budget is (runtimes/base.py set_error). Timed alone in turn
-(timing.py `in_blocks`: each runner 5 calls back to back, the runners in turn, `--rounds`
-calls each in all), so that no other runner's threads wake between a runner's calls: timed
-call by call (`--timing interleaved`), OpenVINO's threads in this process and the worker's
-slowed each other (ResNet-50 bf16 through the fast path read 1.07x OpenVINO's default
-interleaved, 0.98x alone in turn, same build, 2-core EPYC). `--quick`: ResNet-50 and BERT
-only, fewer rounds. `--auto B1,B2` (default 1e-2,5e-2, as `make bench` runs it; `none`: fp32
-only): the model loaded again under `precision="auto"` at each budget (its own fast-path
-row, the plan's precisions and which groups stayed fp32), and OpenVINO with
-`INFERENCE_PRECISION_HINT=f32` beside its default. `--calibrate N`: each budget's model
-loaded once more with N calibration inputs (seeds 200 on; int8 is then tried, with its
-back-off). ConvNeXt-T and Swin-T are in the default list too.
+ResNet-50, ResNet-18, MobileNetV2 and ViT-Base (224x224, batch 1), BERT-base with 4 layers and a
+4-layer Llama (hidden 512; 128 tokens, batch 1), built with transformers from their configs
+(seeded random weights). Per model: cuvild's load time (upload to READY, every runtime tried:
+the default config, one CPU device on every core, fp32) and its plan (parts, runtime,
+precision); p50 / p99 ms through the fast path (`Client(fast=True)`) and through tritonclient
+with system shared memory; in this process, OpenVINO on its default settings (its own precision:
+bf16 on a CPU that has it), ONNX Runtime fp32 and torch eager; and each one's relative error
+against eager on the first output, on the load's sample (seed 0, the one it is timed on) and
+over four held-out inputs (seeds 100-103: none the daemon checked), read against the range the
+outputs take over the four, as a budget is (runtimes/base.py set_error). Timed alone in turn
+(timing.py `in_blocks`: each runner 5 calls back to back, the runners in turn, `--rounds` calls
+each in all), so that no other runner's threads wake between a runner's calls: timed call by
+call (`--timing interleaved`), OpenVINO's threads in this process and the worker's slowed each
+other (ResNet-50 bf16 through the fast path read 1.07x OpenVINO's default interleaved, 0.98x
+alone in turn, same build, 2-core EPYC). `--quick`: ResNet-50 and BERT only, fewer rounds.
+`--auto B1,B2` (default 1e-2,5e-2, as `make bench` runs it; `none`: fp32 only): the model loaded
+again under `precision="auto"` at each budget (its own fast-path row, the plan's precisions and
+which groups stayed fp32), and OpenVINO with `INFERENCE_PRECISION_HINT=f32` beside its default.
+A one-part plan's fast path and shm rows are also read against the runtime it chose, compiled
+here at fp32 (`x_same_runtime`: the serving paths' cost over that runtime's own run).
+`--calibrate N`: each budget's model loaded once more with N calibration inputs (seeds 200 on;
+int8 is then tried, with its back-off). ConvNeXt-T and Swin-T are in the default list too.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ CLASSES = 1000
 HELD_OUT = (100, 101, 102, 103)
 CALIBRATION_SEED = 200  # --calibrate's inputs: seeds 200 on (neither checked nor held out)
 BLOCK_SIZE = 5
+# a runtime a plan may choose -> its fp32 runner here
+SAME_RUNTIME = {"openvino": "openvino f32 (in-process)",
+                "onnxruntime": "onnxruntime fp32 (in-process)"}
 
 
 def families() -> dict[str, Callable[[], tuple[torch.nn.Module,
@@ -88,6 +92,11 @@ def families() -> dict[str, Callable[[], tuple[torch.nn.Module,
         # ImageNet's 1,000 classes, as the published checkpoints have (a config's default
         # head has two: two random logits can both sit near zero on an input)
         "resnet50": lambda: (tf.ResNetForImageClassification(tf.ResNetConfig(
+            num_labels=CLASSES)), image),
+        "resnet18": lambda: (tf.ResNetForImageClassification(tf.ResNetConfig(
+            layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512],
+            num_labels=CLASSES)), image),
+        "mobilenet-v2": lambda: (tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config(
             num_labels=CLASSES)), image),
         "vit-base": lambda: (tf.ViTForImageClassification(tf.ViTConfig(num_labels=CLASSES)),
                              image),
@@ -253,9 +262,14 @@ def one_model(name: str, make: Callable[[], Any], target: str, rounds: int, thre
             for k, s in samples.items()}
     parts = [f"{p.get('id', i)} {p['device']} {p.get('runtime', '?')} "
              f"{p.get('precision', '?')}" for i, p in enumerate(plan.get("parts", []))]
+    # cuvild's fp32 paths against the runtime its plan chose, run in this process (one part)
+    same = SAME_RUNTIME.get(plan["parts"][0].get("runtime", "")) if len(parts) == 1 else None
+    if same in samples:
+        for k in ("cuvild fast path", "cuvild tritonclient shm"):
+            rows[k]["x_same_runtime"] = round(rows[k]["p50_ms"] / rows[same]["p50_ms"], 3)
     return {"model": name, "load_s": round(load_s, 1), "plan": parts, "calibration": calibrate,
             "openvino_default_precision": ov_precision, "output": output, "rows": rows,
-            "auto": chosen}
+            "auto": chosen, "same_runtime": same}
 
 
 def main() -> dict[str, Any]:
@@ -314,6 +328,11 @@ def show(r: dict[str, Any]) -> None:
             print(f"  {k:<32} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['x_eager']:8.2f} "
                   f"{row['x_openvino_default']:8.2f}  {row['rel_error']:.1e}  "
                   f"{row['held_out_error']:.1e}")
+        if m.get("same_runtime"):
+            rows = m["rows"]
+            print(f"  vs {m['same_runtime']}, the runtime cuvild chose: fast path "
+                  f"{rows['cuvild fast path']['x_same_runtime']:.3f}x, tritonclient shm "
+                  f"{rows['cuvild tritonclient shm']['x_same_runtime']:.3f}x")
         for budget, auto in m.get("auto", {}).items():
             print(f"  auto {budget}: READY in {auto['load_s']} s; plan {'; '.join(auto['plan'])}")
             for note in auto["notes"]:
