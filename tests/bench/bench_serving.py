@@ -21,6 +21,11 @@ with interleaved rounds.
     (every thread and process hop then pays a wake-up: more hops, more cost).
 (c) 16 concurrent client processes on the tiny model, each path and worker kind: requests per
     second and latency (tests/bench/serving_load.py).
+(d) Where (b)'s time above the floor goes, in CPU rather than latency (less at the mercy of a
+    shared host): user+sys seconds per request, from /proc, of the daemon (all its threads),
+    its worker processes, the no-op servicer's process and this client, over TINY_CPU
+    tritonclient requests back to back, through the public socket (the front), past it on
+    the daemon's private gRPC socket, and to the no-op servicer.
 
 Three daemons run side by side with `devices: {cpu: {cores: null}}` (one CPU device on every
 core, so each model is one part): one with the default `engine.workers: process` (a pinned
@@ -55,6 +60,8 @@ from timing import BLOCK_SIZE, BLOCKS, in_blocks, interleaved, rel_error, stats 
 
 ROUNDS = 120  # (a): 4 runners x ~20-40 ms each per round
 TINY_ROUNDS = 500  # (b): ~1-3 ms calls
+TINY_CPU = 3000  # (d): requests per path
+CPU_TURNS = 10  # (d): the paths in turn, TINY_CPU / CPU_TURNS requests a turn
 READY_TIMEOUT_S = 300.0
 CLIENTS = 16  # (c): concurrent client processes
 
@@ -367,6 +374,86 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int,  # noqa: 
             "results_after_idle": results_idle, "fast_vs_part": pairs}
 
 
+def cpu_s(pid: int) -> float:
+    """A process's user+sys CPU seconds so far, all its threads (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (a daemon's forkserver and its workers)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def bench_cpu(daemon: Any, echo_pid: int, echo_target: str, n: int = TINY_CPU) -> dict[str, Any]:
+    """(d): CPU per tiny request by process, through the front, past it, to the no-op."""
+    import glob
+    import tempfile
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    pid = daemon.proc.pid
+    base = os.environ.get("RUNTIME_DIRECTORY") or tempfile.gettempdir()
+    private = glob.glob(f"{base}/cuvild-{pid}-*/grpc.sock")
+    targets = {"through the front": daemon.target, "no-op servicer": echo_target}
+    if private:  # (readable here: the bench runs the daemon as its own user)
+        targets["past the front"] = f"unix://{private[0]}"
+    xn = np.random.default_rng(0).standard_normal((1, 16), dtype=np.float32)
+    with grpcclient.InferenceServerClient(url=daemon.target) as client:
+        in_name = client.get_model_metadata("tiny").inputs[0].name
+    workers = descendants(pid)
+    clients = {label: grpcclient.InferenceServerClient(url=t) for label, t in targets.items()}
+    totals = {label: dict.fromkeys(("wall", "client", "daemon", "workers", "noop"), 0.0)
+              for label in targets}
+
+    def one(client: Any) -> None:
+        inp = grpcclient.InferInput(in_name, [1, 16], "FP32")
+        inp.set_data_from_numpy(xn)
+        client.infer("tiny", [inp])
+
+    try:
+        for client in clients.values():
+            for _ in range(200):
+                one(client)
+        for _ in range(CPU_TURNS):  # the paths in turn, so the host's drift is shared out
+            for label, client in clients.items():
+                before = {p: cpu_s(p) for p in (pid, echo_pid, *workers)}
+                me, t0 = time.process_time(), time.perf_counter()
+                for _ in range(n // CPU_TURNS):
+                    one(client)
+                add = totals[label]
+                add["wall"] += time.perf_counter() - t0
+                add["client"] += time.process_time() - me
+                used = {p: cpu_s(p) - v for p, v in before.items()}
+                add["daemon"] += used[pid]
+                add["workers"] += sum(used[p] for p in workers)
+                add["noop"] += used[echo_pid]
+    finally:
+        for client in clients.values():
+            client.close()
+    count = n // CPU_TURNS * CPU_TURNS
+    out = {label: {f"{k}_us": v / count * 1e6 for k, v in t.items()}
+           for label, t in totals.items()}
+    return out
+
+
 def in_process_parts(model: Any, x: Any, chosen: dict[str, str]) -> dict[str, Callable[[], Any]]:
     """The tiny model as one part on each runtime a daemon chose for it, compiled and run in
     this process: what the fast path's own cost is measured above."""
@@ -461,6 +548,7 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
                              for label, c in controls.items()} for name in ("resnet18", "tiny")}
             a = bench_resnet(clients, rounds, threads, chosen["resnet18"], sockets)
             b = bench_tiny(clients, f"unix://{echo_path}", tiny_rounds, chosen["tiny"], sockets)
+            d = bench_cpu(daemons["process workers"], echo.pid, f"unix://{echo_path}")
             concurrent = {f"{path} ({label})": load(path, daemons[label].target, "tiny",
                                                     [1, 16], clients=CLIENTS)
                           for label in ("process workers", "thread workers")
@@ -477,7 +565,7 @@ def main(rounds: int = ROUNDS, tiny_rounds: int = TINY_ROUNDS) -> dict[str, Any]
                 daemon.close()
             echo.terminate()
             echo.wait(10)
-    return {"layout": layout, "resnet18": a, "tiny": b, "concurrent": concurrent,
+    return {"layout": layout, "resnet18": a, "tiny": b, "concurrent": concurrent, "cpu": d,
             "threads": threads, "metrics_update_us": metrics_update_us(),
             "total_s": time.perf_counter() - t_start}
 
@@ -540,6 +628,7 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"{'path (daemon)':<40} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for name, r in result["concurrent"].items():
         print(f"{name:<40} {r['per_s']:8.0f} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f}")
+    print_cpu(result["cpu"])
     on, off = (b["results"][f"infer ({n})"]["p50_ms"]
                for n in ("process workers", "process workers, metrics off"))
     print(f"\nmetrics' cost per request: the updates alone {result['metrics_update_us']:.1f} us "
@@ -547,6 +636,15 @@ def print_table(result: dict[str, Any]) -> None:
           f"end to end, process workers on vs off: {1e3 * (on - off):+.1f} us "
           f"({100 * (on / off - 1):+.1f}%, within the noise of one run)")
     print(f"\n{result['threads']} threads; whole run {result['total_s']:.0f} s")
+
+
+def print_cpu(cpu: dict[str, Any]) -> None:
+    print(f"\n(d) CPU per tiny request (user+sys us, by process), {TINY_CPU} back to back, "
+          "process workers")
+    print(f"{'path':<20} {'wall':>7} {'daemon':>7} {'workers':>8} {'no-op':>7} {'client':>7}")
+    for name, r in cpu.items():
+        print(f"{name:<20} {r['wall_us']:7.0f} {r['daemon_us']:7.0f} {r['workers_us']:8.0f} "
+              f"{r['noop_us']:7.0f} {r['client_us']:7.0f}")
 
 
 if __name__ == "__main__":
