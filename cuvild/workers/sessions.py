@@ -84,6 +84,8 @@ def count_time(stats: mmap.mmap, seconds: float) -> None:
     at += _SUM.size + _COUNT.size * bisect.bisect_left(SECONDS, seconds)
     (n,) = _COUNT.unpack_from(stats, at)
     _COUNT.pack_into(stats, at, n + 1)
+
+
 def run_into(exe: Any, inputs: list[Any], outputs: list[Any]) -> float:
     """Run a part on `inputs` and put its outputs into `outputs` (views of shared memory, of
     the planned shapes); the run's seconds."""
@@ -306,9 +308,8 @@ class BellSession:
 
 
 class Sessions:
-    """A worker's attached sessions (clients' fast-path sessions, the engine's
-    bells), polled with its
-    pipe."""
+    """A worker's attached sessions (clients' fast-path sessions, the engine's bells),
+    polled with its pipe."""
 
     def __init__(self, pipe_fd: int, worker: Any = None) -> None:
         self.worker = worker
