@@ -23,9 +23,9 @@ with interleaved rounds.
     second and latency (tests/bench/serving_load.py).
 (d) Where (b)'s time above the floor goes, in CPU rather than latency (less at the mercy of a
     shared host): user+sys seconds per request, from /proc, of the daemon (all its threads),
-    its worker processes, the no-op servicer's process and this client, over TINY_CPU
-    tritonclient requests back to back, through the public socket (the front), past it on
-    the daemon's private gRPC socket, and to the no-op servicer.
+    its worker processes, the no-op servicer's process and this client, over 3,000
+    tritonclient requests back to back each, through the public socket (the front), past it
+    on the daemon's private gRPC socket, and to the no-op servicer (tests/bench/serving_cpu.py).
 
 Three daemons run side by side with `devices: {cpu: {cores: null}}` (one CPU device on every
 core, so each model is one part): one with the default `engine.workers: process` (a pinned
@@ -56,12 +56,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))
+from serving_cpu import bench_cpu, print_cpu  # noqa: E402
 from timing import BLOCK_SIZE, BLOCKS, in_blocks, interleaved, rel_error, stats  # noqa: E402
 
 ROUNDS = 120  # (a): 4 runners x ~20-40 ms each per round
 TINY_ROUNDS = 500  # (b): ~1-3 ms calls
-TINY_CPU = 3000  # (d): requests per path
-CPU_TURNS = 10  # (d): the paths in turn, TINY_CPU / CPU_TURNS requests a turn
 READY_TIMEOUT_S = 300.0
 CLIENTS = 16  # (c): concurrent client processes
 
@@ -374,86 +373,6 @@ def bench_tiny(clients: dict[str, Any], echo_target: str, rounds: int,  # noqa: 
             "results_after_idle": results_idle, "fast_vs_part": pairs}
 
 
-def cpu_s(pid: int) -> float:
-    """A process's user+sys CPU seconds so far, all its threads (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes under `pid` (a daemon's forkserver and its workers)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def bench_cpu(daemon: Any, echo_pid: int, echo_target: str, n: int = TINY_CPU) -> dict[str, Any]:
-    """(d): CPU per tiny request by process, through the front, past it, to the no-op."""
-    import glob
-    import tempfile
-
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
-    pid = daemon.proc.pid
-    base = os.environ.get("RUNTIME_DIRECTORY") or tempfile.gettempdir()
-    private = glob.glob(f"{base}/cuvild-{pid}-*/grpc.sock")
-    targets = {"through the front": daemon.target, "no-op servicer": echo_target}
-    if private:  # (readable here: the bench runs the daemon as its own user)
-        targets["past the front"] = f"unix://{private[0]}"
-    xn = np.random.default_rng(0).standard_normal((1, 16), dtype=np.float32)
-    with grpcclient.InferenceServerClient(url=daemon.target) as client:
-        in_name = client.get_model_metadata("tiny").inputs[0].name
-    workers = descendants(pid)
-    clients = {label: grpcclient.InferenceServerClient(url=t) for label, t in targets.items()}
-    totals = {label: dict.fromkeys(("wall", "client", "daemon", "workers", "noop"), 0.0)
-              for label in targets}
-
-    def one(client: Any) -> None:
-        inp = grpcclient.InferInput(in_name, [1, 16], "FP32")
-        inp.set_data_from_numpy(xn)
-        client.infer("tiny", [inp])
-
-    try:
-        for client in clients.values():
-            for _ in range(200):
-                one(client)
-        for _ in range(CPU_TURNS):  # the paths in turn, so the host's drift is shared out
-            for label, client in clients.items():
-                before = {p: cpu_s(p) for p in (pid, echo_pid, *workers)}
-                me, t0 = time.process_time(), time.perf_counter()
-                for _ in range(n // CPU_TURNS):
-                    one(client)
-                add = totals[label]
-                add["wall"] += time.perf_counter() - t0
-                add["client"] += time.process_time() - me
-                used = {p: cpu_s(p) - v for p, v in before.items()}
-                add["daemon"] += used[pid]
-                add["workers"] += sum(used[p] for p in workers)
-                add["noop"] += used[echo_pid]
-    finally:
-        for client in clients.values():
-            client.close()
-    count = n // CPU_TURNS * CPU_TURNS
-    out = {label: {f"{k}_us": v / count * 1e6 for k, v in t.items()}
-           for label, t in totals.items()}
-    return out
-
-
 def in_process_parts(model: Any, x: Any, chosen: dict[str, str]) -> dict[str, Callable[[], Any]]:
     """The tiny model as one part on each runtime a daemon chose for it, compiled and run in
     this process: what the fast path's own cost is measured above."""
@@ -636,15 +555,6 @@ def print_table(result: dict[str, Any]) -> None:
           f"end to end, process workers on vs off: {1e3 * (on - off):+.1f} us "
           f"({100 * (on / off - 1):+.1f}%, within the noise of one run)")
     print(f"\n{result['threads']} threads; whole run {result['total_s']:.0f} s")
-
-
-def print_cpu(cpu: dict[str, Any]) -> None:
-    print(f"\n(d) CPU per tiny request (user+sys us, by process), {TINY_CPU} back to back, "
-          "process workers")
-    print(f"{'path':<20} {'wall':>7} {'daemon':>7} {'workers':>8} {'no-op':>7} {'client':>7}")
-    for name, r in cpu.items():
-        print(f"{name:<20} {r['wall_us']:7.0f} {r['daemon_us']:7.0f} {r['workers_us']:8.0f} "
-              f"{r['noop_us']:7.0f} {r['client_us']:7.0f}")
 
 
 if __name__ == "__main__":
