@@ -1,9 +1,11 @@
 """What the daemon and a device worker say to each other: typed orders and replies.
 
 An order travels to the worker in an `Envelope` over a pipe (pickled) and comes back as a
-`Reply` with the same id. Tensors never travel, only `TensorRef`s: where a tensor lives in
-shared memory. The classes are slotted dataclasses: typed, and measured as cheap to pickle as
-the dicts they replace (16 µs vs 18 µs a `Run` round trip through pickle on the dev host).
+`Reply` with the same id. Orders build, restore, choose and drop parts, unmap clients'
+objects, and attach sessions and bells (whose rings then run the parts: requests never travel
+here, cuvild/run/bells.py). `TensorRef` says where a tensor lives in shared memory. The
+classes are slotted dataclasses: typed, and measured as cheap to pickle as the dicts they
+replace.
 """
 
 from __future__ import annotations
@@ -79,16 +81,6 @@ class Choose:
 
 
 @dataclass(frozen=True, slots=True)
-class Run:
-    """Run one built part on tensors in shared memory, writing its outputs in place."""
-
-    model: str
-    part: str
-    inputs: list[TensorRef]
-    outputs: list[TensorRef]
-
-
-@dataclass(frozen=True, slots=True)
 class Unload:
     """Drop every part of a model."""
 
@@ -113,14 +105,13 @@ class Attach:
     layout: dict[str, Any]  # as the session's open reply gave it to the client
 
 
-Order = Build | Run | Unload | Forget | Choose | Restore | Attach
+Order = Build | Unload | Forget | Choose | Restore | Attach
 
 
 @dataclass(frozen=True, slots=True)
 class Envelope:
     id: int
     order: Order
-    direct: bool = False  # the reply goes on the second pipe, read by the caller's thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +134,6 @@ class Built:
 
 
 @dataclass(frozen=True, slots=True)
-class Ran:
-    run_ms: float
-
-
-@dataclass(frozen=True, slots=True)
 class Progress:
     """Sent while a Build runs, before its reply: what it is doing (e.g. "trying openvino")."""
 
@@ -157,7 +143,7 @@ class Progress:
 @dataclass(frozen=True, slots=True)
 class Reply:
     id: int
-    result: Built | Ran | Progress | None = None
+    result: Built | Progress | None = None
     error: str = ""  # "ExceptionType: message" when the order failed
     kind: str = ""  # "invalid": the failure was the request's (a client region it names)
 

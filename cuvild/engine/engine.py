@@ -54,7 +54,7 @@ from cuvild.load.corrections import CorrectionStore
 from cuvild.load.precision import Accuracy, PrecisionPolicy
 from cuvild.run.batching import Batching, batcher_for
 from cuvild.run.bells import Bells
-from cuvild.run.request import FEEDBACK_RUNS, Orders, Timeline, run_parts
+from cuvild.run.request import FEEDBACK_RUNS, Timeline
 from cuvild.workers.clientmem import DaemonRegions
 from cuvild.workers.handle import WorkerDied, WorkerHandle
 from cuvild.workers.workers import Workers
@@ -468,9 +468,7 @@ class Engine:
                     elif not isinstance(value, TensorRef):
                         self.arena.tensor(block, model.slots[name]).copy_(value)
                 try:
-                    if not self.bells.run(self, model, block, refs, timeline, deadline, patient):
-                        run_parts(self, model, Orders(self, model, block, refs), timeline,
-                                  deadline, patient)
+                    self.bells.run(self, model, block, refs, timeline, deadline, patient)
                     break
                 except RunTimeout as e:
                     outstanding = e.outstanding

@@ -1,30 +1,30 @@
-"""Bells: the parts of a request rung in their worker processes, not sent as pickled orders.
+"""Bells: the parts of a request rung in their workers, not sent as pickled orders.
 
-The engine's one doorbell: every request whose parts are on worker processes rings them
-this way, a one-part model's as a split model's (thread workers, and records too small for a
-request's regions, send pickled `Run`s: cuvild/run/request.py `Orders`). Each part of a model
-gets bells in its worker (cuvild/workers/sessions.py `BellSession`): a socketpair and a
-one-page record. Where the part's tensors lie in a request's arena block is fixed at load
-(the model's slots, cuvild/engine/layout.py) and told to the worker once, when the bell is
-made; so a request rings a part by writing its block's place into the record (seq, offset,
-segment) and sending 8 bytes, and the worker answers with the same 8 bytes once the part's
-outputs are in the block. A pickled `Run` and its `Reply` cost 0.26 ms a round trip through
-multiprocessing's pipes on the 2-core dev host, a doorbell 0.07 ms, and no reader thread
-stands between the worker and the request.
+The engine's one doorbell: every request rings its parts this way, a one-part model's as a
+split model's, on worker processes or threads. Each part of a model gets bells in its worker
+(cuvild/workers/sessions.py `BellSession`): a socketpair and a record (a page, more for a
+part with many tensors). Where the part's tensors lie in a request's arena block is fixed at
+load (the model's slots, cuvild/engine/layout.py) and told to the worker once, when the bell
+is made; so a request rings a part by writing its block's place into the record (seq,
+offset, segment) and sending 8 bytes, and the worker answers with the same 8 bytes once the
+part's outputs are in the block. A pickled `Run` and its `Reply` (what parts were sent
+before) cost 0.26 ms a round trip through multiprocessing's pipes on the 2-core dev host, a
+doorbell 0.07 ms, and no reader thread stands between the worker and the request.
 
 A request holds one set of bells, a bell per part, for its run; a model gets sets as its
 concurrent requests need them (at most the engine's requests in flight). Parts run as soon
 as their inputs are ready (independent parts at once, their bells polled together; a part
 alone is waited for with one blocking read), by the request's deadline, in
-`request.run_parts` (the loop pickled orders take too): a part past the deadline fails the
+`request.run_parts`: a part past the deadline fails the
 request with RunTimeout (and its bell, closed once its late answer comes, holds the block
 until then); a worker that died fails it with WorkerLost (the engine runs it again once the
 worker is back).
 
 A request's tensors in clients' regions (OIP shared memory) are named in the record after
-the block (object, inode, offset), and the worker checks and maps them as it would a `Run`'s:
-read and written in place, never copied by the daemon. A record they do not fit in (about
-40 tensors of short names) goes as `Run`s.
+the block (object, inode, offset; the record has room for every tensor of the part at the
+longest name an object can have), and the worker checks and maps them: read and written in
+place, never copied by the daemon (a worker thread reads and writes them through their
+descriptors instead, so that a shrunk object cannot fault the daemon).
 """
 
 from __future__ import annotations
@@ -43,10 +43,19 @@ from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import BadRegion, InferError, WorkerLost
 from cuvild.engine.plane import Served
-from cuvild.run.request import Answer, Timeline, run_parts
+from cuvild.run.request import Answer, Timeline, run_parts, usable
 from protos import fastpath as wire
 from protos.orders import Attach, TensorRef
-from protos.sessions import BELL, BELL_ELSEWHERE, BELL_ERRORS, BELL_NAME, STATS, TENSOR_AT
+from protos.sessions import (
+    BELL,
+    BELL_ELSEWHERE,
+    BELL_ERRORS,
+    BELL_NAME,
+    NAME_MAX,
+    STATS,
+    TENSOR_AT,
+    bell_bytes,
+)
 
 if TYPE_CHECKING:
     from cuvild.engine.arena import Block
@@ -72,10 +81,11 @@ class Bell:
         ours, theirs = socket.socketpair()
         memfd = os.memfd_create(f"cuvild-bell-{model.name}", os.MFD_CLOEXEC)
         stats_fd = os.memfd_create("cuvild-bell-counts", os.MFD_CLOEXEC)
+        size = bell_bytes(len(route.inputs) + len(route.outputs))
         try:
-            os.ftruncate(memfd, mmap.PAGESIZE)
+            os.ftruncate(memfd, size)
             os.ftruncate(stats_fd, mmap.PAGESIZE)
-            self.mm = mmap.mmap(memfd, mmap.PAGESIZE)
+            self.mm = mmap.mmap(memfd, size)
             self.stats = mmap.mmap(stats_fd, STATS.size)
             self.ended = worker.attach(order, [theirs.fileno(), memfd, stats_fd])
         finally:
@@ -98,21 +108,21 @@ class Bell:
         with contextlib.suppress(Exception):
             self.ended.exception(timeout=LOST_WAIT_S)
 
-    def record(self, block: Block, refs: dict[str, TensorRef]) -> bool:
-        """Write the request's record: its block, and its tensors in clients' regions;
-        False if they do not fit in it."""
+    def record(self, block: Block, refs: dict[str, TensorRef]) -> None:
+        """Write the request's record: its block, and its tensors in clients' regions."""
         name = block.segment.encode()
         at, count = BELL_ELSEWHERE, 0
         if len(name) > BELL_ERRORS - BELL_NAME:
-            return False
+            raise ValueError(f"arena segment name {block.segment!r} is too long for a bell")
         for kind, names in enumerate(self.names.values() if refs else ()):
             for index, tensor in enumerate(names):
                 ref = refs.get(tensor)
                 if ref is None:
                     continue
                 where = ref.segment.encode()
-                if at + TENSOR_AT.size + len(where) > mmap.PAGESIZE:
-                    return False
+                if len(where) > NAME_MAX:  # (no such object can be registered)
+                    raise BadRegion(f"shared-memory object {ref.segment!r}: name over "
+                                    f"{NAME_MAX} bytes")
                 TENSOR_AT.pack_into(self.mm, at, kind, index, ref.inode, ref.offset,
                                     len(where))
                 at += TENSOR_AT.size
@@ -122,7 +132,6 @@ class Bell:
         self.seq += 1
         BELL.pack_into(self.mm, 0, self.seq, wire.SUBMITTED, 0, block.offset, len(name),
                        count)
-        return True
 
     def ring(self) -> None:
         self.busy = STATS.unpack_from(self.stats)[2]
@@ -212,11 +221,9 @@ class Bells:
         for item in items:
             _close(item)
 
-    def take(self, engine: Served, model: LoadedModel) -> Set | None:
-        """An idle set of `model`'s bells, by part (made if none is idle); None where its
-        parts cannot be rung: worker threads, a worker being restarted."""
-        if engine.in_process or model.evicted:
-            return None
+    def take(self, engine: Served, model: LoadedModel, deadline: float) -> Set:
+        """An idle set of `model`'s bells, by part, or one made now (a worker being restarted
+        is waited for, by the deadline: RunTimeout; one found dead is revived: WorkerLost)."""
         with self._lock:
             idle = self._idle.get(model.key)
             while idle:
@@ -224,16 +231,19 @@ class Bells:
                 if _usable(bells):
                     return bells
                 _close(bells)
-        for device in {r.device for r in model.routes}:
-            if engine.workers.ready(device) is None:
-                return None
         made: Set = {}
         try:
             for route in model.routes:
-                made[route.id] = Bell(engine.workers[route.device], model, route)
-        except OSError:
+                usable(engine, route, deadline)
+                worker = engine.workers.of(route.device)
+                if not worker.alive():
+                    engine.workers.revive_later(route.device)
+                    raise WorkerLost(f"part {route.id} on {route.device} failed: its worker "
+                                     "died", {route.device})
+                made[route.id] = Bell(worker, model, route)
+        except BaseException:
             _close(made)
-            return None
+            raise
         return made
 
     def give(self, engine: Served, model: LoadedModel, bells: Set) -> None:
@@ -246,19 +256,14 @@ class Bells:
             self._idle.setdefault(model.key, []).append(bells)
 
     def run(self, engine: Served, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
-            timeline: Timeline | None, deadline: float, patient: bool) -> bool:
-        """Run the request's parts on bells; False where it takes none (the caller then
-        sends them the usual way). `refs`: the request's tensors in clients' regions."""
-        if any(not r.inode for r in refs.values()):
-            return False
-        bells = self.take(engine, model)
-        if bells is None:
-            return False
+            timeline: Timeline | None, deadline: float, patient: bool) -> None:
+        """Run the request's parts on a set of its bells. `refs`: the request's tensors
+        outside its block (in clients' regions)."""
+        bells = self.take(engine, model, deadline)
         try:
-            if not all(b.record(block, refs) for b in bells.values()):
-                return False
+            for bell in bells.values():
+                bell.record(block, refs)
             run_parts(engine, model, Rung(bells), timeline, deadline, patient)
-            return True
         finally:
             self.give(engine, model, bells)
 

@@ -7,8 +7,8 @@ request is a ring entry and an 8-byte doorbell on its own connection: no gRPC, n
 nothing pickled, no check of the request's shapes (they were fixed when the session opened:
 a dynamic-shape model's session is opened for its client's shapes, and serves the model's
 bucket for them, cuvild/load/buckets.py). Who answers the doorbell: for a one-part model,
-its worker process itself (the session is attached to it, cuvild/workers/sessions.py) or, on
-a worker thread, the session's thread, both running the part on the slot in place; for any
+its worker itself (a process or, with `engine.workers: thread`, a thread: the session is
+attached to it, cuvild/workers/sessions.py), running the part on the slot in place; for any
 other model, and for a batched one (its requests queue to share runs with other clients'),
 the session's thread through `Engine.run` (inputs copied once into the arena, as raw OIP
 inputs are, outputs once into the slot). The client never maps the daemon's arena, and no
@@ -38,7 +38,6 @@ from cuvild.engine.errors import InferError
 from cuvild.engine.layout import BadInput
 from cuvild.engine.loaded import one_part
 from cuvild.serve.errors import CODES
-from cuvild.workers.sessions import Session as WorkerSession
 from cuvild.workers.sessions import fail, slot_layout
 from protos import fastpath as wire
 from protos.orders import Attach, RawTensor
@@ -104,7 +103,6 @@ class Session:
                 os.ftruncate(stats_fd, mmap.PAGESIZE)
                 self.stats = mmap.mmap(stats_fd, STATS_BYTES)
                 self.attached = self._attach(fd, stats_fd)
-                self.inline = None if self.attached else self._inline(fd, stats_fd)
             finally:
                 os.close(stats_fd)
         finally:
@@ -122,11 +120,11 @@ class Session:
         self.batch = (self.layout["inputs"][0]["shape"] or [1])[0] if self.layout["inputs"] else 1
 
     def _attach(self, memfd: int, stats_fd: int) -> bool:
-        """Hand a one-part model's session to its worker process (cuvild/workers/sessions.py:
-        the client's doorbell then wakes the worker itself); False where the daemon serves
-        it (several parts, thread workers, a worker being restarted)."""
+        """Hand a one-part model's session to its worker (cuvild/workers/sessions.py: the
+        client's doorbell then wakes the worker itself); False where the daemon serves it
+        (several parts, a batched model, a worker being restarted)."""
         engine = self.fast.models.engine
-        if engine.in_process or not one_part(self.model) or self.model.batcher is not None:
+        if not one_part(self.model) or self.model.batcher is not None:
             return False  # (a batched model's requests queue in the daemon to share runs)
         route = self.model.routes[0]
         worker = engine.workers.ready(route.device)
@@ -141,21 +139,7 @@ class Session:
         ended.add_done_callback(lambda _: self.close())
         return True
 
-    def _inline(self, memfd: int, stats_fd: int) -> tuple[Any, Any, threading.Lock] | None:
-        """A one-part model on a worker thread (`engine.workers: thread`): this session's
-        thread runs the part itself, under the worker's lock, straight on the session's
-        memory (cuvild/workers/sessions.py), as a worker process would."""
-        engine = self.fast.models.engine
-        if not engine.in_process or not one_part(self.model) or self.model.batcher is not None:
-            return None
-        route = self.model.routes[0]
-        worker, lock = engine.workers.of(route.device).inline
-        return WorkerSession(Attach(self.model.key, route.id, self.layout), self.sock,
-                             os.dup(memfd), os.dup(stats_fd)), worker, lock
-
     def serve(self) -> None:
-        if self.inline is not None:
-            return self._serve_inline(*self.inline)
         try:
             while True:
                 try:
@@ -175,17 +159,6 @@ class Session:
                 except OSError:
                     break  # the client died mid-request: its session ends here
         finally:
-            self.close()
-
-    def _serve_inline(self, session: WorkerSession, worker: Any, lock: threading.Lock) -> None:
-        try:
-            while (bell := session.read()) is not None and self.fast.models.current(
-                    self.served):  # (unloaded or reloaded: the client opens a new one)
-                with lock:
-                    if worker.abandoned or not session.answer(bell, worker.parts):
-                        break
-        finally:
-            session.close()
             self.close()
 
     def handle(self, seq: int) -> None:
@@ -241,7 +214,7 @@ class Session:
         """Requests done and failed that a worker ran on this session's memory (the others
         are in the request metrics already), and the histogram of the ones done: seconds
         summed, requests per bucket (protos/sessions.py, TIMES)."""
-        if not (self.attached or self.inline) or self.stats.closed:
+        if not self.attached or self.stats.closed:
             return [0] * COUNTS
         done, failed, _ = STATS.unpack_from(self.stats)
         return [done, failed, *TIMES.unpack_from(self.stats, STATS.size)]

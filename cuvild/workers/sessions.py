@@ -221,8 +221,9 @@ class BellSession:
     "outputs", each offset, dtype, shape). The record names the block, and the tensors the
     request has in clients' regions (checked on every use, mapped by the worker); the part
     runs on views of them, made once per place and kept (numpy arrays for the runtimes that
-    take them, as a client's session has), and fails as a `Run` would (a part not built here,
-    unloaded under its request, says so). The engine ends a bell by closing its socket."""
+    take them, as a client's session has; a worker thread reads and writes clients' objects
+    through their descriptors instead), and fails with the part's error (a part not built
+    here, unloaded under its request, says so). The engine ends a bell by closing its socket."""
 
     def __init__(self, order: Attach, sock: socket.socket, memfd: int, stats_fd: int,
                  worker: Any) -> None:
@@ -232,7 +233,7 @@ class BellSession:
         # the views of the blocks rung for, by (segment, offset, numpy views): blocks recur
         self.blocks: dict[tuple[str, int, bool], tuple[list[Any], list[Any]]] = {}
         try:
-            self.mm = mmap.mmap(memfd, mmap.PAGESIZE)
+            self.mm = mmap.mmap(memfd, os.fstat(memfd).st_size)
             self.stats = mmap.mmap(stats_fd, STATS.size)
         finally:
             os.close(memfd)
@@ -285,6 +286,7 @@ class BellSession:
                 [self.worker.tensor(TensorRef(segment, offset + at, dtype, shape), numpy)
                  for at, dtype, shape in self.places[kind]] for kind in ("inputs", "outputs"))
         inputs, outputs = block
+        through: list[tuple[int, TensorRef]] = []  # outputs a worker thread writes with pwrite
         if elsewhere:  # in clients' regions: checked on every use
             inputs, outputs = list(inputs), list(outputs)
             at = BELL_ELSEWHERE
@@ -293,9 +295,18 @@ class BellSession:
                 name = bytes(self.mm[at + TENSOR_AT.size:at + TENSOR_AT.size + length])
                 at += TENSOR_AT.size + length
                 _, dtype, shape = self.places[("inputs", "outputs")[kind]][index]
-                (inputs, outputs)[kind][index] = self.worker.tensor(
-                    TensorRef(name.decode(), where, dtype, shape, inode), numpy)
+                ref = TensorRef(name.decode(), where, dtype, shape, inode)
+                if not (inode and self.worker.in_process):
+                    (inputs, outputs)[kind][index] = self.worker.tensor(ref, numpy)
+                elif kind == 0:  # (a worker thread never maps a client's object)
+                    inputs[index] = self.worker.read(ref, numpy)
+                else:
+                    outputs[index] = (np.empty(shape, dtype) if numpy and dtype in views.NUMPY
+                                      else views.empty(dtype, shape))
+                    through.append((index, ref))
         seconds = run_into(exe, inputs, outputs)
+        for index, ref in through:
+            self.worker.write(outputs[index], ref)
         if self.worker.clients.closing:
             self.worker.clients.close_pending()
         return seconds

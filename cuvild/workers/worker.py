@@ -1,22 +1,19 @@
 """A device worker: one process per device, pinned to its cores, running compiled parts.
 
 It takes typed orders (protos/orders.py) from a pipe and answers each with a Reply
-tagged with the order's id: on the main pipe, or on the `direct` pipe when the daemon's
-calling thread reads the reply itself. Runs (and Forgets) are answered by the loop that reads
-the pipe, in order; Builds, Restores, Chooses and Unloads, in their own order, by a second
-thread, so a bucket's build (seconds) never holds up the runs of the parts already built.
-Tensors never travel through the pipe, only references into shared memory: the arena's are
-wrapped in place (once per place, then reused: numpy arrays in a worker that never needed
-torch, cuvild/engine/views.py); a client's are checked on every use
-(cuvild/workers/clientmem.py). Clients' fast-path sessions and the engine's bells (a part of a
-request rung through a record naming its arena block) attached to a worker process
-(`Attach`, cuvild/workers/sessions.py) are served by the same loop, which then polls the
-pipe and their sockets together.
+tagged with the order's id. Forgets are answered by the loop that reads the pipe; Builds,
+Restores, Chooses and Unloads, in their own order, by a second thread, so a bucket's build
+(seconds) never holds up the runs of the parts already built. Parts run only when rung:
+clients' fast-path sessions and the engine's bells (a part of a request rung through a record
+naming its arena block), attached to the worker (`Attach`, cuvild/workers/sessions.py), are
+served by the same loop, which then polls the pipe and their sockets together. Tensors never
+travel through the pipe, only places in shared memory: the arena's are wrapped in place (once
+per place, then reused: numpy arrays in a worker that never needed torch,
+cuvild/engine/views.py); a client's are checked on every use (cuvild/workers/clientmem.py).
 
 The same `serve` loop runs in a process (the default: a crashing compiler or driver takes down
 its worker and not the daemon) or in a thread of the daemon (`engine.workers: thread`, and
-tests), where it shares its `Worker` with the daemon's threads under a lock, and where client
-objects are read and written through their descriptors, never mapped.
+tests), where client objects are read and written through their descriptors, never mapped.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -47,10 +43,8 @@ from protos.orders import (
     Forget,
     Order,
     Progress,
-    Ran,
     Reply,
     Restore,
-    Run,
     TensorRef,
     Unload,
 )
@@ -78,16 +72,12 @@ class Worker:
         self.views: dict[TensorRef, Any] = {}
         self.arrays: dict[TensorRef, Any] = {}  # numpy views, for the runtimes that take them
         self.numpy_views = False  # some views are numpy arrays (torch not imported then)
-        # A worker thread the daemon gave up on (a part hung) answers nothing more; `current`
-        # is the order it is running, whose reply still comes.
-        self.state = threading.Lock()
+        # A worker thread the daemon gave up on (a part hung) answers nothing more but the
+        # ring it is stuck in, and ends once that returns.
         self.abandoned = False
-        self.current: int | None = None
         self.told: Any = None  # while a Build runs: tells the daemon what it is doing
 
-    def handle(self, order: Order) -> Built | Ran | None:
-        if isinstance(order, Run):
-            return self.run(order)
+    def handle(self, order: Order) -> Built | None:
         if isinstance(order, Build):
             return self.build(order)
         if isinstance(order, Restore):
@@ -99,21 +89,6 @@ class Worker:
         if isinstance(order, Unload):
             return self.unload(order)
         raise TypeError(f"unknown order {type(order).__name__}")
-
-    def begin(self, rid: int | None) -> bool:
-        """Mark order `rid` as running; False if this worker was abandoned."""
-        with self.state:
-            if self.abandoned:
-                return False
-            self.current = rid
-            return True
-
-    def abandon(self) -> int | None:
-        """Answer nothing more; returns the id of the order running now (-1: a run in a
-        caller's thread; None: none)."""
-        with self.state:
-            self.abandoned = True
-            return self.current
 
     # -- shared memory -----------------------------------------------------------------
     def tensor(self, ref: TensorRef, numpy: bool = False) -> Any:
@@ -159,27 +134,23 @@ class Worker:
             return np.frombuffer(raw, dtype=ref.dtype).reshape(ref.shape)
         return views.frombuffer(raw, ref.dtype, ref.shape)
 
-    def _input(self, ref: TensorRef) -> Any:
-        """An input: in place, but a client's bytes in a worker thread as a fresh copy read
-        through the descriptor (a shrunk object is a short read, not a SIGBUS)."""
-        if not (ref.inode and self.in_process):
-            return self.tensor(ref)
+    def read(self, ref: TensorRef, numpy: bool = False) -> Any:
+        """A worker thread's input in a client's object: a fresh copy read through the
+        descriptor (a shrunk object is a short read, not a SIGBUS in the daemon)."""
         size = nbytes(ref.dtype, ref.shape)
         buf = bytearray(size)
         if size:
             self.clients.get(ref.segment, ref.inode).read(ref.offset, memoryview(buf))
+        if numpy and ref.dtype in views.NUMPY:
+            return np.frombuffer(buf, dtype=ref.dtype).reshape(ref.shape)
         return views.frombuffer(buf, ref.dtype, ref.shape) if size else views.empty(
             ref.dtype, ref.shape)
 
-    def _output(self, out: Any, ref: TensorRef) -> None:
-        if tuple(out.shape) != tuple(ref.shape):
-            raise ValueError(f"output shape {tuple(out.shape)} != planned {ref.shape}")
-        if ref.inode and self.in_process:  # written through the descriptor, never mapped
-            data = views.as_bytes(out, ref.dtype)
-            if data.nbytes:
-                self.clients.get(ref.segment, ref.inode).write(ref.offset, data)
-            return
-        views.copy_into(self.tensor(ref), out)
+    def write(self, value: Any, ref: TensorRef) -> None:
+        """A worker thread's output into a client's object, through the descriptor."""
+        data = views.as_bytes(value, ref.dtype)
+        if data.nbytes:
+            self.clients.get(ref.segment, ref.inode).write(ref.offset, data)
 
     def _drop_views(self, key: Key) -> None:
         for kept in (self.views, self.arrays):
@@ -236,20 +207,6 @@ class Worker:
         if order.final:  # the losing precisions' executables go
             del self.variants[key]
 
-    def run(self, order: Run) -> Ran:
-        exe = self.parts.get((order.model, order.part))
-        if exe is None:
-            raise KeyError(f"part {order.part} of model {order.model} is not built here")
-        inputs = [self._input(r) for r in order.inputs]
-        t0 = time.perf_counter()
-        outputs = exe.run(inputs)
-        run_ms = (time.perf_counter() - t0) * 1e3
-        for out, ref in zip(outputs, order.outputs, strict=True):
-            self._output(out, ref)
-        if self.clients.closing:
-            self.clients.close_pending()
-        return Ran(run_ms)
-
     def unload(self, order: Unload) -> None:
         from cuvild.workers.build import forget
 
@@ -269,29 +226,29 @@ def answer(worker: Worker, envelope: Envelope) -> Reply:
                      kind=e.kind if isinstance(e, RegionGone) else "")
 
 
-def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,  # noqa: C901 - the worker's loop: a branch per order
-          inline: tuple[Worker, threading.Lock] | None = None) -> None:
-    """The worker loop until the pipe closes or brings None: runs here, one at a time, the
-    control orders on a second thread. In a thread (`inline`), it shares its Worker with the
-    daemon's threads, which run parts themselves under the lock."""
-    if inline is None:
+def serve(conn: Any, device: DeviceProfile, cache_dir: str,  # noqa: C901 - the worker's loop: a branch per order
+          in_thread: Worker | None = None) -> None:
+    """The worker loop until the pipe closes or brings None (or, in a thread, the daemon
+    gave up on it): rings and Forgets here, one at a time, the control orders on a second
+    thread. In a thread of the daemon, `in_thread` is its Worker (the handle abandons it)."""
+    if in_thread is None:
         _pin(device)
         _quiet()
-        worker, lock = Worker(device, cache_dir), threading.Lock()
-    else:
-        worker, lock = inline
+    worker, lock = in_thread or Worker(device, cache_dir), threading.Lock()
     sending = threading.Lock()
 
     def reply(envelope: Envelope, answered: Reply) -> None:
         with sending, contextlib.suppress(OSError, ValueError):  # the daemon let go of us
-            (direct if envelope.direct else conn).send(answered)
+            conn.send(answered)
 
-    control = Control(worker, lock, reply, BUILDS_IN_PROCESS if inline else None)
-    sessions: Sessions | None = None  # fast-path sessions served here, from the first Attach
+    control = Control(worker, lock, reply, BUILDS_IN_PROCESS if in_thread else None)
+    sessions: Sessions | None = None  # sessions and bells served here, from the first Attach
     while True:
         try:
             while sessions is not None and sessions.by_fd:
                 ended, pipe = sessions.wait(worker.parts, lock)
+                if worker.abandoned:
+                    return
                 for rid in ended:  # an Attach's reply says its session is over
                     reply(Envelope(rid, None), Reply(rid))  # type: ignore[arg-type]
                 if pipe:
@@ -299,7 +256,7 @@ def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,  # noqa
             envelope = conn.recv()
         except (EOFError, OSError):
             return
-        if envelope is None:
+        if envelope is None or worker.abandoned:
             return
         if isinstance(envelope.order, Attach):
             sessions = sessions or Sessions(conn.fileno(), worker)
@@ -310,10 +267,7 @@ def serve(conn: Any, direct: Any, device: DeviceProfile, cache_dir: str,  # noqa
             control.put(envelope)
             continue
         with lock:
-            if not worker.begin(envelope.id):
-                return
             answered = answer(worker, envelope)
-            worker.begin(None)
         reply(envelope, answered)
 
 
@@ -390,7 +344,7 @@ def _quiet() -> None:
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
-def process_main(conn: Any, direct: Any, device_dict: dict[str, Any], cache_dir: str) -> None:
+def process_main(conn: Any, device_dict: dict[str, Any], cache_dir: str) -> None:
     """The worker process's entry point (a spawned process gets the profile as a dict). It
     leaves without the interpreter's teardown (~1 s with torch: cuvild/workers/quick_exit.py)."""
     from cuvild.workers.quick_exit import quick_exit
@@ -398,5 +352,5 @@ def process_main(conn: Any, direct: Any, device_dict: dict[str, Any], cache_dir:
     with contextlib.suppress(OSError):  # `ps`/`top` name it (a forked one's command line is
         # the forkserver's, a spawned one's python's)
         Path("/proc/self/comm").write_text(f"cuvil-{device_dict['id']}"[:15])
-    serve(conn, direct, DeviceProfile.from_dict(device_dict), cache_dir)
+    serve(conn, DeviceProfile.from_dict(device_dict), cache_dir)
     quick_exit(0)

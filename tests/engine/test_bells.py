@@ -1,9 +1,9 @@
-"""Bells (cuvild/run/bells.py): the parts of a model on worker processes, one part or
-several, are rung through their records in shared memory, not sent as pickled orders, and
-every promise of the usual path still holds: eager's outputs whatever the inputs are (raw
-bytes, tensors, client regions read in place), each caller its own rows, a retry on a worker
-that died, a deadline that frees the block only once the late part is done, nothing left
-behind on unload."""
+"""Bells (cuvild/run/bells.py): the parts of a model, one part or several, on worker
+processes or threads, are rung through their records in shared memory (the engine's one way
+to run a part), and every promise of the request path holds: eager's outputs whatever the
+inputs are (raw bytes, tensors, client regions read in place by a process, through their
+descriptors by a thread), each caller its own rows, a retry on a worker that died, a deadline
+that frees the block only once the late part is done, nothing left behind on unload."""
 
 from __future__ import annotations
 
@@ -29,32 +29,39 @@ from engine_helpers import (
 from cuvild.client.samples import MLP
 from cuvild.engine.arena import Arena
 from cuvild.engine.engine import BadRegion, Engine, RunTimeout
-from protos.orders import RawTensor, Run
+from protos.orders import RawTensor
 
 
-@pytest.fixture(params=[["cpu0", "npu0"], ["npu0"]], ids=["split", "one-part"])
-def split(tmp_path, request):
-    """An MLP in two parts, cpu0 then npu0, or one part on npu0, each part on a worker
-    process; every pickled Run is counted."""
+def served(tmp_path, devices: list[str], in_process: bool = False):  # noqa: ANN201
+    """An MLP in two parts, cpu0 then npu0, or one part on npu0: (engine, loaded, model)."""
     arena = Arena(f"{os.getpid()}-bells")
     engine = Engine([device("cpu0"), device("npu0")], tmp_path / "cache", arena,
-                    max_in_flight=4)
+                    max_in_flight=4, in_process=in_process)
     torch.manual_seed(0)
     model = MLP(width=64, depth=2).eval()
-    loaded = prepare(engine, tmp_path, "mlp", model, (torch.randn(3, 64),), request.param)
-    assert [r.device for r in loaded.routes] == request.param
-    sent: list[Run] = []
-    for handle in engine.workers.values():  # every Run from here on is counted
-        for name in ("run", "call"):
-            original = getattr(handle, name)
+    loaded = prepare(engine, tmp_path, "mlp", model, (torch.randn(3, 64),), devices)
+    assert [r.device for r in loaded.routes] == devices
+    return engine, loaded, model, arena
 
-            def counted(order, *args, original=original, **kwargs):  # noqa: ANN001, ANN202
-                if isinstance(order, Run):
-                    sent.append(order)
-                return original(order, *args, **kwargs)
 
-            setattr(handle, name, counted)
-    yield engine, loaded, model, sent
+LAYOUTS = {"split": ["cpu0", "npu0"], "one-part": ["npu0"]}
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def split(tmp_path, request):
+    """Each part on a worker process (the tests that stop or kill one)."""
+    engine, loaded, model, arena = served(tmp_path, LAYOUTS[request.param])
+    yield engine, loaded, model
+    close_all([(engine, arena)])
+
+
+@pytest.fixture(params=[(k, w) for w in ("process", "thread") for k in LAYOUTS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def workers(tmp_path, request):
+    """Each part on a worker process, or on a worker thread (`engine.workers: thread`)."""
+    layout, kind = request.param
+    engine, loaded, model, arena = served(tmp_path, LAYOUTS[layout], kind == "thread")
+    yield engine, loaded, model
     close_all([(engine, arena)])
 
 
@@ -68,16 +75,16 @@ def idle_sets(engine: Engine) -> int:
     return sum(len(v) for v in engine.bells.idle().values())
 
 
-def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(split):
-    """Client regions are named in the record and mapped by the worker, as a Run's are."""
-    engine, loaded, model, sent = split
+def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(workers):
+    """Client regions are named in the record; a worker process maps them, a thread reads
+    and writes them through their descriptors."""
+    engine, loaded, model = workers
     before = [len(r.measured_ms) for r in loaded.routes]
     for _ in range(3):
         x = torch.randn(3, 64)
         torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
         y = torch.randn(3, 64)
         torch.testing.assert_close(engine.infer("mlp", (y,))[0], eager(model, y), **CLOSE)
-    assert sent == []  # no pickled Run: every part was rung
     assert idle_sets(engine) == 1  # one set of bells, a bell per part, taken six times
     assert [len(r.measured_ms) - b for r, b in zip(loaded.routes, before,
                                                    strict=True)] == [6] * len(loaded.routes)
@@ -90,7 +97,6 @@ def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(split):
         assert engine.run(loaded, [inp], out, raw=True) == [None]
         got = np.frombuffer(region.buf, np.float32)[3 * 64:].reshape(3, 64).copy()
         torch.testing.assert_close(torch.from_numpy(got), eager(model, x), **CLOSE)
-        assert sent == []
         shrink(region, 64)  # under the next request
         with pytest.raises(BadRegion, match="is 64 bytes now"):
             engine.run(loaded, [inp], out, raw=True)
@@ -99,30 +105,29 @@ def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(split):
     assert idle_sets(engine) == 1 and engine.arena.in_use() == 0
 
 
-def test_a_traced_request_is_rung_and_gets_its_timeline(split):
-    engine, loaded, model, sent = split
+def test_a_traced_request_is_rung_and_gets_its_timeline(workers):
+    engine, loaded, model = workers
     timeline: list = []
     x = torch.randn(3, 64)
     (out,) = engine.run(loaded, [x], timeline=timeline)
     torch.testing.assert_close(out, eager(model, x), **CLOSE)
     assert [route.id for route, _, _ in timeline] == [r.id for r in loaded.routes]
-    assert sent == []
     assert all(dispatched <= replied for _, dispatched, replied in timeline)
 
 
-def test_concurrent_requests_each_get_their_own_rows(split):
-    engine, loaded, model, sent = split
+def test_concurrent_requests_each_get_their_own_rows(workers):
+    engine, loaded, model = workers
     inputs = [torch.randn(3, 64) for _ in range(60)]
     with ThreadPoolExecutor(6) as pool:
         outs = list(pool.map(lambda x: raw(engine, loaded, x), inputs))
     for x, out in zip(inputs, outs, strict=True):
         torch.testing.assert_close(out, eager(model, x), **CLOSE)
-    assert 1 <= idle_sets(engine) <= 4 and sent == []  # at most the requests in flight
+    assert 1 <= idle_sets(engine) <= 4  # at most the requests in flight
     assert engine.arena.in_use() == 0
 
 
 def test_a_worker_killed_under_a_bell_is_retried(split):
-    engine, loaded, model, _ = split
+    engine, loaded, model = split
     raw(engine, loaded, torch.randn(3, 64))
     pid = engine.workers["npu0"].process.pid
     os.kill(pid, signal.SIGSTOP)  # the request is surely in the second part when it dies
@@ -140,7 +145,7 @@ def test_a_worker_killed_under_a_bell_is_retried(split):
 
 
 def test_a_part_past_the_deadline_holds_the_block_until_it_answers(split):
-    engine, loaded, model, _ = split
+    engine, loaded, model = split
     raw(engine, loaded, torch.randn(3, 64))
     pid = engine.workers["npu0"].process.pid
     os.kill(pid, signal.SIGSTOP)
@@ -159,8 +164,8 @@ def test_a_part_past_the_deadline_holds_the_block_until_it_answers(split):
     torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
 
 
-def test_unload_ends_the_bells_in_the_workers(split):
-    engine, loaded, _, _ = split
+def test_unload_ends_the_bells_in_the_workers(workers):
+    engine, loaded, _ = workers
     raw(engine, loaded, torch.randn(3, 64))
     (bells,) = engine.bells._idle["mlp"]  # noqa: SLF001 - white-box: the test reads _idle
     engine.unload("mlp")
@@ -172,7 +177,7 @@ def test_unload_ends_the_bells_in_the_workers(split):
 
 
 def test_a_worker_hung_under_a_patient_request_is_restarted(split):
-    engine, loaded, model, _ = split
+    engine, loaded, model = split
     raw(engine, loaded, torch.randn(3, 64))
     hang_under_a_patient_request(engine, "npu0", lambda: raw(engine, loaded,
                                                              torch.randn(3, 64)),
