@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -100,8 +100,6 @@ class Engine:
                                self._restore)
         self.models: dict[str, LoadedModel] = {}
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
-        self.active = 0  # requests inside run(): alone, a part's reply is read directly
-        self._active_lock = threading.Lock()
         self.buckets_lock = threading.Lock()  # buckets' recency and use counts
         self.run_timeout_s = run_timeout_s
         self.max_buckets = max(1, max_buckets)
@@ -438,11 +436,10 @@ class Engine:
                                  f"in {time.monotonic() - begun:.1f} s (the request's "
                                  "deadline)")
             try:
-                with self._counted():
-                    if monitor:
-                        monitor.queued(model, time.perf_counter() - t0)
-                    return self._attempts(model, inputs, output_refs, raw, timeline, deadline,
-                                          patient, into)
+                if monitor:
+                    monitor.queued(model, time.perf_counter() - t0)
+                return self._attempts(model, inputs, output_refs, raw, timeline, deadline,
+                                      patient, into)
             finally:
                 self._in_flight.release()
         finally:
@@ -508,16 +505,6 @@ class Engine:
             if not self.workers.wait_usable(device, deadline - time.monotonic()):
                 raise RunTimeout(f"{lost}; its worker was not back in "
                                  f"{time.monotonic() - t0:.1f} s (the request's deadline)")
-
-    @contextlib.contextmanager
-    def _counted(self) -> Iterator[None]:
-        with self._active_lock:
-            self.active += 1
-        try:
-            yield
-        finally:
-            with self._active_lock:
-                self.active -= 1
 
     def _restore(self, device: str, worker: WorkerHandle) -> None:
         """Put a restarted worker's parts back (Workers revives it)."""

@@ -41,13 +41,11 @@ class Served(Protocol):
 
     models: dict[str, LoadedModel]
     workers: Workers
-    in_process: bool  # thread workers: parts run on daemon threads
     arena: Arena
     regions: DaemonRegions
     corrections: CorrectionStore
     monitor: Monitor | None
     run_timeout_s: float
-    active: int  # requests inside run()
 
     def feedback(self, key: str, min_runs: int = 3) -> int: ...
 
