@@ -2,7 +2,7 @@
 
 The engine's one doorbell: every request rings its parts this way, a one-part model's as a
 split model's, on worker processes or threads. Each part of a model gets bells in its worker
-(cuvild/workers/sessions.py `BellSession`): a socketpair and a record (a page, more for a
+(cuvild/workers/sessions.py `Session`): a socketpair and a record (a page, more for a
 part with many tensors). Where the part's tensors lie in a request's arena block is fixed at
 load (the model's slots, cuvild/engine/layout.py) and told to the worker once, when the bell
 is made; so a request rings a part by writing its block's place into the record (seq,

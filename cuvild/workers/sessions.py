@@ -1,14 +1,16 @@
-"""Fast-path sessions served by a device worker itself (the wire: protos/fastpath.py).
+"""Sessions a device worker serves itself: the one way a part runs.
 
-A model that is one part on a worker process has its fast-path sessions attached to that
-worker (cuvild/serve/fast.py opens them): the daemon passes the client's connection and the
-session's sealed memfd over the worker's pipe (SCM_RIGHTS), and from then on the client's
-doorbell wakes the worker, which runs the part on the slot's inputs in place and writes the
-outputs into the slot: one round trip between two processes per request, nothing pickled, no
-copy of the inputs. The worker's loop polls its pipe and its sessions' sockets together
-(`Sessions.wait`); a session ends when the client closes it (or dies), when its model is
-unloaded here (the client then opens a new one), or with the worker. The engine's bells
-(cuvild/run/bells.py) are served the same way, by `BellSession`.
+Two kinds of doorbell are attached to a worker (`Attach`: the daemon passes a socket and a
+memfd over the worker's pipe, SCM_RIGHTS), and one class serves both (`Session`):
+- a client's fast-path session on a one-part model (cuvild/serve/fast.py opens it; the wire
+  is protos/fastpath.py): its sealed memfd holds a request ring and the input and output
+  slots; the client's doorbell wakes the worker, which runs the part on the slot in place;
+- the engine's bell for a part of a model (cuvild/run/bells.py): its record names the
+  request's arena block and the request's tensors in clients' regions (protos/sessions.py).
+Either way one round trip per request, nothing pickled, no copy of the inputs. The worker's
+loop polls its pipe and its sessions' sockets together (`Sessions.wait`); a client's session
+ends when the client closes it (or dies), when its model is unloaded here (the client then
+opens a new one), or with the worker; a bell, when the engine closes it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from protos.sessions import (
 if TYPE_CHECKING:
     from cuvild.engine.loaded import LoadedModel
 
-MAX_BLOCKS = 64  # a bell's views of arena blocks kept (a model's requests reuse a few blocks)
+MAX_BLOCKS = 64  # a session's views of the places it was rung for, kept (they recur)
 
 
 def slot_layout(model: LoadedModel, inputs: list[str], outputs: list[str],
@@ -110,180 +112,150 @@ def fail(mm: mmap.mmap, layout: dict[str, Any], at: int, index: int, seq: int, s
     wire.ENTRY.pack_into(mm, at, seq, slot, wire.FAILED, len(text))
 
 
-class Session:
-    def __init__(self, order: Attach, sock: socket.socket, memfd: int, stats_fd: int) -> None:
-        self.model, self.part, self.layout = order.model, order.part, order.layout
-        self.sock = sock
-        self.exe: Any = None  # a weak reference to the part the session first ran
-        try:
-            self.mm = mmap.mmap(memfd, self.layout["size"])
-            self.stats = mmap.mmap(stats_fd, STATS_BYTES)
-        finally:
-            os.close(memfd)
-            os.close(stats_fd)
+class Slots:
+    """A client's fast-path session's ring (protos/fastpath.py): the entry at seq % depth names
+    a slot of the session's own memory, and holds the request's state and failure."""
 
-        self.inputs: list[list[Any]] = []
-        self.outputs: list[list[Any]] = []
+    def __init__(self, layout: dict[str, Any], mm: mmap.mmap, part: str) -> None:
+        self.layout, self.mm, self.part = layout, mm, part
+        self.at = self.index = self.slot = 0  # the entry of the request being served
 
-    def _places(self, exe: Any) -> None:
-        """The slots' tensors, made once the part is known: numpy arrays for a runtime that
-        takes them (OpenVINO, ONNX Runtime: 0.02-0.04 ms a run less than torch tensors on
-        the dev host), torch tensors for the rest (views.py)."""
-        lean = getattr(exe, "runtime", "") in views.NUMPY_RUNTIMES
-
-        def place(base: int, t: dict[str, Any]) -> Any:
-            shape = tuple(t["shape"])
-            raw = memoryview(self.mm)[base + t["offset"]:base + t["offset"] + t["nbytes"]]
-            if lean and t["dtype"] in views.NUMPY:
-                return np.frombuffer(raw, t["dtype"]).reshape(shape)
-            return (views.frombuffer(raw, t["dtype"], shape) if t["nbytes"]
-                    else views.empty(t["dtype"], shape))
-
-        slots = self.layout["slots"]
-        self.inputs = [[place(b, t) for t in self.layout["inputs"]] for b in slots]
-        self.outputs = [[place(b, t) for t in self.layout["outputs"]] for b in slots]
-
-    def ring(self, parts: dict[tuple[str, str], Any]) -> bool:
-        """Serve one doorbell; False when the session is over."""
-        bell = self.read()
-        return bell is not None and self.answer(bell, parts)
-
-    def read(self) -> bytes | None:
-        """The next doorbell (blocking); None when the session is over."""
-        try:
-            bell = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
-        except OSError:
-            return None
-        return bell if len(bell) == wire.DOORBELL.size else None
-
-    def answer(self, bell: bytes, parts: dict[tuple[str, str], Any]) -> bool:
-        """Run the request rung for and answer it; False when the session is over."""
-        rung = time.perf_counter()
-        (seq,) = wire.DOORBELL.unpack(bell)
+    def where(self, seq: int) -> tuple[str | None, int, int]:
         depth = self.layout["depth"]
-        index = seq % depth
-        at = self.layout["ring"] + index * wire.ENTRY_BYTES
-        got, slot, state, _ = wire.ENTRY.unpack_from(self.mm, at)
-        exe = parts.get((self.model, self.part))
-        if exe is None or (self.exe is not None and exe is not self.exe()):
-            return False  # unloaded, or loaded again: the client opens a new session
-        if self.exe is None:  # (weakly: an unloaded part is not kept alive by a session)
-            self.exe = weakref.ref(exe)
-            self._places(exe)
-        try:
-            if got != seq or state != wire.SUBMITTED:
-                raise ValueError(f"ring entry {index} holds request {got} in state {state}, "
-                                 f"the doorbell rang for request {seq} (state "
-                                 f"{wire.SUBMITTED}: submitted)")
-            if slot >= depth:
-                raise ValueError(f"ring entry {index} names slot {slot}; the session has "
-                                 f"slots 0..{depth - 1}")
-        except ValueError as e:
-            self._fail(at, index, seq, slot, "INVALID_ARGUMENT", str(e))
-            return self._answer(bell)
-        try:
-            seconds = run_into(exe, self.inputs[slot], self.outputs[slot])
-        except Exception as e:  # noqa: BLE001 - the request's failure, said to its client
-            self._fail(at, index, seq, slot, "INTERNAL",
-                       f"part {self.part} failed: {type(e).__name__}: {e}")
-            return self._answer(bell)
-        done, failed, busy = STATS.unpack_from(self.stats)
-        STATS.pack_into(self.stats, 0, done + 1, failed, busy + seconds)
-        count_time(self.stats, time.perf_counter() - rung)
-        wire.ENTRY.pack_into(self.mm, at, seq, slot, wire.DONE, 0)
-        return self._answer(bell)
+        self.index = seq % depth
+        self.at = self.layout["ring"] + self.index * wire.ENTRY_BYTES
+        got, self.slot, state, _ = wire.ENTRY.unpack_from(self.mm, self.at)
+        if got != seq or state != wire.SUBMITTED:
+            raise ValueError(f"ring entry {self.index} holds request {got} in state {state}, "
+                             f"the doorbell rang for request {seq} (state {wire.SUBMITTED}: "
+                             "submitted)")
+        if self.slot >= depth:
+            raise ValueError(f"ring entry {self.index} names slot {self.slot}; the session "
+                             f"has slots 0..{depth - 1}")
+        return None, self.layout["slots"][self.slot], 0
 
-    def _answer(self, bell: bytes) -> bool:
-        try:
-            self.sock.sendall(bell)
-            return True
-        except OSError:
-            return False  # the client died mid-request
+    def done(self, seq: int) -> None:
+        wire.ENTRY.pack_into(self.mm, self.at, seq, self.slot, wire.DONE, 0)
 
-    def _fail(self, at: int, index: int, seq: int, slot: int, code: str, error: str) -> None:
-        done, failed, busy = STATS.unpack_from(self.stats)
-        STATS.pack_into(self.stats, 0, done, failed + 1, busy)
-        fail(self.mm, self.layout, at, index, seq, slot, code, error)
-
-    def close(self) -> None:
-        self.sock.close()
-        self.stats.close()
-        self.inputs = self.outputs = []
-        try:
-            self.mm.close()
-        except BufferError:  # a runtime still holds its last input: it goes with the worker
-            pass
+    def failed(self, seq: int, e: Exception, refused: bool) -> None:
+        if refused:
+            fail(self.mm, self.layout, self.at, self.index, seq, self.slot, "INVALID_ARGUMENT",
+                 str(e))
+        else:
+            fail(self.mm, self.layout, self.at, self.index, seq, self.slot, "INTERNAL",
+                 f"part {self.part} failed: {type(e).__name__}: {e}")
 
 
-class BellSession:
-    """A bell: the engine's doorbell for one part of a model, whose tensors lie in the
-    request's arena block at offsets fixed at load (the order's layout: "inputs" and
-    "outputs", each offset, dtype, shape). The record names the block, and the tensors the
-    request has in clients' regions (checked on every use, mapped by the worker); the part
-    runs on views of them, made once per place and kept (numpy arrays for the runtimes that
-    take them, as a client's session has; a worker thread reads and writes clients' objects
-    through their descriptors instead), and fails with the part's error (a part not built
-    here, unloaded under its request, says so). The engine ends a bell by closing its socket."""
+class Record:
+    """An engine's bell's record (protos/sessions.py BELL): the request's arena block, and the
+    tensors the request has in clients' regions (TENSOR_AT entries)."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.mm = mm
+        self.kept = (0, 0, 0)  # the request's block offset, name length, tensors elsewhere
+
+    def where(self, seq: int) -> tuple[str | None, int, int]:
+        got, state, _, offset, name_len, elsewhere = BELL.unpack_from(self.mm, 0)
+        self.kept = (offset, name_len, elsewhere)
+        if got != seq or state != wire.SUBMITTED:
+            raise ValueError(f"the record holds request {got} in state {state}, the bell "
+                             f"rang for request {seq}")
+        return bytes(self.mm[BELL_NAME:BELL_NAME + name_len]).decode(), offset, elsewhere
+
+    def done(self, seq: int) -> None:
+        BELL.pack_into(self.mm, 0, seq, wire.DONE, 0, *self.kept)
+
+    def failed(self, seq: int, e: Exception, refused: bool) -> None:
+        error = f"{type(e).__name__}: {e}"[:wire.MAX_ERROR_TEXT]
+        text = json.dumps({"kind": getattr(e, "kind", ""), "error": error}).encode()[
+            :BELL_ELSEWHERE - BELL_ERRORS]
+        self.mm[BELL_ERRORS:BELL_ERRORS + len(text)] = text
+        BELL.pack_into(self.mm, 0, seq, wire.FAILED, len(text), *self.kept)
+
+
+class Session:
+    """One doorbell into one part, served by its worker: a client's fast-path session (its
+    ring names a slot of its own memory: `Slots`) or the engine's bell (its record names a
+    block of the daemon's arena, and the request's tensors in clients' regions: `Record`).
+    Where the part's tensors lie from a slot's or a block's start is fixed when it is attached
+    (the order's layout: "inputs" and "outputs", each offset, dtype, shape). The part runs on
+    views of the request's place, made once per place and kept (numpy arrays for the runtimes
+    that take them: OpenVINO, ONNX Runtime, 0.02-0.04 ms a run less than torch tensors on the
+    dev host); clients' regions are checked on every use, mapped by a worker process and read
+    and written through their descriptors by a worker thread. A failure is the request's,
+    written where its caller reads it. A client's session ends when the client closes it or
+    its model is unloaded or loaded again here (the client opens a new one); a bell, when the
+    engine closes it."""
 
     def __init__(self, order: Attach, sock: socket.socket, memfd: int, stats_fd: int,
                  worker: Any) -> None:
         self.model, self.part, self.worker, self.sock = order.model, order.part, worker, sock
         self.places = {kind: [(t["offset"], t["dtype"], tuple(t["shape"]))
                               for t in order.layout[kind]] for kind in ("inputs", "outputs")}
-        # the views of the blocks rung for, by (segment, offset, numpy views): blocks recur
-        self.blocks: dict[tuple[str, int, bool], tuple[list[Any], list[Any]]] = {}
+        # the views of the places rung for, by (segment, start, numpy views): places recur
+        self.blocks: dict[tuple[str | None, int, bool], tuple[list[Any], list[Any]]] = {}
+        self.exe: Any = None  # a client's session: a weak reference to the part it first ran
         try:
             self.mm = mmap.mmap(memfd, os.fstat(memfd).st_size)
-            self.stats = mmap.mmap(stats_fd, STATS.size)
+            self.stats = mmap.mmap(stats_fd, STATS_BYTES)
         finally:
             os.close(memfd)
             os.close(stats_fd)
+        self.record: Slots | Record = (Record(self.mm) if order.layout.get("kind") == "bell"
+                                       else Slots(order.layout, self.mm, order.part))
 
     def ring(self, parts: dict[tuple[str, str], Any]) -> bool:
+        """Serve one doorbell; False when the session is over."""
         try:
             bell = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
         except OSError:
             return False
         if len(bell) != wire.DOORBELL.size:
             return False
-        (seq,) = wire.DOORBELL.unpack(bell)
-        got, state, _, offset, name_len, elsewhere = BELL.unpack_from(self.mm, 0)
-        done, failed, busy = STATS.unpack_from(self.stats)
-        try:
-            if got != seq or state != wire.SUBMITTED:
-                raise ValueError(f"the record holds request {got} in state {state}, the bell "
-                                 f"rang for request {seq}")
-            seconds = self._run(parts, bytes(self.mm[BELL_NAME:BELL_NAME + name_len]).decode(),
-                               offset, elsewhere)
-        except Exception as e:  # noqa: BLE001 - the request's failure, told to the engine
-            error = f"{type(e).__name__}: {e}"[:wire.MAX_ERROR_TEXT]
-            text = json.dumps({"kind": getattr(e, "kind", ""), "error": error}).encode()[
-                :BELL_ELSEWHERE - BELL_ERRORS]
-            self.mm[BELL_ERRORS:BELL_ERRORS + len(text)] = text
-            BELL.pack_into(self.mm, 0, seq, wire.FAILED, len(text), offset, name_len, elsewhere)
-            STATS.pack_into(self.stats, 0, done, failed + 1, busy)
-        else:
-            BELL.pack_into(self.mm, 0, seq, wire.DONE, 0, offset, name_len, elsewhere)
-            STATS.pack_into(self.stats, 0, done + 1, failed, busy + seconds)
+        exe = parts.get((self.model, self.part))
+        if isinstance(self.record, Slots):  # unloaded, or loaded again: a new session
+            if exe is None or (self.exe is not None and exe is not self.exe()):
+                return False
+            self.exe = self.exe or weakref.ref(exe)  # (weakly: not kept alive by a session)
+        self._serve(wire.DOORBELL.unpack(bell)[0], exe)
         try:
             self.sock.sendall(bell)
             return True
         except OSError:
-            return False
+            return False  # the caller died mid-request
 
-    def _run(self, parts: dict[tuple[str, str], Any], segment: str, offset: int,
-             elsewhere: int) -> float:
+    def _serve(self, seq: int, exe: Any) -> None:
+        """The request rung for, run, and its outcome written where its caller reads it."""
+        rung = time.perf_counter()
+        done, failed, busy = STATS.unpack_from(self.stats)
+        try:
+            segment, start, elsewhere = self.record.where(seq)
+        except ValueError as e:
+            self.record.failed(seq, e, refused=True)
+            STATS.pack_into(self.stats, 0, done, failed + 1, busy)
+            return
+        try:
+            seconds = self._run(exe, segment, start, elsewhere)
+        except Exception as e:  # noqa: BLE001 - the request's failure, told to its caller
+            self.record.failed(seq, e, refused=False)
+            STATS.pack_into(self.stats, 0, done, failed + 1, busy)
+            return
+        self.record.done(seq)
+        STATS.pack_into(self.stats, 0, done + 1, failed, busy + seconds)
+        if isinstance(self.record, Slots):  # (the engine times its own requests)
+            count_time(self.stats, time.perf_counter() - rung)
+
+    def _run(self, exe: Any, segment: str | None, start: int, elsewhere: int) -> float:
         """The part on the request's views; its run's seconds."""
-        exe = parts.get((self.model, self.part))
         if exe is None:
             raise KeyError(f"part {self.part} of model {self.model} is not built here")
         numpy = getattr(exe, "runtime", "") in views.NUMPY_RUNTIMES
-        block = self.blocks.get((segment, offset, numpy))
+        block = self.blocks.get((segment, start, numpy))
         if block is None:
             if len(self.blocks) >= MAX_BLOCKS:
                 self.blocks.clear()
-            block = self.blocks[(segment, offset, numpy)] = tuple(  # type: ignore[assignment]
-                [self.worker.tensor(TensorRef(segment, offset + at, dtype, shape), numpy)
+            block = self.blocks[(segment, start, numpy)] = tuple(  # type: ignore[assignment]
+                [self._view(segment, start + at, dtype, shape, numpy)
                  for at, dtype, shape in self.places[kind]] for kind in ("inputs", "outputs"))
         inputs, outputs = block
         through: list[tuple[int, TensorRef]] = []  # outputs a worker thread writes with pwrite
@@ -311,27 +283,43 @@ class BellSession:
             self.worker.clients.close_pending()
         return seconds
 
+    def _view(self, segment: str | None, at: int, dtype: str, shape: tuple[int, ...],
+              numpy: bool) -> Any:
+        """A tensor at `at` in the daemon's arena segment `segment` (the worker's view), or in
+        this session's own memory (None)."""
+        if segment is not None:
+            return self.worker.tensor(TensorRef(segment, at, dtype, shape), numpy)
+        size = nbytes(dtype, shape)
+        if not size:
+            return views.empty(dtype, shape)
+        raw = memoryview(self.mm)[at:at + size]
+        if numpy and dtype in views.NUMPY:
+            return np.frombuffer(raw, dtype).reshape(shape)
+        return views.frombuffer(raw, dtype, shape)
+
     def close(self) -> None:
         self.sock.close()
         self.stats.close()
-        self.mm.close()
         self.blocks.clear()
+        try:
+            self.mm.close()
+        except BufferError:  # a runtime still holds its last input: it goes with the worker
+            pass
 
 
 class Sessions:
     """A worker's attached sessions (clients' fast-path sessions, the engine's bells),
     polled with its pipe."""
 
-    def __init__(self, pipe_fd: int, worker: Any = None) -> None:
+    def __init__(self, pipe_fd: int, worker: Any) -> None:
         self.worker = worker
-        self.by_fd: dict[int, tuple[int, Session | BellSession]] = {}  # socket fd -> (order
-        # id, session)
+        self.by_fd: dict[int, tuple[int, Session]] = {}  # socket fd -> (order id, session)
         self.poll = select.poll()
         self.pipe_fd = pipe_fd
         self.poll.register(pipe_fd, select.POLLIN)
         # a worker process spins a little before it sleeps (spin.py); one in the daemon's
         # threads never: it would hold the GIL the gRPC threads need
-        self.spin = Spin(0.0 if getattr(worker, "in_process", False) else MOST_S)
+        self.spin = Spin(0.0 if worker.in_process else MOST_S)
 
     def take(self, envelope: Any, conn: Any) -> bool:
         """An Attach order: its three descriptors (the client's socket, the session's memfd,
@@ -347,9 +335,7 @@ class Sessions:
         sock = socket.socket(fileno=sock_fd)
         order = envelope.order
         try:
-            session: Session | BellSession = (
-                BellSession(order, sock, memfd, stats_fd, self.worker)
-                if order.layout.get("kind") == "bell" else Session(order, sock, memfd, stats_fd))
+            session = Session(order, sock, memfd, stats_fd, self.worker)
         except Exception:  # noqa: BLE001
             sock.close()
             return False
