@@ -7,10 +7,12 @@ that frees the block only once the late part is done, nothing left behind on unl
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
@@ -27,9 +29,10 @@ from engine_helpers import (
 )
 
 from cuvild.client.samples import MLP
-from cuvild.engine.arena import Arena
+from cuvild.engine.arena import SHM_DIR, Arena
 from cuvild.engine.engine import BadRegion, Engine, RunTimeout
-from protos.orders import RawTensor
+from protos.orders import RawTensor, TensorRef
+from protos.sessions import STATS, bell_bytes
 
 
 def served(tmp_path, devices: list[str], in_process: bool = False):  # noqa: ANN201
@@ -103,6 +106,43 @@ def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(workers):
     x = torch.randn(3, 64)  # a bad region is not a lost worker: the same bells serve on
     torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
     assert idle_sets(engine) == 1 and engine.arena.in_use() == 0
+
+
+class Sum(torch.nn.Module):
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return torch.stack(xs).sum(0) * 2
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["process", "thread"])
+def test_a_record_holds_every_tensor_of_its_part_at_the_longest_names(tmp_path, in_process):
+    """13 inputs and the output in a client's object named 240 bytes long: more than a
+    page of record, which used to send the part as a pickled order instead."""
+    arena = Arena(f"{os.getpid()}-bells")
+    engine = Engine([device("npu0")], tmp_path / "cache", arena, in_process=in_process)
+    try:
+        xs = tuple(torch.randn(3, 8) for _ in range(13))
+        loaded = prepare(engine, tmp_path, "sum", Sum().eval(), xs, ["npu0"])
+        assert bell_bytes(14) > mmap.PAGESIZE
+        each = 3 * 8 * 4
+        region = shared_memory.SharedMemory(name=f"cuvil-test-{os.getpid()}-".ljust(240, "x"),
+                                            create=True, size=14 * each)
+        inode = os.stat(SHM_DIR / region.name).st_ino
+        try:
+            for i, x in enumerate(xs):
+                region.buf[i * each:(i + 1) * each] = x.numpy().tobytes()
+            refs = [TensorRef(region.name, i * each, "float32", (3, 8), inode) for i in range(14)]
+            assert engine.run(loaded, refs[:13], {loaded.outputs[0]: refs[13]}) == [None]
+            got = np.frombuffer(region.buf, np.float32)[13 * 24:].reshape(3, 8).copy()
+            torch.testing.assert_close(torch.from_numpy(got), Sum()(*xs), **CLOSE)
+            ((bell,),) = [list(bells.values()) for bells in engine.bells.idle()["sum"]]
+            assert STATS.unpack_from(bell.stats)[0] == 1  # its worker ran it, rung
+            assert engine.arena.in_use() == 0
+        finally:
+            region.close()
+            region.unlink()
+            engine.forget_segments([(region.name, inode)])
+    finally:
+        close_all([(engine, arena)])
 
 
 def test_a_traced_request_is_rung_and_gets_its_timeline(workers):
