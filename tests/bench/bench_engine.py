@@ -1,8 +1,8 @@
 """Engine figures, one run: handoff cost per cut, 2-part vs 1-part latency, pipelined
-throughput over two single-core devices vs one (emulated NPU on OpenVINO + CPU), and the
-parts of a request rung (cuvild/run/bells.py) against sent as pickled Runs
-(cuvild/run/request.py), taken in turn: a tiny two-part MLP's latency (where the hand-off
-is most of it) and two-part resnet18's latency and throughput."""
+throughput over two single-core devices vs one (emulated NPU on OpenVINO + CPU), and a tiny
+two-part MLP (where the hand-off is most of a request) with its parts on worker processes
+and on worker threads (`engine.workers: thread`), both rung through bells
+(cuvild/run/bells.py), taken in turn."""
 
 from __future__ import annotations
 
@@ -105,27 +105,28 @@ def latency(engine: Engine, key: str, x: torch.Tensor, n: int = 20) -> float:
     return statistics.median(samples)
 
 
-def bells_vs_runs(engine: Engine, keys: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Each model's p50 latency, and at 4 in flight its throughput, with its parts rung
-    and with them sent as Runs (the engine's bells turned off for the turn), in turn."""
-    rung = engine.bells.run
-    off = lambda *args, **kwargs: False  # noqa: E731 - every request takes the Run path
-    out: dict[str, Any] = {}
-    for key, x in keys.items():
-        n = 400 if x.numel() < 1000 else 20
-        lat: dict[str, list[float]] = {"bells": [], "runs": []}
-        tput: dict[str, list[float]] = {"bells": [], "runs": []}
+def processes_vs_threads(tmp: Path, path: Path, specs: Any, plan: Plan,
+                         y: torch.Tensor) -> dict[str, Any]:
+    """The tiny model's p50 latency, and at 4 in flight its throughput, with its parts on
+    worker processes and on worker threads, in turn."""
+    arenas = {way: Arena(f"{os.getpid()}-bench-{way}") for way in ("processes", "threads")}
+    engines = {way: Engine([CPU, NPU], tmp / "cache", arenas[way], max_in_flight=8,
+                           in_process=way == "threads") for way in arenas}
+    try:
+        for engine in engines.values():
+            engine.prepare("tiny", "mlp", "1", path, specs, plan=plan)
+        lat: dict[str, list[float]] = {way: [] for way in engines}
+        tput: dict[str, list[float]] = {way: [] for way in engines}
         for _ in range(3):
-            for way in lat:
-                engine.bells.run = rung if way == "bells" else off  # type: ignore[method-assign]
-                lat[way].append(latency(engine, key, x, n))
-                tput[way].append(run_load(engine, key, x, 4, 2.0))
-        engine.bells.run = rung  # type: ignore[method-assign]
-        p50 = {w: statistics.median(v) for w, v in lat.items()}
-        rps = {w: statistics.median(v) for w, v in tput.items()}
-        out[key] = {"p50_ms": p50, "rps_at_4": rps, "p50_ratio": p50["bells"] / p50["runs"],
-                    "rps_ratio": rps["bells"] / rps["runs"]}
-    return out
+            for way, engine in engines.items():
+                lat[way].append(latency(engine, "tiny", y, 400))
+                tput[way].append(run_load(engine, "tiny", y, 4, 2.0))
+    finally:
+        for way, engine in engines.items():
+            engine.close()
+            arenas[way].close()
+    return {"p50_ms": {w: statistics.median(v) for w, v in lat.items()},
+            "rps_at_4": {w: statistics.median(v) for w, v in tput.items()}}
 
 
 def main() -> dict[str, Any]:
@@ -168,9 +169,8 @@ def main() -> dict[str, Any]:
         mlp, y = MLP(width=16, depth=2).eval(), torch.randn(1, 16)
         mep = cuvild.export(mlp, (y,))
         torch.export.save(mep, tmp / "mlp.pt2")
-        engine.prepare("tiny", "mlp", "1", tmp / "mlp.pt2", summarize(mep)["inputs"],
-                       plan=chunked(mep, ["npu0", "cpu0"]))
-        result["bells_vs_runs"] = bells_vs_runs(engine, {"tiny": y, "two": x})
+        result["tiny_two_parts"] = processes_vs_threads(
+            tmp, tmp / "mlp.pt2", summarize(mep)["inputs"], chunked(mep, ["npu0", "cpu0"]), y)
     finally:
         engine.close()
         arena.close()
@@ -199,8 +199,7 @@ if __name__ == "__main__":
         print(f"  in flight {depth}: one device {t[f'one_device_{depth}']:.1f} req/s, two "
               f"pipelined devices {t[f'two_devices_{depth}']:.1f} req/s")
     print(f"pipelined speedup at 4 in flight: {r['pipelined_speedup_at_4']:.2f}x")
-    print("parts rung (bells) vs sent as pickled Runs, in turn:")
-    for key, b in r["bells_vs_runs"].items():
-        print(f"  {key}: p50 {b['p50_ms']['bells']:.3f} vs {b['p50_ms']['runs']:.3f} ms "
-              f"({b['p50_ratio']:.2f}x); at 4 in flight {b['rps_at_4']['bells']:.0f} vs "
-              f"{b['rps_at_4']['runs']:.0f} req/s ({b['rps_ratio']:.2f}x)")
+    t = r["tiny_two_parts"]
+    print(f"tiny MLP in two parts, rung on worker processes vs threads, in turn: p50 "
+          f"{t['p50_ms']['processes']:.3f} vs {t['p50_ms']['threads']:.3f} ms; at 4 in flight "
+          f"{t['rps_at_4']['processes']:.0f} vs {t['rps_at_4']['threads']:.0f} req/s")
