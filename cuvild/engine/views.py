@@ -41,6 +41,14 @@ def empty(dtype: str, shape: tuple[int, ...]) -> Any:
     return torch.empty(shape, dtype=getattr(torch, dtype))
 
 
+def wrap(raw: Any, dtype: str, shape: tuple[int, ...], numpy: bool = False) -> Any:
+    """A tensor over `raw` (None: an empty one): with `numpy`, a numpy array where numpy has
+    the dtype (for the runtimes that take them), else as `frombuffer` makes it."""
+    if numpy and dtype in NUMPY:
+        return np.empty(shape, dtype) if raw is None else np.frombuffer(raw, dtype).reshape(shape)
+    return empty(dtype, shape) if raw is None else frombuffer(raw, dtype, shape)
+
+
 def as_numpy(value: Any) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else value.detach().numpy()
 

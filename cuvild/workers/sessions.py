@@ -26,8 +26,6 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from cuvild.engine import views
 from cuvild.engine.arena import align
 from cuvild.engine.dtypes import nbytes
@@ -273,8 +271,7 @@ class Session:
                 elif kind == 0:  # (a worker thread never maps a client's object)
                     inputs[index] = self.worker.read(ref, numpy)
                 else:
-                    outputs[index] = (np.empty(shape, dtype) if numpy and dtype in views.NUMPY
-                                      else views.empty(dtype, shape))
+                    outputs[index] = views.wrap(None, dtype, shape, numpy)
                     through.append((index, ref))
         seconds = run_into(exe, inputs, outputs)
         for index, ref in through:
@@ -290,12 +287,8 @@ class Session:
         if segment is not None:
             return self.worker.tensor(TensorRef(segment, at, dtype, shape), numpy)
         size = nbytes(dtype, shape)
-        if not size:
-            return views.empty(dtype, shape)
-        raw = memoryview(self.mm)[at:at + size]
-        if numpy and dtype in views.NUMPY:
-            return np.frombuffer(raw, dtype).reshape(shape)
-        return views.frombuffer(raw, dtype, shape)
+        return views.wrap(memoryview(self.mm)[at:at + size] if size else None, dtype, shape,
+                          numpy)
 
     def close(self) -> None:
         self.sock.close()

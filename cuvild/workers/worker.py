@@ -27,8 +27,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from cuvild.engine import views
 from cuvild.engine.dtypes import nbytes
 from cuvild.workers.clientmem import ClientObjects, Key, RegionGone
@@ -118,8 +116,8 @@ class Worker:
 
     def _view(self, ref: TensorRef, numpy: bool = False) -> Any:
         size = nbytes(ref.dtype, ref.shape)
-        if size == 0:
-            return np.empty(ref.shape, ref.dtype) if numpy else views.empty(ref.dtype, ref.shape)
+        if not size:
+            return views.wrap(None, ref.dtype, ref.shape, numpy)
         if ref.inode:  # pinned to the inode it was registered with: a replacement is refused
             raw = self.clients.get(ref.segment, ref.inode).view(ref.offset, size)
         else:  # the arena's segment names are never reused
@@ -130,21 +128,17 @@ class Worker:
                 seg = self.segments[ref.segment] = Segment(ref.segment, 0, create=False,
                                                            lock=False)
             raw = seg.view(ref.offset, size)
-        if numpy:
-            return np.frombuffer(raw, dtype=ref.dtype).reshape(ref.shape)
-        return views.frombuffer(raw, ref.dtype, ref.shape)
+        return views.wrap(raw, ref.dtype, ref.shape, numpy)
 
     def read(self, ref: TensorRef, numpy: bool = False) -> Any:
         """A worker thread's input in a client's object: a fresh copy read through the
         descriptor (a shrunk object is a short read, not a SIGBUS in the daemon)."""
         size = nbytes(ref.dtype, ref.shape)
+        if not size:
+            return views.wrap(None, ref.dtype, ref.shape, numpy)
         buf = bytearray(size)
-        if size:
-            self.clients.get(ref.segment, ref.inode).read(ref.offset, memoryview(buf))
-        if numpy and ref.dtype in views.NUMPY:
-            return np.frombuffer(buf, dtype=ref.dtype).reshape(ref.shape)
-        return views.frombuffer(buf, ref.dtype, ref.shape) if size else views.empty(
-            ref.dtype, ref.shape)
+        self.clients.get(ref.segment, ref.inode).read(ref.offset, memoryview(buf))
+        return views.wrap(buf, ref.dtype, ref.shape, numpy)
 
     def write(self, value: Any, ref: TensorRef) -> None:
         """A worker thread's output into a client's object, through the descriptor."""
