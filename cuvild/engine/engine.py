@@ -7,10 +7,9 @@ lifetimes do not overlap share bytes), and have each device's worker build its p
 Data path: `resolve` checks a request's inputs against the model's input table (once) and,
 for a dynamic-shape model, picks the bucket for its shapes (buckets.py); a batched model's
 request queues to share a run (batching.py); `run` takes a block, puts the inputs in it,
-rings each part's worker as soon as its inputs are ready (bells.py, one part as several;
-request.py sends pickled orders to thread workers and where bells do not fit), reads the
-outputs, gives the block back. No planning, compiling or file I/O, and only short locks (a
-batch waits apart).
+rings each part's worker as soon as its inputs are ready (run/bells.py: every part, on
+worker processes or threads), reads the outputs, gives the block back. No planning,
+compiling or file I/O, and only short locks (a batch waits apart).
 
 Every request has a deadline (by default `run_timeout_s` from its start): every wait of it
 ends there with RunTimeout, and a worker that gave no reply for all of it is restarted. A
@@ -53,8 +52,8 @@ from cuvild.load import buckets, fallback, precision, warm
 from cuvild.load.corrections import CorrectionStore
 from cuvild.load.precision import Accuracy, PrecisionPolicy
 from cuvild.run.batching import Batching, batcher_for
-from cuvild.run.bells import Bells
-from cuvild.run.request import FEEDBACK_RUNS, Timeline
+from cuvild.run.bells import Bells, Rung
+from cuvild.run.request import FEEDBACK_RUNS, Timeline, run_parts
 from cuvild.workers.clientmem import DaemonRegions
 from cuvild.workers.handle import WorkerDied, WorkerHandle
 from cuvild.workers.workers import Workers
@@ -74,6 +73,7 @@ from runtimes import registry
 if TYPE_CHECKING:
     import torch
 
+    from cuvild.engine.arena import Block
     from partitioner.plan import Plan
     from partitioner.split import SplitProgram
 
@@ -400,7 +400,8 @@ class Engine:
     def run(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
             output_refs: dict[str, TensorRef] | None = None, raw: bool = False,
             timeline: Timeline | None = None, deadline: float | None = None,
-            into: Sequence[memoryview] | None = None) -> list[torch.Tensor | bytes | None]:
+            into: Sequence[memoryview] | None = None,
+            batched: bool = False) -> list[torch.Tensor | bytes | None]:
         """Run one request of a resolved model (inputs already checked by `resolve`). Inputs
         are tensors or raw bytes (copied into the arena) or references into shared memory
         (read in place by the first part); outputs named in output_refs are written in place
@@ -411,92 +412,95 @@ class Engine:
         the parts of its batch's run). `deadline` (time.monotonic()) bounds every wait of the
         request (None: run_timeout_s from now): RunTimeout after it. A request whose worker
         died runs once more when the worker is back; WorkerUnavailable if that fails too. A
-        batched model's requests share runs (cuvild/run/batching.py)."""
-        if model.batcher is not None:
+        batched model's requests share runs (cuvild/run/batching.py), which come back here
+        `batched`."""
+        if model.batcher is not None and not batched:
             return model.batcher.run(self, model, inputs, output_refs or {}, raw, into,
                                      deadline, timeline)
-        return self.run_direct(model, inputs, output_refs, raw, timeline, deadline, into)
-
-    def run_direct(self, model: LoadedModel,
-                   inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
-                   output_refs: dict[str, TensorRef] | None, raw: bool,
-                   timeline: Timeline | None, deadline: float | None,
-                   into: Sequence[memoryview] | None) -> list[Any]:
-        """One run of the model, as `run` describes."""
         output_refs = output_refs or {}
-        monitor = self.monitor
-        t0 = time.perf_counter() if monitor else 0.0
         begun = time.monotonic()
         deadline = begun + self.run_timeout_s if deadline is None else deadline
         patient = deadline - begun >= self.run_timeout_s  # may take a silent worker as hung
-        model = buckets.hold(self, model, deadline)
+        model = self._admit(model, deadline)
+        outstanding: Sequence[Future[Any]] = ()  # parts that may still write the block
+        block = None
         try:
-            if not self._in_flight.acquire(timeout=max(0.0, deadline - begun)):
-                raise RunTimeout(f"model {model.key}: no place among the requests in flight "
-                                 f"in {time.monotonic() - begun:.1f} s (the request's "
-                                 "deadline)")
-            try:
-                if monitor:
-                    monitor.queued(model, time.perf_counter() - t0)
-                return self._attempts(model, inputs, output_refs, raw, timeline, deadline,
-                                      patient, into)
-            finally:
-                self._in_flight.release()
-        finally:
-            buckets.release(self, model)
-
-    def _attempts(self, model: LoadedModel,  # noqa: C901 - each retry rule beside the failure it answers
-                  inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
-                  output_refs: dict[str, TensorRef], raw: bool, timeline: Timeline | None,
-                  deadline: float, patient: bool,
-                  into: Sequence[memoryview] | None) -> list[torch.Tensor | bytes | None]:
-        """The request in its block, run (twice at most: once more on a revived worker)."""
-        block = self.arena.alloc(model.footprint)
-        outstanding: Sequence[Future[Any]] = ()
-        try:
-            refs = dict(output_refs)
+            refs = dict(output_refs)  # the request's tensors in clients' regions
             refs.update((n, v) for n, v in zip(model.inputs, inputs, strict=True)
                         if isinstance(v, TensorRef))
+            block = self.arena.alloc(model.footprint)
             for attempt in (1, 2):
-                # (again for the retry: a later part may have reused a spent input's bytes)
-                for name, value in zip(model.inputs, inputs, strict=True):
-                    if isinstance(value, RawTensor):
-                        self.arena.bytes(block, model.slots[name])[:] = value.data
-                    elif not isinstance(value, TensorRef):
-                        self.arena.tensor(block, model.slots[name]).copy_(value)
-                try:
-                    self.bells.run(self, model, block, refs, timeline, deadline, patient)
+                self._place(model, block, inputs)  # (again for a retry: a later part may
+                try:                               # have reused a spent input's bytes)
+                    with Rung(self.bells, self, model, block, refs, deadline) as parts:
+                        run_parts(self, model, parts, timeline, deadline, patient)
                     break
-                except RunTimeout as e:
-                    outstanding = e.outstanding
-                    raise
-                except WorkerLost as e:
-                    if attempt == 2:
-                        raise WorkerUnavailable(f"{e}; its worker had died during this "
-                                                "request before, was restarted, and died "
-                                                "again") from None
-                    log.warning("model %s: %s; running the request again once its worker "
-                                "is back", model.key, e)
-                    self._await(e, deadline)
-                    if timeline is not None:
-                        timeline.clear()
                 except InferError as e:
-                    if attempt == 2 and not isinstance(e, BadRegion):
-                        raise WorkerUnavailable(f"its worker died during this request and "
-                                                f"was restarted, and the retry failed: "
-                                                f"{e}") from None
-                    raise
-            if into is not None:
-                for name, place in zip(model.outputs, into, strict=True):
-                    place[:] = self.arena.bytes(block, model.slots[name])
-                return []
-            if raw:
-                return [None if n in output_refs else bytes(self.arena.bytes(block, model.slots[n]))
-                        for n in model.outputs]
-            return [None if n in output_refs else self.arena.tensor(block, model.slots[n]).clone()
-                    for n in model.outputs]
+                    outstanding = getattr(e, "outstanding", ())
+                    self._again(model, e, attempt, deadline, timeline)  # or raises
+            return self._results(model, block, output_refs, raw, into)
         finally:
-            self.arena.free_after(block, outstanding)
+            if block is not None:
+                self.arena.free_after(block, outstanding)
+            self._in_flight.release()
+            buckets.release(self, model)
+
+    def _admit(self, model: LoadedModel, deadline: float) -> LoadedModel:
+        """A place among the requests in flight, by the deadline, for the model (a bucket
+        held, not evicted, while its request runs: the one returned); `run` gives both back."""
+        t0, begun = time.perf_counter(), time.monotonic()
+        model = buckets.hold(self, model, deadline)
+        if not self._in_flight.acquire(timeout=max(0.0, deadline - begun)):
+            buckets.release(self, model)
+            raise RunTimeout(f"model {model.key}: no place among the requests in flight in "
+                             f"{time.monotonic() - begun:.1f} s (the request's deadline)")
+        if self.monitor:
+            self.monitor.queued(model, time.perf_counter() - t0)
+        return model
+
+    def _place(self, model: LoadedModel, block: Block,
+               inputs: Sequence[torch.Tensor | TensorRef | RawTensor]) -> None:
+        """The request's inputs into its block (those in clients' regions stay there)."""
+        for name, value in zip(model.inputs, inputs, strict=True):
+            if isinstance(value, RawTensor):
+                self.arena.bytes(block, model.slots[name])[:] = value.data
+            elif not isinstance(value, TensorRef):
+                self.arena.tensor(block, model.slots[name]).copy_(value)
+
+    def _again(self, model: LoadedModel, error: InferError, attempt: int, deadline: float,
+               timeline: Timeline | None) -> None:
+        """After a failed attempt: return to run the request again (its worker died the
+        first time, and is back), else raise what the request answers."""
+        if isinstance(error, RunTimeout):
+            raise error
+        if isinstance(error, WorkerLost):
+            if attempt == 2:
+                raise WorkerUnavailable(f"{error}; its worker had died during this request "
+                                        "before, was restarted, and died again") from None
+            log.warning("model %s: %s; running the request again once its worker is back",
+                        model.key, error)
+            self._await(error, deadline)
+            if timeline is not None:
+                timeline.clear()
+            return
+        if attempt == 2 and not isinstance(error, BadRegion):
+            raise WorkerUnavailable(f"its worker died during this request and was restarted, "
+                                    f"and the retry failed: {error}") from None
+        raise error
+
+    def _results(self, model: LoadedModel, block: Block, output_refs: dict[str, TensorRef],
+                 raw: bool, into: Sequence[memoryview] | None) -> list[Any]:
+        """The outputs from the block: copied `into` places, as bytes (`raw`) or tensors
+        (None for those written in clients' regions)."""
+        if into is not None:
+            for name, place in zip(model.outputs, into, strict=True):
+                place[:] = self.arena.bytes(block, model.slots[name])
+            return []
+        if raw:
+            return [None if n in output_refs else bytes(self.arena.bytes(block, model.slots[n]))
+                    for n in model.outputs]
+        return [None if n in output_refs else self.arena.tensor(block, model.slots[n]).clone()
+                for n in model.outputs]
 
     def _await(self, lost: WorkerLost, deadline: float) -> None:
         """Wait for the dead workers' restart, by the deadline."""

@@ -52,9 +52,10 @@ class Served(Protocol):
     def resolve(self, model: LoadedModel, given: Sequence[tuple[str, tuple[int, ...]]],
                 deadline: float | None = None) -> LoadedModel: ...
 
-    def run_direct(self, model: LoadedModel, inputs: Sequence[Any],
-                   output_refs: dict[str, Any] | None, raw: bool, timeline: Timeline | None,
-                   deadline: float | None, into: Sequence[memoryview] | None) -> list[Any]: ...
+    def run(self, model: LoadedModel, inputs: Sequence[Any],
+            output_refs: dict[str, Any] | None = None, raw: bool = False,
+            timeline: Timeline | None = None, deadline: float | None = None,
+            into: Sequence[memoryview] | None = None, batched: bool = False) -> list[Any]: ...
 
 
 class Builds(Protocol):

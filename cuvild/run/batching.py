@@ -202,7 +202,8 @@ class Batcher:
         me = Pending(model, inputs, output_refs, raw, into, deadline, engine.run_timeout_s,
                      timeline)
         if me.rows >= self.settings.max_batch:
-            return engine.run_direct(model, inputs, output_refs, raw, timeline, deadline, into)
+            return engine.run(model, inputs, output_refs, raw, timeline, deadline, into,
+                              batched=True)
         with self._cond:
             me.gap, self._last = me.arrived - self._last, me.arrived
             self._back += 1
@@ -332,8 +333,8 @@ class Batcher:
     @staticmethod
     def _alone(engine: Served, p: Pending) -> None:
         try:
-            p.result = engine.run_direct(p.model, p.inputs, p.output_refs, p.raw, p.timeline,
-                                         p.given, p.into)
+            p.result = engine.run(p.model, p.inputs, p.output_refs, p.raw, p.timeline,
+                                  p.given, p.into, batched=True)
         except Exception as e:  # noqa: BLE001 - the request's own answer
             p.error = e
 
@@ -352,7 +353,7 @@ class Batcher:
         outs = [memoryview(bytearray(model.slots[n].nbytes)) for n in model.outputs]
         traced = [p.timeline for p in batch if p.timeline is not None]
         timeline: Timeline | None = [] if traced else None
-        engine.run_direct(model, inputs, {}, False, timeline, deadline, outs)
+        engine.run(model, inputs, {}, False, timeline, deadline, outs, batched=True)
         for each in traced:
             each.extend(timeline or ())
         at_row = 0

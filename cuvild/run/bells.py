@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from cuvild.engine.errors import BadRegion, InferError, WorkerLost
 from cuvild.engine.plane import Served
-from cuvild.run.request import Answer, Timeline, run_parts, usable
+from cuvild.run.request import Answer, usable
 from protos import fastpath as wire
 from protos.orders import Attach, TensorRef
 from protos.sessions import (
@@ -255,28 +255,33 @@ class Bells:
         with self._lock:
             self._idle.setdefault(model.key, []).append(bells)
 
-    def run(self, engine: Served, model: LoadedModel, block: Block, refs: dict[str, TensorRef],
-            timeline: Timeline | None, deadline: float, patient: bool) -> None:
-        """Run the request's parts on a set of its bells. `refs`: the request's tensors
-        outside its block (in clients' regions)."""
-        bells = self.take(engine, model, deadline)
-        try:
-            for bell in bells.values():
-                bell.record(block, refs)
-            run_parts(engine, model, Rung(bells), timeline, deadline, patient)
-        finally:
-            self.give(engine, model, bells)
-
 
 class Rung:
-    """A request's parts rung on its set of bells (the transport `run_parts` drives): each
-    part's record is written already; a ring is 8 bytes, its answer polled with the others'."""
+    """A request's parts rung on a set of its model's bells, taken from `pool` for the
+    request and given back when it is left (`with Rung(...) as parts`; the transport
+    `run_parts` drives). Every part's record is written first (the request's block, its
+    tensors in clients' regions: `refs`; BadRegion before any part runs); a ring is 8 bytes,
+    its answer read at once (a part alone) or polled with the others'."""
 
-    def __init__(self, bells: Set) -> None:
-        self.bells = bells
+    def __init__(self, pool: Bells, engine: Served, model: LoadedModel, block: Block,
+                 refs: dict[str, TensorRef], deadline: float) -> None:
+        self.pool, self.engine, self.model = pool, engine, model
+        self.bells = pool.take(engine, model, deadline)
+        try:
+            for bell in self.bells.values():
+                bell.record(block, refs)
+        except BaseException:
+            pool.give(engine, model, self.bells)
+            raise
         self.running: dict[int, tuple[Route, Bell]] = {}  # by the bell's socket
         self.done: list[Answer] = []  # answered as it was rung (alone), or its worker is gone
         self.poll: Any = None  # made for the first part left out
+
+    def __enter__(self) -> Rung:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.pool.give(self.engine, self.model, self.bells)
 
     def out(self) -> bool:
         return bool(self.running or self.done)

@@ -203,45 +203,46 @@ class Session:
                                        else Slots(order.layout, self.mm, order.part))
 
     def ring(self, parts: dict[tuple[str, str], Any]) -> bool:
-        """Serve one doorbell; False when the session is over."""
+        """Serve one doorbell: the request rung for is run on its views, its outcome written
+        where its caller reads it (and counted), and the doorbell sent back. False when the
+        session is over."""
         try:
             bell = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
         except OSError:
             return False
-        if len(bell) != wire.DOORBELL.size:
-            return False
         exe = parts.get((self.model, self.part))
-        if isinstance(self.record, Slots):  # unloaded, or loaded again: a new session
-            if exe is None or (self.exe is not None and exe is not self.exe()):
-                return False
-            self.exe = self.exe or weakref.ref(exe)  # (weakly: not kept alive by a session)
-        self._serve(wire.DOORBELL.unpack(bell)[0], exe)
+        if len(bell) != wire.DOORBELL.size or not self._serves(exe):
+            return False
+        seq, rung = wire.DOORBELL.unpack(bell)[0], time.perf_counter()
+        done, failed, busy = STATS.unpack_from(self.stats)
+        refused = True  # until the record names a request
+        try:
+            place = self.record.where(seq)
+            refused = False
+            seconds = self._run(exe, *place)
+        except Exception as e:  # noqa: BLE001 - the request's failure, told to its caller
+            self.record.failed(seq, e, refused)
+            STATS.pack_into(self.stats, 0, done, failed + 1, busy)
+        else:
+            self.record.done(seq)
+            STATS.pack_into(self.stats, 0, done + 1, failed, busy + seconds)
+            if isinstance(self.record, Slots):  # (the engine times its own requests)
+                count_time(self.stats, time.perf_counter() - rung)
         try:
             self.sock.sendall(bell)
             return True
         except OSError:
             return False  # the caller died mid-request
 
-    def _serve(self, seq: int, exe: Any) -> None:
-        """The request rung for, run, and its outcome written where its caller reads it."""
-        rung = time.perf_counter()
-        done, failed, busy = STATS.unpack_from(self.stats)
-        try:
-            segment, start, elsewhere = self.record.where(seq)
-        except ValueError as e:
-            self.record.failed(seq, e, refused=True)
-            STATS.pack_into(self.stats, 0, done, failed + 1, busy)
-            return
-        try:
-            seconds = self._run(exe, segment, start, elsewhere)
-        except Exception as e:  # noqa: BLE001 - the request's failure, told to its caller
-            self.record.failed(seq, e, refused=False)
-            STATS.pack_into(self.stats, 0, done, failed + 1, busy)
-            return
-        self.record.done(seq)
-        STATS.pack_into(self.stats, 0, done + 1, failed, busy + seconds)
-        if isinstance(self.record, Slots):  # (the engine times its own requests)
-            count_time(self.stats, time.perf_counter() - rung)
+    def _serves(self, exe: Any) -> bool:
+        """A client's session serves the part it first ran: not once its model is unloaded,
+        or loaded again here (its client opens a new session). A bell is closed by the engine."""
+        if isinstance(self.record, Record):
+            return True
+        if exe is None or (self.exe is not None and exe is not self.exe()):
+            return False
+        self.exe = self.exe or weakref.ref(exe)  # (weakly: not kept alive by a session)
+        return True
 
     def _run(self, exe: Any, segment: str | None, start: int, elsewhere: int) -> float:
         """The part on the request's views; its run's seconds."""

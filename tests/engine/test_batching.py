@@ -316,7 +316,7 @@ class HeldEngine:
     def resolve(self, model, given, deadline):  # noqa: ANN001, ANN201
         return held_model(given[0][1][0])  # the bucket of the merged rows
 
-    def run_direct(self, model, inputs, output_refs, raw, timeline, deadline, into):  # noqa: ANN001, ANN202
+    def run(self, model, inputs, output_refs, raw, timeline, deadline, into, batched):  # noqa: ANN001, ANN202
         self.go.wait(30)
         if self.broken and into is not None:
             raise TypeError("a bug")
@@ -441,9 +441,9 @@ class TimedEngine(HeldEngine):
         self.run_s = run_s
         self.go.set()
 
-    def run_direct(self, model, inputs, output_refs, raw, timeline, deadline, into):  # noqa: ANN001, ANN202
+    def run(self, model, inputs, output_refs, raw, timeline, deadline, into, batched):  # noqa: ANN001, ANN202
         time.sleep(self.run_s)
-        return super().run_direct(model, inputs, output_refs, raw, timeline, deadline, into)
+        return super().run(model, inputs, output_refs, raw, timeline, deadline, into, batched)
 
 
 def test_a_loop_of_clients_slower_to_come_back_than_the_delay_keeps_its_batches_whole():
