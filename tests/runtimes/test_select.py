@@ -237,3 +237,31 @@ def test_a_runtime_that_returns_nan_is_refused_naming_it(tmp_path, quick_timing,
     monkeypatch.setattr(registry.runtime_class("torch"), "compile", nan_in_one_value)
     with pytest.raises(CompileError, match="torch: failed .returned inf or NaN in 1 of"):
         build_part(module, CPU, "fp32", samples, CompileCache(tmp_path), allowed=["torch"])
+
+
+def test_close_candidates_are_timed_again_in_turn_and_the_faster_wins(monkeypatch):
+    """Two accurate runtimes first timed 1.0 and 1.2 ms (each alone, at its compile, on a
+    host that drifted) are timed again in turn: the one that runs faster then wins. One over
+    CLOSE of the fastest, or inaccurate, is not run again. (A fake clock: no timing here.)"""
+    clock = [0.0]
+    monkeypatch.setattr(select.time, "perf_counter", lambda: clock[0])
+    runs: dict[str, int] = {}
+
+    class Exe:
+        def __init__(self, name: str, ms: float) -> None:
+            self.name, self.ms = name, ms
+
+        def run(self, inputs):  # noqa: ANN001, ANN202
+            runs[self.name] = runs.get(self.name, 0) + 1
+            clock[0] += self.ms / 1e3
+
+    tried = [select.Candidate("a", "ok", rel_error=1e-6, median_ms=1.0),
+             select.Candidate("b", "ok", rel_error=1e-6, median_ms=1.2),
+             select.Candidate("slow", "ok", rel_error=1e-6, median_ms=5.0),
+             select.Candidate("wrong", "ok", rel_error=1.0, median_ms=0.5)]
+    exes = {"a": Exe("a", 2.0), "b": Exe("b", 1.0), "slow": Exe("slow", 0.1),
+            "wrong": Exe("wrong", 0.1)}
+    select.retime_close(tried, exes, [], 1e-3)
+    assert set(runs) == {"a", "b"} and min(runs.values()) >= 3 * 2  # 3 rounds of blocks
+    assert (tried[0].median_ms, tried[1].median_ms) == pytest.approx((2.0, 1.0))
+    assert min((c for c in tried[:2]), key=lambda c: c.median_ms).runtime == "b"
