@@ -145,7 +145,6 @@ class Reply:
     id: int
     result: Built | Progress | None = None
     error: str = ""  # "ExceptionType: message" when the order failed
-    kind: str = ""  # "invalid": the failure was the request's (a client region it names)
 
     @property
     def ok(self) -> bool:

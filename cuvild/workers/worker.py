@@ -29,7 +29,7 @@ from typing import Any
 
 from cuvild.engine import views
 from cuvild.engine.dtypes import nbytes
-from cuvild.workers.clientmem import ClientObjects, Key, RegionGone
+from cuvild.workers.clientmem import ClientObjects, Key
 from cuvild.workers.sessions import Sessions
 from partitioner.profile import DeviceProfile
 from protos.orders import (
@@ -211,13 +211,11 @@ class Worker:
 
 
 def answer(worker: Worker, envelope: Envelope) -> Reply:
-    """Carry out one order; every failure goes back to the caller as the reply's error (a
-    client region's, with kind "invalid")."""
+    """Carry out one order; every failure goes back to the caller as the reply's error."""
     try:
         return Reply(envelope.id, worker.handle(envelope.order))
     except Exception as e:  # noqa: BLE001
-        return Reply(envelope.id, error=f"{type(e).__name__}: {e}",
-                     kind=e.kind if isinstance(e, RegionGone) else "")
+        return Reply(envelope.id, error=f"{type(e).__name__}: {e}")
 
 
 def serve(conn: Any, device: DeviceProfile, cache_dir: str,  # noqa: C901 - the worker's loop: a branch per order
