@@ -121,8 +121,9 @@ def retime_close(tried: list[Candidate], executables: dict[str, Executable],
     drift between those moments flipped which of two close runtimes won from one load of the
     same tiny MLP to the next (ONNX Runtime 0.017-0.032 ms against llvm-cpu 0.027-0.029).
     In turn means blocks, not single runs: a block runs a candidate back to back as it will
-    serve (its first run, after another runtime's, not counted; then up to BLOCK_RUNS runs or
-    BLOCK_S), the order of the blocks reversed every other round, at least 3 rounds, at most 5 or
+    serve, up to BLOCK_RUNS runs or BLOCK_S (its first run, after another runtime's, is not
+    counted unless it is the block's only one: a part that runs longer than BLOCK_S), the
+    order of the blocks reversed every other round, at least 3 rounds, at most 5 or
     TIMING_BUDGET_S a candidate. (One run of each in turn made both ONNX Runtime and llvm-cpu
     2x slower on that MLP, each cooling the other's caches and thread pool: not how either
     would serve.)"""
@@ -136,15 +137,12 @@ def retime_close(tried: list[Candidate], executables: dict[str, Executable],
     rounds = 0
     while rounds < 3 or (time.perf_counter() < deadline and rounds < 5):
         for c in close if rounds % 2 == 0 else reversed(close):
-            exe = executables[c.runtime]
-            exe.run(inputs)
-            block_end = time.perf_counter() + BLOCK_S
-            for _ in range(BLOCK_RUNS):
+            block, block_end = [], time.perf_counter() + BLOCK_S
+            while len(block) < BLOCK_RUNS and (not block or time.perf_counter() < block_end):
                 t0 = time.perf_counter()
-                exe.run(inputs)
-                samples[c.runtime].append((time.perf_counter() - t0) * 1e3)
-                if t0 > block_end:
-                    break
+                executables[c.runtime].run(inputs)
+                block.append((time.perf_counter() - t0) * 1e3)
+            samples[c.runtime] += block[1:] or block
         rounds += 1
     for c in close:
         c.median_ms = statistics.median(samples[c.runtime])

@@ -255,13 +255,23 @@ def test_close_candidates_are_timed_again_in_turn_and_the_faster_wins(monkeypatc
             runs[self.name] = runs.get(self.name, 0) + 1
             clock[0] += self.ms / 1e3
 
+    exes = {"a": Exe("a", 2.0), "b": Exe("b", 1.0), "slow": Exe("slow", 0.1),
+            "wrong": Exe("wrong", 0.1)}
     tried = [select.Candidate("a", "ok", rel_error=1e-6, median_ms=1.0),
              select.Candidate("b", "ok", rel_error=1e-6, median_ms=1.2),
              select.Candidate("slow", "ok", rel_error=1e-6, median_ms=5.0),
              select.Candidate("wrong", "ok", rel_error=1.0, median_ms=0.5)]
-    exes = {"a": Exe("a", 2.0), "b": Exe("b", 1.0), "slow": Exe("slow", 0.1),
-            "wrong": Exe("wrong", 0.1)}
     select.retime_close(tried, exes, [], 1e-3)
     assert set(runs) == {"a", "b"} and min(runs.values()) >= 3 * 2  # 3 rounds of blocks
     assert (tried[0].median_ms, tried[1].median_ms) == pytest.approx((2.0, 1.0))
     assert min((c for c in tried[:2]), key=lambda c: c.median_ms).runtime == "b"
+
+    # parts longer than a block run once a block, that run counted: no run is thrown away
+    runs.clear()
+    budget_ms = select.TIMING_BUDGET_S * 1e3
+    exes = {"long": Exe("long", budget_ms), "longer": Exe("longer", 1.5 * budget_ms)}
+    tried = [select.Candidate("long", "ok", rel_error=1e-6, median_ms=90.0),
+             select.Candidate("longer", "ok", rel_error=1e-6, median_ms=80.0)]
+    select.retime_close(tried, exes, [], 1e-3)
+    assert runs == {"long": 3, "longer": 3}  # the 3 rounds at least, past the budget
+    assert tried[0].median_ms < tried[1].median_ms
