@@ -20,6 +20,7 @@ DAEMON_FIXTURES = {"daemon", "make_daemon", "env"}
 # built) once: test_oip_shm.py uses test_oip.py's `env`, test_fuzz.py test_hardening.py's
 # `hardened` (both in tests/serve/conftest.py).
 SAME_WORKER = {"tests/serve/test_oip_shm.py": "tests/serve/test_oip.py",
+               "tests/serve/test_newcomer.py": "tests/serve/test_oip.py",
                "tests/serve/test_fuzz.py": "tests/serve/test_hardening.py"}
 
 

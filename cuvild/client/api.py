@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from cuvild.client.errors import Translated
 from cuvild.config import default_socket
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 
@@ -157,8 +158,10 @@ class Client:
         self._every_session: list[Any] = []  # every thread's, for close()
         self._sessions_lock = threading.Lock()
         self._channel = grpc.insecure_channel(self.target)
-        self._control = cuvil_pb2_grpc.ControlStub(self._channel)
-        self._infer = inference_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        # every call raises CuvildError (cuvild/client/errors.py), never a raw grpc.RpcError
+        self._control = Translated(cuvil_pb2_grpc.ControlStub(self._channel), self.target)
+        self._infer = Translated(inference_pb2_grpc.GRPCInferenceServiceStub(self._channel),
+                                 self.target)
         self._region: Any = None  # cuvild.client.infer_io.ClientRegion, made on first shm request
         self._metadata: dict[str, dict[str, Any]] = {}
         self._containers: dict[tuple[str, str], tuple[Any, list[str]]] = {}

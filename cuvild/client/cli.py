@@ -13,9 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from cuvild.client import Client, LoadFailed, default_target
+from cuvild.client.errors import CuvildError
 
 DTYPE_COLUMNS = ("fp32", "bf16", "fp16", "int8")
 
@@ -367,12 +366,10 @@ def cmd_infer(client: Client, args: argparse.Namespace) -> int:
             print(f"cuvilctl: --input {path}: {e}", file=sys.stderr)
             return 1
     if args.fast:
-        from cuvild.client.fast import FastPathError
-
         try:
             with Client(client.target, client.timeout, fast=True) as fast:
                 outputs = fast.infer(args.name, arrays)
-        except (FastPathError, ValueError) as e:
+        except ValueError as e:  # not a unix socket
             print(f"cuvilctl: {e}", file=sys.stderr)
             return 1
     else:
@@ -482,21 +479,14 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a st
     return parser
 
 
-def _rpc_error(target: str, err: grpc.RpcError) -> str:
-    code = err.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return f"cannot reach cuvild at {target} ({code.name.lower()}); is it running?"
-    return f"{code.name}: {err.details()}"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[Client, argparse.Namespace], int] = args.func
     client = Client(args.target, timeout=args.timeout)
     try:
         return func(client, args)
-    except grpc.RpcError as err:
-        print(f"cuvilctl: {_rpc_error(client.target, err)}", file=sys.stderr)
+    except CuvildError as err:  # the daemon's words; where none answered, where it looked
+        print(f"cuvilctl: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

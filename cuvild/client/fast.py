@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from cuvild.client.errors import CuvildError
 from cuvild.engine.spin import MOST_S, Spin
 from protos import fastpath as wire
 
@@ -33,13 +34,9 @@ KEEP = 4  # a dynamic model's sessions kept open, one per set of shapes
 _OPEN = ("sock", "mm", "layout", "_in", "_out", "_wait")  # what one open session is
 
 
-class FastPathError(RuntimeError):
-    """A fast-path request or session failed; `code` is a gRPC status name (NOT_FOUND,
-    INVALID_ARGUMENT, UNAVAILABLE, ...), as the Open Inference Protocol path would say."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
+# A fast-path request or session failed: the client's one error family, so
+# FastPathError("NOT_FOUND", ...) is a NotFound, as the gRPC path raises it.
+FastPathError = CuvildError
 
 
 class _Gone(Exception):
@@ -225,15 +222,17 @@ class FastSession:
         names = [t["name"] for t in self.inputs]
         if isinstance(inputs, Mapping):
             missing = [n for n in names if n not in inputs]
-            if missing or len(inputs) != len(names):
+            unknown = sorted(set(inputs) - set(names))
+            if missing or unknown:
                 raise FastPathError("INVALID_ARGUMENT", f"model {self.model} takes inputs "
-                                    f"{names}, got {sorted(inputs)}")
+                                    f"{names}; " + (f"unknown {unknown} " if unknown else "")
+                                    + (f"missing {missing}" if missing else ""))
             return [inputs[n] for n in names]
         if not isinstance(inputs, Sequence) or hasattr(inputs, "shape"):
             inputs = [inputs]
         if len(inputs) != len(names):
             raise FastPathError("INVALID_ARGUMENT", f"model {self.model} takes "
-                                f"{len(names)} inputs, got {len(inputs)}")
+                                f"{len(names)} inputs {names}, got {len(inputs)}")
         return list(inputs)
 
     def run(self, inputs: Any, timeout: float | None = None) -> list[Any]:
@@ -327,9 +326,11 @@ class FastSession:
             value = np.asarray(value)
         dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
         if list(value.shape) != spec["shape"] or dtype != spec["dtype"]:
+            fix = (f"; convert it first (numpy: x.astype(np.{spec['dtype']}); torch: "
+                   f"x.to(torch.{spec['dtype']}))" if dtype != spec["dtype"] else "")
             raise FastPathError("INVALID_ARGUMENT", f"input {spec['name']!r}: {dtype}"
                                 f"{list(value.shape)}, model {self.model} takes "
-                                f"{spec['dtype']}{spec['shape']}")
+                                f"{spec['dtype']}{spec['shape']}{fix}")
         if isinstance(place, np.ndarray):
             np.copyto(place, value)
         else:

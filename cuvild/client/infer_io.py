@@ -7,32 +7,59 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import grpc
 import numpy as np
 
-from cuvild.engine.dtypes import BY_OIP
+from cuvild.client.errors import CuvildError, InvalidArgument
+from cuvild.engine.dtypes import BY_OIP, oip_name
 from protos import inference_pb2 as pb
 
 
-def _by_name(inputs: Any, specs: list[dict[str, Any]]) -> dict[str, Any]:
+def by_name(model: str, inputs: Any, specs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Inputs by the model's input names: from a tensor, a sequence in the model's order or a
+    dict by name. InvalidArgument names the unknown and missing names, or the counts."""
     import torch
 
+    names = [s["name"] for s in specs]
     if isinstance(inputs, (torch.Tensor, np.ndarray)):
         inputs = [inputs]
     if isinstance(inputs, Mapping):
+        unknown = sorted(set(inputs) - set(names))
+        missing = [n for n in names if n not in inputs]
+        if unknown or missing:
+            raise InvalidArgument("INVALID_ARGUMENT", f"model {model} takes inputs {names}; "
+                                  + (f"unknown {unknown} " if unknown else "")
+                                  + (f"missing {missing}" if missing else ""))
         return dict(inputs)
     if isinstance(inputs, Sequence):
         if len(inputs) != len(specs):
-            raise ValueError(f"model takes {len(specs)} inputs, got {len(inputs)}")
-        return {s["name"]: t for s, t in zip(specs, inputs, strict=True)}
+            raise InvalidArgument("INVALID_ARGUMENT", f"model {model} takes {len(specs)} "
+                                  f"inputs {names}, got {len(inputs)}")
+        return dict(zip(names, inputs, strict=True))
     raise TypeError("inputs: a tensor, a sequence of tensors or a dict name -> tensor")
 
 
-def _raw(value: Any) -> tuple[bytes, list[int]]:
+def as_tensor(model: str, spec: dict[str, Any], value: Any) -> Any:
+    """`value` as a contiguous host tensor of the dtype the model takes. A value of another
+    dtype is refused, naming both and the conversion: it is never sent as reinterpreted bytes
+    (an int32 array read as float32), nor converted behind the caller's back (float64 to
+    float32 loses digits, int64 to int32 can overflow; the caller decides)."""
     import torch
 
     t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
-    t = t.detach().contiguous().cpu()
+    t = t.detach()
+    dtype = str(t.dtype).removeprefix("torch.")
+    want = BY_OIP[spec["datatype"]].name if spec["datatype"] in BY_OIP else spec["datatype"]
+    if dtype != want:
+        raise InvalidArgument("INVALID_ARGUMENT", f"input {spec['name']!r}: {dtype}"
+                              f"{list(t.shape)}, model {model} takes {want}{spec['shape']}; "
+                              f"convert it first (numpy: x.astype(np.{want}); torch: "
+                              f"x.to(torch.{want}))")
+    return t.contiguous().cpu()
+
+
+def _raw(t: Any) -> tuple[bytes, list[int]]:
+    import torch
+
     return t.view(torch.uint8).numpy().tobytes(), list(t.shape)
 
 
@@ -122,14 +149,15 @@ class ClientRegion:
 
 def run_infer(stub: Any, name: str, inputs: Any, region: ClientRegion | None, version: str,
               metadata: dict[str, Any], timeout: float) -> dict[str, Any]:
-    values = _by_name(inputs, metadata["inputs"])
+    values = by_name(name, inputs, metadata["inputs"])
     request = pb.ModelInferRequest(model_name=name, model_version=version)
     blobs = []
     for spec in metadata["inputs"]:
-        if spec["name"] not in values:
-            raise ValueError(f"missing input {spec['name']!r}")
-        data, shape = _raw(values[spec["name"]])
-        request.inputs.add(name=spec["name"], datatype=spec["datatype"], shape=shape)
+        t = as_tensor(name, spec, values[spec["name"]])
+        data, shape = _raw(t)
+        # labelled with what it holds: the daemon checks it against the model again
+        request.inputs.add(name=spec["name"], shape=shape,
+                           datatype=oip_name(str(t.dtype).removeprefix("torch.")))
         blobs.append(data)
     if region is None:
         request.raw_input_contents.extend(blobs)
@@ -162,8 +190,8 @@ def _infer_shm(stub: Any, request: Any, blobs: list[bytes], metadata: dict[str, 
             _shm_params(out.parameters, region.name, offsets[len(blobs) + j], out_sizes[j])
     try:
         reply = stub.ModelInfer(request, timeout=timeout)
-    except grpc.RpcError as e:
-        if "unknown shared-memory region" not in (e.details() or ""):
+    except CuvildError as e:
+        if "unknown shared-memory region" not in e.message:
             raise
         region.register()  # dropped with an earlier connection: once more, then the call
         reply = stub.ModelInfer(request, timeout=timeout)

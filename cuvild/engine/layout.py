@@ -69,8 +69,11 @@ def check_inputs(model: str, table: Sequence[InputSpec],
                 raise BadInput(f"input {spec.name}: dim {d} must be {want}, got {shape[d]}")
         for d, low, high in spec.ranges:
             if not low <= shape[d] <= high:
+                top = "unbounded" if high >= 2**62 else high
                 raise BadInput(f"input {spec.name}: dim {d} is {shape[d]}, outside the "
-                               f"exported range [{low}, {high}]")
+                               f"exported range [{low}, {top}]" + (
+                                   " (torch.export gave it a minimum of 2: export with "
+                                   "Dim(name, min=1) to serve 1)" if low == 2 else ""))
 
 
 def dynamic_dims(ep: Any) -> list[tuple[int, int, int, int]]:
@@ -84,10 +87,17 @@ def dynamic_dims(ep: Any) -> list[tuple[int, int, int, int]]:
             if isinstance(size, int):
                 continue
             r = ranges.get(str(size.node.expr))
-            low = int(r.lower) if r is not None and r.lower.is_finite else 0
-            high = int(r.upper) if r is not None and r.upper.is_finite else 2**62
+            low = _bound(r.lower if r is not None else None, 0)
+            high = _bound(r.upper if r is not None else None, 2**62)
             out.append((i, d, low, high))
     return out
+
+
+def _bound(value: Any, unbounded: int) -> int:
+    """A range end as an int, `unbounded` where it has none. torch's own infinity (`int_oo`,
+    what Dim("batch") with no max=, Dim.AUTO and Dim.DYNAMIC give) calls itself finite, so
+    only a sympy Integer counts as a number."""
+    return int(value) if getattr(value, "is_Integer", False) else unbounded
 
 
 def _slot(val: Any) -> Slot:

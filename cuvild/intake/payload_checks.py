@@ -153,6 +153,10 @@ _SAMPLE_GLOBALS = frozenset(
     {
         "torch._utils._rebuild_tensor_v2",
         "torch._utils._rebuild_parameter",
+        # a tensor carrying Python attributes: export(dynamic_shapes=Dim.DYNAMIC) leaves
+        # `_specialize_on` on the caller's example tensor, and torch.export.save pickles it
+        "torch._tensor._rebuild_from_type_v2",
+        "torch.Tensor",
         "collections.OrderedDict",
         "torch.Size",
         "torch.device",

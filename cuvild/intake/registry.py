@@ -296,7 +296,8 @@ class Registry:
         if existing and existing.sha256 != header["sha256"] and not header["replace"]:
             raise RegistryError(
                 "exists", f"model {header['name']!r} version {header['version']!r} is registered "
-                          f"with different content; upload a new version or set replace")
+                          f"with different content; upload it as a new version, or replace it "
+                          f"(Python: replace=True; cuvilctl load --replace)")
 
     def _commit(self, header: dict[str, Any], tmp: Path, summary: dict[str, Any],
                 calibration_tmp: Path | None = None) -> tuple[ModelRecord, bool]:

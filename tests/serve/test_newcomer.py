@@ -1,0 +1,113 @@
+"""What a new user meets first (issue 48): an input of the wrong dtype is refused on every
+client path naming both dtypes, never answered from reinterpreted bytes; the client's
+errors are typed; a dynamic dimension without a maximum loads and serves."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from oip_helpers import Env
+from tritonclient.utils import InferenceServerException
+
+from cuvild.client import (
+    AlreadyExists,
+    Client,
+    CuvildError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    samples,
+)
+
+# Same-size dtypes (int32 for float32) are the dangerous ones: bytes that fit, numbers that
+# do not. float64 is numpy's default.
+WRONG = {"int32": lambda x: x.to(torch.int32), "float64": lambda x: x.double(),
+         "numpy float64": lambda x: x.numpy().astype(np.float64),
+         "numpy int32": lambda x: x.numpy().astype(np.int32)}
+
+
+@pytest.mark.parametrize("mode", ["raw", "shm", "fast"])
+def test_a_wrong_dtype_is_refused_naming_both(env: Env, mode: str) -> None:
+    served = env.models["mlp"]
+    x = torch.from_numpy(served.inputs[0])
+    with Client(env.daemon.target, fast=mode == "fast") as client:
+        for what, convert in WRONG.items():
+            with pytest.raises(InvalidArgument) as err:
+                client.infer("mlp", convert(x), shm=mode == "shm")
+            assert err.value.code == "INVALID_ARGUMENT"
+            assert "model mlp takes float32" in str(err.value), (what, err.value)
+            assert "astype(np.float32)" in str(err.value)
+        y = client.infer("mlp", x, shm=mode == "shm")["output0"]
+        np.testing.assert_allclose(np.asarray(y), served.expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tritonclient_with_a_true_label_is_refused_by_the_daemon(env: Env) -> None:
+    """A client that labels its int32 bytes as INT32 (tritonclient checks its own label) meets
+    the daemon's check: both dtypes named, over gRPC and HTTP alike."""
+    x = env.models["mlp"].inputs[0].astype(np.int32)
+    with grpcclient.InferenceServerClient(url=env.daemon.target) as triton:
+        tensor = grpcclient.InferInput("x", list(x.shape), "INT32")
+        tensor.set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException) as err:
+            triton.infer("mlp", [tensor])
+    assert "expected dtype float32 (FP32), got int32 (INT32)" in str(err.value)
+    with pytest.raises(InferenceServerException):  # tritonclient refuses a label that lies
+        grpcclient.InferInput("x", list(x.shape), "FP32").set_data_from_numpy(x)
+
+
+def test_cuvilctl_infer_refuses_a_wrong_dtype(env: Env, tmp_path) -> None:
+    path = tmp_path / "x.npy"
+    np.save(path, env.models["mlp"].inputs[0].astype(np.int32))
+    done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
+                           env.daemon.target, "infer", "mlp", "--input", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "int32[2, 64], model mlp takes float32[2, 64]" in done.stderr, done.stderr
+
+
+def test_client_errors_are_typed_and_say_the_fix(env: Env) -> None:
+    served = env.models["mlp"]
+    x = torch.from_numpy(served.inputs[0])
+    with Client(env.daemon.target) as client:
+        with pytest.raises(NotFound, match="unknown model 'nothing'"):
+            client.infer("nothing", x)
+        with pytest.raises(InvalidArgument, match=r"unknown \['y'\] missing \['x'\]"):
+            client.infer("mlp", {"y": x})
+        other = samples.MLP(width=64, depth=3).eval()
+        with pytest.raises(AlreadyExists, match=r"replace=True"):
+            client.load("mlp", other, (x,))
+        assert isinstance(CuvildError("NOT_FOUND", "x"), NotFound)
+    with Client("unix:///nonexistent/cuvild.sock", timeout=2) as client:
+        with pytest.raises(Unavailable, match="cannot reach cuvild at unix:///nonexistent"):
+            client.models()
+
+
+def test_a_dynamic_dimension_without_a_maximum_loads_and_serves(make_daemon) -> None:
+    """README's own `Dim("batch")` (no max=), Dim.AUTO and Dim.DYNAMIC: torch bounds them by
+    its own infinity, which once failed every load. Dim.DYNAMIC also leaves an attribute on the
+    example tensor that torch.export.save pickles: the archive is still accepted."""
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    model = samples.MLP(width=16, depth=2).eval()
+    daemon = make_daemon()
+    with Client(daemon.target) as client:
+        for tag, dim in (("named", Dim("batch")), ("auto", Dim.AUTO), ("dyn", Dim.DYNAMIC)):
+            client.load(f"mlp-{tag}", model, (torch.randn(2, 16),),
+                        dynamic_shapes=({0: dim},),
+                        batching={"max_batch": 4} if tag == "named" else None)
+            for batch in (2, 5):
+                x = torch.randn(batch, 16)
+                with torch.inference_mode():
+                    want = model(x)
+                got = client.infer(f"mlp-{tag}", x)["output0"]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # torch gives Dim.AUTO a minimum of 2; the refusal says so, and how to serve 1
+        with pytest.raises(InvalidArgument, match=r"\[2, unbounded\].*Dim\(name, min=1\)"):
+            client.infer("mlp-auto", torch.randn(1, 16))
+        assert client.infer("mlp-named", torch.randn(1, 16))["output0"].shape == (1, 16)
