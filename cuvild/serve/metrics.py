@@ -84,6 +84,8 @@ class Metrics:
                                      "waited in its model's batch queue", MODEL,
                                      buckets=BUCKETS, registry=r)
         self._recent: dict[tuple[str, str], collections.deque[float]] = {}
+        self._last: dict[tuple[str, str], float] = {}  # a model's last success, time.time()
+        self._failed_s: collections.Counter[tuple[str, str]] = collections.Counter()
         self._children: dict[tuple[str, ...], Any] = {}  # labels() resolved once per series
         self.fast: FastPath | None = None  # its sessions' counts, read when asked
         self._server: Any = None
@@ -105,9 +107,11 @@ class Metrics:
         if recent is None:
             recent = self._recent[(name, version)] = collections.deque(maxlen=RECENT)
         recent.append(seconds)
+        self._last[(name, version)] = time.time()
 
-    def failed(self, name: str, version: str, code: str) -> None:
+    def failed(self, name: str, version: str, code: str, seconds: float = 0.0) -> None:
         self._child(self.failure, name, version, code).inc()
+        self._failed_s[(name, version)] += seconds
 
     def computed(self, model: LoadedModel, seconds: float) -> None:
         self._child(self.compute, model.name, model.version).observe(seconds)
@@ -187,6 +191,44 @@ class Metrics:
         busy = {s.labels["device"]: s.value for m in self.busy.collect() for s in m.samples
                 if s.name == "cuvil_device_busy_seconds_total"}
         return {"at": time.monotonic() - self._started, "models": models, "devices": busy}
+
+
+    def statistics(self, name: str, version: str) -> dict[str, Any]:
+        """What Triton's ModelStatistics says of a model, from these metrics: counts and
+        summed seconds of its successes (fast-path requests a worker ran included), failures,
+        queue waits (a place in flight, and the batch queue) and runs in the engine; the
+        inferences (rows) and executions (runs: batched requests share one)."""
+        key = (name, version)
+
+        def summed(*metrics: Any) -> tuple[float, float]:  # (count, seconds)
+            count = total = 0.0
+            for metric in metrics:
+                for family in metric.collect():
+                    for s in family.samples:
+                        if (s.labels.get("model"), s.labels.get("version")) != key:
+                            continue
+                        if s.name.endswith("_count") or s.name.endswith("_total"):
+                            count += s.value
+                        elif s.name.endswith("_sum"):
+                            total += s.value
+            return count, total
+
+        done, took = summed(self.request)
+        fast = self.fast.counts().get(key) if self.fast else None
+        if fast:
+            done, took = done + fast[0], took + fast[2]
+        failed, _ = summed(self.failure)
+        inferences, _ = summed(self.inferences)
+        runs, _ = summed(self.batch_rows)
+        computed = summed(self.compute)
+        return {"success": (done, took), "fail": (failed + (fast[1] if fast else 0),
+                                                  self._failed_s.get(key, 0.0)),
+                "queue": tuple(map(sum, zip(summed(self.queue), summed(self.batch_queue),
+                                            strict=True))),
+                "compute_infer": computed,
+                "inference_count": inferences + (fast[0] if fast else 0),
+                "execution_count": (runs or computed[0]) + (fast[0] if fast else 0),
+                "last_inference": self._last.get(key, 0.0)}
 
 
 def at_most(per_bucket: list[float], q: float) -> float | None:

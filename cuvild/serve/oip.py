@@ -24,6 +24,7 @@ from cuvild.engine.engine import InferError, LoadedModel
 from cuvild.engine.layout import BadInput
 from cuvild.intake.registry import RegistryError
 from cuvild.load.models import ModelManager, ServedModel
+from cuvild.serve import modelinfo
 from cuvild.serve.cuda_regions import CudaRegions
 from cuvild.serve.errors import CODES, abort
 from cuvild.serve.limits import Gate
@@ -153,6 +154,19 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                                         inputs=meta(served.record.inputs),
                                         outputs=meta(served.record.outputs))
 
+    def ModelConfig(self, request, context):  # noqa: N802
+        served = self._served(request.name, request.version, context, ready=False)
+        return pb.ModelConfigResponse(config=modelinfo.model_config(served))
+
+    def ModelStatistics(self, request, context):  # noqa: N802
+        """Every model's statistics, or (a name) every version's of it, or one version's."""
+        if request.name:
+            self._served(request.name, request.version, context, ready=False)  # NOT_FOUND
+        served = [m for m in self.models.all() if (not request.name or (
+            m.record.name == request.name and request.version in ("", m.record.version)))]
+        return pb.ModelStatisticsResponse(model_stats=[
+            modelinfo.model_statistics(self.metrics, m) for m in served])
+
     # -- inference -------------------------------------------------------------------------
     def ModelInfer(self, request, context):  # noqa: N802
         t0, t0_ns, epoch_ns = time.perf_counter(), time.perf_counter_ns(), time.time_ns()
@@ -171,7 +185,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 if self.metrics:  # an unknown model's failures count under no name
                     known = self.models.get(name, version) is not None
                     self.metrics.failed(name if known else "", version if known else "",
-                                        code.name)
+                                        code.name, time.perf_counter() - t0)
                 context.abort(code, str(e))
             except Exception:  # a bug: gRPC answers UNKNOWN; it is a failure all the same
                 if self.metrics:

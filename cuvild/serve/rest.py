@@ -11,6 +11,8 @@ listener does.
                                                probes carry none, and these say nothing more)
   GET  /v2/models/{m}[/versions/{v}]           model metadata
   GET  /v2/models/{m}[/versions/{v}]/ready     200 or 400
+  GET  /v2/models/{m}[/versions/{v}]/config    Triton's model configuration (modelinfo.py)
+  GET  /v2/models[/{m}[/versions/{v}]]/stats   Triton's model statistics
   POST /v2/models/{m}[/versions/{v}]/infer     JSON tensors, and the binary tensor data
                                                extension (Inference-Header-Content-Length)
   POST /v2/repository/index                    the models and their states
@@ -23,13 +25,13 @@ listener does.
                                                metrics.listen serves them, with the token
 
 Errors are `{"error": "..."}` with the status Triton gives (400 bad request, 404 unknown
-model, 503 not ready or busy). System shared memory follows the rule of the TCP gRPC
-listener: off unless `shm.allow_tcp_clients`, and then only objects owned by a uid in
-`shm.allowed_uids` (an HTTP caller, like a TCP one, has no uid the daemon can check; both
-share one set of regions, as holders of one token). Inputs and outputs name a region with the
-protocol's `shared_memory_region`, `shared_memory_offset`, `shared_memory_byte_size`
-parameters. CUDA shared memory is gRPC only. A model arrives by upload (`cuvilctl load`) or
-from the model repository, not by HTTP.
+model or route, 405 wrong method, 503 not ready or busy). System shared memory follows the
+rule of the TCP gRPC listener: off unless `shm.allow_tcp_clients`, and then only objects
+owned by a uid in `shm.allowed_uids` (an HTTP caller, like a TCP one, has no uid the daemon
+can check; both share one set of regions, as holders of one token). Inputs and outputs name
+a region with the protocol's `shared_memory_region`, `shared_memory_offset`,
+`shared_memory_byte_size` parameters. CUDA shared memory is gRPC only. A model arrives by
+upload (`cuvilctl load`) or from the model repository, not by HTTP.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from cuvild.serve import modelinfo
 from protos import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -261,7 +264,10 @@ class RestServer:
         app.router.add_get("/v2", self._server)
         app.router.add_get("/v2/health/live", self._live)
         app.router.add_get("/v2/health/ready", self._ready)
+        app.router.add_get("/v2/models/stats", self._stats)  # before a model named "stats"
         for base in models:
+            app.router.add_get(base + "/config", self._config)
+            app.router.add_get(base + "/stats", self._stats)
             app.router.add_get(base, self._metadata)
             app.router.add_get(base + "/ready", self._model_ready)
             app.router.add_post(base + "/infer", self._infer)
@@ -307,6 +313,10 @@ class RestServer:
             return await handler(request)
         except Aborted as e:
             return error(STATUS.get(e.code, 500), str(e))
+        except web.HTTPException as e:  # no such route or method: the protocol's JSON error
+            if e.status < 400:
+                raise
+            return error(e.status, f"{e.reason}: {request.method} {request.path}")
 
     async def _call(self, method: str, message: Any, request: web.Request) -> Any:
         call = Call(request)
@@ -337,6 +347,19 @@ class RestServer:
         return reply({"name": meta.name, "versions": list(meta.versions),
                                   "platform": meta.platform, "inputs": tensors[0],
                                   "outputs": tensors[1]})
+
+    async def _config(self, request: web.Request) -> web.Response:
+        m = request.match_info
+        answer = await self._call("ModelConfig", pb.ModelConfigRequest(
+            name=m["name"], version=m.get("version", "")), request)
+        return reply(modelinfo.config_json(answer.config))
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        m = request.match_info
+        answer = await self._call("ModelStatistics", pb.ModelStatisticsRequest(
+            name=m.get("name", ""), version=m.get("version", "")), request)
+        return reply({"model_stats": [modelinfo.statistics_json(s)
+                                      for s in answer.model_stats]})
 
     async def _model_ready(self, request: web.Request) -> web.Response:
         m = request.match_info

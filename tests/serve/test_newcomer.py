@@ -111,3 +111,33 @@ def test_a_dynamic_dimension_without_a_maximum_loads_and_serves(make_daemon) -> 
         with pytest.raises(InvalidArgument, match=r"\[2, unbounded\].*Dim\(name, min=1\)"):
             client.infer("mlp-auto", torch.randn(1, 16))
         assert client.infer("mlp-named", torch.randn(1, 16))["output0"].shape == (1, 16)
+
+
+def test_tritonclient_reads_model_config_and_statistics(env: Env) -> None:
+    """tritonclient's get_model_config / get_inference_statistics (perf_analyzer's first
+    calls) answer in Triton's shape: inputs, outputs, batching; counts and durations."""
+    served = env.models["mlp"]
+    with grpcclient.InferenceServerClient(url=env.daemon.target) as triton:
+        config = triton.get_model_config("mlp", as_json=True)["config"]
+        assert config["name"] == "mlp" and config["platform"] == "pytorch_torch_export"
+        assert config["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": ["2", "64"]}]
+        assert config["output"][0]["data_type"] == "TYPE_FP32"
+        assert config.get("max_batch_size", 0) == 0  # a static batch: nothing merged
+        before = triton.get_inference_statistics("mlp", as_json=True)["model_stats"][0]
+        tensor = grpcclient.InferInput("x", list(served.inputs[0].shape), "FP32")
+        tensor.set_data_from_numpy(served.inputs[0])
+        for _ in range(3):
+            triton.infer("mlp", [tensor])
+        after = triton.get_inference_statistics("mlp", as_json=True)["model_stats"][0]
+        every = triton.get_inference_statistics(as_json=True)["model_stats"]
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            triton.get_model_config("nothing")
+
+    def count(stats, field):
+        return int(stats.get("inference_stats", {}).get(field, {}).get("count", 0))
+
+    assert count(after, "success") - count(before, "success") == 3
+    assert int(after["inference_stats"]["success"]["ns"]) > 0
+    assert int(after["inference_count"]) - int(before.get("inference_count", 0)) == 6  # rows
+    assert int(after["last_inference"]) > 0
+    assert {s["name"] for s in every} >= {"mlp", "demo", "pair"}

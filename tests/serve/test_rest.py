@@ -24,6 +24,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 import yaml
 from daemons import DaemonProcess, free_port, suite_config
+from tritonclient.utils import InferenceServerException
 
 from cuvild.client import Client, samples
 from protos import inference_pb2, inference_pb2_grpc
@@ -308,3 +309,39 @@ def test_sigterm_drains_and_closes_the_http_listener(served):  # last: it stops 
     host, port = address.split(":")
     with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=2):
         pass
+
+
+def test_model_config_statistics_and_unknown_routes_over_http(served):
+    """tritonclient.http's get_model_config / get_inference_statistics, and an unknown route
+    or method answered with the protocol's JSON error (not aiohttp's plain text, which
+    tritonclient read as 'Parse error at offset 3'); a wrong dtype is refused naming both."""
+    _, address, _ = served
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    triton = httpclient.InferenceServerClient(url=address)
+    try:
+        config = triton.get_model_config("mlp", headers=auth)
+        assert config["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [2, 16]}]
+        assert config["max_batch_size"] == 0 and config["backend"] == "cuvild"
+        x = np.ones((2, 16), dtype=np.float32)
+        given = httpclient.InferInput("x", [2, 16], "FP32")
+        given.set_data_from_numpy(x)
+        triton.infer("mlp", [given], headers=dict(auth))
+        stats = triton.get_inference_statistics("mlp", headers=auth)["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] >= 1
+        assert stats["inference_stats"]["compute_infer"]["ns"] > 0
+        assert triton.get_inference_statistics(headers=auth)["model_stats"][0]["name"] == "mlp"
+        wrong = httpclient.InferInput("x", [2, 16], "INT32")
+        wrong.set_data_from_numpy(x.astype(np.int32))
+        with pytest.raises(InferenceServerException, match=r"float32 \(FP32\), got int32"):
+            triton.infer("mlp", [wrong], headers=dict(auth))
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            triton.get_model_config("nothing", headers=auth)
+    finally:
+        triton.close()
+    for method_path, status in ((("GET", "/v2/nothing"), 404),
+                                (("POST", "/v2/models/mlp/config"), 405)):
+        method, path = method_path
+        code, body, headers = call(address, path, body=b"{}" if method == "POST" else None)
+        assert code == status, (path, code, body)
+        assert headers["Content-Type"] == "application/json"
+        assert path in json.loads(body)["error"]
