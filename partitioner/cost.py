@@ -209,7 +209,9 @@ class CostModel:
         if not wanted:
             raise PlacementError(
                 f"node {node.name!r}: strict annotation {ann.describe()} names no device of "
-                f"this machine (have: {have})"
+                f"this machine (have: {have}); annotate with strict=False to run it on the "
+                f"best device there is, or serve from a config that has one (an emulated NPU: "
+                f"devices.emulated, as configs/demo.yaml)"
             )
         if not ok:
             names = ", ".join(self.devices[d].id for d in wanted)

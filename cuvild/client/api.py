@@ -381,6 +381,14 @@ class Client:
         return {"interval_s": span, "models": models, "devices_busy": devices,
                 "loads": last.get("loads", {})}
 
+    def reload(self, timeout: float = 120.0) -> dict[str, Any]:
+        """Have the daemon read its config file (and model repository) again, as SIGHUP or
+        `systemctl reload cuvild` do; returns once done: {"ok", "error", "config_path",
+        "on_restart": keys that changed but take effect on the next start}."""
+        r = self._control.Reload(cuvil_pb2.ReloadRequest(), timeout=timeout)
+        return {"ok": r.ok, "error": r.error or None, "config_path": r.config_path,
+                "on_restart": list(r.on_restart)}
+
     def models(self) -> list[dict[str, Any]]:
         r = self._control.ListModels(cuvil_pb2.ListModelsRequest(), timeout=self.timeout)
         return [model_dict(m) for m in r.models]

@@ -389,6 +389,20 @@ def cmd_infer(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reload(client: Client, args: argparse.Namespace) -> int:
+    result = client.reload()
+    if args.json:
+        print(json.dumps(result))
+    elif result["ok"]:
+        print(f"reloaded {result['config_path']}")
+        if result["on_restart"]:
+            print(f"changed, taking effect on restart: {', '.join(result['on_restart'])}")
+    else:
+        print(f"cuvilctl: reload failed, the running config stays: {result['error']}",
+              file=sys.stderr)
+    return 0 if result["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a statement per command and option
     parser = argparse.ArgumentParser(prog="cuvilctl", description="Control a running cuvild.")
     parser.add_argument("--target", default=None,
@@ -466,6 +480,10 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a st
     compare.add_argument("--version", default=None)
     compare.add_argument("--json", action="store_true", help="machine-readable output")
     compare.set_defaults(func=cmd_compare)
+    reload = sub.add_parser("reload", help="read the config file and the model repository "
+                                           "again (as SIGHUP and systemctl reload do)")
+    reload.add_argument("--json", action="store_true", help="machine-readable output")
+    reload.set_defaults(func=cmd_reload)
     infer = sub.add_parser("infer", help="run a served model on .npy inputs")
     infer.add_argument("name")
     infer.add_argument("--input", action="append", default=[], metavar="FILE.npy",

@@ -40,11 +40,34 @@ def container_spec(out_spec: str) -> Any:
 
     from cuvild.intake.grammar import Reject, check_treespec
 
+    _transformers_outputs(root["type"])
     try:  # only registered types, no enum (module import) contexts, no defaultdict factories
         check_treespec(out_spec, "out_spec")
         return pytree.treespec_loads(out_spec)
     except (Reject, NotImplementedError, TypeError, ValueError):
         return None
+
+
+# transformers' output classes (ModelOutput subclasses register with pytree when their module
+# is imported): its shared module, or one model's modeling module
+_TRANSFORMERS_MODULE = re.compile(
+    r"transformers\.(modeling_outputs|models\.[a-z0-9_]+\.modeling_[a-z0-9_]+)")
+
+
+def _transformers_outputs(type_name: str) -> None:
+    """Import the transformers module that defines `type_name`, where this process imported
+    transformers itself: transformers 5 loads its modules lazily, so `import transformers`
+    alone registers no ModelOutput and the caller would get a dict. Only modules of the
+    installed transformers package, by that fixed pattern, and never transformers itself."""
+    import importlib
+    import sys
+
+    module = type_name.rpartition(".")[0]
+    if "transformers" in sys.modules and _TRANSFORMERS_MODULE.fullmatch(module):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # another transformers version: the dict by name
+            pass
 
 
 def rebuild(spec: Any, names: list[str], outputs: dict[str, Any]) -> Any:

@@ -23,6 +23,8 @@ from protos import cuvil_pb2, cuvil_pb2_grpc
 from runtimes.profiling.measure import ProfileResult, ProfilingError
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from cuvild.load.models import ModelManager, ServedModel
     from cuvild.serve.metrics import Metrics
 
@@ -66,8 +68,10 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
     def __init__(self, profiles: Callable[[], ProfileResult],
                  reprofile: Callable[[], ProfileResult], config_path: str,
                  registry: Registry, uploads: Uploads, gate: Gate,
-                 models: ModelManager | None = None, metrics: Metrics | None = None) -> None:
+                 models: ModelManager | None = None, metrics: Metrics | None = None,
+                 reload: Callable[[], Future[dict[str, Any]]] | None = None) -> None:
         self._profiles = profiles
+        self._reload = reload  # asks the daemon's main thread for a reload (cuvild/serve/daemon.py)
         self._reprofile = reprofile
         self._config_path = config_path
         self._registry = registry
@@ -289,6 +293,23 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         if self._models is not None:  # what loads did since start (cuvild/load/warm.py)
             stats["loads"] = dict(self._models.engine.counters)
         return cuvil_pb2.GetStatsResponse(stats_json=json.dumps(stats))
+
+    def Reload(self, request: cuvil_pb2.ReloadRequest,
+               context: grpc.ServicerContext) -> cuvil_pb2.ReloadResponse:
+        """Reload the config as SIGHUP does, answered once done (`cuvilctl reload`)."""
+        if self._reload is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon cannot reload")
+        remaining = context.time_remaining()
+        try:
+            with self._gate.enter(context):
+                outcome = self._reload().result(timeout=min(
+                    120.0, remaining if remaining is not None else 120.0))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the reload is still running "
+                          "(the daemon's log says when it is done)")
+        return cuvil_pb2.ReloadResponse(ok=outcome["ok"], error=outcome.get("error", ""),
+                                        config_path=outcome["config_path"],
+                                        on_restart=outcome.get("on_restart", []))
 
     def _replan(self, served, objective: str):  # noqa: ANN001, ANN202
         """A fresh plan, priced with what measured parts taught the cost model (this model's

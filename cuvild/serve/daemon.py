@@ -81,6 +81,30 @@ def prepare_socket(path: str) -> None:
     raise StartupError(f"another cuvild is already serving on {path}")
 
 
+class Reloads:
+    """Reloads asked for (SIGHUP, `systemctl reload`, the Reload call of `cuvilctl reload`),
+    run one at a time on the daemon's main thread; a caller may wait for the outcome."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._waiting: list[futures.Future[dict[str, Any]]] = []
+
+    def request(self) -> futures.Future[dict[str, Any]]:
+        future: futures.Future[dict[str, Any]] = futures.Future()
+        with self._lock:
+            self._waiting.append(future)
+        self.event.set()
+        return future
+
+    def take(self) -> list[futures.Future[dict[str, Any]]]:
+        """The callers the next reload answers (asked before it starts)."""
+        with self._lock:
+            self.event.clear()
+            waiting, self._waiting = self._waiting, []
+        return waiting
+
+
 class Daemon:
     def __init__(self, cfg: config_mod.Config, repository: str | None = None) -> None:
         """`repository`: `--model-repository`, over the config's (kept across reloads)."""
@@ -89,7 +113,7 @@ class Daemon:
         if repository:
             cfg.model_repository = repository
         self.stop_event = threading.Event()
-        self.reload_requested = threading.Event()
+        self.reloads = Reloads()
         self.alive = threading.Event()
         self.profiles: profiles_mod.ProfileResult | None = None
         self.health = health.HealthServicer()
@@ -146,7 +170,7 @@ class Daemon:
                                       ("grpc.server_handshake_timeout_ms", idle_ms)])
         control = ControlService(self.current_profiles, lambda: self._load_profiles(True),
                                  self.cfg.path, self.registry, self.uploads, gate,
-                                 self.models, self.metrics)
+                                 self.models, self.metrics, reload=self.reloads.request)
         shm = not tcp or self.cfg.shm_allow_tcp_clients
         peer_uid = self.front.caller if not tcp and self.front else (lambda peer: None)
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
@@ -273,13 +297,14 @@ class Daemon:
             log.info("tracing %.0f%% of requests to %s", 100 * cfg.tracing_sample_rate,
                      cfg.tracing_path or cfg.tracing_endpoint)
 
-    def _reload(self) -> None:
+    def _reload(self) -> dict[str, Any]:
+        """Read the config file again; what happened, for a caller that asked (Reload)."""
         try:
             new = config_mod.load(self.cfg.path)
         except config_mod.ConfigError as e:
             log.error("reload: keeping the running config, %s is invalid: %s", self.cfg.path, e)
             sdnotify.notify(f"STATUS=reload failed: {e}")
-            return
+            return {"ok": False, "error": str(e), "config_path": str(self.cfg.path)}
         later = sorted({key for name, key in config_mod.ON_RESTART.items()
                         if getattr(new, name) != getattr(self.cfg, name)})
         if later:
@@ -294,6 +319,7 @@ class Daemon:
         self._load_profiles()
         log.info("reloaded %s", new.path)
         sdnotify.notify("STATUS=serving (config reloaded)")
+        return {"ok": True, "config_path": str(new.path), "on_restart": later}
 
     def _apply(self, new: config_mod.Config) -> None:
         """The settings a reload changes (config.RELOADED), set where they are read."""
@@ -378,11 +404,13 @@ class Daemon:
         sdnotify.start_watchdog(self.alive, self.stop_event)
         swept = time.monotonic()
         while not self.stop_event.is_set():
-            if self.reload_requested.wait(timeout=0.2):
-                self.reload_requested.clear()
+            if self.reloads.event.wait(timeout=0.2):
+                waiting = self.reloads.take()
                 sdnotify.notify("RELOADING=1")
-                self._reload()
+                outcome = self._reload()
                 sdnotify.notify("READY=1")
+                for future in waiting:
+                    future.set_result(outcome)
             idle_s = self.cfg.idle_timeout_s  # fast-path sessions idle that long end
             if self.fast and time.monotonic() - swept >= min(1.0, idle_s / 4):
                 try:
@@ -457,7 +485,7 @@ class Daemon:
     def install_signals(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
         signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
-        signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
+        signal.signal(signal.SIGHUP, lambda *_: self.reloads.event.set())
 
 
 def default_config_path() -> str | None:

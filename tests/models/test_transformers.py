@@ -144,3 +144,29 @@ def test_a_part_openvino_refuses_runs_on_another_runtime_and_the_plan_says_why(
     assert [p["runtime"] for p in plan["parts"]] == ["onnxruntime"]
     assert any("runs on onnxruntime: openvino failed" in n for n in plan["notes"]), plan["notes"]
     assert relative_error(got, model(x).detach()) <= FP32_TOLERANCE
+
+
+def test_a_client_that_only_imports_transformers_gets_its_model_output(target: str) -> None:
+    """transformers 5 loads its modules lazily: `import transformers` alone registers no
+    ModelOutput with pytree. The client imports the one module that defines the output's
+    class (transformers' own, by a fixed pattern), so the container comes back, not a dict."""
+    import subprocess
+    import sys
+
+    model, kwargs, ref = build("bert")
+    with Client(target) as client:
+        client.load("bert-fp32", model, kwargs=kwargs, precision="fp32")
+    shape = list(kwargs["input_ids"].shape)
+    code = ("import sys, torch, transformers\n"
+            "from cuvild.client import Client\n"
+            "assert 'transformers.modeling_outputs' not in sys.modules\n"
+            f"ids = torch.zeros({shape}, dtype=torch.int64)\n"
+            f"given = {{k: ids if k == 'input_ids' else torch.ones_like(ids) "
+            f"for k in {list(kwargs)!r}}}\n"
+            f"with Client({target!r}) as c:\n"
+            "    out = c.infer('bert-fp32', given)\n"
+            "print(type(out).__module__, type(out).__name__)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [type(ref).__module__, type(ref).__name__]

@@ -170,6 +170,26 @@ def test_sighup_reloads_and_survives_bad_config(make_daemon):
     assert d.stop() == 0
 
 
+def test_cuvilctl_reload_answers_once_reloaded(make_daemon):
+    """`cuvilctl reload`: what `kill -HUP` did, without finding the daemon's pid (its process is
+    a Python script: `pidof cuvild` finds nothing), over the socket, answered once done."""
+    d = make_daemon()
+    config = yaml.safe_load(d.config_path.read_text())
+    config.setdefault("limits", {})["max_connections"] = 9  # read at start only: said so
+    d.config_path.write_text(yaml.safe_dump(config))
+    cli = [sys.executable, "-m", "cuvild.client.cli", "--target", d.target, "reload"]
+    done = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["on_restart"] == ["limits.max_connections"], result
+    assert result["config_path"] == str(d.config_path)
+    d.config_path.write_text("listen: {unix: 7}\n")
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "reload failed, the running config stays" in done.stderr
+    with Client(d.target) as client:
+        assert client.status()["version"]
+
+
 def test_profile_refresh_remeasures(daemon):
     with Client(daemon.target) as client:
         result = client.profile(refresh=True)

@@ -1,0 +1,57 @@
+"""The README's and the docs' Python blocks run as written, against a daemon on the config they
+name (`<!-- runs against configs/X.yaml -->` on the line before the block): a new user copies
+them first. Every ```python block names its config, so a new one cannot go untried."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+MARK = re.compile(r"<!-- runs against (configs/[\w.-]+\.yaml) -->")
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def python_blocks() -> list[tuple[str, str, str]]:
+    """(where, config, code) for every ```python block of README.md and docs/*.md."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        for block in BLOCK.finditer(text):
+            line = text.count("\n", 0, block.start()) + 1
+            before = text[:block.start()].rstrip("\n").rpartition("\n")[2]
+            mark = MARK.fullmatch(before.strip())
+            where = f"{path.relative_to(ROOT)}:{line}"
+            found.append((where, mark.group(1) if mark else "", block.group(1)))
+    return found
+
+
+def test_every_python_block_names_its_config() -> None:
+    blocks = python_blocks()
+    assert len(blocks) >= 3
+    unnamed = [where for where, config, _ in blocks if not config]
+    assert not unnamed, f"add '<!-- runs against configs/....yaml -->' before {unnamed}"
+    for where, config, _ in blocks:
+        assert (ROOT / config).is_file(), f"{where} names {config}, which is not there"
+
+
+@pytest.mark.parametrize("config", sorted({c for _, c, _ in python_blocks() if c}))
+def test_python_blocks_run_as_written(make_daemon, tmp_path: Path, config: str) -> None:
+    """Each block in its own interpreter, in the order the docs give them, against one daemon
+    with the devices of the config named (the suite's runtimes, to keep builds short)."""
+    devices = yaml.safe_load((ROOT / config).read_text())["devices"]
+    daemon = make_daemon(devices=devices, cache_dir=str(tmp_path / "cache"))
+    env = {**os.environ, "CUVIL_TARGET": daemon.target}
+    for where, named, code in python_blocks():
+        if named != config:
+            continue
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        print(f"--- {where}\n{done.stdout}")
+        assert done.returncode == 0, f"{where} failed:\n{done.stderr[-3000:]}"
