@@ -55,8 +55,10 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check cuvild partitioner runtimes tests
 
+# SECTION=serving (or "serving models"): only those sections (tests/bench/run.py)
+SECTION ?=
 bench: setup
-	$(PY) tests/bench/run.py
+	$(PY) tests/bench/run.py $(SECTION)
 
 clean:
 	rm -rf $(VENV) protos/*_pb2.py protos/*_pb2.pyi protos/*_pb2_grpc.py .pytest_cache .ruff_cache

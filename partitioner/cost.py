@@ -83,9 +83,14 @@ class CostModel:
         self.launch_ms = [self.corrections.best_overhead_ms(d.id, d.runtimes, d.launch_us / 1e3)
                           for d in devices]
         self._links()
-        # a part holds nodes of one precision request: a dtype, "auto" or none
+        # a part holds nodes of one precision request: a dtype, "auto" or none. fp32 asked
+        # under an fp32 policy asks nothing the policy does not: the same request, so a
+        # region annotated precision="fp32" that lands beside the rest of the model on one
+        # device is one part with it, not two parts on that device with a cut between them
         self.precisions = [None, *PRECISIONS, "auto"]
-        self.prec = [self.precisions.index(_precision(node)) for node in graph.nodes]
+        self.prec = [self.precisions.index(
+            None if _precision(node) == "fp32" == precision else _precision(node))
+            for node in graph.nodes]
         # roofline_ms is the profile's prediction; node_ms adds the learned scale
         self.roofline_ms = [[self._node_ms(node, dev) for dev in devices] for node in graph.nodes]
         self.node_ms = [

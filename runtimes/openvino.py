@@ -227,14 +227,38 @@ def kept_fp32(model: ov.Model) -> str:
     """Which of a quantized model's matmuls and convolutions NNCF left at fp32 (no
     FakeQuantize feeds them), for the plan's notes; "" when every one runs int8."""
     ops = [op for op in model.get_ordered_ops() if op.get_type_name() in QUANTIZABLE]
-    kept = [op.get_friendly_name().split("/")[0] for op in ops
-            if not any(i.get_source_output().get_node().get_type_name() == "FakeQuantize"
-                       for i in op.inputs())]
+    kept = list(dict.fromkeys(
+        graph_name(op) for op in ops
+        if not any(i.get_source_output().get_node().get_type_name() == "FakeQuantize"
+                   for i in op.inputs())))
     if not kept:
         return ""
     more = f" and {len(kept) - 6} more" if len(kept) > 6 else ""
     return (f"int8 except {len(kept)} of {len(ops)} matmuls/convolutions kept fp32 by NNCF's "
             f"accuracy control: {', '.join(kept[:6])}{more}")
+
+
+def graph_name(op: Any, hops: int = 4) -> str:
+    """The model's own name for an OpenVINO op: the converter names ops after the torch.export
+    node they come from ("linear_3/aten.linear.default/MatMul" -> "linear_3"); an op that
+    OpenVINO made itself ("Multiply_51935", from a decomposition or NNCF) takes the name of the
+    nearest such op after it, then before it, within `hops`, marked "near"."""
+    name = op.get_friendly_name()
+    if "/" in name:
+        return name.split("/")[0]
+    seen, ring = {id(op)}, [op]
+    for _ in range(hops):
+        step = []
+        for node in ring:
+            for out in node.outputs():
+                step += [t.get_node() for t in out.get_target_inputs()]
+            step += [i.get_source_output().get_node() for i in node.inputs()]
+        step = [n for n in step if id(n) not in seen and not seen.add(id(n))]
+        for n in step:
+            if "/" in n.get_friendly_name():
+                return f"near {n.get_friendly_name().split('/')[0]}"
+        ring = step
+    return name
 
 
 def compile_config(device: str, precision: str, threads: int) -> dict[str, Any]:

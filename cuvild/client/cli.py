@@ -249,9 +249,16 @@ def cmd_partition(client: Client, args: argparse.Namespace) -> int:
         print()
         print(format_table(["PART", "DEVICE", "RUNTIME", "PREDICTED ms", "MEASURED ms"],
                            [[pid, m["device"], m["runtime"], f"{m['predicted_ms']:.2f}",
-                             "-" if m["measured_ms"] is None else f"{m['measured_ms']:.2f}"]
-                            for pid, m in result["measured"].items()]))
+                             measured_cell(m)] for pid, m in result["measured"].items()]))
     return 0
+
+
+def measured_cell(m: dict[str, Any]) -> str:
+    """A part's measured median; a dynamic-shape model's at the input shapes served last."""
+    if m["measured_ms"] is None:
+        return "-"
+    at = ", ".join("x".join(map(str, s)) for s in m.get("shapes", []))
+    return f"{m['measured_ms']:.2f}" + (f" at {at}" if at else "")
 
 
 def replan_difference(served: dict[str, Any], plan: dict[str, Any]) -> str:
@@ -340,13 +347,19 @@ def compare_text(r: dict[str, Any]) -> str:
             cand.append([p["id"] + mark, p["device"], c["runtime"], c["precision"], c["status"],
                          f"{c['median_ms']:.2f}" if c["median_ms"] else "-",
                          err(c["rel_error"]) if c["status"] in ("ok", "inaccurate") else "-",
-                         c["reason"][:60]])
+                         clip(c["reason"], 60)])
     lines.append(format_table(["PART", "DEVICE", "RUNTIME", "PRECISION", "STATUS", "p50 ms",
                                "ERROR", "WHY"], cand))
-    lines.append("(* the candidate each part runs)")
+    lines.append("(* the candidate each part runs; ... ends a WHY cut short: --json has it "
+                 "whole)")
     if r["notes"]:
         lines += ["", "why:"] + [f"  - {n}" for n in r["notes"]]
     return "\n".join(lines)
+
+
+def clip(text: str, width: int) -> str:
+    """`text` in at most `width` characters, ending in "..." where it was cut."""
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def cmd_infer(client: Client, args: argparse.Namespace) -> int:

@@ -60,8 +60,9 @@ def wait_model(client: Client, name: str) -> dict:
         model = next(m for m in client.models() if m["name"] == name)
         if model["state"] != "loading":
             return model
-        print(f"\rdemo: planning and compiling parts ({time.monotonic() - t0:.0f} s)", end="",
-              flush=True)
+        phase = f": {model['phase']}" if model["phase"] else ""
+        line = f"demo: planning and compiling parts ({time.monotonic() - t0:.0f} s){phase}"
+        print(f"\r{line[:100].ljust(100)}", end="", flush=True)
         time.sleep(1)
     raise SystemExit(f"demo: model not ready within {MODEL_TIMEOUT_S} s")
 
@@ -190,17 +191,24 @@ def main() -> int:
         target = f"unix://{tmp}/cuvild.sock"
         print(f"demo: starting cuvild (state in {tmp}); the first start measures the devices")
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "cuvild", "--config", str(config_path)],
-                                cwd=ROOT)
+        log_path = Path(tmp) / "cuvild.log"  # its own lines would break the demo's progress
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "cuvild", "--config",
+                                     str(config_path)], cwd=ROOT, stderr=log_file)
         code = 1
         try:
             wait_ready(target, proc)
-            print(f"demo: cuvild ready in {time.perf_counter() - t0:.1f} s\n")
+            print(f"demo: cuvild ready in {time.perf_counter() - t0:.1f} s (its log: "
+                  f"{log_path}, kept while the demo runs)\n")
             with Client(target, timeout=120) as client:
                 code = run(client)
         finally:
             proc.send_signal(signal.SIGTERM)
             stopped = proc.wait(60)
+            if code or stopped:
+                tail = log_path.read_text(errors="replace").splitlines()[-20:]
+                print("demo: the end of cuvild's log:\n  " + "\n  ".join(tail),
+                      file=sys.stderr)
         left = [p.name for p in Path("/dev/shm").glob(f"cuvil-{proc.pid}-*")]
         print(f"demo: cuvild stopped (exit {stopped}); shared memory left behind: "
               f"{left or 'none'}")

@@ -111,6 +111,9 @@ _KNOWN_UNSAFE = (
     (re.compile(r"(data/)?extra/.*"), "extra file (not accepted)"),
     (re.compile(r"serialized_.*|.*\.pkl|.*\.pickle"), "pickle / legacy-format payload"),
 )
+EXPORT_INSTEAD = ("export the model with torch.export.export(model, example_inputs) and save "
+                  "that with torch.export.save(program, 'model.pt2'), or let the Python client "
+                  "do both: Client().load(name, model, example_inputs)")
 _ROOT_RE = re.compile(r"[A-Za-z0-9_.\-]{1,255}")
 _CHUNK = 1 << 20
 
@@ -197,9 +200,13 @@ def _check_members(  # noqa: C901 - a check per member rule, each naming it
 def _check_allowed_entry(rel: str) -> None:
     if rel in _FIXED_ENTRIES or WEIGHT_RE.fullmatch(rel) or CONSTANT_RE.fullmatch(rel):
         return
+    if rel == "data.pkl":  # torch.save's own root pickle
+        raise UnsafeArchive(rel, f"refused entry: pickle; this is a torch.save file, not a "
+                                 f"torch.export archive: {EXPORT_INSTEAD}")
     for pattern, why in _KNOWN_UNSAFE:
         if pattern.fullmatch(rel):
-            raise UnsafeArchive(rel, f"refused entry: {why}")
+            raise UnsafeArchive(rel, f"refused entry: {why}" + (
+                f"; {EXPORT_INSTEAD}" if "pickle" in why else ""))
     raise UnsafeArchive(rel, "entry is not on the allow-list of torch.export.save archives")
 
 

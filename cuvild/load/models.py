@@ -182,7 +182,8 @@ class ModelManager:
             served.state, served.phase = "READY", "ready"
         log.info("model %s ready in %.2f s%s: %s", served.key, served.prepare_s,
                  " (from its load record)" if loaded.warm else "",
-                 ", ".join(f"{r.id}@{r.device}/{r.runtime}" for r in loaded.routes))
+                 ", ".join(f"{r.id}@{r.device}/{r.runtime or 'runtime per input shape'}"
+                           for r in loaded.routes))
 
     @staticmethod
     def _phase(served: ServedModel, phase: str, t0: float) -> None:

@@ -246,21 +246,31 @@ def _why_not(route: Route) -> str:
     """The lower precisions a part tried, and why each was not kept: slower than its own
     precision, over the part's sanity bound, or failing to build."""
     candidates = route.built.candidates if route.built else []
+    own = route.variants.get(route.precision)
     tried = []
     for p in dict.fromkeys(c["precision"] for c in candidates):
         if p == route.precision:
             continue
-        if p in route.variants:
+        if p in route.variants and own is not None:
+            # both figures, to the digit that tells them apart, and the clock they come from
+            # (the runtime call alone at build; `cuvilctl partition` MEASURED is the part as
+            # served, hop and arena included)
             v = route.variants[p]
-            tried.append(f"{p} ran {v.median_ms:.2f} ms on {v.runtime}, not faster")
+            tried.append(f"{p} ran {v.median_ms:.3g} ms on {v.runtime} vs {own.median_ms:.3g} "
+                         f"ms at {route.precision} on {own.runtime}, not faster (runtime call "
+                         "alone, median at build)")
             continue
         cands = [c for c in candidates if c["precision"] == p]
         inaccurate = [c for c in cands if c["status"] == "inaccurate"]
         if inaccurate:
             best = min(inaccurate, key=lambda c: c["rel_error"])
             tried.append(f"{p} error {best['rel_error']:.1e} on {best['runtime']}")
+        elif all(c["status"] == "skipped" for c in cands):  # not tried, on purpose
+            tried.append(f"{p} not tried: {cands[0]['reason']}" if cands[0].get("reason")
+                         else f"{p} not tried")
         else:
-            failed = ", ".join(f"{c['runtime']} {c['status']}" for c in cands)
+            failed = ", ".join(f"{c['runtime']} {c['status']}" for c in cands
+                               if c["status"] != "skipped")
             tried.append(f"{p} did not build ({failed})")
     return f" ({'; '.join(tried)})" if tried else ""
 

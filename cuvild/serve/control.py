@@ -49,6 +49,23 @@ def record_to_pb(record: ModelRecord) -> cuvil_pb2.ModelSummary:
     return cuvil_pb2.ModelSummary(state="registered", measured_error=-1, **fields, **specs)
 
 
+def by_bucket(measured: dict[str, Any], buckets: list[dict[str, Any]]) -> dict[str, Any]:
+    """A dynamic-shape model's parts as its buckets run them: the runtimes chosen per input
+    shape, and the time measured at the shapes served last (its own top-level parts never run,
+    so they say no runtime and no time)."""
+    out = {}
+    for pid, m in measured.items():
+        runs = [(b["shapes"], part) for b in buckets for part in b["parts"] if part["id"] == pid]
+        runtimes = sorted({part["runtime"] for _, part in runs if part["runtime"]})
+        timed = [(shapes, part) for shapes, part in runs if part["measured_ms"] is not None]
+        entry = {**m, "runtime": "/".join(runtimes) or "per input shape, once served"}
+        if timed:
+            shapes, part = timed[-1]  # most recently used last
+            entry["measured_ms"], entry["shapes"] = part["measured_ms"], shapes
+        out[pid] = entry
+    return out
+
+
 def buckets_text(buckets: list[dict[str, Any]]) -> str:
     """A dynamic-shape model's buckets for `cuvilctl partition`: shapes -> part on device."""
     lines = ["", "buckets (built per input shape; a part's runtime is chosen per bucket):"]
@@ -257,6 +274,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         if not request.replan and served.loaded is not None and served.loaded.dynamic:
             shown["buckets"] = bucket_stats(served.loaded)  # where each input shape runs
             explain += buckets_text(shown["buckets"])
+            measured = by_bucket(measured, shown["buckets"])
         return cuvil_pb2.GetPlanResponse(plan_json=json.dumps(shown), explain=explain,
                                          measured_json=json.dumps(measured),
                                          dot=report.to_dot(plan))

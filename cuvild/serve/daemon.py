@@ -23,6 +23,11 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+# No child of the daemon uses its gRPC (the forkserver and the resource tracker start
+# afresh): without fork support gRPC installs no fork handlers, and so prints no "skipping
+# fork() handlers" line each time the daemon starts one. Read when gRPC loads: set first.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -135,9 +140,10 @@ class Daemon:
         result = profiles_mod.load_or_measure(
             self.cfg.state_dir, self.cfg.device_settings(), self.cfg.overrides, refresh=refresh)
         self.profiles = result
-        log.info("%d device(s) from %s in %.2f s: %s", len(result.devices), result.source,
-                 result.seconds, ", ".join(d.id + (" (emulated)" if d.emulated else "")
-                                           for d in result.devices))
+        how = {"measured": "measured", "cache": "read from the profile cache"}.get(
+            result.source, result.source)
+        log.info("%d device(s) %s in %.2f s: %s", len(result.devices), how, result.seconds,
+                 ", ".join(d.id + (" (emulated)" if d.emulated else "") for d in result.devices))
         return result
 
     def current_profiles(self) -> profiles_mod.ProfileResult:

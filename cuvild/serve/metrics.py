@@ -161,7 +161,8 @@ class Metrics:
                                   "cuvil_inference_request_failure_total",
                                   "cuvil_inference_count_total"):
                     continue
-                key = f"{s.labels['model']}:{s.labels['version']}"
+                # requests for no known model count under "" (cuvilctl: unknown models)
+                key = f"{s.labels['model']}:{s.labels['version']}" if s.labels["model"] else ""
                 entry = models.setdefault(key, {"success": 0, "failure": 0, "inferences": 0})
                 field = {"cuvil_inference_request_success_total": "success",
                          "cuvil_inference_request_failure_total": "failure",

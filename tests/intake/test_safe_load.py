@@ -402,3 +402,23 @@ def test_dunder_named_aten_ops_are_real_operators(tmp_path: Path) -> None:
     info = validate_archive(path)
     assert {"torch.ops.aten.__and__.Tensor", "torch.ops.aten.__or__.Tensor"} <= info.op_targets
     assert torch.equal(load_exported_program(path).module()(a, b), Masks()(a, b))
+
+
+def test_a_torch_save_file_is_refused_saying_what_to_do_instead(tmp_path: Path) -> None:
+    """A model saved with torch.save is refused (a pickle) with the way out: export, then
+    torch.export.save, or the client's load, which does both (issue 48)."""
+    path = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(2, 2), path)
+    with pytest.raises(UnsafeArchive, match=r"torch\.save file.*torch\.export\.save\(program"):
+        validate_archive(path)
+
+
+def test_dim_dynamic_leaves_an_attribute_that_torch_export_save_pickles(tmp_path: Path) -> None:
+    """Dim.DYNAMIC marks the caller's example tensor (`_specialize_on`), so the archive's
+    example inputs pickle a tensor with attributes (torch._tensor._rebuild_from_type_v2):
+    torch's own, on its weights_only list, and accepted (issue 48)."""
+    x = torch.randn(2, 4)
+    program = torch.export.export(torch.nn.Linear(4, 2), (x,),
+                                  dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
+    torch.export.save(program, tmp_path / "m.pt2")
+    validate_archive(tmp_path / "m.pt2")

@@ -99,6 +99,23 @@ def test_annotated_export_is_honoured_end_to_end() -> None:
         plan_model(build_costgraph(ep), load_shipped("xeon-amx-h100"))
 
 
+def test_a_fallen_back_fp32_region_is_one_part_with_the_rest() -> None:
+    """A non-strict `npu` region asking fp32 on a host with no NPU lands on the CPU with the
+    rest of the model: under an fp32 policy it asks nothing the policy does not, so it is one
+    part, not two parts on cpu0 with a cut between them (issue 48). Under `auto` the fp32 pin
+    differs from the policy, and the region stays a part of its own."""
+    ep = refmodels.exported("mlp-4x-linear").run_decompositions()
+    for node in ep.graph.nodes:
+        if node.name.startswith("relu"):
+            node.meta.setdefault("custom", {})[ANNOTATION_KEY] = {
+                "device": "npu", "precision": "fp32", "strict": False}
+    cpu_only = [d for d in load_shipped("xeon-amx-h100") if d.kind == "cpu"]
+    plan = plan_model(ep, cpu_only)
+    assert len(plan.parts) == 1 and plan.parts[0].precision == "fp32"
+    assert any("placed on cpu0" in n for n in plan.notes), plan.notes
+    assert len(plan_model(ep, cpu_only, precision="auto").parts) > 1
+
+
 # ---- the Plan as data and as reports ---------------------------------------------------------
 
 

@@ -302,3 +302,22 @@ def test_int8_with_fp32_back_off_stops_at_its_time_budget(
     with pytest.raises(CompileError, match=r"int8\+fp32: NNCF's accuracy control did not hold "
                                            r"1e-06 within 0 s \(\d+ validations\): not built"):
         OpenVINORuntime().compile(part, spec)
+
+
+def test_an_op_openvino_named_is_reported_by_the_models_name_near_it():
+    """NNCF's kept-fp32 notes name the model's nodes: an op OpenVINO made itself
+    ("MatMul_51935") takes the name of the torch.export node next to it (issue 48)."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from runtimes.openvino import graph_name
+
+    x = ops.parameter([2, 4], np.float32, name="x")
+    made = ops.matmul(x, ops.constant(np.ones((4, 4), np.float32)), False, False)
+    made.set_friendly_name("MatMul_51935")
+    named = ops.add(made, ops.constant(np.ones((4,), np.float32)))
+    named.set_friendly_name("linear_3/aten.linear.default/Add")
+    ov.Model([named], [x])
+    assert graph_name(named) == "linear_3"
+    assert graph_name(made) == "near linear_3"

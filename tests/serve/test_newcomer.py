@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +112,9 @@ def test_a_dynamic_dimension_without_a_maximum_loads_and_serves(make_daemon) -> 
         with pytest.raises(InvalidArgument, match=r"\[2, unbounded\].*Dim\(name, min=1\)"):
             client.infer("mlp-auto", torch.randn(1, 16))
         assert client.infer("mlp-named", torch.randn(1, 16))["output0"].shape == (1, 16)
+    # noise: gRPC's fork handlers printed a line as the first upload started the forkserver
+    assert "skipping fork() handlers" not in daemon.log()
+    assert "device(s) from" not in daemon.log()  # "read from the profile cache" / "measured"
 
 
 def test_tritonclient_reads_model_config_and_statistics(env: Env) -> None:
@@ -141,3 +145,46 @@ def test_tritonclient_reads_model_config_and_statistics(env: Env) -> None:
     assert int(after["inference_count"]) - int(before.get("inference_count", 0)) == 6  # rows
     assert int(after["last_inference"]) > 0
     assert {s["name"] for s in every} >= {"mlp", "demo", "pair"}
+
+
+# -- notes that misled, noise (no daemon) -------------------------------------------------------
+def test_notes_say_what_they_mean() -> None:
+    """compare's WHY marks a cut; stats names requests for no model plainly (it showed a row
+    named ':'); a dynamic-shape model's parts say the runtimes their buckets chose and the time
+    measured at the shapes served last (they said no runtime and no time)."""
+    from cuvild.client.cli import clip, measured_cell
+    from cuvild.serve.control import by_bucket
+    from cuvild.serve.metrics import Metrics
+
+    assert clip("x" * 80, 60) == "x" * 57 + "..." and clip("short", 60) == "short"
+    metrics = Metrics()
+    metrics.failed("", "", "NOT_FOUND", 0.001)
+    assert set(metrics.snapshot()["models"]) == {""}  # cuvilctl: "(unknown models)"
+    top = {"p0": {"device": "cpu0", "runtime": "", "predicted_ms": 0.1, "measured_ms": None}}
+    buckets = [{"shapes": [[1, 16]], "parts": [{"id": "p0", "runtime": "openvino",
+                                                "measured_ms": 0.2}]},
+               {"shapes": [[3, 16]], "parts": [{"id": "p0", "runtime": "onnxruntime",
+                                                "measured_ms": 0.15}]}]
+    shown = by_bucket(top, buckets)["p0"]
+    assert shown["runtime"] == "onnxruntime/openvino"
+    assert measured_cell(shown) == "0.15 at 3x16"
+    assert by_bucket(top, [])["p0"]["runtime"] == "per input shape, once served"
+
+
+def test_make_bench_runs_one_section() -> None:
+    import runpy
+
+    bench = runpy.run_path(str(Path(__file__).parents[1] / "bench" / "run.py"))
+    assert bench["chosen"](["serving", "bench_models.py"]) == ["bench_serving.py",
+                                                               "bench_models.py"]
+    assert bench["chosen"]([]) == bench["SECTIONS"]
+    with pytest.raises(SystemExit, match="unknown section"):
+        bench["chosen"](["nothing"])
+
+
+def test_onnxscript_folding_warnings_are_not_ours_to_show() -> None:
+    import logging
+
+    import runtimes.onnxruntime  # noqa: F401 - sets the level
+
+    assert logging.getLogger("onnxscript.optimizer._constant_folding").level == logging.ERROR
