@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from cuvild.client import Client, samples
+from cuvild.client import Client, CuvildError, samples
 from protos import inference_pb2, inference_pb2_grpc
 
 SEED = 20261130
@@ -176,9 +176,9 @@ def test_mutated_archives_are_refused_or_served(hardened, tmp_path: Path):
                 client.load_file(f"fuzz{i}", path, wait=False)  # the upload is what is fuzzed
                 codes["OK"] += 1
                 accepted.append(f"fuzz{i}")
-            except grpc.RpcError as e:
-                codes[e.code().name] += 1
-                assert e.code() != grpc.StatusCode.UNKNOWN, e.details()
+            except CuvildError as e:
+                codes[e.code] += 1
+                assert e.code != "UNKNOWN", e.message
         for name in accepted:  # what got in is built or failed cleanly, and goes again
             client.unload(name)
         torch.testing.assert_close(client.infer("mlp", x)["output0"], y)

@@ -17,7 +17,7 @@ import torch
 from daemons import free_port
 
 from cuvild import config
-from cuvild.client import Client
+from cuvild.client import Client, InvalidArgument
 from cuvild.client.samples import MLP, reference
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
@@ -64,7 +64,7 @@ def test_metrics_move_by_exactly_what_was_sent(make_daemon):
         for _ in range(7):
             client.infer("mlp", x)
         for _ in range(3):  # the wrong shape: refused, counted as failures
-            with pytest.raises(grpc.RpcError):
+            with pytest.raises(InvalidArgument):
                 client.infer("mlp", torch.randn(3, 16))
         with grpc.insecure_channel(d.target) as channel, pytest.raises(grpc.RpcError):
             inference_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(

@@ -303,14 +303,6 @@ def test_shared_memory_off_is_refused_with_403(tmp_path):
         server.stop()
 
 
-def test_sigterm_drains_and_closes_the_http_listener(served):  # last: it stops the daemon
-    daemon, address, _ = served
-    assert daemon.stop() == 0
-    host, port = address.split(":")
-    with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=2):
-        pass
-
-
 def test_model_config_statistics_and_unknown_routes_over_http(served):
     """tritonclient.http's get_model_config / get_inference_statistics, and an unknown route
     or method answered with the protocol's JSON error (not aiohttp's plain text, which
@@ -345,3 +337,11 @@ def test_model_config_statistics_and_unknown_routes_over_http(served):
         assert code == status, (path, code, body)
         assert headers["Content-Type"] == "application/json"
         assert path in json.loads(body)["error"]
+
+
+def test_sigterm_drains_and_closes_the_http_listener(served):  # last: it stops the daemon
+    daemon, address, _ = served
+    assert daemon.stop() == 0
+    host, port = address.split(":")
+    with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=2):
+        pass
