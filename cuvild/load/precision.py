@@ -266,8 +266,8 @@ def _why_not(route: Route) -> str:
             best = min(inaccurate, key=lambda c: c["rel_error"])
             tried.append(f"{p} error {best['rel_error']:.1e} on {best['runtime']}")
         elif all(c["status"] == "skipped" for c in cands):  # not tried, on purpose
-            tried.append(f"{p} not tried: {cands[0]['reason']}" if cands[0].get("reason")
-                         else f"{p} not tried")
+            reason = (cands[0].get("reason") or "").removeprefix("not built: ")
+            tried.append(f"{p} not tried: {reason}" if reason else f"{p} not tried")
         else:
             failed = ", ".join(f"{c['runtime']} {c['status']}" for c in cands
                                if c["status"] != "skipped")
