@@ -10,6 +10,7 @@ and the systemd unit.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from dataclasses import dataclass, field
@@ -33,6 +34,20 @@ class EmulatedDevice:
     kind: str
     runtime: str
     cores: list[int]
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """limits.http: what one HTTP listener (listen.http, and metrics.listen) lets a client
+    hold. Every field is a key of the file, with this default (docs/OPERATIONS.md)."""
+
+    max_body_bytes: int = 64 << 20  # a request's body; 413 past it (Triton: 64 MB)
+    max_json_bytes: int = 8 << 20  # its JSON part (tensors in JSON cost ~10x their bytes)
+    bodies_at_once: int = 4  # bodies read and parsed at once; the rest wait their turn
+    max_connections: int = 256  # open at once; past it a connection gets a 503 and closes
+    header_timeout_s: float = 10.0  # a request's line and headers arrive within this
+    body_timeout_s: float = 60.0  # and its body within this (408 past it)
+    keepalive_s: float = 75.0  # an idle connection between requests is closed after this
 
 
 @dataclass
@@ -89,6 +104,7 @@ class Config:
     tracing_sample_rate: float = 1.0
     http: str | None = None  # HOST:PORT of the protocol's HTTP/REST form (None: off)
     model_repository: str | None = None  # DIR/<name>/<version>/model.pt2, loaded at start
+    http_limits: HttpLimits = field(default_factory=HttpLimits)  # limits.http
 
     def device_settings(self) -> dict[str, Any]:
         """The settings that change what the profiler measures (part of the cache key)."""
@@ -121,7 +137,8 @@ ON_RESTART = {
     "max_connections": "limits.max_connections",
     "max_connections_per_uid": "limits.max_connections_per_uid",
     "idle_timeout_s": "limits.idle_timeout_s", "rpc_threads": "limits.rpc_threads",
-    "shm_allow_tcp_clients": "shm.allow_tcp_clients", "fast_path": "shm.fast_path",
+    "http_limits": "limits.http", "shm_allow_tcp_clients": "shm.allow_tcp_clients",
+    "fast_path": "shm.fast_path",
     "max_in_flight": "engine.max_in_flight", "workers": "engine.workers",
     "metrics_enabled": "metrics.enabled", "metrics_listen": "metrics.listen",
     "tracing_exporter": "tracing", "tracing_path": "tracing", "tracing_endpoint": "tracing",
@@ -160,6 +177,8 @@ _SCHEMA: dict[str, Any] = {
         "max_connections_per_uid": (int, 64),
         "idle_timeout_s": ((int, float), 600),
         "rpc_threads": (int, 32),
+        "http": {f.name: ((int, float) if isinstance(f.default, float) else int, f.default)
+                 for f in dataclasses.fields(HttpLimits)},
     },
     "shm": {"allowed_uids": (list, []), "allow_tcp_clients": (bool, False),
             "max_regions_per_caller": (int, 64), "max_bytes_per_caller": (int, 16 << 30),
@@ -401,9 +420,7 @@ def parse(data: Any, path: str = "<memory>") -> Config:  # noqa: C901 - a check 
               ("limits", "idle_timeout_s"), ("shm", "max_regions_per_caller"),
               ("shm", "max_bytes_per_caller"), ("engine", "run_timeout_s"),
               ("engine", "max_buckets"), ("engine", "max_dim"))
-    if raw["limits"]["rpc_threads"] < 8:
-        raise ConfigError("limits.rpc_threads", f"expected at least 8 (4 are kept for health "
-                          f"and status), got {raw['limits']['rpc_threads']}")
+    _check_limits(raw)
     unix = raw["listen"]["unix"] or default_socket()
     sock_dir = _writable_dir(str(Path(unix).parent), "runtime", "listen.unix")
     return Config(
@@ -428,6 +445,7 @@ def parse(data: Any, path: str = "<memory>") -> Config:  # noqa: C901 - a check 
         max_connections_per_uid=raw["limits"]["max_connections_per_uid"],
         idle_timeout_s=float(raw["limits"]["idle_timeout_s"]),
         rpc_threads=raw["limits"]["rpc_threads"],
+        http_limits=HttpLimits(**raw["limits"]["http"]),
         shm_max_regions=raw["shm"]["max_regions_per_caller"],
         shm_max_bytes=raw["shm"]["max_bytes_per_caller"],
         run_timeout_s=float(eng["run_timeout_s"]),
@@ -469,11 +487,21 @@ def repository_dir(value: str) -> str:
     return str(path)
 
 
-def _positive(raw: dict[str, Any], *keys: tuple[str, str]) -> None:
-    for section, key in keys:
-        if raw[section][key] <= 0:
-            raise ConfigError(f"{section}.{key}", f"expected a positive number, got "
-                              f"{raw[section][key]!r}")
+def _check_limits(raw: dict[str, Any]) -> None:
+    _positive(raw, *(("limits", "http", f.name) for f in dataclasses.fields(HttpLimits)))
+    if raw["limits"]["rpc_threads"] < 8:
+        raise ConfigError("limits.rpc_threads", f"expected at least 8 (4 are kept for health "
+                          f"and status), got {raw['limits']['rpc_threads']}")
+
+
+def _positive(raw: dict[str, Any], *keys: tuple[str, ...]) -> None:
+    """Each key (a path of sections, then the key) holds a number > 0."""
+    for path in keys:
+        value: Any = raw
+        for part in path:
+            value = value[part]
+        if value <= 0:
+            raise ConfigError(".".join(path), f"expected a positive number, got {value!r}")
 
 
 def _check_runtimes(data: dict[Any, Any]) -> None:

@@ -214,7 +214,7 @@ class Daemon:
         http = RestServer(service, self.cfg.http, self.cfg.rpc_threads, self.cfg.token,
                           tls_context(self.cfg.tls_cert, self.cfg.tls_key,
                                       self.cfg.tls_client_ca), drain_s=DRAIN_GRACE_S,
-                          metrics=self.metrics)
+                          metrics=self.metrics, limits=self.cfg.http_limits)
         try:
             http.start()
         except OSError as e:
@@ -291,7 +291,8 @@ class Daemon:
             engine.monitor = self.metrics
             if cfg.metrics_listen:
                 try:
-                    log.info("metrics on %s", self.metrics.serve(cfg.metrics_listen))
+                    log.info("metrics on %s", self.metrics.serve(cfg.metrics_listen,
+                                                                 cfg.http_limits))
                 except OSError as e:
                     raise StartupError(f"cannot serve metrics on {cfg.metrics_listen} "
                                        f"(metrics.listen): {e}") from None

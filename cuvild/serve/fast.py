@@ -283,10 +283,17 @@ class FastPath:
             with self._lock:
                 if not session.ended:
                     (self._attached if session.attached else self._sessions).add(session)
-        except (Refused, ValueError, EOFError, OSError) as e:
-            code = e.code if isinstance(e, Refused) else "INVALID_ARGUMENT"
+        except Exception as e:  # noqa: BLE001 - whatever it was, the slot is given back
+            # a refusal, or bad bytes (ValueError, RecursionError from JSON nested 5000 deep,
+            # EOF): the caller's connection slot is released, or its uid is locked out of
+            # the daemon until restart; anything else is a bug, said, and still released
+            known = (Refused, ValueError, EOFError, OSError, RecursionError)
+            code = e.code if isinstance(e, Refused) else (
+                "INVALID_ARGUMENT" if isinstance(e, known) else "INTERNAL")
+            if not isinstance(e, known):
+                log.exception("fast path: opening a session of uid %d failed", uid)
             log.debug("fast path: refused a session of uid %d: %s", uid, e)
-            reply = json.dumps({"ok": False, "code": code, "error": str(e),
+            reply = json.dumps({"ok": False, "code": code, "error": str(e)[:1000],
                                 **getattr(e, "said", {})}).encode()
             try:
                 sock.sendall(wire.LENGTH.pack(len(reply)) + reply)

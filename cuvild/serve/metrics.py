@@ -15,7 +15,10 @@ The HTTP endpoint serves `metrics.listen` (off by default; a bare port binds loo
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import statistics
@@ -23,10 +26,17 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from cuvild.config import HttpLimits
 from protos.sessions import SECONDS
 
 if TYPE_CHECKING:
@@ -41,6 +51,7 @@ MODEL = ("model", "version")
 BUCKETS = SECONDS
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # rows per batched run
 RECENT = 1000  # end-to-end times kept per model for stats' p50/p99
+METRICS_CONNECTIONS = 16  # a scraper or two: the metrics port holds no more open
 
 
 class FastPath(Protocol):
@@ -138,17 +149,36 @@ class Metrics:
         self.fast = fast
         self.registry.register(_State(models, regions, fast))
 
-    def serve(self, listen: str) -> str:
-        """Serve /metrics on HOST:PORT (a bare PORT: loopback); returns where."""
+    def serve(self, listen: str, limits: HttpLimits | None = None) -> str:
+        """Serve /metrics on HOST:PORT (a bare PORT: loopback); returns where. An HTTP
+        listener of the daemon's (cuvild/serve/httpguard.py): its connections capped (at
+        most METRICS_CONNECTIONS) and timed out, a scrape rendered on one thread at a time,
+        where prometheus_client's server gave each connection a thread and no timeout."""
+        from aiohttp import web
+
+        from cuvild.serve.httpguard import Listener
+
+        limits = limits or HttpLimits()
+        limits = dataclasses.replace(limits, max_connections=min(limits.max_connections,
+                                                                 METRICS_CONNECTIONS))
+        render = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="metrics")
+
+        async def scrape(request: web.Request) -> web.Response:
+            text = await asyncio.get_running_loop().run_in_executor(
+                render, generate_latest, self.registry)
+            return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application(client_max_size=1 << 16)
+        app.router.add_get("/metrics", scrape)
         host, _, port = listen.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
-        self._server, _ = start_http_server(int(port), host, registry=self.registry)
-        return f"http://{host}:{self._server.server_port}/metrics"
+        self._server = Listener(app, host, int(port), limits, "metrics")
+        self._server.start()
+        return f"http://{host}:{self._server.port}/metrics"
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.stop()
 
     # -- cuvilctl stats --------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -40,37 +40,36 @@ import asyncio
 import hmac
 import logging
 import ssl
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-import numpy as np
 import orjson
 from aiohttp import web
 
+from cuvild.config import HttpLimits
+from cuvild.engine.dtypes import oip_name
 from cuvild.serve import modelinfo
+from cuvild.serve.httpguard import Listener, body
+from cuvild.serve.jsontensors import (
+    HEADER_LENGTH,
+    INT64_MAX,
+    Aborted,
+    Inputs,
+    _count,
+    bad,
+    infer_request,
+    infer_response,
+)
 from protos import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
-MAX_BODY = 256 << 20  # as the gRPC listeners' message limit
-HEADER_LENGTH = "Inference-Header-Content-Length"
-NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16,
-         "INT32": np.int32, "INT64": np.int64, "FP16": np.float16, "FP32": np.float32,
-         "FP64": np.float64}  # JSON data; BF16 travels as binary data only
 STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
           grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
           grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
           grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.FAILED_PRECONDITION: 400}
 OPEN = ("/v2/health/live", "/v2/health/ready")
-SHM = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Call:
@@ -96,142 +95,6 @@ class Call:
         pass
 
 
-def bad(message: str) -> Aborted:
-    return Aborted(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def infer_request(name: str, version: str, body: bytes,
-                  header_length: str | None) -> tuple[Any, set[str], bool]:
-    """The protocol's ModelInferRequest for an HTTP body; the outputs asked as binary data,
-    and whether every output is (binary_data_output)."""
-    if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
-            raise bad(f"{HEADER_LENGTH} {header_length!r}: expected 0..{len(body)}")
-        head, binary = body[:int(header_length)], memoryview(body)[int(header_length):]
-    else:
-        head, binary = body, memoryview(b"")
-    try:
-        doc = orjson.loads(head or b"{}")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"the request is not JSON: {e}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
-        raise bad("expected a JSON object with an 'inputs' list")
-    request = pb.ModelInferRequest(model_name=name, model_version=version,
-                                   id=str(doc.get("id", "")))
-    at = 0
-    for tensor in doc["inputs"]:
-        raw, at = _input(request, tensor, binary, at)
-        if raw is not None:  # None: in shared memory
-            request.raw_input_contents.append(raw)
-    if at != len(binary):
-        raise bad(f"{len(binary) - at} byte(s) of binary data follow the inputs' binary_data_size")
-    outputs, params = doc.get("outputs") or [], doc.get("parameters") or {}
-    if not isinstance(outputs, list) or not isinstance(params, dict):
-        raise bad("'outputs' must be a list and 'parameters' an object")
-    return request, _outputs(request, outputs), bool(params.get("binary_data_output"))
-
-
-def _outputs(request: Any, outputs: list[Any]) -> set[str]:
-    """The outputs asked for, into `request`; those asked as binary data."""
-    binary_out: set[str] = set()
-    for out in outputs:
-        if not isinstance(out, dict) or not isinstance(out.get("name"), str):
-            raise bad("each of 'outputs' needs a 'name'")
-        params = out.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise bad(f"output {out['name']!r}: 'parameters' must be an object")
-        _shm_params(request.outputs.add(name=out["name"]).parameters, params,
-                    f"output {out['name']!r}")
-        if params.get("binary_data"):
-            binary_out.add(out["name"])
-    return binary_out
-
-
-def _shm_params(into: Any, params: dict[str, Any], where: str) -> None:
-    """The protocol's shared-memory parameters of a JSON tensor, as gRPC carries them (the
-    servicer checks their values)."""
-    for key in SHM:
-        value = params.get(key)
-        if value is None:
-            continue
-        if isinstance(value, str):
-            into[key].string_param = value
-        elif isinstance(value, int) and not isinstance(value, bool):
-            into[key].int64_param = value
-        else:
-            raise bad(f"{where}: parameter {key!r} must be a string or an integer, "
-                      f"got {value!r}")
-
-
-def _input(request: Any, tensor: Any, binary: memoryview, at: int) -> tuple[bytes | None, int]:
-    if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
-        raise bad("each of 'inputs' needs a 'name', a 'shape' and a 'datatype'")
-    name, shape, datatype = tensor["name"], tensor.get("shape"), tensor.get("datatype")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise bad(f"input {name!r}: 'shape' must be a list of sizes, got {shape!r}")
-    if not isinstance(datatype, str):
-        raise bad(f"input {name!r}: 'datatype' must be a string, got {datatype!r}")
-    params = tensor.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise bad(f"input {name!r}: 'parameters' must be an object")
-    added = request.inputs.add(name=name, datatype=datatype, shape=shape)
-    if "shared_memory_region" in params:
-        _shm_params(added.parameters, params, f"input {name!r}")
-        return None, at
-    size = params.get("binary_data_size")
-    if size is not None:
-        if not _count(size) or at + size > len(binary):
-            raise bad(f"input {name!r}: binary_data_size {size!r} is past the body's "
-                      f"{len(binary)} binary bytes")
-        return bytes(binary[at:at + size]), at + size
-    return _json_data(name, datatype, shape, tensor.get("data")), at
-
-
-def _count(value: Any) -> bool:
-    """A JSON integer >= 0 (not a bool, which Python takes for an int)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _json_data(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
-    if datatype not in NUMPY:
-        raise bad(f"input {name!r}: {datatype} data must be sent as binary data "
-                  f"(binary_data_size)")
-    try:
-        array = np.asarray(data, dtype=NUMPY[datatype])
-    except (TypeError, ValueError) as e:
-        raise bad(f"input {name!r}: 'data' is not {datatype} values: {e}") from None
-    if array.size != int(np.prod(shape)):
-        raise bad(f"input {name!r}: {array.size} values in 'data', expected {int(np.prod(shape))} "
-                  f"for {datatype}{shape}")
-    return array.tobytes()
-
-
-def infer_response(response: Any, binary_out: set[str], everything: bool) -> web.Response:
-    outputs, blobs = [], []
-    raws = list(response.raw_output_contents) or [b""] * len(response.outputs)
-    for out, raw in zip(response.outputs, raws, strict=True):
-        item: dict[str, Any] = {"name": out.name, "datatype": out.datatype,
-                                "shape": list(out.shape)}
-        if "shared_memory_region" in out.parameters:  # written into the caller's region
-            item["parameters"] = {k: getattr(p, p.WhichOneof("parameter_choice"))
-                                  for k, p in out.parameters.items() if k in SHM}
-        elif everything or out.name in binary_out or out.datatype not in NUMPY:
-            item["parameters"] = {"binary_data_size": len(raw)}
-            blobs.append(raw)
-        else:
-            item["data"] = np.frombuffer(raw, dtype=NUMPY[out.datatype])
-        outputs.append(item)
-    doc: dict[str, Any] = {"model_name": response.model_name,
-                           "model_version": response.model_version, "outputs": outputs}
-    if response.id:
-        doc["id"] = response.id
-    head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not blobs:
-        return web.Response(body=head, content_type="application/json")
-    return web.Response(body=b"".join([head, *blobs]), content_type="application/octet-stream",
-                        headers={HEADER_LENGTH: str(len(head))})
-
-
 def reply(doc: Any, status: int = 200) -> web.Response:
     """A JSON answer typed exactly `application/json` (aiohttp's json_response adds a charset,
     which KServe's client does not take for JSON, losing the error's message)."""
@@ -248,18 +111,19 @@ class RestServer:
 
     def __init__(self, service: Any, address: str, threads: int, token: str | None = None,
                  tls: ssl.SSLContext | None = None, drain_s: float = 10.0,
-                 metrics: Any = None) -> None:
-        self.service, self.drain_s, self.metrics = service, drain_s, metrics
-        self.host, _, port = address.rpartition(":")
-        self.host, self.port = self.host.strip("[]"), int(port)
-        self.token, self.tls = token, tls
+                 metrics: Any = None, limits: HttpLimits | None = None) -> None:
+        self.service, self.metrics = service, metrics
+        self.limits = limits or HttpLimits()
+        host, _, port = address.rpartition(":")
+        self.token = token
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http")
-        self.loop = asyncio.new_event_loop()
-        self.runner: web.AppRunner | None = None
-        self.thread = threading.Thread(target=self.loop.run_forever, name="http", daemon=True)
+        self.bodies: asyncio.Semaphore | None = None  # made on the listener's loop
+        self.listener = Listener(self.app(), host.strip("[]"), int(port), self.limits, "http",
+                                 tls, drain_s)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
+        app = web.Application(client_max_size=self.limits.max_body_bytes,
+                              middlewares=[self._guard])
         models = ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"]
         app.router.add_get("/v2", self._server)
         app.router.add_get("/v2/health/live", self._live)
@@ -284,44 +148,51 @@ class RestServer:
         return app
 
     def start(self) -> None:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=30)
-        log.info("HTTP/REST (Open Inference Protocol) on %s:%d", self.host, self.port)
-
-    async def _start(self) -> None:
-        # stop() waits up to drain_s for requests in progress, as gRPC's grace
-        self.runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.drain_s)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, self.host, self.port, ssl_context=self.tls).start()
+        self.listener.start()
+        log.info("HTTP/REST (Open Inference Protocol) on %s:%d", self.listener.host,
+                 self.listener.port)
 
     def stop(self) -> None:
-        if self.runner is not None:
-            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(
-                timeout=self.drain_s + 10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
+        """Stop taking connections; requests in progress get drain_s (gRPC's grace)."""
+        self.listener.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- handlers ----------------------------------------------------------------------------
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         if self.token and request.path not in OPEN:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            # bytes as sent (a header's non-ASCII arrives as surrogates): never an exception
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
                 return error(401, "missing or wrong bearer token (Authorization header)")
         try:
-            return await handler(request)
+            with self.listener.guard.handling(request):
+                return await handler(request)
         except Aborted as e:
-            return error(STATUS.get(e.code, 500), str(e))
-        except web.HTTPException as e:  # no such route or method: the protocol's JSON error
+            return error(e.http or STATUS.get(e.code, 500), str(e))
+        except web.HTTPException as e:  # no such route or method, too large, too slow: JSON
             if e.status < 400:
                 raise
             return error(e.status, f"{e.reason}: {request.method} {request.path}")
+        except Exception as e:  # a bug: one line, the traceback at debug, a JSON 500
+            log.error("HTTP %s %s failed: %s: %s", request.method, request.path,
+                      type(e).__name__, str(e)[:200])
+            log.debug("HTTP %s %s failed", request.method, request.path, exc_info=True)
+            return error(500, f"internal error ({type(e).__name__}); the daemon's log says more")
 
     async def _call(self, method: str, message: Any, request: web.Request) -> Any:
         call = Call(request)
-        return await self.loop.run_in_executor(
+        return await asyncio.get_running_loop().run_in_executor(
             self.pool, getattr(self.service, method), message, call)
+
+    async def _body(self, request: web.Request, parse: Callable[[bytes], Any]) -> Any:
+        """The request's body read and parsed (`parse`, off the event loop), at most
+        limits.http.bodies_at_once at a time: the rest wait their turn, their bytes unread."""
+        if self.bodies is None:
+            self.bodies = asyncio.Semaphore(self.limits.bodies_at_once)
+        async with self.bodies:
+            data = await body(request, self.limits)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, parse, data)
 
     async def _server(self, request: web.Request) -> web.Response:
         meta = await self._call("ServerMetadata", pb.ServerMetadataRequest(), request)
@@ -370,16 +241,27 @@ class RestServer:
 
     async def _infer(self, request: web.Request) -> web.Response:
         m = request.match_info
-        message, binary_out, everything = infer_request(
-            m["name"], m.get("version", ""), await request.read(),
-            request.headers.get(HEADER_LENGTH))
+        name, version = m["name"], m.get("version", "")
+        inputs = self._inputs_of(name, version)  # 404 before a byte of the body is read
+        length = request.headers.get(HEADER_LENGTH)
+        message, binary_out, everything = await self._body(request, lambda data: infer_request(
+            name, version, data, length, self.limits.max_json_bytes, inputs))
         response = await self._call("ModelInfer", message, request)
         return infer_response(response, binary_out, everything)
 
+    def _inputs_of(self, name: str, version: str) -> Inputs:
+        """What the model takes, to check a body against before parsing its tensors."""
+        served = self.service.models.get(name, version)
+        if served is None:
+            what = repr(name) + (f" version {version!r}" if version else "")
+            raise Aborted(grpc.StatusCode.NOT_FOUND, f"unknown model {what}")
+        return {t["name"]: (oip_name(t["dtype"]), list(t["shape"]))
+                for t in served.record.inputs}
+
     async def _index(self, request: web.Request) -> web.Response:
-        body = await request.read()
+        data = await body(request, self.limits)
         try:
-            ready = bool(orjson.loads(body or b"{}").get("ready", False))
+            ready = bool(orjson.loads(data or b"{}").get("ready", False))
         except (ValueError, AttributeError):
             raise bad("expected a JSON object, e.g. {\"ready\": true}") from None
         index = await self._call("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready),
@@ -401,17 +283,19 @@ class RestServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        text = await self.loop.run_in_executor(self.pool, generate_latest, self.metrics.registry)
+        text = await asyncio.get_running_loop().run_in_executor(self.pool, generate_latest,
+                                                                 self.metrics.registry)
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _shm_register(self, request: web.Request) -> web.Response:
         try:
-            doc = orjson.loads(await request.read() or b"{}")
+            doc = orjson.loads(await body(request, self.limits) or b"{}")
         except (ValueError, UnicodeDecodeError):
             doc = None
         doc = doc if isinstance(doc, dict) else {}
         key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
-        if not isinstance(key, str) or not _count(offset) or not _count(size):
+        if not isinstance(key, str) or not _count(offset) or not _count(size) or max(
+                offset, size) > INT64_MAX:
             raise bad('expected a JSON object {"key": "/name", "offset": int, "byte_size": int}')
         await self._call("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest(
             name=request.match_info["region"], key=key, offset=offset, byte_size=size), request)

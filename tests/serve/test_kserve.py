@@ -97,7 +97,7 @@ def test_the_config_secret_parses_and_matches_the_ports(runtime, tmp_path):
 def test_the_probes_are_routes_the_http_listener_serves(runtime):
     server = RestServer(service=None, address="127.0.0.1:0", threads=1)
     routes = {(r.method, r.resource.canonical) for r in server.app().router.routes()}
-    server.loop.close()
+    server.listener.loop.close()
     server.pool.shutdown()
     c = container(runtime)
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
