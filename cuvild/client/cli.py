@@ -416,6 +416,20 @@ def cmd_reload(client: Client, args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_clean_shm(client: Client, args: argparse.Namespace) -> int:
+    """Shared memory a killed client left (a process that ends unlinks its own)."""
+    from cuvild.engine.arena import reclaim_stale
+
+    gone = reclaim_stale("cuvil-client-", dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({"removed" if not args.dry_run else "would_remove": gone}))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {len(gone)} segment(s) of clients that are gone"
+              + "".join(f"\n  /dev/shm/{n}" for n in gone))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a statement per command and option
     parser = argparse.ArgumentParser(prog="cuvilctl", description="Control a running cuvild.")
     parser.add_argument("--target", default=None,
@@ -497,6 +511,11 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a st
                                            "again (as SIGHUP and systemctl reload do)")
     reload.add_argument("--json", action="store_true", help="machine-readable output")
     reload.set_defaults(func=cmd_reload)
+    clean = sub.add_parser("clean-shm", help="remove the shared memory of client processes "
+                                            "that were killed (/dev/shm/cuvil-client-PID-*)")
+    clean.add_argument("--dry-run", action="store_true", help="only list them")
+    clean.add_argument("--json", action="store_true", help="machine-readable output")
+    clean.set_defaults(func=cmd_clean_shm)
     infer = sub.add_parser("infer", help="run a served model on .npy inputs")
     infer.add_argument("name")
     infer.add_argument("--input", action="append", default=[], metavar="FILE.npy",

@@ -32,8 +32,8 @@ def container_spec(out_spec: str) -> Any:
         return None
     try:
         root = json.loads(out_spec)[1]
-    except (ValueError, TypeError, IndexError, KeyError):
-        return None
+    except (ValueError, TypeError, IndexError, KeyError, RecursionError):
+        return None  # (nested past the interpreter's depth: the dict by name)
     if not isinstance(root, dict) or root.get("type") in (None, *PLAIN_TYPES):
         return None
     import torch.utils._pytree as pytree
@@ -44,7 +44,7 @@ def container_spec(out_spec: str) -> Any:
     try:  # only registered types, no enum (module import) contexts, no defaultdict factories
         check_treespec(out_spec, "out_spec")
         return pytree.treespec_loads(out_spec)
-    except (Reject, NotImplementedError, TypeError, ValueError):
+    except (Reject, NotImplementedError, TypeError, ValueError, RecursionError):
         return None
 
 
@@ -77,4 +77,7 @@ def rebuild(spec: Any, names: list[str], outputs: dict[str, Any]) -> Any:
         return outputs
     import torch.utils._pytree as pytree
 
-    return pytree.tree_unflatten([outputs[n] for n in names], spec)
+    try:
+        return pytree.tree_unflatten([outputs[n] for n in names], spec)
+    except RecursionError:  # a spec nested past the interpreter's depth: the dict will do
+        return outputs

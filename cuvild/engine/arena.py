@@ -20,6 +20,7 @@ import re
 import secrets
 import stat
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ def align(n: int, to: int = ALIGN) -> int:
 
 def _address(mm: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
 
 
 class Segment:
@@ -68,6 +73,9 @@ class Segment:
             os.close(fd)
         self.locked = lock and self._mlock()
         self.cuda_registered = False
+        # what this process made goes with it, close() or not: a client script that ends
+        # without closing its Client, a dropped object (at exit, or when collected)
+        self._unlink = weakref.finalize(self, _unlink, SHM_DIR / name) if create else None
 
     def _mlock(self) -> bool:
         if _libc.mlock(ctypes.c_void_p(_address(self.mm)), ctypes.c_size_t(self.size)) != 0:
@@ -109,8 +117,8 @@ class Segment:
 
             torch.cuda.cudart().cudaHostUnregister(_address(self.mm))
             self.cuda_registered = False
-        if self.owner:
-            (SHM_DIR / self.name).unlink(missing_ok=True)
+        if self._unlink is not None:
+            self._unlink()  # (once: a finalizer runs at most one time)
         try:
             self.mm.close()
         except BufferError:
@@ -234,14 +242,23 @@ class Arena:
             self._free.clear()
 
 
-def reclaim_stale(prefix: str = "cuvil-") -> list[str]:
-    """Unlink segments of daemons that are gone (names carry the creating pid)."""
+def reclaim_stale(prefix: str = "cuvil-", dry_run: bool = False) -> list[str]:
+    """Unlink segments of processes that are gone (names carry the creating pid): a daemon's
+    at its start, a killed client's by `cuvilctl clean-shm` ("cuvil-client-"). Only this
+    user's (root: anyone's); `dry_run` only names them."""
     removed = []
     for path in SHM_DIR.glob(f"{prefix}*"):
         match = re.match(rf"{re.escape(prefix)}(\d+)-", path.name)
-        if match and not _alive(int(match.group(1))):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+        if not match or _alive(int(match.group(1))):
+            continue
+        try:
+            if os.getuid() not in (0, path.lstat().st_uid):
+                continue
+            if not dry_run:
+                path.unlink(missing_ok=True)
+        except OSError:
+            continue
+        removed.append(path.name)
     return removed
 
 

@@ -21,7 +21,7 @@ import grpc
 import cuvild
 from cuvild.engine.dtypes import BY_OIP, nbytes, oip_name
 from cuvild.engine.engine import InferError, LoadedModel
-from cuvild.engine.layout import BadInput
+from cuvild.engine.layout import BadInput, check_inputs
 from cuvild.intake.registry import RegistryError
 from cuvild.load.models import ModelManager, ServedModel
 from cuvild.serve import modelinfo
@@ -205,8 +205,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         declared = [(self._dtype(spec["name"], t), tuple(t.shape)) for spec, t in tensors]
         assert served.loaded is not None  # READY
         deadline = _deadline(context)
-        model = engine.resolve(served.loaded, declared, deadline=deadline)  # its bucket
+        # the request whole before a bucket is picked (or built: a compile), so that shapes
+        # declared without their data build nothing and evict no one's bucket
+        check_inputs(served.loaded.name, served.loaded.table, declared)
         inputs = self._inputs(request, tensors, declared, caller)
+        model = engine.resolve(served.loaded, declared, deadline=deadline)  # its bucket
         # The engine names values as in the graph; the protocol by position ("output0").
         graph_names = dict(zip([t["name"] for t in served.record.outputs], model.outputs,
                                strict=True))

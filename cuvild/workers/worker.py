@@ -344,5 +344,18 @@ def process_main(conn: Any, device_dict: dict[str, Any], cache_dir: str) -> None
     with contextlib.suppress(OSError):  # `ps`/`top` name it (a forked one's command line is
         # the forkserver's, a spawned one's python's)
         Path("/proc/self/comm").write_text(f"cuvil-{device_dict['id']}"[:15])
+    thread_lock_for_tqdm()
     serve(conn, DeviceProfile.from_dict(device_dict), cache_dir)
     quick_exit(0)
+
+
+def thread_lock_for_tqdm() -> None:
+    """tqdm's default lock (torch.export and NNCF draw progress bars while a part builds) is a
+    multiprocessing RLock: a named semaphore in /dev/shm (sem.mp-*) that outlives a worker
+    killed with the daemon (SIGKILL), one a crash, with no owner to reclaim it by. A worker's
+    bars are drawn by its own threads only: a thread lock does, and leaves nothing behind."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())

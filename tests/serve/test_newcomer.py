@@ -188,3 +188,30 @@ def test_onnxscript_folding_warnings_are_not_ours_to_show() -> None:
     import runtimes.onnxruntime  # noqa: F401 - sets the level
 
     assert logging.getLogger("onnxscript.optimizer._constant_folding").level == logging.ERROR
+
+
+@pytest.mark.parametrize("depth", [450, 1200])
+def test_a_spec_nested_past_the_interpreters_depth_gives_the_dict(depth: int) -> None:
+    """An output spec hundreds of tuples deep (it passes intake) once raised RecursionError
+    in Client.infer's rebuilding; the client answers with the dict by name instead (issue 49)."""
+    import json
+    import sys
+
+    import transformers.modeling_outputs  # noqa: F401 - registers the root type
+
+    from cuvild.client.trees import container_spec, rebuild
+
+    leaf = '{"type": null, "context": null, "children_spec": []}'
+    deep = ('{"type": "builtins.tuple", "context": "null", "children_spec": [' * depth + leaf
+            + "]}" * depth)
+    spec = ('[1, {"type": "transformers.modeling_outputs.BaseModelOutput", "context": '
+            + json.dumps(json.dumps(["last_hidden_state"])) + ', "children_spec": [' + deep
+            + "]}]")
+    outputs = {"last_hidden_state.0": torch.ones(1)}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(300 + depth // 4)  # a deep caller's stack: Client.infer's
+    try:
+        got = rebuild(container_spec(spec), list(outputs), outputs)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert got is outputs or type(got).__name__ == "BaseModelOutput"

@@ -1,0 +1,101 @@
+"""Issue 49's findings off the HTTP listener: a request that declares shapes without their data
+builds nothing; what a killed daemon or client leaves in /dev/shm is reclaimed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from cuvild.client import Client, samples
+from protos import inference_pb2 as pb
+from protos import inference_pb2_grpc
+
+SHM = Path("/dev/shm")
+
+
+def test_shapes_without_their_data_build_no_bucket(make_daemon) -> None:
+    torch.manual_seed(0)
+    model = samples.MLP(width=16, depth=1).eval()
+    daemon = make_daemon()
+    with Client(daemon.target) as client:
+        client.load("dyn", model, (torch.randn(2, 16),),
+                    dynamic_shapes=({0: torch.export.Dim("batch", max=64)},), batching=False)
+        client.infer("dyn", torch.randn(2, 16))
+        built = len(client.plan("dyn")["plan"]["buckets"])
+        with grpc.insecure_channel(daemon.target) as channel:
+            stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+            for rows in range(3, 13):  # more shapes than engine.max_buckets (8)
+                request = pb.ModelInferRequest(model_name="dyn")
+                request.inputs.add(name="x", datatype="FP32", shape=[rows, 16])
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.ModelInfer(request, timeout=30)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(client.plan("dyn")["plan"]["buckets"]) == built  # nothing compiled
+
+
+def test_a_client_that_exits_without_close_leaves_no_segment(make_daemon, tmp_path) -> None:
+    """A script that ends (or a client object dropped) without close(): the client unlinks
+    the shared memory it created, on the shm and the fast paths."""
+    torch.manual_seed(0)
+    daemon = make_daemon()
+    with Client(daemon.target) as client:
+        client.load("mlp", samples.MLP(width=16, depth=1).eval(), (torch.randn(2, 16),))
+    script = ("import torch, os\n"
+              "from cuvild.client import Client\n"
+              f"c = Client({daemon.target!r})\n"
+              "c.infer('mlp', torch.randn(2, 16), shm=True)\n"
+              f"f = Client({daemon.target!r}, fast=True)\n"
+              "f.infer('mlp', torch.randn(2, 16))\n"
+              "print(os.getpid())\n")  # and out, closing nothing
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pid = done.stdout.split()[-1]
+    assert not list(SHM.glob(f"cuvil-client-{pid}-*"))
+
+
+def test_a_worker_draws_tqdm_bars_without_a_named_semaphore() -> None:
+    """tqdm's default lock is a multiprocessing RLock: /dev/shm/sem.mp-*, left by a worker
+    killed with its daemon (one a crash). A worker gives tqdm a thread lock first."""
+    script = ("import multiprocessing.synchronize as s\n"
+              "made = []\n"
+              "orig = s.SemLock.__init__\n"
+              "def init(self, *a, **k):\n"
+              "    made.append(a)\n"
+              "    orig(self, *a, **k)\n"
+              "s.SemLock.__init__ = init\n"
+              "from cuvild.workers.worker import thread_lock_for_tqdm\n"
+              "thread_lock_for_tqdm()\n"
+              "from tqdm import tqdm\n"
+              "for _ in tqdm(range(3), disable=False): pass\n"
+              "print(len(made))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "0"
+
+
+def test_cuvilctl_clean_shm_removes_what_a_killed_client_left(tmp_path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = SHM / f"cuvil-client-{dead}-deadbeef"
+    left.write_bytes(b"\0" * 64)
+    mine = SHM / f"cuvil-client-{os.getpid()}-livelive"  # a live process's: kept
+    mine.write_bytes(b"\0" * 64)
+    try:
+        cli = [sys.executable, "-m", "cuvild.client.cli", "clean-shm", "--json"]
+        listed = subprocess.run([*cli, "--dry-run"], capture_output=True, text=True,
+                                timeout=60, check=True)
+        assert left.name in listed.stdout and left.exists()
+        done = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=True)
+        assert left.name in done.stdout and mine.name not in done.stdout
+        assert not left.exists() and mine.exists()
+    finally:
+        left.unlink(missing_ok=True)
+        mine.unlink(missing_ok=True)
