@@ -9,13 +9,21 @@ config.yaml holds the options an upload's header carries (`cuvilctl load` flags)
 An entry is registered as an upload of those bytes would be (the same safe inspection, the
 same registry), so nothing here trusts the directory more than a client. An entry whose
 archive and options are registered already is not inspected again: a restart serves it from
-its load record at once. A bad entry is reported with its reason and never stops the others.
+its load record at once. A bad entry is reported with its reason and never stops the others:
+whatever one model's directory holds (an unreadable folder, a config.yaml nested 3000 deep or
+an alias bomb, a version named "²") fails that model alone, with a reason of bounded length.
+
+Links: a model's files may be symbolic links within the repository (its own layout, or the
+storage initializer's); a link that leaves the repository is refused, so the directory cannot
+make the daemon read (and hash) files elsewhere on the host. A file's size is checked before
+a byte of it is read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +37,8 @@ log = logging.getLogger(__name__)
 ARCHIVE = "model.pt2"
 CONFIG = "config.yaml"
 CHUNK = 1 << 20
+MAX_CONFIG_BYTES = 64 << 10  # a config.yaml of load options is a few lines
+_VERSION_NUMBER = re.compile(r"[0-9]{1,18}")  # ASCII digits: str.isdigit() takes "²"
 # option -> (types, the header's value when absent: the daemon's engine.* default applies)
 OPTIONS: dict[str, tuple[tuple[type, ...], Any]] = {
     "precision": ((str,), ""), "max_error": ((int, float), 0.0), "calibration": ((str,), ""),
@@ -50,26 +60,45 @@ class Entry:
         return f"{self.name}:{self.version}" if self.version else self.name
 
 
-def scan(root: Path) -> list[Entry]:
+def scan(root: Path, max_bytes: int = 2 << 30) -> list[Entry]:
     """The repository's entries, sorted by name and version; raises OSError when `root`
-    cannot be listed."""
+    cannot be listed. A model whose directory cannot be read as one is an entry with its
+    error; `max_bytes` bounds an archive's size (limits.max_model_bytes)."""
+    root = Path(root)
+    top = root.resolve()
     entries: list[Entry] = []
-    for model_dir in sorted(p for p in Path(root).iterdir() if not p.name.startswith(".")):
-        if not model_dir.is_dir():
-            continue
-        entries += _model(model_dir)
+    for model_dir in sorted(p for p in root.iterdir() if not p.name.startswith(".")):
+        try:
+            if not model_dir.is_dir():
+                continue
+            entries += _model(model_dir, top, max_bytes)
+        except (OSError, ValueError, RecursionError) as e:  # that model alone fails
+            entries.append(Entry(_clip(model_dir.name, 128), "", error=_clip(
+                f"cannot read {model_dir.name}/: {type(e).__name__}: {e}", 500)))
     return entries
 
 
-def _model(model_dir: Path) -> list[Entry]:
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _inside(path: Path, top: Path) -> bool:
+    """Whether `path`, its links followed, stays in the repository."""
+    return path.resolve().is_relative_to(top)
+
+
+def _model(model_dir: Path, top: Path, max_bytes: int) -> list[Entry]:
     name = model_dir.name
     if not NAME_RE.fullmatch(name):
-        return [Entry(name, "", error="a model's directory name must be 1-128 of A-Z a-z 0-9 "
-                                      "_ . -")]
+        return [Entry(_clip(name, 128), "", error="a model's directory name must be 1-128 of "
+                                                  "A-Z a-z 0-9 _ . -")]
+    if not _inside(model_dir, top):
+        return [Entry(name, "", error=f"{name}/ links out of the repository (refused: copy it "
+                                      "in, or serve the directory it is in)")]
     try:
-        options, calibration = _options(model_dir)
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        return [Entry(name, "", error=f"{CONFIG}: {' '.join(str(e).split())}")]
+        options, calibration = _options(model_dir, top)
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:
+        return [Entry(name, "", error=_clip(f"{CONFIG}: {' '.join(str(e).split())}", 500))]
     versions = sorted((p for p in model_dir.iterdir() if p.is_dir()
                        and not p.name.startswith(".")), key=_version_order)
     if not versions:
@@ -78,40 +107,61 @@ def _model(model_dir: Path) -> list[Entry]:
     for version_dir in versions:
         entry = Entry(name, version_dir.name, version_dir / ARCHIVE, options, calibration)
         if not NAME_RE.fullmatch(entry.version):
+            entry.version = _clip(entry.version, 128)
             entry.error = "a version's directory name must be 1-128 of A-Z a-z 0-9 _ . -"
         elif not entry.archive.is_file():
             entry.error = f"no {ARCHIVE} in {name}/{entry.version}/"
+        elif not _inside(entry.archive, top):
+            entry.error = (f"{name}/{entry.version}/{ARCHIVE} links out of the repository "
+                           "(refused: copy the archive in)")
+        elif (size := entry.archive.stat().st_size) > max_bytes:
+            entry.error = (f"{ARCHIVE} is {size} bytes, over limits.max_model_bytes "
+                           f"({max_bytes})")
         entries.append(entry)
     return entries
 
 
 def _version_order(path: Path) -> tuple[int, int, str]:
-    return (0, int(path.name), "") if path.name.isdigit() else (1, 0, path.name)
+    return ((0, int(path.name), "") if _VERSION_NUMBER.fullmatch(path.name)
+            else (1, 0, path.name))
 
 
-def _options(model_dir: Path) -> tuple[dict[str, Any], Path | None]:
+def _options(model_dir: Path, top: Path) -> tuple[dict[str, Any], Path | None]:
     path = model_dir / CONFIG
     if not path.exists():
         return {}, None
+    if not _inside(path, top):
+        raise ValueError("links out of the repository (refused)")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path.stat().st_size} bytes, over {MAX_CONFIG_BYTES}: a few lines of "
+                         "load options are expected")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"expected a mapping of load options, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(map(str, unknown))} (known: "
-                         f"{', '.join(OPTIONS)})")
+    unknown = sorted(set(data) - set(OPTIONS), key=str)
+    if unknown:  # (values and keys said clipped: YAML aliases make a small file say a lot)
+        raise ValueError(f"unknown option(s) {_clip(', '.join(map(str, unknown)), 200)} "
+                         f"(known: {', '.join(OPTIONS)})")
     for key, value in data.items():
         types, _ = OPTIONS[key]
         if isinstance(value, bool) or not isinstance(value, types):
             raise ValueError(f"{key}: expected {' or '.join(t.__name__ for t in types)}, got "
-                             f"{value!r}")
+                             f"{type(value).__name__} {_clip(_short(value), 80)}")
     calibration = None
     if data.get("calibration"):
         calibration = model_dir / data["calibration"]
-        if calibration.parent != model_dir or not calibration.is_file():
+        if calibration.parent != model_dir or not calibration.is_file() or not _inside(
+                calibration, top):
             raise ValueError(f"calibration: expected an .npz file in {model_dir.name}/, got "
-                             f"{data['calibration']!r}")
+                             f"{_clip(data['calibration'], 80)!r}")
     return {k: v for k, v in data.items() if k != "calibration"}, calibration
+
+
+def _short(value: Any) -> str:
+    """A value's start, never the whole (an aliased list of lists repr()s to gigabytes)."""
+    if isinstance(value, (list, dict)):
+        return f"{type(value).__name__} of {len(value)}"
+    return repr(value)[:80]
 
 
 def digest(path: Path) -> tuple[str, int]:

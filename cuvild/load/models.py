@@ -12,6 +12,7 @@ reading of the registry.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -66,8 +67,10 @@ class ModelManager:
         # The model repository (cuvild/intake/repository.py): its entries that are not served,
         # key -> why, and whether a scan is under way (the server is not ready until it ends).
         self.refused: dict[str, str] = {}
-        self.scanning = False
+        self._scans = 0  # scans asked for and not done: the server is not ready meanwhile
+        self._scans_lock = threading.Lock()
         self._scan_lock = threading.Lock()
+        self.scan_failed = ""  # a scan that failed as a whole: ServerReady says false
 
     def start_workers(self) -> list[str]:
         """Start the workers the registered models' load records name, first thing at start:
@@ -90,16 +93,56 @@ class ModelManager:
         for record in self.registry.list():
             self.submit(record)
 
+    @property
+    def scanning(self) -> bool:
+        """Whether a scan of the model repository is asked for or under way."""
+        return self._scans > 0
+
+    def scan_asked(self) -> None:
+        """A scan will run (ServerReady is false from now until every one asked is done)."""
+        with self._scans_lock:
+            self._scans += 1
+
     def load_repository(self, root: Path, inspect: Callable[[Path], dict[str, Any]]) -> None:
         """Register every entry of the model repository at `root` and serve it; one at a
         time, each inspected as an upload is (`inspect`), an entry registered already as it
-        is without it. A bad entry is logged and kept in `refused`, and the others go on."""
-        with self._scan_lock:
-            self.scanning = True
+        is without it. A bad entry is logged and kept in `refused`, and the others go on.
+        An entry this repository served before that is gone from it now is unloaded, as
+        Triton's poll mode does (the repository's names: state_dir/repository.json). Call
+        `scan_asked` first; scans run one at a time."""
+        try:
+            with self._scan_lock:
+                try:
+                    self.refused = self._scan(root, inspect)
+                    self.scan_failed = ""
+                except Exception as e:  # a bug: said; the server is not ready, not silent
+                    log.exception("model repository %s: the scan failed", root)
+                    self.scan_failed = f"the model repository's scan failed: {e}"
+                    self.refused = {str(root): self.scan_failed}
+        finally:
+            with self._scans_lock:
+                self._scans -= 1
+
+    def _forget_removed(self, root: Path, present: set[str]) -> None:
+        """Unload (and unregister) what this repository served before and no longer holds;
+        remember what it holds now. Models uploaded by clients are never touched."""
+        from runtimes.base import write_atomic
+
+        path = self.registry.models_dir.parent / "repository.json"
+        try:
+            before = json.loads(path.read_text())
+            held = set(before["entries"]) if before.get("root") == str(root) else set()
+        except (OSError, ValueError, KeyError, TypeError):
+            held = set()
+        for key in sorted(held - present):
+            name, _, version = key.partition(":")
+            log.info("model repository: %s is gone from %s: unloaded", key, root)
             try:
-                self.refused = self._scan(root, inspect)
-            finally:
-                self.scanning = False
+                self.registry.remove(name, version)
+            except RegistryError:
+                pass  # unloaded by a client meanwhile
+            self.remove(name, version)
+        write_atomic(path, json.dumps({"root": str(root), "entries": sorted(present)}).encode())
 
     def refusals(self) -> list[tuple[str, str, str]]:
         """(name, version, why) of the repository's entries not served (not registered since
@@ -114,10 +157,11 @@ class ModelManager:
     def _scan(self, root: Path, inspect: Callable[[Path], dict[str, Any]]) -> dict[str, str]:
         t0, refused, served = time.perf_counter(), {}, 0
         try:
-            entries = repository.scan(root)
+            entries = repository.scan(root, self.registry.max_model_bytes)
         except OSError as e:
             log.error("model repository %s: cannot list it: %s", root, e)
             return {str(root): f"cannot list the model repository: {e}"}
+        self._forget_removed(root, {e.key for e in entries})
         for entry in entries:
             why = entry.error
             if not why:

@@ -436,7 +436,7 @@ class Daemon:
         from cuvild.intake.summary import inspect_archive
 
         models, registry = self.models, self.registry
-        models.scanning = True  # before the thread runs: ServerReady is false from now
+        models.scan_asked()  # before the thread runs: ServerReady is false from now
         threading.Thread(target=models.load_repository, name="repository", daemon=True,
                          args=(Path(self.cfg.model_repository),
                                lambda path: inspect_archive(path, registry.max_model_bytes)),

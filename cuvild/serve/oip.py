@@ -106,9 +106,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         """Ready once no registered model is still loading (each is READY or failed), as
         Triton's strict readiness: a readiness probe holds traffic until then. A failed model
         does not hold it; ModelReady and the model's state say which one failed. Nor is it
-        ready while the model repository is read (its models are not all registered yet)."""
-        return pb.ServerReadyResponse(ready=not self.models.scanning and not any(
-            m.state == "LOADING" for m in self.models.all()))
+        ready while the model repository is read (its models are not all registered yet),
+        or after a scan of it failed as a whole (a bug: the pod would serve nothing)."""
+        models = self.models
+        return pb.ServerReadyResponse(ready=not models.scanning and not models.scan_failed
+                                      and not any(m.state == "LOADING" for m in models.all()))
 
     def ServerMetadata(self, request, context):  # noqa: N802
         extensions = ["model_repository"] + (["system_shared_memory", "cuda_shared_memory"]

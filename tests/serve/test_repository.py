@@ -67,7 +67,7 @@ def test_scan_reads_triton_layout_and_names_each_bad_entry(tmp_path):
     assert not found["resnet:10"].error and not found["bert:1"].error
     assert found["bert:2"].error == "no model.pt2 in bert/2/"
     assert "unknown option(s) precison" in found["typo"].error
-    assert "max_batch: expected int, got '4'" in found["wrongtype"].error
+    assert "max_batch: expected int, got str '4'" in found["wrongtype"].error
     assert "calibration: expected an .npz file in calib/" in found["calib"].error
     assert "directory name" in found["bad name"].error
     assert "no version directory" in found["empty"].error
@@ -159,3 +159,69 @@ def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tm
     with Client(again.target) as client:
         torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_one_bad_entry_fails_alone_with_a_bounded_reason(tmp_path, monkeypatch):
+    """What one model's directory holds fails that model alone (issue 49): an alias bomb in
+    config.yaml (its message repr()ed the value: a 321-byte file made 58 MB), YAML nested 3000
+    deep, a version named "²", a folder that cannot be listed, links out of the repository,
+    an archive over limits.max_model_bytes (refused before a byte is read)."""
+    outside = tmp_path / "elsewhere.pt2"
+    outside.write_bytes(b"x" * 64)
+    bomb = "max_batch: [&a [x, x, x, x, x, x, x, x, x], " + ", ".join(
+        f"&{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]"
+        for p, c in zip("abcdefgh", "bcdefghi", strict=True)) + "]\n"  # 9^9 x's
+    root = layout(tmp_path / "repo", {
+        "bomb/config.yaml": bomb, "bomb/1/model.pt2": b"x",
+        "deep/config.yaml": "[" * 3000, "deep/1/model.pt2": b"x",
+        "super/\u00b2/model.pt2": b"x", "super/1/model.pt2": b"x",
+        "locked/1/model.pt2": b"x",
+        "big/1/model.pt2": b"x" * 4096,
+        "fine/1/model.pt2": b"x",
+    })
+    (root / "linked" / "1").mkdir(parents=True)
+    (root / "linked" / "1" / "model.pt2").symlink_to(outside)
+    (root / "away").symlink_to(tmp_path, target_is_directory=True)
+    real_iterdir = Path.iterdir
+
+    def iterdir(self: Path):
+        if self.name == "locked":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    found = {e.key: e for e in repository.scan(root, max_bytes=1024)}
+    assert not found["fine:1"].error and not found["super:1"].error
+    assert "max_batch: expected int, got list" in found["bomb"].error
+    assert all(len(e.error) <= 500 for e in found.values())
+    assert found["deep"].error.startswith("config.yaml")
+    assert "directory name" in found["super:\u00b2"].error
+    assert "cannot read locked/: PermissionError" in found["locked"].error
+    assert "links out of the repository" in found["linked:1"].error
+    assert "links out of the repository" in found["away"].error
+    assert "over limits.max_model_bytes (1024)" in found["big:1"].error
+
+
+@pytest.mark.daemon
+def test_a_reload_unloads_what_left_the_repository(make_daemon, tmp_path):
+    """As Triton's poll mode: an entry removed from the repository is unloaded at the next
+    reload (SIGHUP, `cuvilctl reload`), a model a client uploaded is never touched; readiness
+    holds until every scan asked for has run (two reloads close together raced on it)."""
+    root = tmp_path / "repo"
+    save(mlp(), root / "a" / "1" / "model.pt2")
+    save(mlp(), root / "b" / "1" / "model.pt2")
+    daemon = make_daemon(model_repository=str(root))
+    with grpcclient.InferenceServerClient(url=daemon.target) as triton, \
+            Client(daemon.target) as client:
+        wait_server_ready(triton)
+        client.load("uploaded", mlp(), (torch.randn(2, 16),))
+        assert {m["name"] for m in client.models()} == {"a", "b", "uploaded"}
+        for path in sorted((root / "b").rglob("*"), reverse=True):
+            path.unlink() if path.is_file() else path.rmdir()
+        (root / "b").rmdir()
+        client.reload()
+        client.reload()  # two close together: ready only once both scans ran
+        wait_server_ready(triton)
+        assert {m["name"] for m in client.models()} == {"a", "uploaded"}
+        assert not triton.is_model_ready("b")
+    assert "model repository: b:1 is gone from" in daemon.log()
