@@ -346,6 +346,51 @@ def check_private_dir(path: Path, key: str) -> None:
                           "chmod go-w it")
 
 
+def _check_listen(listen: dict[str, Any]) -> tuple[str | None, str | None, dict[str, Any]]:  # noqa: C901 - a check per key, in the file's order
+    """listen.*: addresses, TLS files, and what guards a listener off the unix socket."""
+    tcp, http = listen["tcp"], listen["http"]
+    for key, address in (("listen.tcp", tcp), ("listen.http", http)):
+        if address is not None and (":" not in address
+                                    or not address.rsplit(":", 1)[1].isdigit()):
+            raise ConfigError(key, f"expected HOST:PORT, got {address!r}")
+    tls = listen["tls"]
+    if bool(tls["cert"]) != bool(tls["key"]):
+        raise ConfigError("listen.tls", "cert and key go together")
+    if tls["client_ca"] and not tls["cert"]:
+        raise ConfigError("listen.tls.client_ca", "mutual TLS needs the server's cert and key")
+    for key in ("cert", "key", "client_ca"):
+        if tls[key] and not os.access(tls[key], os.R_OK):
+            raise ConfigError(f"listen.tls.{key}", f"cannot read {tls[key]}")
+    for address in (tcp, http):
+        if address is None:
+            continue
+        host = address.rsplit(":", 1)[0].strip("[]")
+        if not listen["token"] and not tls["client_ca"]:
+            if not (listen["insecure_loopback"] and _is_loopback(host)):
+                raise ConfigError("listen.token", "a TCP or HTTP listener needs a bearer "
+                                  "token or mutual TLS (listen.tls.client_ca), or "
+                                  "listen.insecure_loopback: true with a loopback host")
+        elif listen["token"] and not _is_loopback(host):
+            _check_token(listen["token"])
+    return tcp, http, tls
+
+
+PLACEHOLDER_TOKENS = ("replace-with-a-long-random-token",)  # configs/kserve's sample
+MIN_TOKEN_CHARS = 32
+
+
+def _check_token(token: str) -> None:
+    """A token that guards a listener off this host: not the sample's, not short (a token
+    is all that stands between the network and the daemon's models and memory)."""
+    if token in PLACEHOLDER_TOKENS:
+        raise ConfigError("listen.token", "is the sample's placeholder: put a random one "
+                          "there (e.g. `openssl rand -hex 32`)")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError("listen.token", f"{len(token)} characters: a listener off this "
+                          f"host needs at least {MIN_TOKEN_CHARS} (e.g. `openssl rand -hex "
+                          "32`)")
+
+
 def _is_loopback(host: str) -> bool:
     import ipaddress
 
@@ -370,26 +415,7 @@ def parse(data: Any, path: str = "<memory>") -> Config:  # noqa: C901 - a check 
     for e in emulated:
         if e.id.startswith("cpu"):
             raise ConfigError("devices.emulated", f"id {e.id!r} clashes with the host CPU's ids")
-    tcp, http = raw["listen"]["tcp"], raw["listen"]["http"]
-    for key, address in (("listen.tcp", tcp), ("listen.http", http)):
-        if address is not None and (":" not in address
-                                    or not address.rsplit(":", 1)[1].isdigit()):
-            raise ConfigError(key, f"expected HOST:PORT, got {address!r}")
-    tls = raw["listen"]["tls"]
-    if bool(tls["cert"]) != bool(tls["key"]):
-        raise ConfigError("listen.tls", "cert and key go together")
-    if tls["client_ca"] and not tls["cert"]:
-        raise ConfigError("listen.tls.client_ca", "mutual TLS needs the server's cert and key")
-    for key in ("cert", "key", "client_ca"):
-        if tls[key] and not os.access(tls[key], os.R_OK):
-            raise ConfigError(f"listen.tls.{key}", f"cannot read {tls[key]}")
-    for address in (tcp, http):
-        if address is not None and not raw["listen"]["token"] and not tls["client_ca"]:
-            host = address.rsplit(":", 1)[0].strip("[]")
-            if not (raw["listen"]["insecure_loopback"] and _is_loopback(host)):
-                raise ConfigError("listen.token", "a TCP or HTTP listener needs a bearer "
-                                  "token or mutual TLS (listen.tls.client_ca), or "
-                                  "listen.insecure_loopback: true with a loopback host")
+    tcp, http, tls = _check_listen(raw["listen"])
     metrics_listen = _metrics_listen(raw["metrics"])
     _check_tracing(raw["tracing"])
     uids = raw["shm"]["allowed_uids"]

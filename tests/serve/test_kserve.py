@@ -45,6 +45,9 @@ def pod_config(tmp_path: Path) -> config.Config:
     data = yaml.safe_load(text)
     data["state_dir"], data["cache_dir"] = str(tmp_path / "state"), str(tmp_path / "cache")
     data["listen"]["unix"] = str(tmp_path / "run" / "cuvild.sock")
+    with pytest.raises(config.ConfigError, match="placeholder"):  # as shipped: refused
+        config.parse(data, "cuvild-config.yaml")
+    data["listen"]["token"] = "0" * 64  # as an operator puts it
     return config.parse(data, "cuvild-config.yaml")
 
 
@@ -131,3 +134,22 @@ def test_the_image_runs_cuvild_as_the_runtimes_non_root_user(runtime):
     for copied in re.findall(r"^COPY (\S+) \1$", text, re.M):
         assert (ROOT / copied).exists(), copied
     assert "make setup EXTRAS=" in text and "EXTRAS ?= [dev]" in (ROOT / "Makefile").read_text()
+
+
+def test_the_pod_meets_the_restricted_pod_security_standard(runtime):
+    """capabilities dropped, the runtime's seccomp profile, a read-only root with a volume for
+    every path written, probes given more than the 1 s default (issue 49)."""
+    c = container(runtime)
+    sc = c["securityContext"]
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["allowPrivilegeEscalation"] is False
+    assert sc["seccompProfile"]["type"] == "RuntimeDefault" and sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    written = yaml.safe_load(load("cuvild-config.yaml")["stringData"]["cuvild.yaml"])
+    for path in (written["state_dir"], written["cache_dir"], "/dev/shm", "/tmp"):
+        assert path in mounts, path
+    assert str(Path(written["listen"]["unix"]).parent).startswith("/tmp")
+    assert all(c[p]["timeoutSeconds"] >= 5 for p in ("livenessProbe", "readinessProbe",
+                                                     "startupProbe"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"  # devices.gpu is on
+
