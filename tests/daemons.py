@@ -93,6 +93,7 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
         self.state_dir = Path(config["state_dir"])
+        self.wrap: list[str] = []  # a command the daemon runs under (unshare, ...)
 
     def start(self, wait: bool = True) -> DaemonProcess:
         mine = self.state_dir / "profiles"
@@ -103,7 +104,7 @@ class DaemonProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cuvild", "--config", str(self.config_path)],
+            [*self.wrap, sys.executable, "-m", "cuvild", "--config", str(self.config_path)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         if wait:

@@ -63,7 +63,14 @@ class Segment:
                 raise FileNotFoundError(f"shared-memory object {name!r} was replaced since it "
                                         "was registered; register the region again")
             if create:
-                os.ftruncate(fd, size)
+                # Reserve its pages now: a tmpfs that is full answers ENOSPC here, where a
+                # file only ftruncate'd would be a SIGBUS at the first write to a new page
+                # (the daemon or a worker killed by a full /dev/shm).
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError:
+                    os.unlink(SHM_DIR / name)
+                    raise
             else:
                 if not stat.S_ISREG(self.stat.st_mode):
                     raise ValueError(f"{name!r} is not a shared-memory object")
@@ -162,6 +169,12 @@ class Arena:
                 log.warning("shared-memory name %s is taken; drawing another", name)
                 if attempt == 7:
                     raise
+            except OSError as e:  # ENOSPC: /dev/shm is full
+                from cuvild.engine.errors import ArenaFull
+
+                raise ArenaFull(f"no shared memory for a block of {size} bytes: {SHM_DIR} is "
+                                f"full ({e.strerror}); requests in flight hold "
+                                f"{self.in_use_unlocked()} bytes of the arena") from None
         self._count += 1
         self.segments[name] = seg
         self._free[name] = [(0, size)]
@@ -231,8 +244,11 @@ class Arena:
 
     def in_use(self) -> int:
         with self._mutex:
-            free = sum(size for holes in self._free.values() for _, size in holes)
-            return sum(s.size for s in self.segments.values()) - free
+            return self.in_use_unlocked()
+
+    def in_use_unlocked(self) -> int:
+        free = sum(size for holes in self._free.values() for _, size in holes)
+        return sum(s.size for s in self.segments.values()) - free
 
     def close(self) -> None:
         with self._mutex:

@@ -50,3 +50,11 @@ class WorkerLost(InferError):
     def __init__(self, message: str, devices: set[str]) -> None:
         super().__init__(message)
         self.devices = devices
+
+
+class ArenaFull(InferError):
+    """No shared memory left for the request's block: /dev/shm (a tmpfs, 2 GiB in the KServe
+    pod) cannot hold another arena segment. The request is refused; the daemon goes on."""
+
+    kind = "exhausted"
+

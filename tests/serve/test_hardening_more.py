@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from cuvild.client import Client, samples
+from cuvild.client import Client, LoadFailed, samples
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 
@@ -99,3 +99,55 @@ def test_cuvilctl_clean_shm_removes_what_a_killed_client_left(tmp_path) -> None:
     finally:
         left.unlink(missing_ok=True)
         mine.unlink(missing_ok=True)
+
+
+def _private_shm(mib: int) -> list[str] | None:
+    """A command prefix that runs under a /dev/shm of `mib` MiB of its own (a mount
+    namespace), or None where this host cannot make one."""
+    wrap = ["unshare", "--mount", "sh", "-c",
+            f'mount -t tmpfs -o size={mib}m tmpfs /dev/shm && exec "$0" "$@"']
+    try:
+        done = subprocess.run([*wrap, "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return wrap if done.returncode == 0 else None
+
+
+def test_a_full_dev_shm_refuses_the_request_and_the_daemon_serves_on(make_daemon) -> None:
+    """/dev/shm full (the KServe pod gives it 2 GiB): an arena segment only ftruncate'd was a
+    SIGBUS at its first write, killing the daemon. Its pages are reserved when it is made:
+    the request that does not fit is refused RESOURCE_EXHAUSTED; the others are served."""
+    wrap = _private_shm(16)
+    if wrap is None:
+        pytest.skip("needs `unshare --mount` and a tmpfs mount (CAP_SYS_ADMIN) for a small "
+                    "/dev/shm of the daemon's own")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).eval()
+    daemon = make_daemon(start=False)
+    daemon.wrap = wrap
+    daemon.start()
+    small, big = torch.randn(2, 1024), torch.randn(3072, 1024)  # big: 2 x 12 MiB a request
+    with Client(daemon.target, timeout=120) as client:
+        client.load("small", model, (small,))
+        with pytest.raises(LoadFailed, match="is full"):  # its check request does not fit
+            client.load("big", model, (big,))
+        for _ in range(2):
+            got = client.infer("small", small)["output0"]
+            torch.testing.assert_close(got, model(small).detach(), rtol=1e-4, atol=1e-5)
+    assert daemon.proc is not None and daemon.proc.poll() is None
+    assert "ArenaFull" in daemon.log() and "SIGBUS" not in daemon.log()
+
+
+def test_a_block_that_does_not_fit_is_resource_exhausted() -> None:
+    from cuvild.engine.arena import Arena
+    from cuvild.engine.errors import ArenaFull
+    from cuvild.serve.errors import CODES
+
+    arena = Arena("test-full", segment_bytes=1 << 20, lock=False)
+    try:
+        with pytest.raises(ArenaFull, match="is full") as err:
+            arena.alloc(1 << 50)  # more than any /dev/shm holds
+        assert CODES[err.value.kind].name == "RESOURCE_EXHAUSTED"
+        assert arena.alloc(4096).size == 4096  # and it goes on
+    finally:
+        arena.close()
