@@ -11,16 +11,23 @@ Simple version, named as such in docs/OPERATIONS.md: the bytes are staged throug
 memory. An input is copied device-to-host into the request, an output host-to-device after
 the run; a GPU part does not yet read the client's buffer in place.
 
-Checks: a handle must be 64 bytes, the device one this host has, and `byte_size` no larger
-than the allocation the handle names (read back from the driver), so no request can reach
-past what the client exported. Regions are per caller and count against the same
-shm.max_regions_per_caller / max_bytes_per_caller as system regions.
+Checks: a handle must be 64 bytes, the device one this daemon serves (its GPUs, checked
+before any CUDA call: a bogus handle makes no context on a device cuvild does not use), and
+`byte_size` no larger than the allocation the handle names (read back from the driver), so no
+request can reach past what the client exported. Only unix-socket callers may register: a
+CUDA IPC handle means something on this host alone, and a TCP or HTTP caller has no uid the
+daemon can check. A region is counted while a request copies through it: unregistering it
+then closes the mapping once the last copy is done, never under one. Regions are per caller
+and count against the same shm.max_regions_per_caller / max_bytes_per_caller as system
+regions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,17 +37,23 @@ HANDLE_SIZE = 64  # CUDA_IPC_HANDLE_SIZE
 KIND = "CUDA shared-memory"  # in its messages
 
 
-@dataclass(frozen=True)
+@dataclass
 class CudaRegion:
     name: str
     device_id: int
     byte_size: int
     pointer: int  # the device address in the daemon, from cudaIpcOpenMemHandle
+    users: int = 0  # requests copying through it now (under CudaRegions._lock)
+    gone: bool = False  # unregistered: closed when the last user is done
 
 
 class CudaRegions:
-    def __init__(self, max_regions: int = 64, max_bytes: int = 16 << 30) -> None:
+    def __init__(self, max_regions: int = 64, max_bytes: int = 16 << 30,
+                 devices: set[int] | None = None) -> None:
+        """`devices`: the CUDA device indices the daemon serves (its GPUs); None: any the
+        host has (tests), an empty set: none (CUDA shared memory is then unavailable)."""
         self.max_regions, self.max_bytes = max_regions, max_bytes
+        self.devices = devices
         self._regions: dict[tuple[Caller, str], CudaRegion] = {}
         self._lock = threading.Lock()
         self._rt: Any = None
@@ -99,6 +112,16 @@ class CudaRegions:
                                          f"{HANDLE_SIZE} (cudaIpcGetMemHandle)")
         if byte_size <= 0:
             raise RegionError("invalid", f"CUDA region {name!r}: byte_size must be > 0")
+        if caller is None:
+            raise RegionError("denied", "CUDA shared memory is for callers on the unix socket: "
+                                        "a CUDA IPC handle means something on this host alone")
+        if self.devices is not None and not self.devices:
+            raise RegionError("unavailable", "no CUDA device is served by this daemon "
+                                             "(devices.gpu is off, or none was found)")
+        if self.devices is not None and device_id not in self.devices:
+            served = ", ".join(map(str, sorted(self.devices)))
+            raise RegionError("invalid", f"CUDA region {name!r}: device {device_id} is not a "
+                                         f"GPU cuvild serves (CUDA devices: {served})")
         with self._lock:
             self._check_room(caller, name, byte_size)
         rt = self._runtime()
@@ -136,10 +159,16 @@ class CudaRegions:
             rt.cudaIpcCloseMemHandle(pointer)  # its error is nothing a caller could act on
 
     def unregister(self, caller: Caller, name: str = "") -> list[CudaRegion]:
-        """Drop (and close) the caller's region `name`, or all of the caller's when empty."""
+        """Drop (and close) the caller's region `name`, or all of the caller's when empty; a
+        region a request is copying through is closed when that copy is done."""
         with self._lock:
             gone = [self._regions.pop(k) for k in self._keys(caller, name)]
-        for region in gone:
+            idle = []
+            for region in gone:
+                region.gone = True
+                if not region.users:
+                    idle.append(region)
+        for region in idle:
             self._close(region.pointer)
         return gone
 
@@ -153,43 +182,58 @@ class CudaRegions:
     def count(self) -> int:
         return len(self._regions)
 
-    def _locate(self, caller: Caller, name: str, offset: int, nbytes: int) -> CudaRegion:
-        region = self._regions.get((caller, name))
-        if region is None:
-            raise RegionError("invalid", f"unknown CUDA shared-memory region {name!r}")
-        if offset < 0 or offset + nbytes > region.byte_size:
-            raise RegionError("invalid", f"CUDA region {name!r}: offset {offset} + {nbytes} "
-                                         f"bytes is outside its {region.byte_size} bytes")
-        return region
+    @contextlib.contextmanager
+    def _using(self, caller: Caller, name: str, offset: int, nbytes: int) -> Iterator[CudaRegion]:
+        """The region, held open while the caller copies through it."""
+        with self._lock:
+            region = self._regions.get((caller, name))
+            if region is None:
+                raise RegionError("invalid", f"unknown CUDA shared-memory region {name!r}")
+            if offset < 0 or offset + nbytes > region.byte_size:
+                raise RegionError("invalid", f"CUDA region {name!r}: offset {offset} + "
+                                             f"{nbytes} bytes is outside its "
+                                             f"{region.byte_size} bytes")
+            region.users += 1
+        try:
+            yield region
+        finally:
+            with self._lock:
+                region.users -= 1
+                last = region.gone and not region.users
+            if last:  # unregistered while in use: closed now
+                self._close(region.pointer)
 
     def read(self, caller: Caller, name: str, offset: int, nbytes: int) -> bytearray:
         """`nbytes` from the region at `offset`, copied to host memory."""
-        region = self._locate(caller, name, offset, nbytes)
         out = bytearray(nbytes)
-        if nbytes:
-            rt = self._runtime()
-            self._device(region.device_id)
-            host = (ctypes.c_char * nbytes).from_buffer(out)
-            self._call(f"CUDA region {name!r}: copy to host", rt.cudaMemcpy,
-                       ctypes.addressof(host), region.pointer + offset, nbytes,
-                       rt.cudaMemcpyKind.cudaMemcpyDefault)
+        with self._using(caller, name, offset, nbytes) as region:
+            if nbytes:
+                rt = self._runtime()
+                self._device(region.device_id)
+                host = (ctypes.c_char * nbytes).from_buffer(out)
+                self._call(f"CUDA region {name!r}: copy to host", rt.cudaMemcpy,
+                           ctypes.addressof(host), region.pointer + offset, nbytes,
+                           rt.cudaMemcpyKind.cudaMemcpyDefault)
         return out
 
     def write(self, caller: Caller, name: str, offset: int, data: Any) -> None:
         """Copy `data` (bytes-like) into the region at `offset`."""
         view = memoryview(data).cast("B")
-        region = self._locate(caller, name, offset, view.nbytes)
-        if view.nbytes:
-            rt = self._runtime()
-            self._device(region.device_id)
-            staged = bytearray(view) if view.readonly else view
-            host = (ctypes.c_char * view.nbytes).from_buffer(staged)
-            self._call(f"CUDA region {name!r}: copy from host", rt.cudaMemcpy,
-                       region.pointer + offset, ctypes.addressof(host), view.nbytes,
-                       rt.cudaMemcpyKind.cudaMemcpyDefault)
+        with self._using(caller, name, offset, view.nbytes) as region:
+            if view.nbytes:
+                rt = self._runtime()
+                self._device(region.device_id)
+                staged = bytearray(view) if view.readonly else view
+                host = (ctypes.c_char * view.nbytes).from_buffer(staged)
+                self._call(f"CUDA region {name!r}: copy from host", rt.cudaMemcpy,
+                           region.pointer + offset, ctypes.addressof(host), view.nbytes,
+                           rt.cudaMemcpyKind.cudaMemcpyDefault)
 
     def close(self) -> None:
         with self._lock:
             gone, self._regions = list(self._regions.values()), {}
+            for region in gone:
+                region.gone = True
         for region in gone:
-            self._close(region.pointer)
+            if not region.users:
+                self._close(region.pointer)

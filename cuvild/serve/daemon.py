@@ -262,7 +262,9 @@ class Daemon:
             log.debug("workers for %s starting (named by load records)", ", ".join(started))
         self.regions = Regions(self.cfg.shm_allowed_uids, self.cfg.shm_max_regions,
                                self.cfg.shm_max_bytes)
-        self.cuda_regions = CudaRegions(self.cfg.shm_max_regions, self.cfg.shm_max_bytes)
+        cuda = {int(d.id[3:]) for d in profiles.devices  # the CUDA GPUs served: gpu0 -> 0
+                if d.kind == "gpu" and not d.emulated and d.id[3:].isdecimal()}
+        self.cuda_regions = CudaRegions(self.cfg.shm_max_regions, self.cfg.shm_max_bytes, cuda)
         if self.cfg.fast_path:
             from cuvild.serve.fast import FastPath
 

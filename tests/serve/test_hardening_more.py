@@ -151,3 +151,32 @@ def test_a_block_that_does_not_fit_is_resource_exhausted() -> None:
         assert arena.alloc(4096).size == 4096  # and it goes on
     finally:
         arena.close()
+
+
+def test_cuda_regions_unix_callers_served_devices_and_counted_use(monkeypatch) -> None:
+    """CUDA shared memory (issue 49, 8): a TCP/HTTP caller (no uid) cannot register (a CUDA IPC
+    handle means something on this host alone); a device cuvild does not serve is refused
+    before any CUDA call (no context made on it); a region unregistered while a request
+    copies through it is closed when that copy is done, not under it. The copies themselves
+    run on a lent GPU (tests/gpu/check_gpu.py)."""
+    from cuvild.serve.cuda_regions import CudaRegion, CudaRegions
+    from cuvild.serve.regions import RegionError
+
+    regions = CudaRegions(devices={0})
+    called = []
+    monkeypatch.setattr(regions, "_runtime", lambda: called.append("runtime"))
+    with pytest.raises(RegionError, match="unix socket") as err:
+        regions.register(None, "r", b"\0" * 64, 0, 64)
+    assert err.value.kind == "denied"
+    with pytest.raises(RegionError, match="device 3 is not a GPU cuvild serves"):
+        regions.register(1000, "r", b"\0" * 64, 3, 64)
+    with pytest.raises(RegionError, match="no CUDA device is served") as err:
+        CudaRegions(devices=set()).register(1000, "r", b"\0" * 64, 0, 64)
+    assert err.value.kind == "unavailable" and called == []  # CUDA never touched
+    closed = []
+    monkeypatch.setattr(regions, "_close", closed.append)
+    regions._regions[(1000, "r")] = CudaRegion("r", 0, 64, pointer=0xbeef)
+    with regions._using(1000, "r", 0, 64):
+        regions.unregister(1000, "r")
+        assert closed == []  # in use: kept open
+    assert closed == [0xbeef]
