@@ -175,8 +175,9 @@ def test_cuda_regions_unix_callers_served_devices_and_counted_use(monkeypatch) -
     assert err.value.kind == "unavailable" and called == []  # CUDA never touched
     closed = []
     monkeypatch.setattr(regions, "_close", closed.append)
-    regions._regions[(1000, "r")] = CudaRegion("r", 0, 64, pointer=0xbeef)
-    with regions._using(1000, "r", 0, 64):
+    # a registered region, as register() leaves it on a GPU host (no GPU here to open one)
+    regions._regions[(1000, "r")] = CudaRegion("r", 0, 64, pointer=0xbeef)  # noqa: SLF001
+    with regions._using(1000, "r", 0, 64):  # noqa: SLF001 - what read() and write() hold
         regions.unregister(1000, "r")
         assert closed == []  # in use: kept open
     assert closed == [0xbeef]
