@@ -131,6 +131,9 @@ class Built:
     from_cache: bool
     candidates: list[dict[str, Any]] = field(default_factory=list)  # every runtime tried
     variants: list[Variant] = field(default_factory=list)  # one per precision that built
+    # the signed compile-cache entry it runs from (runtimes/cache.py artifact): hash, runtime,
+    # runtime_version, verified; {} for a part with none (torch eager)
+    artifact: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

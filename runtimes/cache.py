@@ -7,11 +7,22 @@ The per-part choice of runtime (`auto`) is cached too, so a restarted daemon loa
 winner and compiles nothing. And a per-device, per-precision tally of past searches (the
 prior, `choices/prior-<device>-<precision>.json`) lets the next search try the likely winner
 first and leave out runtimes that never come close (runtimes/select.py).
+
+An entry is code the daemon loads (an .so, a .vmfb, an OpenVINO blob), so it is signed: a
+manifest of every file's sha256, the runtime and version that built it, and an HMAC over them
+with a key only the daemon holds (`CUVILD_CACHE_KEY_FILE`, which the daemon points at
+state_dir/cache.key, mode 0600; for a cache shared by pods, a key from a Kubernetes Secret).
+`lookup` verifies it before anything of the entry is loaded; one that fails (a file changed,
+added or missing, no manifest, another key) is dropped, counted (`rejected`) and rebuilt.
+Whoever can write the cache but not read the key can make cuvild compile again, not load
+their code. Without the key file's variable (tests, a library user) the key is the user's
+state directory's (~/.local/state/cuvild/cache.key), made on first use.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -30,6 +41,45 @@ if TYPE_CHECKING:  # torch is imported only to hash a graph: a worker that loads
 
 log = logging.getLogger(__name__)
 PRIOR_KEEP = 20  # times and compile times kept per runtime: recent ones, so upgrades show
+MANIFEST = "manifest.json"
+KEY_ENV = "CUVILD_CACHE_KEY_FILE"
+
+
+def cache_key_file(path: Path | None = None) -> bytes:
+    """The signing key: 32 random bytes in `path` (default: $CUVILD_CACHE_KEY_FILE, else the
+    user's state directory's cache.key), made (mode 0600) if it is not there."""
+    if path is None:
+        env = os.environ.get(KEY_ENV)
+        base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+        path = Path(env) if env else base / "cuvild" / "cache.key"
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it first
+            return path.read_bytes()
+        key = os.urandom(32)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+            f.flush()
+            os.fsync(f.fileno())
+    if len(key) < 16:
+        raise ValueError(f"{path}: a cache key of {len(key)} bytes (at least 16 expected)")
+    return key
+
+
+def _file_digests(entry: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(entry.rglob("*")):
+        if p.is_file() and p != entry / MANIFEST:
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+            out[str(p.relative_to(entry))] = h.hexdigest()
+    return out
 
 
 def graph_digest(module: fx.GraphModule) -> str:
@@ -59,10 +109,12 @@ def _dir_size(path: Path) -> int:
 
 
 class CompileCache:
-    def __init__(self, root: Path, max_bytes: int = 10 << 30) -> None:
+    def __init__(self, root: Path, max_bytes: int = 10 << 30, key: bytes | None = None) -> None:
         self.entries = root / "compiled"
         self.choices = root / "choices"
         self.max_bytes = max_bytes
+        self._key = key  # the signing key (cache_key_file), read on first use
+        self.rejected = 0  # entries that failed verification since this cache was opened
         self._lock = threading.Lock()
         for d in (self.entries, self.choices):
             d.mkdir(parents=True, exist_ok=True)
@@ -82,11 +134,58 @@ class CompileCache:
 
     # -- entries -------------------------------------------------------------------------
     def lookup(self, key: str) -> Path | None:
+        """The entry, verified against its signed manifest; None when there is none or it
+        failed (then it is dropped: the caller builds it again)."""
         path = self.entries / key
         if not (path / "meta.json").exists():
             return None
+        why = self._unverified(path)
+        if why:
+            self.rejected += 1
+            log.warning("compile cache: entry %s failed verification (%s); building it again",
+                        key, why)
+            self.drop(key)
+            return None
         os.utime(path / "meta.json")  # LRU: last use is the meta file's mtime
         return path
+
+    def _signing_key(self) -> bytes:
+        if self._key is None:
+            self._key = cache_key_file()
+        return self._key
+
+    def _signature(self, files: dict[str, str]) -> str:
+        return hmac.new(self._signing_key(), json.dumps(files, sort_keys=True).encode(),
+                        hashlib.sha256).hexdigest()
+
+    def _unverified(self, entry: Path) -> str:
+        """Why `entry` cannot be trusted; "" when its manifest and signature hold."""
+        try:
+            manifest = json.loads((entry / MANIFEST).read_text())
+            files, signature = dict(manifest["files"]), str(manifest["hmac"])
+        except FileNotFoundError:
+            return "no signed manifest"
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"unreadable manifest: {e}"
+        if not hmac.compare_digest(self._signature(files), signature):
+            return "its signature is not this daemon's"
+        present = _file_digests(entry)
+        if present != files:
+            changed = sorted(set(present) ^ set(files) | {f for f in files
+                                                          if present.get(f) != files[f]})
+            return f"files changed, added or missing: {', '.join(changed[:5])}"
+        return ""
+
+    def artifact(self, key: str) -> dict[str, Any]:
+        """What built an entry and its hash (the signed manifest's): for `cuvilctl status`."""
+        path = self.entries / key
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            digest = hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
+        except (OSError, ValueError):
+            return {}
+        return {"hash": digest[:16], "runtime": meta.get("runtime", ""),
+                "runtime_version": meta.get("runtime_version", ""), "verified": True}
 
     def store(self, key: str, write: Any, meta: dict[str, Any]) -> Path:
         """Call write(tmp_dir) to fill a new entry, then publish it atomically."""
@@ -94,6 +193,9 @@ class CompileCache:
         try:
             write(tmp)
             (tmp / "meta.json").write_text(json.dumps({**meta, "stored_at": time.time()}))
+            files = _file_digests(tmp)
+            (tmp / MANIFEST).write_text(json.dumps({"files": files,
+                                                    "hmac": self._signature(files)}))
             final = self.entries / key
             with self._lock:
                 if final.exists():

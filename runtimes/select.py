@@ -460,7 +460,8 @@ def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[t
         return Candidate(name, "failed", f"run: {type(e).__name__}: {e}"[:500], compile_s), None
     if entry is None:
         try:
-            cache.store(key, exe.save, {"runtime": name, "device": spec.device.id,
+            cache.store(key, exe.save, {"runtime": name, "runtime_version": rt.version(),
+                                        "device": spec.device.id,
                                         "precision": spec.precision})
         except NotImplementedError:
             pass  # this runtime has nothing to cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def model_dict(m: cuvil_pb2.ModelSummary) -> dict[str, Any]:
             "calibration_inputs": m.calibration_inputs,
             "measured_error": m.measured_error if m.measured_error >= 0 else None,
             "phase": m.phase, "warm": m.warm, "load_s": round(m.load_seconds, 3),
+            "parts": json.loads(m.parts_json) if m.parts_json else [],
             "batching": {"state": m.batching or None, "max_batch": m.max_batch or None,
                          "max_delay_us": m.max_delay_us or None,
                          "sizes": {int(k): v for k, v in sorted(m.batch_sizes.items())},

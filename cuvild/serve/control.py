@@ -49,6 +49,17 @@ def record_to_pb(record: ModelRecord) -> cuvil_pb2.ModelSummary:
     return cuvil_pb2.ModelSummary(state="registered", measured_error=-1, **fields, **specs)
 
 
+def parts_json(routes: list[Any]) -> str:
+    """A served model's parts for `cuvilctl status --json`: where each runs, and the signed
+    compile-cache entry it runs from (its hash, what built it, verified at load)."""
+    import json
+
+    return json.dumps([{"id": r.id, "device": r.device, "runtime": r.runtime,
+                        "precision": r.precision,
+                        "artifact": r.built.artifact if r.built is not None else {}}
+                       for r in routes])
+
+
 def by_bucket(measured: dict[str, Any], buckets: list[dict[str, Any]]) -> dict[str, Any]:
     """A dynamic-shape model's parts as its buckets run them: the runtimes chosen per input
     shape, and the time measured at the shapes served last (its own top-level parts never run,
@@ -149,6 +160,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             # what `Client.load(wait=True)` and `cuvilctl status` show while it loads
             summary.phase, summary.warm = served.phase, served.warm
             summary.load_seconds = served.prepare_s
+            if served.loaded is not None:
+                summary.parts_json = parts_json(served.loaded.routes)
             accuracy = served.loaded.accuracy if served.loaded else None
             if accuracy is not None:  # the policy in force, and what the load measured
                 summary.precision, summary.max_error = accuracy.policy, accuracy.max_error or 0

@@ -41,6 +41,7 @@ from cuvild.serve.control import ControlService
 from cuvild.serve.front import Front
 from cuvild.serve.limits import Gate, Uploads, quiet_grpc_logs, raise_nofile
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
+from runtimes.cache import KEY_ENV, cache_key_file
 from runtimes.profiling import measure as profiles_mod
 
 log = logging.getLogger("cuvild")
@@ -358,6 +359,10 @@ class Daemon:
 
     def run(self) -> int:  # noqa: C901, PLR0915 - start-up in order, as docs/OPERATIONS.md lists it
         soft, _ = raise_nofile()
+        # the compile cache's signing key: workers inherit where it is (runtimes/cache.py);
+        # an operator's (a Secret shared by pods) wins over state_dir's own
+        os.environ.setdefault(KEY_ENV, str(self.cfg.state_dir / "cache.key"))
+        cache_key_file()  # made now (0600), not by two workers at once
         quiet_grpc_logs()
         log.debug("open-file limit %d", soft)
         self.uploads = Uploads(self.cfg.max_concurrent_uploads, self.cfg.upload_idle_s,

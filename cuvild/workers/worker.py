@@ -176,7 +176,19 @@ class Worker:
             self.variants[key] = {p: b.executable for p, b in built.items()}
         self.parts[key] = own.executable
         return Built(own.runtime, all(b.from_cache for b in built.values()), tried,
-                     variants(built))
+                     variants(built), self._artifact(own.part_key, own.runtime))
+
+    def _artifact(self, part_key: str, runtime: str) -> dict[str, Any]:
+        """The signed cache entry a part runs from: its hash, what built it, verified."""
+        from runtimes import registry
+
+        if not part_key or runtime == "torch":  # the reference: nothing compiled, no entry
+            return {}
+        try:
+            version = registry.get(runtime).version()
+        except Exception:  # noqa: BLE001 - an entry it cannot name is shown as none
+            return {}
+        return self.cache.artifact(self.cache.entry_key(part_key, runtime, version))
 
     def restore(self, order: Restore) -> Built:
         """A part's executable straight from the compile cache (a load record's): torch is
@@ -193,7 +205,7 @@ class Worker:
         spec = CompileSpec(self.device, compiled_as(order.precision),
                            threads=max(len(self.device.cores), 1))
         self.parts[(order.model, order.part)] = rt.load(entry, spec)
-        return Built(order.runtime, True)
+        return Built(order.runtime, True, artifact=self._artifact(order.part_key, order.runtime))
 
     def choose(self, order: Choose) -> None:
         key = (order.model, order.part)

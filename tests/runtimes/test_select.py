@@ -275,3 +275,32 @@ def test_close_candidates_are_timed_again_in_turn_and_the_faster_wins(monkeypatc
     select.retime_close(tried, exes, [], 1e-3)
     assert runs == {"long": 3, "longer": 3}  # the 3 rounds at least, past the budget
     assert tried[0].median_ms < tried[1].median_ms
+
+
+def test_a_cache_entry_is_signed_and_one_that_fails_is_rebuilt(tmp_path):
+    """Compile-cache entries are code the daemon loads: each has a manifest of its files'
+    sha256 signed with the daemon's key, verified before a load; a changed, added or missing
+    file, no manifest, or another key's signature drops the entry (issue 49, 10)."""
+    key = b"k" * 32
+    cache = CompileCache(tmp_path, key=key)
+
+    def write(into):
+        (into / "part.bin").write_bytes(b"\x7fELF code")
+        (into / "sub").mkdir()
+        (into / "sub" / "blob").write_bytes(b"weights")
+
+    entry = cache.store("e1", write, {"runtime": "openvino", "runtime_version": "1"})
+    assert cache.lookup("e1") == entry
+    art = cache.artifact("e1")
+    assert art["verified"] and len(art["hash"]) == 16 and art["runtime_version"] == "1"
+    assert CompileCache(tmp_path, key=b"x" * 32).lookup("e1") is None  # another key's
+    cache.store("e2", write, {})
+    (cache.entries / "e2" / "sub" / "blob").write_bytes(b"tampered")
+    assert cache.lookup("e2") is None and not (cache.entries / "e2").exists()
+    cache.store("e3", write, {})
+    (cache.entries / "e3" / "extra.so").write_bytes(b"more code")
+    assert cache.lookup("e3") is None
+    cache.store("e4", write, {})
+    (cache.entries / "e4" / "manifest.json").unlink()  # an entry from before signing
+    assert cache.lookup("e4") is None
+    assert cache.rejected == 3

@@ -181,3 +181,29 @@ def test_cuda_regions_unix_callers_served_devices_and_counted_use(monkeypatch) -
         regions.unregister(1000, "r")
         assert closed == []  # in use: kept open
     assert closed == [0xbeef]
+
+
+def test_status_names_each_parts_signed_artifact_and_a_tampered_one_is_rebuilt(
+        make_daemon, tmp_path) -> None:
+    torch.manual_seed(0)
+    model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
+    cache = tmp_path / "cache"
+    daemon = make_daemon(cache_dir=str(cache))
+    with Client(daemon.target) as client:
+        client.load("mlp", model, (x,))
+        (summary,) = [m for m in client.status()["models"] if m["name"] == "mlp"]
+    (part,) = summary["parts"]
+    assert part["artifact"]["verified"] is True and len(part["artifact"]["hash"]) == 16
+    assert part["artifact"]["runtime"] == part["runtime"] and part["artifact"]["runtime_version"]
+    assert (daemon.state_dir / "cache.key").stat().st_mode & 0o777 == 0o600
+    assert daemon.stop() == 0
+    for entry in (cache / "compiled").iterdir():  # someone who can write the cache
+        victim = next(p for p in sorted(entry.rglob("*")) if p.is_file()
+                      and p.name not in ("meta.json", "manifest.json"))
+        victim.write_bytes(victim.read_bytes() + b"\0")
+    again = make_daemon(state_dir=daemon.state_dir, cache_dir=str(cache))
+    with Client(again.target) as client:
+        client.wait_ready("mlp")
+        torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x).detach(),
+                                   rtol=1e-4, atol=1e-5)
+    assert "failed verification (files changed" in again.log()
