@@ -125,7 +125,10 @@ class Segment:
             torch.cuda.cudart().cudaHostUnregister(_address(self.mm))
             self.cuda_registered = False
         if self._unlink is not None:
-            self._unlink()  # (once: a finalizer runs at most one time)
+            if self.owner:
+                self._unlink()  # (once: a finalizer runs at most one time)
+            else:  # handed over: another process unlinks it
+                self._unlink.detach()
         try:
             self.mm.close()
         except BufferError:
