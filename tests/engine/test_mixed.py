@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import time
 
 import pytest
@@ -213,13 +214,15 @@ def test_a_budget_of_1e_6_falls_back_to_fp32_and_says_why(engine, archive):
     (part,) = loaded.plan.parts
     assert part.precision == "fp32"
     # why, for each lower precision: refused end to end, or over the part's own bound, or
-    # (a mix) no group set short of all fp32 holding half the budget on the part itself
+    # (a mix) no group set short of all fp32 holding half the budget on the part itself, or
+    # (timing: where bf16 measured no faster than fp32 on this host) not faster, both figures
     notes = " ".join(loaded.accuracy.notes)
     candidates = loaded.routes[0].built.candidates
     for lower in ("bf16", "bf16+fp32"):
         said = f"p0 {lower} refused: end-to-end error" in notes or any(
             c["precision"] == lower and c["status"] != "ok" and c["reason"]
-            for c in candidates)
+            for c in candidates) or re.search(
+                rf"\b{re.escape(lower)} ran [0-9.e-]+ ms on \w+ vs [0-9.e-]+ ms at fp32", notes)
         assert said, (lower, notes, candidates)
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from fast_helpers import close_to, eager, open_raw
 
 from cuvild.client import Client, LoadFailed, samples
+from cuvild.client.fast import FastSession
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 
@@ -207,3 +210,28 @@ def test_status_names_each_parts_signed_artifact_and_a_tampered_one_is_rebuilt(
         torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x).detach(),
                                    rtol=1e-4, atol=1e-5)
     assert "failed verification (files changed" in again.log()
+
+
+def test_an_open_nested_too_deep_is_refused_and_gives_its_slot_back(make_daemon) -> None:
+    """JSON nested 5000 deep made json.loads raise RecursionError, which the open's handler
+    did not catch: the thread died without releasing the caller's connection slot, and a few
+    such opens locked the uid out of the daemon (gRPC too) until restart (issue 49)."""
+    torch.manual_seed(6)
+    model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
+    daemon = make_daemon(limits={"max_connections_per_uid": 3})
+    with Client(daemon.target) as client:
+        client.load("mlp", model, (x,))
+    path = str(daemon.socket_path)
+    for _ in range(6):  # twice the uid's slots
+        for _attempt in range(50):  # the daemon gives the slot back just after its answer
+            try:
+                sock, reply, mm = open_raw(path, b"[" * 5000)
+                break
+            except (BrokenPipeError, ConnectionResetError):
+                time.sleep(0.1)
+        sock.close()
+        assert mm is None and reply["code"] == "INVALID_ARGUMENT", reply
+    with FastSession(path, "mlp", timeout=10) as session:
+        close_to(session.run(x), eager(model, (x,)))
+    with Client(daemon.target) as client:
+        close_to(list(client.infer("mlp", x).values()), eager(model, (x,)))
