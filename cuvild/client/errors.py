@@ -76,6 +76,11 @@ BY_CODE: dict[str, type[CuvildError]] = {
     "UNIMPLEMENTED": Unimplemented, "INTERNAL": Internal,
 }
 
+def convert_hint(dtype: str) -> str:
+    """How to give an input the dtype a model takes (a torch dtype name, "float32")."""
+    return f"convert it first (numpy: x.astype(np.{dtype}); torch: x.to(torch.{dtype}))"
+
+
 # grpc's own words when no daemon answered at all (no socket, nothing listening)
 _UNREACHABLE = ("failed to connect", "connection refused", "no such file", "connect failed")
 

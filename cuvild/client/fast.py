@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cuvild.client.errors import CuvildError
+from cuvild.client.errors import CuvildError, convert_hint
 from cuvild.engine.spin import MOST_S, Spin
 from protos import fastpath as wire
 
@@ -326,8 +326,7 @@ class FastSession:
             value = np.asarray(value)
         dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
         if list(value.shape) != spec["shape"] or dtype != spec["dtype"]:
-            fix = (f"; convert it first (numpy: x.astype(np.{spec['dtype']}); torch: "
-                   f"x.to(torch.{spec['dtype']}))" if dtype != spec["dtype"] else "")
+            fix = f"; {convert_hint(spec['dtype'])}" if dtype != spec["dtype"] else ""
             raise FastPathError("INVALID_ARGUMENT", f"input {spec['name']!r}: {dtype}"
                                 f"{list(value.shape)}, model {self.model} takes "
                                 f"{spec['dtype']}{spec['shape']}{fix}")

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from cuvild.client.errors import CuvildError, InvalidArgument
+from cuvild.client.errors import CuvildError, InvalidArgument, convert_hint
 from cuvild.engine.dtypes import BY_OIP, oip_name
 from protos import inference_pb2 as pb
 
@@ -52,8 +52,7 @@ def as_tensor(model: str, spec: dict[str, Any], value: Any) -> Any:
     if dtype != want:
         raise InvalidArgument("INVALID_ARGUMENT", f"input {spec['name']!r}: {dtype}"
                               f"{list(t.shape)}, model {model} takes {want}{spec['shape']}; "
-                              f"convert it first (numpy: x.astype(np.{want}); torch: "
-                              f"x.to(torch.{want}))")
+                              + convert_hint(want))
     return t.contiguous().cpu()
 
 

@@ -155,14 +155,14 @@ def _input(request: Any, tensor: Any, binary: memoryview, at: int,
         return None, at
     size = params.get("binary_data_size")
     if size is not None:
-        if not _count(size) or at + size > len(binary):
+        if not is_count(size) or at + size > len(binary):
             raise bad(f"input {name!r}: binary_data_size {str(size)[:40]} is past the body's "
                       f"{len(binary)} binary bytes")
         return bytes(binary[at:at + size]), at + size
     return _json_data(name, datatype, shape, tensor.get("data")), at
 
 
-def _count(value: Any) -> bool:
+def is_count(value: Any) -> bool:
     """A JSON integer >= 0 (not a bool, which Python takes for an int)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

@@ -100,6 +100,7 @@ class Metrics:
         self._children: dict[tuple[str, ...], Any] = {}  # labels() resolved once per series
         self.fast: FastPath | None = None  # its sessions' counts, read when asked
         self._server: Any = None
+        self._render: Any = None  # the metrics port's one rendering thread
         self._started = time.monotonic()
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -161,7 +162,8 @@ class Metrics:
         limits = limits or HttpLimits()
         limits = dataclasses.replace(limits, max_connections=min(limits.max_connections,
                                                                  METRICS_CONNECTIONS))
-        render = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="metrics")
+        render = self._render = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="metrics")
 
         async def scrape(request: web.Request) -> web.Response:
             text = await asyncio.get_running_loop().run_in_executor(
@@ -179,6 +181,7 @@ class Metrics:
     def close(self) -> None:
         if self._server is not None:
             self._server.stop()
+            self._render.shutdown(wait=False)
 
     # -- cuvilctl stats --------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -57,10 +57,10 @@ from cuvild.serve.jsontensors import (
     INT64_MAX,
     Aborted,
     Inputs,
-    _count,
     bad,
     infer_request,
     infer_response,
+    is_count,
 )
 from protos import inference_pb2 as pb
 
@@ -294,7 +294,7 @@ class RestServer:
             doc = None
         doc = doc if isinstance(doc, dict) else {}
         key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
-        if not isinstance(key, str) or not _count(offset) or not _count(size) or max(
+        if not isinstance(key, str) or not is_count(offset) or not is_count(size) or max(
                 offset, size) > INT64_MAX:
             raise bad('expected a JSON object {"key": "/name", "offset": int, "byte_size": int}')
         await self._call("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest(
