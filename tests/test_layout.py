@@ -17,42 +17,44 @@ MAX_LINES = 600
 
 # Which rooms a room may import, besides itself. A room is a package, or for the top of
 # cuvild/ (its __init__ and config) "cuvild", and for the entry point "cuvild.__main__".
-# serve -> engine -> load -> run -> workers -> the engine's vocabulary; engine -> intake ->
-# partitioner; the planes -> runtimes; client -> protos, config, the engine's arena, dtype
-# table and spin. Only the modules named here with a dot after a room (cuvild.engine.arena)
-# are open to rooms that may not import the whole of it.
-# The engine's vocabulary: what every plane shares (a model and its routes, the arena and
-# its layout, errors, dtypes, views, the planes' protocols, and the orders to workers, which
-# are wire records and live in protos/).
-VOCABULARY = {f"cuvild.engine.{m}" for m in (
-    "arena", "dtypes", "errors", "layout", "loaded", "plane", "spin", "views")} | {
-    "protos.orders"}  # the typed orders to workers and their replies
+# The rooms stand in floors (FLOORS, top first): a room imports only rooms below its own,
+# never one above or beside it, with no exception (test_rooms_stand_in_floors). ALLOWED
+# narrows that further: a name with a dot after a room (cuvild.intake.safe_load) opens only
+# that module to a room that may not import the whole of it.
+FLOORS = [
+    ["cuvild.__main__"],
+    ["cuvild.serve"],  # the daemon's listeners and its start
+    ["cuvild.engine"],  # composition: the workers, the runner and the builder, wired
+    ["cuvild.load"],  # the control plane: the Builder, loads, buckets, load records
+    ["cuvild.run"],  # the data plane: the Runner, a request's parts, bells, batching
+    ["cuvild.workers"],  # the device workers and the daemon's end of them
+    ["cuvild.client"],  # cuvilctl and the Python client (beside the daemon, never in it)
+    ["cuvild.core"],  # the vocabulary every plane shares
+    ["cuvild.intake"],  # untrusted archives in, registered models out
+    ["cuvild"],  # its config and `cuvild.partition` / `cuvild.export`
+    ["runtimes"],
+    ["partitioner", "protos"],
+]
 ALLOWED: dict[str, set[str]] = {
     "cuvild.__main__": {"cuvild.serve"},
     # `from cuvild import partition, export`, lazily; config checks runtime names (no torch)
     "cuvild": {"partitioner", "runtimes.registry"},
     "cuvild.serve": {"cuvild", "cuvild.engine", "cuvild.load", "cuvild.run", "cuvild.workers",
-                     "cuvild.intake", "partitioner", "runtimes", "protos"},
-    # the engine: the vocabulary, and Engine, which composes the three planes
-    # (protos.fastpath: a worker serves fast-path sessions, cuvild/workers/sessions.py)
-    "cuvild.engine": {"cuvild.load", "cuvild.run", "cuvild.workers", "cuvild.intake",
-                      "partitioner", "runtimes", "protos.fastpath", "protos.orders"},
-    # the control plane: prepare, search precision, record, build buckets; the served models
-    # (load/models.py) drive the Engine they are handed
-    "cuvild.load": VOCABULARY | {"cuvild.engine.engine", "cuvild.run", "cuvild.workers",
-                                 "cuvild.intake", "partitioner", "runtimes"},
-    # the data plane: never the control plane (a bucket miss calls a builder it is handed)
-    "cuvild.run": VOCABULARY | {"cuvild.workers", "partitioner", "runtimes", "protos.fastpath",
-                                "protos.sessions"},
-    # the device workers and the daemon's end of them
-    "cuvild.workers": VOCABULARY | {"cuvild.intake", "partitioner", "runtimes",
-                                    "protos.fastpath", "protos.sessions"},
-    "cuvild.intake": {"partitioner", "runtimes.base"},
+                     "cuvild.core", "cuvild.intake", "partitioner", "runtimes", "protos"},
+    "cuvild.engine": {"cuvild.load", "cuvild.run", "cuvild.workers", "cuvild.core",
+                      "partitioner"},
+    "cuvild.load": {"cuvild.run", "cuvild.workers", "cuvild.core", "cuvild.intake",
+                    "partitioner", "runtimes", "protos.orders"},
+    "cuvild.run": {"cuvild.workers", "cuvild.core", "protos.fastpath", "protos.sessions",
+                   "protos.orders"},
+    "cuvild.workers": {"cuvild.core", "cuvild.intake", "partitioner", "runtimes", "protos"},
     # cuvilctl plans a local .pt2 offline: it opens it with the safe loader
     # and rebuilds a model's output container from its spec (cuvild/client/trees.py)
-    "cuvild.client": {"cuvild", "cuvild.engine.arena", "cuvild.engine.dtypes",
-                      "cuvild.engine.spin", "cuvild.intake.safe_load", "cuvild.intake.trees",
+    "cuvild.client": {"cuvild", "cuvild.core.arena", "cuvild.core.dtypes", "cuvild.core.spin",
+                      "cuvild.intake.safe_load", "cuvild.intake.trees",
                       "cuvild.intake.grammar", "partitioner", "protos"},
+    "cuvild.core": {"partitioner", "protos.orders"},
+    "cuvild.intake": {"partitioner", "runtimes.base"},
     "runtimes": {"partitioner"},
     "partitioner": set(),
     "protos": set(),
@@ -100,7 +102,7 @@ def room(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "cuvild":
         return "cuvild." + parts[1] if len(parts) > 1 and parts[1] in {
-            "serve", "engine", "load", "run", "workers", "intake", "client"} else "cuvild"
+            "serve", "engine", "load", "run", "workers", "core", "intake", "client"} else "cuvild"
     return parts[0]
 
 
@@ -123,6 +125,17 @@ def test_imports_run_one_way_between_rooms() -> None:
             if theirs != mine and not opens(ALLOWED[mine], target):
                 wrong.append(f"{module} imports {target} ({mine} -> {theirs})")
     assert not wrong, "imports against the direction of the rooms:\n" + "\n".join(wrong)
+
+
+def test_rooms_stand_in_floors() -> None:
+    """Folder level: every import runs down the floors, none up or sideways; so no two
+    rooms import each other, whatever their modules do."""
+    floor = {r: i for i, rooms in enumerate(FLOORS) for r in rooms}
+    assert set(floor) == set(ALLOWED), "FLOORS and ALLOWED name other rooms"
+    wrong = sorted({f"{room(m)} -> {room(t)} ({m} imports {t})"
+                    for m, targets in graph().items() for t in targets
+                    if room(t) != room(m) and floor[room(t)] <= floor[room(m)]})
+    assert not wrong, "imports that do not run down the floors:\n" + "\n".join(wrong)
 
 
 def test_no_import_cycles() -> None:  # noqa: C901 - the import walk and its report
@@ -165,7 +178,7 @@ def test_the_walk_sees_what_it_checks() -> None:
     """Guard against a walk that passes because it finds nothing."""
     edges = graph()
     assert "protos.orders" in edges["cuvild.workers.worker"]
-    assert "cuvild.intake.safe_load" in edges["cuvild.engine.engine"]  # a function-level one
+    assert "cuvild.intake.safe_load" in edges["cuvild.load.prepare"]  # a function-level one
     assert "cuvild.load.models" in edges["cuvild.serve.control"]  # under TYPE_CHECKING
     assert room("cuvild.config") == "cuvild" and room("cuvild.serve.oip") == "cuvild.serve"
 

@@ -418,7 +418,7 @@ def cmd_reload(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_clean_shm(client: Client, args: argparse.Namespace) -> int:
     """Shared memory a killed client left (a process that ends unlinks its own)."""
-    from cuvild.engine.arena import reclaim_stale
+    from cuvild.core.arena import reclaim_stale
 
     gone = reclaim_stale("cuvil-client-", dry_run=args.dry_run)
     if args.json:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from cuvild.client.errors import CuvildError, convert_hint
-from cuvild.engine.spin import MOST_S, Spin
+from cuvild.core.spin import MOST_S, Spin
 from protos import fastpath as wire
 
 KEEP = 4  # a dynamic model's sessions kept open, one per set of shapes
@@ -78,7 +78,7 @@ class FastSession:
         """`shapes`: a dynamic-shape model's input shapes to open the session for (else those
         of its first request); `keep`: how many sets of shapes stay open (at least 1);
         `spin_us`: the longest this thread checks for an answer before it sleeps on the
-        doorbell, learnt from the answers' times (cuvild/engine/spin.py; 0: never)."""
+        doorbell, learnt from the answers' times (cuvild/core/spin.py; 0: never)."""
         self.path, self.model, self.version = socket_path, model, version
         self.depth, self.timeout, self.keep = depth, timeout, max(1, keep)
         self._kept: dict[tuple[tuple[int, ...], ...], tuple[Any, ...]] = {}  # by shapes,

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from cuvild.client.errors import CuvildError, InvalidArgument, convert_hint
-from cuvild.engine.dtypes import BY_OIP, oip_name
+from cuvild.core.dtypes import BY_OIP, oip_name
 from protos import inference_pb2 as pb
 
 
@@ -115,7 +115,7 @@ class ClientRegion:
         self.daemon_uid = _daemon_uid(socket_path)
 
     def ensure(self, nbytes: int) -> Any:
-        from cuvild.engine.arena import Segment
+        from cuvild.core.arena import Segment
 
         if self.segment is not None and self.segment.size >= nbytes:
             return self.segment
@@ -168,7 +168,7 @@ def run_infer(stub: Any, name: str, inputs: Any, region: ClientRegion | None, ve
 
 def _infer_shm(stub: Any, request: Any, blobs: list[bytes], metadata: dict[str, Any],
                region: ClientRegion, timeout: float) -> dict[str, Any]:
-    from cuvild.engine.arena import align
+    from cuvild.core.arena import align
 
     out_sizes: list[int | None] = []  # None: a dynamic shape, not known before the reply
     for spec in metadata["outputs"]:

@@ -1,15 +1,15 @@
 """A dynamic-shape model's buckets: the model laid out and built for one concrete input shape,
-on that shape's first request, and kept for the next. A model the engine planned is planned
+on that shape's first request, and kept for the next. A model the load planned is planned
 again per bucket, at the bucket's sizes (`plan_for`): a large batch may run on another device
 than a single request.
 
-Bounded both ways. A dynamic dimension above the engine's `max_dim` is refused (BadInput)
+Bounded both ways. A dynamic dimension above the runner's `max_dim` is refused (BadInput)
 before anything is built for it. A model keeps at most `max_buckets` buckets: when a build
 makes one more, the least recently used buckets that no request is running go (unloaded from
 the workers), and one asked for again is restored from its load record (cuvild/load/warm.py:
 written when a bucket is built, the last `RECORDS` of a model kept; a restart restores its
 buckets the same way), else built again (from the compile cache). A bucket in use is never
-evicted: `hold` counts a request in, and rebuilds a bucket evicted between
+evicted: the runner holds it while a request runs, and asks again for one evicted between
 `resolve` and `run`.
 
 Sizes are not rounded up to fewer buckets: that would pad a request's batch, and padding
@@ -17,70 +17,79 @@ changes the results of models that mix rows (attention or normalisation across t
 so each size gets its own bucket.
 
 Only a build takes the model's own lock (and, then, evicts: builds and evictions of a model
-reach the workers in order); buckets already built are served under a short lock that only
-keeps the recency order and the use counts.
+reach the workers in order).
+
+The runner never calls here: a request whose shapes have no bucket in the served snapshot
+asks `Buckets.miss` for one future (the build runs on the buckets' own threads, so a request
+that gives up by its deadline leaves it to finish for the next); a request holds a bucket
+(`Bucket.hold`, cuvild/core/loaded.py) and eviction passes over one held.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-import time
-from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from cuvild.engine.errors import InferError, RunTimeout
-from cuvild.engine.layout import BadInput, input_table, layout
-from cuvild.engine.loaded import Bucket, Family, LoadedModel, Shapes, cut_bytes
-from cuvild.engine.plane import Builds
+from cuvild.core.errors import InferError
+from cuvild.core.layout import input_table, layout
+from cuvild.core.loaded import Bucket, Family, LoadedModel, Shapes, cut_bytes
 from cuvild.load import warm
+from cuvild.load.builder import Builder
 
 log = logging.getLogger(__name__)
 RECORDS = 32  # bucket load records kept on disk per model, the last written
 
 
-def check_dims(model: LoadedModel, given: Sequence[tuple[str, tuple[int, ...]]],
-               max_dim: int) -> None:
-    """Refuse a dynamic dimension above `max_dim` (BadInput names the input, the dimension
-    and the limit)."""
-    for i, d, _, _ in model.dynamic:
-        size = given[i][1][d]
-        if size > max_dim:
-            raise BadInput(f"input {model.table[i].name}: dim {d} is {size}, above the "
-                           f"largest this server builds for a dynamic dimension ({max_dim})")
+class Buckets:
+    """The dynamic-shape models' buckets: built on a miss, evicted past `max_buckets`."""
 
+    def __init__(self, builder: Builder, max_buckets: int = 8) -> None:
+        self.builder = builder
+        self.max_buckets = max(1, max_buckets)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bucket")
 
-def bucket(engine: Builds, model: LoadedModel, shapes: Shapes,
-           deadline: float | None = None) -> LoadedModel:
-    """The bucket of `model` for `shapes`, built on first use (waited for by `deadline`,
-    time.monotonic(); None: the engine's build_timeout_s)."""
-    with engine.buckets_lock:
-        variant = family(model).buckets.get(shapes)
-        if variant is not None:
-            family(model).buckets.move_to_end(shapes)
+    def miss(self, model: LoadedModel, shapes: Shapes) -> Future[LoadedModel]:
+        """The runner's ask: `model`'s bucket at `shapes`, built (or restored) off the
+        request's thread; the future's result is the bucket, served."""
+        return self._pool.submit(self.build, model, shapes)
+
+    def build(self, model: LoadedModel, shapes: Shapes) -> LoadedModel:
+        """The bucket from its load record (cuvild/load/warm.py) or, where it has none that
+        serves, planned, laid out and built; served, then the oldest past `max_buckets`
+        evicted."""
+        with family(model).lock:
+            variant = family(model).buckets.get(shapes)
+            if variant is not None and not variant.evicted:
+                return variant
+            variant = (restored(self.builder, model, shapes)
+                       or cold(self.builder, model, shapes))
+            if self.builder.runner.served.models.get(model.key) is not model:
+                self.builder.drop(variant)  # unloaded while it was built
+                raise InferError(f"model {model.key} is not loaded any more")
+            family(model).buckets[shapes] = variant
+            self.builder.publish(variant)
+            self.evict(model)
             return variant
-    return build(engine, model, shapes, deadline)
 
+    def evict(self, model: LoadedModel) -> None:
+        """Unload the least recently used buckets past `max_buckets` that no request holds
+        (under the model's build lock, so an eviction reaches the workers before a rebuild)."""
+        kept = family(model).buckets
+        over = len(kept) - self.max_buckets
+        for shapes, variant in sorted(kept.items(), key=lambda kv: kv[1].bucket.used):
+            if over <= 0:
+                break
+            assert variant.bucket is not None
+            if variant.bucket.evict():
+                del kept[shapes]
+                over -= 1
+                log.info("bucket %s evicted (a model keeps %d)", variant.key, self.max_buckets)
+                self.builder.unload(variant.key)
 
-def hold(engine: Builds, model: LoadedModel, deadline: float | None) -> LoadedModel:
-    """Count a request in on its bucket, so that it is not evicted while the request runs;
-    a bucket evicted since `resolve` is built again. A model that is no bucket is itself."""
-    while model.bucket:
-        with engine.buckets_lock:
-            if not model.bucket.evicted:
-                model.bucket.users += 1
-                return model
-        base = engine.models.get(model.bucket.of)
-        if base is None:
-            raise InferError(f"model {model.bucket.of} is not loaded any more")
-        model = bucket(engine, base, model.bucket.shapes, deadline)
-    return model
-
-
-def release(engine: Builds, model: LoadedModel) -> None:
-    if model.bucket:
-        with engine.buckets_lock:
-            model.bucket.users -= 1
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def family(model: LoadedModel) -> Family:
@@ -89,31 +98,7 @@ def family(model: LoadedModel) -> Family:
     return model.family
 
 
-def build(engine: Builds, model: LoadedModel, shapes: Shapes,
-          deadline: float | None) -> LoadedModel:
-    """The bucket from its load record (cuvild/load/warm.py) or, where it has none that
-    serves, planned, laid out and built."""
-    t0 = time.monotonic()
-    if not family(model).lock.acquire(
-            timeout=-1 if deadline is None else max(0.0, deadline - t0)):
-        raise RunTimeout(f"model {model.key}: waited {time.monotonic() - t0:.1f} s for "
-                         "another bucket's build (the request's deadline)")
-    try:
-        with engine.buckets_lock:
-            variant = family(model).buckets.get(shapes)
-        if variant is not None:
-            return variant
-        variant = restored(engine, model, shapes) or cold(engine, model, shapes, deadline)
-        with engine.buckets_lock:
-            family(model).buckets[shapes] = variant
-            engine.models[variant.key] = variant
-        evict(engine, model)
-        return variant
-    finally:
-        family(model).lock.release()
-
-
-def restored(engine: Builds, model: LoadedModel, shapes: Shapes) -> LoadedModel | None:
+def restored(builder: Builder, model: LoadedModel, shapes: Shapes) -> LoadedModel | None:
     """The bucket as its load record has it (nothing planned, split or compiled: no torch),
     checked end to end; None where it has no record, or one that no longer serves."""
     if family(model).record_at is None:
@@ -124,7 +109,7 @@ def restored(engine: Builds, model: LoadedModel, shapes: Shapes) -> LoadedModel 
         return None
     key = f"{model.key}@{tag(shapes)}"
     try:
-        variant = warm.restore(engine, where, record, key, model.name, model.version,
+        variant = warm.restore(builder, where, record, key, model.name, model.version,
                                model.archive, specs(model, shapes), model.policy)
     except Exception as e:  # noqa: BLE001 - never trusted blindly: built again
         log.warning("bucket %s: load record not used (%s); building it again", key, e)
@@ -135,21 +120,20 @@ def restored(engine: Builds, model: LoadedModel, shapes: Shapes) -> LoadedModel 
     return variant
 
 
-def cold(engine: Builds, model: LoadedModel, shapes: Shapes,
-         deadline: float | None) -> LoadedModel:
+def cold(builder: Builder, model: LoadedModel, shapes: Shapes) -> LoadedModel:
     import torch
 
     from cuvild.workers.build import sample_inputs
 
-    reread(engine, model)
+    reread(builder, model)
     assert family(model).split is not None
-    plan, split, own = plan_for(engine, model, shapes)
+    plan, split, own = plan_for(builder, model, shapes)
     given = specs(model, shapes)
     inputs = sample_inputs(given, 0)  # (a check input, as a static model's load has)
     with torch.no_grad():
         values = split.trace(*inputs)
     slots, footprint, total = layout(values, split)
-    routes = engine.make_routes(plan, split)
+    routes = builder.make_routes(plan, split)
     by_device: dict[str, list[str]] = {}
     for route in routes:
         by_device.setdefault(route.device, []).append(route.id)
@@ -164,21 +148,21 @@ def cold(engine: Builds, model: LoadedModel, shapes: Shapes,
         p.id: [list(values[n].shape) for n in p.inputs] for p in split.parts}
     log.info("building %s for input shapes %s%s", model.key, [list(s) for s in shapes],
              ": " + ", ".join(f"{r.id}@{r.device}" for r in routes) if own else "")
-    engine.build(variant, deadline=deadline)
+    builder.build(variant)
     if family(model).record_at is not None:
-        record(engine, model, variant, inputs, [values[n] for n in model.outputs])
+        record(builder, model, variant, inputs, [values[n] for n in model.outputs])
     variant.batcher = model.batcher
     return variant
 
 
-def record(engine: Builds, model: LoadedModel, variant: LoadedModel, inputs: list[Any],
+def record(builder: Builder, model: LoadedModel, variant: LoadedModel, inputs: list[Any],
            expected: list[Any]) -> None:
     """Write a bucket's load record, with its check: torch eager's outputs on one input and
     how far the bucket's are from them now."""
     from cuvild.load import precision
 
     try:
-        check = precision.check(engine, variant, [inputs], [expected])
+        check = precision.check(builder.runner.run, variant, [inputs], [expected])
     except Exception as e:  # noqa: BLE001 - a record saves a restart's build, no more
         log.warning("bucket %s: not recorded, its check run failed: %s", variant.key, e)
         return
@@ -195,7 +179,7 @@ def record(engine: Builds, model: LoadedModel, variant: LoadedModel, inputs: lis
         log.warning("bucket %s: load record not written (%s)", variant.key, e)
 
 
-def reread(engine: Builds, model: LoadedModel) -> None:
+def reread(builder: Builder, model: LoadedModel) -> None:
     """A model restored from its load record reads its archive (torch) for a bucket of new
     shapes: its split, and its program where each bucket is planned at its own shapes."""
     kept = family(model)
@@ -205,7 +189,7 @@ def reread(engine: Builds, model: LoadedModel) -> None:
     from partitioner.split import split_program
 
     ep = load_exported_program(model.archive)
-    engine.counters["archive_loads"] += 1
+    builder.counters["archive_loads"] += 1
     kept.split = split_program(ep, [(p.id, p.nodes) for p in model.plan.parts])
     kept.program = ep if kept.replans else None
 
@@ -219,21 +203,21 @@ def specs(model: LoadedModel, shapes: Shapes) -> list[dict[str, Any]]:
                                                              strict=True)]
 
 
-def plan_for(engine: Builds, model: LoadedModel, shapes: Shapes) -> tuple[Any, Any, bool]:
-    """A bucket's plan and split, and whether they are its own: a model the engine planned
+def plan_for(builder: Builder, model: LoadedModel, shapes: Shapes) -> tuple[Any, Any, bool]:
+    """A bucket's plan and split, and whether they are its own: a model the load planned
     is planned again at the bucket's shapes (a batch of 8 may be placed on another device
     than a request of 1); where that places every node as the model's plan does, the
     model's own are used (and its split shared in the workers)."""
     kept = family(model)
-    if kept.program is None or len(engine.devices) < 2:
+    if kept.program is None or len(builder.devices) < 2:
         return model.plan, kept.split, False
     from cuvild.load.precision import PrecisionPolicy
     from partitioner.plan import plan_model
     from partitioner.split import split_program
 
     policy = model.policy or PrecisionPolicy()
-    plan = plan_model(kept.program, list(engine.devices.values()), objective=model.objective,
-                      support=engine.support(), corrections=engine.corrections.snapshot(),
+    plan = plan_model(kept.program, list(builder.devices.values()), objective=model.objective,
+                      support=builder.support(), corrections=builder.corrections.snapshot(),
                       sizes=sizes_of(kept.program, kept.dims, shapes),
                       precision=policy.mode, int8=bool(policy.calibration))
     if placement(plan) == placement(model.plan):
@@ -256,24 +240,3 @@ def sizes_of(program: Any, dynamic: list[tuple[int, int, int, int]],
         if expr.is_Symbol:
             sizes[str(expr)] = shapes[i][d]
     return sizes
-
-
-def evict(engine: Builds, model: LoadedModel) -> None:
-    """Unload the least recently used buckets past `max_buckets` that no request is running
-    (under the model's build lock, so an eviction reaches the workers before a rebuild)."""
-    gone = []
-    with engine.buckets_lock:
-        buckets = family(model).buckets
-        over = len(buckets) - engine.max_buckets
-        for shapes, variant in list(buckets.items()):
-            if over <= 0:
-                break
-            assert variant.bucket is not None
-            if variant.bucket.users == 0:
-                del buckets[shapes]
-                variant.bucket.evicted = True
-                gone.append(variant)
-                over -= 1
-    for variant in gone:
-        log.info("bucket %s evicted (a model keeps %d)", variant.key, engine.max_buckets)
-        engine.unload(variant.key)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cuvild.engine.errors import InferError
+from cuvild.core.errors import InferError
 
 Banned = dict[str, tuple[set[str], str]]  # device id -> (node names, why)
 

@@ -1,7 +1,7 @@
 """Served models: each registered model is prepared (planned, split, compiled) in the
-background and then served by the engine. State is READY, LOADING or UNAVAILABLE (with the
-reason), with the phase of a load. Everything here can be rebuilt from disk: the registry and
-the compile cache.
+background (cuvild/load/prepare.py) and then served. State is READY, LOADING or UNAVAILABLE
+(with the reason), with the phase of a load. Everything here can be rebuilt from disk: the
+registry and the compile cache.
 
 A model with a load record (cuvild/load/warm.py) is restored on a pool of its own, several
 at once, beside the builds; one without, or whose record fails, is built on the build pool,
@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cuvild.engine.engine import Engine, LoadedModel
+from cuvild.core.loaded import LoadedModel
 from cuvild.intake import repository
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
-from cuvild.load import warm
+from cuvild.load import prepare, warm
+from cuvild.load.builder import Builder
 from cuvild.load.precision import PrecisionPolicy
 from cuvild.run.batching import Batching
 
@@ -52,11 +53,11 @@ class ServedModel:
 
 
 class ModelManager:
-    def __init__(self, registry: Registry, engine: Engine, objective: str = "latency",
+    def __init__(self, registry: Registry, builder: Builder, objective: str = "latency",
                  precision: str = "fp32", max_error: float = 1e-2,
                  batching: Batching | None = None) -> None:
         self.registry = registry
-        self.engine = engine
+        self.builder = builder
         self.objective = objective
         self.default_policy = PrecisionPolicy(precision, max_error)  # engine.precision/max_error
         self.default_batching = batching or Batching(1)  # engine.batching (1: off)
@@ -78,14 +79,14 @@ class ModelManager:
         daemon's own. Returns their device ids."""
         devices: set[str] = set()
         for record in self.registry.list():
-            where = warm.directory(self.engine.cache_dir, warm.key(
+            where = warm.directory(self.builder.cache_dir, warm.key(
                 str(self.registry.archive_path(record.sha256)), record.inputs,
-                self.objective, self.policy(record), self.engine.devices.values(),
-                self.engine.runtimes))
+                self.objective, self.policy(record), self.builder.devices.values(),
+                self.builder.runtimes))
             devices |= warm.devices_of(warm.read(where) or {})
-        started = sorted(devices & set(self.engine.devices))
+        started = sorted(devices & set(self.builder.devices))
         for device in started:
-            self.engine.workers.of(device)
+            self.builder.workers.of(device)
         return started
 
     def restore(self) -> None:
@@ -191,7 +192,7 @@ class ModelManager:
                 return old
             self._models[served.key] = served
         if old is not None:
-            self.engine.unload(old.key)
+            self.builder.unload(old.key)
         self._warm_pool.submit(self._prepare, served, time.perf_counter(), False)
         return served
 
@@ -202,8 +203,8 @@ class ModelManager:
         if self._models.get(served.key) is not served:
             return  # unloaded or replaced while it waited
         try:
-            loaded = self.engine.prepare(
-                served.key, record.name, record.version,
+            loaded = prepare.prepare(
+                self.builder, served.key, record.name, record.version,
                 self.registry.archive_path(record.sha256), record.inputs,
                 objective=self.objective, policy=self.policy(record),
                 progress=lambda phase: self._phase(served, phase, t0), cold=cold,
@@ -221,7 +222,7 @@ class ModelManager:
         served.warm = loaded.warm
         with self._lock:
             if self._models.get(served.key) is not served:  # unloaded or replaced meanwhile
-                self.engine.unload(served.key)
+                self.builder.unload(served.key)
                 return
             served.state, served.phase = "READY", "ready"
         log.info("model %s ready in %.2f s%s: %s", served.key, served.prepare_s,
@@ -255,7 +256,7 @@ class ModelManager:
             for key in keys:
                 del self._models[key]
         for key in keys:  # (once this returns, no worker serves it: its sessions end)
-            self.engine.unload(key, wait_s=UNLOAD_WAIT_S)
+            self.builder.unload(key, wait_s=UNLOAD_WAIT_S)
 
     def get(self, name: str, version: str = "") -> ServedModel | None:
         """The named version, or the newest registered one."""

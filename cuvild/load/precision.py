@@ -31,27 +31,19 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from runtimes.base import INT8_MIXED, MIXED, set_error, top1_agreement, write_atomic
 
 if TYPE_CHECKING:
     import torch
 
-    from cuvild.engine.loaded import LoadedModel, Route
+    from cuvild.core.loaded import LoadedModel, Route
     from partitioner.plan import Part
     from partitioner.profile import DeviceProfile
-
-
-class Engine(Protocol):
-    """What the search needs of the engine: run the plan, switch a part's precision."""
-
-    def run(self, model: LoadedModel, inputs: Sequence[Any]) -> list[Any]: ...
-
-    def choose(self, model: LoadedModel, route: Route, at: str, final: bool = False) -> None: ...
 
 log = logging.getLogger(__name__)
 MODES = ("fp32", "auto")
@@ -178,15 +170,19 @@ def reference(ep: Any, inputs: list[list[torch.Tensor]]) -> tuple[list[list[torc
     return outputs, statistics.median(times)
 
 
-def check(engine: Engine, model: LoadedModel, inputs: list[list[torch.Tensor]],
+Run = Callable[["LoadedModel", list[Any]], list[Any]]  # the runner's run: outputs of inputs
+Choose = Callable[["LoadedModel", "Route", str], None]  # the builder's choose: a part's precision
+
+
+def check(run: Run, model: LoadedModel, inputs: list[list[torch.Tensor]],
           expected: list[list[torch.Tensor]]) -> Check:
-    """The plan as it is served now, on every check input."""
+    """The plan as it is served now (`run`), on every check input."""
     import torch
 
     shares, times = [], []
     for x, want in zip(inputs, expected, strict=True):
         t0 = time.perf_counter()
-        got = engine.run(model, x)
+        got = run(model, x)
         times.append((time.perf_counter() - t0) * 1e3)
         shares.append((got, want))
     top1 = None
@@ -198,7 +194,7 @@ def check(engine: Engine, model: LoadedModel, inputs: list[list[torch.Tensor]],
     return Check(error, top1, statistics.median(times))
 
 
-def search(engine: Engine, model: LoadedModel, budgets: dict[str, float],
+def search(run: Run, choose: Choose, model: LoadedModel, budgets: dict[str, float],
            inputs: list[list[torch.Tensor]], expected: list[list[torch.Tensor]],
            start: Check) -> tuple[Check, list[str]]:
     """Lower the most expensive parts first, each to its fastest precision that keeps the
@@ -218,8 +214,8 @@ def search(engine: Engine, model: LoadedModel, budgets: dict[str, float],
             notes.append(f"{route.id} stays {own}: no lower precision ran faster within "
                          f"{budget:.0e} on {route.device}{_why_not(route)}")
         for variant in faster:
-            engine.choose(model, route, variant.precision)
-            trial = check(engine, model, inputs, expected)
+            choose(model, route, variant.precision)
+            trial = check(run, model, inputs, expected)
             if trial.error <= budget:
                 notes.append(f"{route.id} runs {variant.precision} on {variant.runtime}: "
                              f"{variant.median_ms:.2f} ms vs {here.median_ms:.2f} ms at {own}, "
@@ -229,7 +225,7 @@ def search(engine: Engine, model: LoadedModel, budgets: dict[str, float],
                 break
             notes.append(f"{route.id} {variant.precision} refused: end-to-end error "
                          f"{trial.error:.1e} > {budget:.0e}")
-            engine.choose(model, route, own)  # backed off
+            choose(model, route, own)  # backed off
     return now, notes
 
 

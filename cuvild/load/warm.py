@@ -6,7 +6,7 @@ all of it, in the compile cache (`loads/<key>/`), so a restart reads one JSON fi
 worker load its parts' cached executables (a `Restore` order: no archive, no split, nothing
 compiled or timed), and checks the model once end to end against the recorded eager outputs
 on the recorded check inputs. None of it imports torch: in the daemon, nor in a worker whose
-parts run on OpenVINO or ONNX Runtime (cuvild/engine/views.py).
+parts run on OpenVINO or ONNX Runtime (cuvild/core/views.py).
 
 The key holds everything the derivation depended on: the archive's digest, its input specs,
 the objective, the precision policy, the devices (kind, name, features, cores, runtimes) and
@@ -38,20 +38,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.errors import InferError
-from cuvild.engine.layout import Slot, input_table
-from cuvild.engine.loaded import Family, LoadedModel, Route, cut_bytes
-from cuvild.engine.plane import Builds
-from cuvild.engine.views import NUMPY
+from cuvild.core.errors import InferError
+from cuvild.core.layout import Slot, input_table
+from cuvild.core.loaded import Family, LoadedModel, Route, cut_bytes
+from cuvild.core.views import NUMPY
 from cuvild.load import precision
+from cuvild.load.builder import Builder
 from cuvild.run import batching
-from protos.orders import Built, RawTensor, Reply, Restore, Variant
+from protos.orders import Built, RawTensor, Reply, Restore, Unload, Variant
 from runtimes.base import fsync_dir, remove_leftovers, set_error, write_atomic
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from cuvild.load.precision import PrecisionPolicy
+    from cuvild.workers.handle import WorkerHandle
     from partitioner.profile import DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def key(archive: str, input_specs: list[dict[str, Any]], objective: str,
             "objective": objective, "policy": asdict(policy) | {"calibration": ""},
             "devices": sorted((d.id, d.kind, d.name, sorted(d.features), len(d.cores),
                                d.emulated, sorted(d.runtimes)) for d in devices),
-            "runtimes": runtimes,  # engine.runtimes: what a part could be built with
+            "runtimes": runtimes,  # the builder's runtimes: what a part could be built with
             "software": [own, version("torch")]}  # (torch not imported)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -182,7 +183,7 @@ def write_dynamic(where: Path, model: LoadedModel) -> None:
         log.warning("model %s: load record not written (%s)", model.key, e)
 
 
-def restore(engine: Builds, where: Path, record: dict[str, Any], key_: str, name: str,
+def restore(builder: Builder, where: Path, record: dict[str, Any], key_: str, name: str,
             version: str, archive: str, input_specs: list[dict[str, Any]],
             policy: PrecisionPolicy, objective: str = "latency",
             settings: batching.Batching | None = None) -> LoadedModel:
@@ -212,7 +213,7 @@ def restore(engine: Builds, where: Path, record: dict[str, Any], key_: str, name
     except (KeyError, TypeError, ValueError) as e:
         raise Stale(f"the load record does not match this version ({e!r})") from None
     for route in model.routes:
-        if route.device not in engine.devices:
+        if route.device not in builder.devices:
             raise Stale(f"part {route.id} ran on {route.device}, which is gone")
         model.parts_by_device.setdefault(route.device, []).append(route.id)
     model.cut_bytes, model.policy, model.warm = cut_bytes(model), policy, True
@@ -220,17 +221,17 @@ def restore(engine: Builds, where: Path, record: dict[str, Any], key_: str, name
         if settings is not None and settings.max_batch > 1:
             if rows is None:
                 raise Stale("whether its rows can be batched was never checked")
-            batching.settle(model, rows, settings)
+            batching.settle(model, rows, settings, builder.runner)
         model.family.record_at = where  # (its buckets' records are under it)
-        engine.models[key_] = model
+        builder.publish(model)
         return model
-    engine.models[key_] = model  # (served only once the manager marks it READY)
     try:
-        load_parts(engine, model)
-        _check(engine, model, where)
+        load_parts(builder, model)
+        _check(builder, model, where)
     except BaseException:
-        engine.unload(key_)
+        builder.drop(model)
         raise
+    builder.publish(model)  # (served only once the manager marks it READY)
     return model
 
 
@@ -243,7 +244,7 @@ def _route(r: dict[str, Any]) -> Route:
                  built=Built(r["runtime"], True, r.get("candidates", []), [variant]))
 
 
-def load_parts(engine: Builds, model: LoadedModel, only_device: str | None = None) -> None:
+def load_parts(builder: Builder, model: LoadedModel, only_device: str | None = None) -> bool:
     """Have the workers load the model's parts from the cache (Stale if one cannot)."""
     futures: list[tuple[Route, Future[Reply]]] = []
     for route in model.routes:
@@ -251,9 +252,9 @@ def load_parts(engine: Builds, model: LoadedModel, only_device: str | None = Non
             continue
         variant = route.variants[route.precision]
         shapes = [(model.slots[n].dtype, model.slots[n].shape) for n in route.inputs]
-        futures.append((route, engine.workers.of(route.device).call(Restore(
+        futures.append((route, builder.workers.of(route.device).call(Restore(
             model.key, route.id, route.runtime, variant.part_key, route.precision, shapes))))
-    deadline = time.monotonic() + engine.build_timeout_s
+    deadline = time.monotonic() + builder.build_timeout_s
     for route, future in futures:
         try:
             reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -263,10 +264,11 @@ def load_parts(engine: Builds, model: LoadedModel, only_device: str | None = Non
             raise Stale(f"part {route.id}: {e}") from None
         if not reply.ok:
             raise Stale(f"part {route.id} on {route.device}: {reply.error}")
-        engine.counters["restored"] += 1
+        builder.counters["restored"] += 1
+    return True
 
 
-def _check(engine: Builds, model: LoadedModel, where: Path) -> None:
+def _check(builder: Builder, model: LoadedModel, where: Path) -> None:
     """Run the model on the first recorded check input (bytes in, bytes out: no torch): its
     outputs must still match torch eager's, as recorded, read against the range of all the
     recorded outputs, within what the load measured on all of them (twice that, at least
@@ -286,8 +288,8 @@ def _check(engine: Builds, model: LoadedModel, where: Path) -> None:
     try:
         for xs, want in zip(inputs, expected, strict=False):
             t0 = time.perf_counter()
-            got = engine.run(model, [RawTensor(x.tobytes(), str(x.dtype), x.shape) for x in xs],
-                             raw=True)
+            got = builder.runner.run(
+                model, [RawTensor(x.tobytes(), str(x.dtype), x.shape) for x in xs], raw=True)
             times.append((time.perf_counter() - t0) * 1e3)
             outputs.append([np.frombuffer(g, w.dtype).reshape(w.shape)
                             for g, w in zip(got, want, strict=True)])
@@ -306,3 +308,21 @@ def _check(engine: Builds, model: LoadedModel, where: Path) -> None:
     log.debug("model %s: restored parts check out (error %.1e, %.2f ms)", model.key, now,
               times[0] if times else 0.0)
 
+
+
+def revive(builder: Builder, device: str, worker: WorkerHandle) -> None:
+    """Put a restarted worker's parts back (cuvild/workers/workers.py calls it): each served
+    model's parts on `device` loaded from the cache as a load record would be, else built
+    again. (A dynamic-shape model's own parts are never built: its buckets are.)"""
+    for model in list(builder.runner.served.models.values()):
+        if device not in model.parts_by_device or model.evicted or model.dynamic:
+            continue
+        try:
+            cached = recordable(model) and load_parts(builder, model, only_device=device)
+        except Stale as e:
+            log.warning("model %s: %s; building its parts again", model.key, e)
+            cached = False
+        if not cached:
+            builder.build(model, only_device=device)
+        if model.evicted:  # evicted meanwhile: not kept there either
+            worker.call(Unload(model.key))

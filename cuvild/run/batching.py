@@ -3,7 +3,7 @@
 A model is batched when its first input dimension is dynamic in every input and output (one
 symbol: the batch) and a batch of rows gives each row what that row gives alone (checked once
 at load on torch eager: `check`); its settings (`Batching`) come from its load or the daemon's
-`engine.batching`. Each request is queued with the bucket its own shapes resolved to; only
+`engine.batching` key. Each request is queued with the bucket its own shapes resolved to; only
 requests whose rows have the same shape and dtype merge.
 
 Who runs a batch: no thread of its own. A queued request's thread becomes the leader when no
@@ -40,14 +40,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
-from cuvild.engine.plane import Served
-from cuvild.engine.views import as_bytes
+from cuvild.core.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
+from cuvild.core.views import as_bytes
 from cuvild.workers.clientmem import RegionGone
 from protos.orders import RawTensor, TensorRef
 
 if TYPE_CHECKING:
-    from cuvild.run.request import Timeline
+    from cuvild.core.loaded import LoadedModel
+    from cuvild.core.served import Timeline
+    from cuvild.run.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +72,16 @@ def padded_rows(rows: int, max_batch: int) -> int:
     return max(rows, min(bucket, max_batch))
 
 
-def batcher_for(model: Any, ep: Any, settings: Batching) -> None:
+def batcher_for(model: LoadedModel, ep: Any, settings: Batching, runner: Runner) -> None:
     """Give a dynamic-shape model its batcher, or say why it gets none (`model.unbatched`)."""
     low = min((lo for _, d, lo, _ in model.dynamic if d == 0), default=1)
     high = min((hi for _, d, _, hi in model.dynamic if d == 0), default=1)
     settle(model, batch_symbol(ep) or (
         f"its batch dimension's exported range ends at {high}" if high < 2 else
-        check(ep, model.input_specs, low)), settings)
+        check(ep, model.input_specs, low)), settings, runner)
 
 
-def settle(model: Any, unbatched: str, settings: Batching) -> None:
+def settle(model: LoadedModel, unbatched: str, settings: Batching, runner: Runner) -> None:
     """The batcher of a model whose rows can be batched (`unbatched` "": what the load
     checked, or its load record says), else the reason it is not."""
     model.unbatched = unbatched
@@ -89,7 +90,7 @@ def settle(model: Any, unbatched: str, settings: Batching) -> None:
     else:  # no batch past the exported range; one batch in flight per pipeline stage
         high = min((hi for _, d, _, hi in model.dynamic if d == 0), default=1)
         settings = Batching(min(settings.max_batch, high), settings.max_delay_us)
-        model.batcher = Batcher(model.key, settings, len(model.parts_by_device))
+        model.batcher = Batcher(model.key, settings, runner, len(model.parts_by_device))
 
 
 def batch_symbol(ep: Any) -> str:
@@ -175,8 +176,10 @@ class Pending:
 class Batcher:
     """The queue of one batched model (shared by its buckets)."""
 
-    def __init__(self, base_key: str, settings: Batching, instances: int = 1) -> None:
-        self.base_key, self.settings = base_key, settings
+    def __init__(self, base_key: str, settings: Batching, runner: Runner,
+                 instances: int = 1) -> None:
+        """`runner`: what runs a batch (`Runner.execute`) and resolves its bucket."""
+        self.base_key, self.settings, self.runner = base_key, settings, runner
         self.delay = settings.max_delay_us / 1e6
         self.instances = max(1, instances)
         self._queue: deque[Pending] = deque()
@@ -195,15 +198,15 @@ class Batcher:
         self.waits: deque[float] = deque(maxlen=1000)  # the last queue waits, seconds
 
     # -- the request's side ----------------------------------------------------------------
-    def run(self, engine: Served, model: Any, inputs: Sequence[Any],
+    def run(self, model: LoadedModel, inputs: Sequence[Any],
             output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
             deadline: float | None, timeline: Timeline | None = None) -> list[Any]:
-        """Run one request of `model` (its bucket) in a batch; what Engine.run returns."""
-        me = Pending(model, inputs, output_refs, raw, into, deadline, engine.run_timeout_s,
+        """Run one request of `model` (its bucket) in a batch; what Runner.execute returns."""
+        runner = self.runner
+        me = Pending(model, inputs, output_refs, raw, into, deadline, runner.run_timeout_s,
                      timeline)
         if me.rows >= self.settings.max_batch:
-            return engine.run(model, inputs, output_refs, raw, timeline, deadline, into,
-                              batched=True)
+            return runner.execute(model, inputs, output_refs, raw, timeline, deadline, into)
         with self._cond:
             me.gap, self._last = me.arrived - self._last, me.arrived
             self._back += 1
@@ -237,7 +240,7 @@ class Batcher:
             if batch:
                 batch_began = time.monotonic()
                 try:
-                    self._run(engine, batch)
+                    self._run(runner, batch)
                 finally:
                     with self._cond:
                         self._running -= 1
@@ -298,7 +301,7 @@ class Batcher:
         return batch
 
     # -- the leader's side: one batch -------------------------------------------------------
-    def _run(self, engine: Served, batch: list[Pending]) -> None:  # noqa: C901 - a batch's run: merge, run, split, answer each
+    def _run(self, runner: Runner, batch: list[Pending]) -> None:  # noqa: C901 - a batch's run: merge, run, split, answer each
         """Run the batch and give each request its answer (result or error)."""
         start = time.monotonic()
         rows = sum(p.rows for p in batch)
@@ -307,13 +310,13 @@ class Batcher:
             self.sizes[rows] += 1
             self.requests += len(batch)
             self.waits.extend(waits)
-        if engine.monitor:
-            engine.monitor.batched(batch[0].model, rows, waits)
+        if runner.monitor:
+            runner.monitor.batched(batch[0].model, rows, waits)
         if len(batch) == 1:  # alone: as unbatched, no copy
-            self._alone(engine, batch[0])
+            self._alone(runner, batch[0])
             return
         try:
-            self._merged(engine, batch, rows)
+            self._merged(runner, batch, rows)
         except (RunTimeout, WorkerUnavailable) as e:
             for p in batch:
                 if p.error is None:
@@ -323,7 +326,7 @@ class Batcher:
                         "one", self.base_key, len(batch), e)
             for p in batch:
                 if p.error is None:
-                    self._alone(engine, p)
+                    self._alone(runner, p)
         except Exception as e:  # a bug: every request not yet answered gets it, not nothing
             log.exception("model %s: a batch of %d requests failed", self.base_key, len(batch))
             for p in batch:
@@ -331,15 +334,15 @@ class Batcher:
                     p.error = e
 
     @staticmethod
-    def _alone(engine: Served, p: Pending) -> None:
+    def _alone(runner: Runner, p: Pending) -> None:
         try:
-            p.result = engine.run(p.model, p.inputs, p.output_refs, p.raw, p.timeline,
-                                  p.given, p.into, batched=True)
+            p.result = runner.execute(p.model, p.inputs, p.output_refs, p.raw, p.timeline,
+                                      p.given, p.into)
         except Exception as e:  # noqa: BLE001 - the request's own answer
             p.error = e
 
-    def _merged(self, engine: Served, batch: list[Pending], rows: int) -> None:
-        base = engine.models.get(self.base_key)
+    def _merged(self, runner: Runner, batch: list[Pending], rows: int) -> None:
+        base = runner.served.models.get(self.base_key)
         if base is None:
             raise InferError(f"model {self.base_key} is not loaded any more")
         first = batch[0].model
@@ -347,25 +350,25 @@ class Batcher:
         shapes = tuple((rows, *shape[1:]) for shape in first.bucket.shapes)
         given = [p.given for p in batch]  # None: the engine's own (a silent worker is hung)
         deadline = None if None in given else max(given)  # type: ignore[type-var]
-        model = engine.resolve(base, [(spec.dtype, shape) for spec, shape in  # its bucket
+        model = runner.resolve(base, [(spec.dtype, shape) for spec, shape in  # its bucket
                                       zip(base.table, shapes, strict=True)], deadline)
-        inputs = self._gather(engine, batch, model, rows)
+        inputs = self._gather(runner, batch, model, rows)
         outs = [memoryview(bytearray(model.slots[n].nbytes)) for n in model.outputs]
         traced = [p.timeline for p in batch if p.timeline is not None]
         timeline: Timeline | None = [] if traced else None
-        engine.run(model, inputs, {}, False, timeline, deadline, outs, batched=True)
+        runner.execute(model, inputs, {}, False, timeline, deadline, outs)
         for each in traced:
             each.extend(timeline or ())
         at_row = 0
         for p in batch:
             if p.error is None:
                 try:
-                    p.result = self._scatter(engine, model, outs, p, at_row, rows)
+                    p.result = self._scatter(runner, model, outs, p, at_row, rows)
                 except RegionGone as e:
                     p.error = BadRegion(str(e))
             at_row += p.rows
 
-    def _gather(self, engine: Served, batch: list[Pending], model: Any,
+    def _gather(self, runner: Runner, batch: list[Pending], model: Any,
                 rows: int) -> list[RawTensor]:
         """The batch's inputs, each request's rows in turn, padded to `rows`."""
         inputs = []
@@ -377,7 +380,7 @@ class Batcher:
                 n = slot.nbytes * p.rows // rows
                 if p.error is None:
                     try:
-                        self._read(engine, p.inputs[i], buf[at:at + n], slot.dtype)
+                        self._read(runner, p.inputs[i], buf[at:at + n], slot.dtype)
                     except RegionGone as e:
                         p.error = BadRegion(str(e))
                 at += n
@@ -387,19 +390,19 @@ class Batcher:
             inputs.append(RawTensor(buf, slot.dtype, slot.shape))  # type: ignore[arg-type]
         return inputs
 
-    def _read(self, engine: Served, value: Any, out: memoryview, dtype: str) -> None:
+    def _read(self, runner: Runner, value: Any, out: memoryview, dtype: str) -> None:
         if isinstance(value, RawTensor):
             out[:] = memoryview(value.data).cast("B")
         elif isinstance(value, TensorRef):
             if value.inode:  # a client's region: read, never mapped
-                engine.regions.read(value.segment, value.inode, value.offset, out)
+                runner.regions.read(value.segment, value.inode, value.offset, out)
             else:
-                out[:] = engine.arena.segments[value.segment].view(value.offset, len(out))
+                out[:] = runner.arena.segments[value.segment].view(value.offset, len(out))
         else:
             out[:] = as_bytes(value, dtype)
 
     @staticmethod
-    def _scatter(engine: Served, model: Any, outs: list[memoryview], p: Pending, at_row: int,
+    def _scatter(runner: Runner, model: Any, outs: list[memoryview], p: Pending, at_row: int,
                  rows: int) -> list[Any]:
         """Request p's rows of each output: into its region or `into`, or as its result."""
         result = []
@@ -408,7 +411,7 @@ class Batcher:
             mine = outs[k][at_row * per_row:(at_row + p.rows) * per_row]
             ref = p.output_refs.get(name)
             if ref is not None:
-                engine.regions.write(ref.segment, ref.inode, ref.offset, mine)
+                runner.regions.write(ref.segment, ref.inode, ref.offset, mine)
                 result.append(None)
             elif p.into is not None:
                 p.into[k][:] = mine

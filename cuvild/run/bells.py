@@ -1,10 +1,10 @@
 """Bells: the parts of a request rung in their workers, not sent as pickled orders.
 
-The engine's one doorbell: every request rings its parts this way, a one-part model's as a
+The runner's one doorbell: every request rings its parts this way, a one-part model's as a
 split model's, on worker processes or threads. Each part of a model gets bells in its worker
 (cuvild/workers/sessions.py `Session`): a socketpair and a record (a page, more for a
 part with many tensors). Where the part's tensors lie in a request's arena block is fixed at
-load (the model's slots, cuvild/engine/layout.py) and told to the worker once, when the bell
+load (the model's slots, cuvild/core/layout.py) and told to the worker once, when the bell
 is made; so a request rings a part by writing its block's place into the record (seq,
 offset, segment) and sending 8 bytes, and the worker answers with the same 8 bytes once the
 part's outputs are in the block. A pickled `Run` and its `Reply` (what parts were sent
@@ -12,12 +12,12 @@ before) cost 0.26 ms a round trip through multiprocessing's pipes on the 2-core 
 doorbell 0.07 ms, and no reader thread stands between the worker and the request.
 
 A request holds one set of bells, a bell per part, for its run; a model gets sets as its
-concurrent requests need them (at most the engine's requests in flight). Parts run as soon
+concurrent requests need them (at most the runner's requests in flight). Parts run as soon
 as their inputs are ready (independent parts at once, their bells polled together; a part
 alone is waited for with one blocking read), by the request's deadline, in
 `request.run_parts`: a part past the deadline fails the
 request with RunTimeout (and its bell, closed once its late answer comes, holds the block
-until then); a worker that died fails it with WorkerLost (the engine runs it again once the
+until then); a worker that died fails it with WorkerLost (the runner runs it again once the
 worker is back).
 
 A request's tensors in clients' regions (OIP shared memory) are named in the record after
@@ -38,11 +38,11 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.errors import BadRegion, InferError, WorkerLost
-from cuvild.engine.plane import Served
+from cuvild.core.errors import BadRegion, InferError, WorkerLost
 from cuvild.run.request import Answer, usable
 from protos import fastpath as wire
 from protos.orders import Attach, TensorRef
@@ -58,9 +58,10 @@ from protos.sessions import (
 )
 
 if TYPE_CHECKING:
-    from cuvild.engine.arena import Block
-    from cuvild.engine.loaded import LoadedModel, Route
+    from cuvild.core.arena import Block
+    from cuvild.core.loaded import LoadedModel, Route
     from cuvild.workers.handle import WorkerHandle
+    from cuvild.workers.workers import Workers
 
 LOST_WAIT_S = 5.0  # how long a closed bell waits to learn whether its worker died
 
@@ -221,7 +222,7 @@ class Bells:
         for item in items:
             _close(item)
 
-    def take(self, engine: Served, model: LoadedModel, deadline: float) -> Set:
+    def take(self, workers: Workers, model: LoadedModel, deadline: float) -> Set:
         """An idle set of `model`'s bells, by part, or one made now (a worker being restarted
         is waited for, by the deadline: RunTimeout; one found dead is revived: WorkerLost)."""
         with self._lock:
@@ -234,10 +235,10 @@ class Bells:
         made: Set = {}
         try:
             for route in model.routes:
-                usable(engine, route, deadline)
-                worker = engine.workers.of(route.device)
+                usable(workers, route, deadline)
+                worker = workers.of(route.device)
                 if not worker.alive():
-                    engine.workers.revive_later(route.device)
+                    workers.revive_later(route.device)
                     raise WorkerLost(f"part {route.id} on {route.device} failed: its worker "
                                      "died", {route.device})
                 made[route.id] = Bell(worker, model, route)
@@ -246,10 +247,11 @@ class Bells:
             raise
         return made
 
-    def give(self, engine: Served, model: LoadedModel, bells: Set) -> None:
-        """A set back after its request (one closed under it is not kept; a worker that died
-        meanwhile is seen when the set is next taken)."""
-        if engine.models.get(model.key) is not model or any(b.closed for b in bells.values()):
+    def give(self, model: LoadedModel, bells: Set, served: bool) -> None:
+        """A set back after its request (one closed under it, or of a model no longer
+        `served`, is not kept; a worker that died meanwhile is seen when the set is next
+        taken)."""
+        if not served or any(b.closed for b in bells.values()):
             _close(bells)
             return
         with self._lock:
@@ -263,15 +265,18 @@ class Rung:
     tensors in clients' regions: `refs`; BadRegion before any part runs); a ring is 8 bytes,
     its answer read at once (a part alone) or polled with the others'."""
 
-    def __init__(self, pool: Bells, engine: Served, model: LoadedModel, block: Block,
-                 refs: dict[str, TensorRef], deadline: float) -> None:
-        self.pool, self.engine, self.model = pool, engine, model
-        self.bells = pool.take(engine, model, deadline)
+    def __init__(self, pool: Bells, workers: Workers, model: LoadedModel, block: Block,
+                 refs: dict[str, TensorRef], deadline: float,
+                 serves: Callable[[LoadedModel], bool]) -> None:
+        """`serves(model)`: whether the model is still the one served under its key (its
+        bells are kept for its next request)."""
+        self.pool, self.model, self.serves = pool, model, serves
+        self.bells = pool.take(workers, model, deadline)
         try:
             for bell in self.bells.values():
                 bell.record(block, refs)
         except BaseException:
-            pool.give(engine, model, self.bells)
+            pool.give(model, self.bells, serves(model))
             raise
         self.running: dict[int, tuple[Route, Bell]] = {}  # by the bell's socket
         self.done: list[Answer] = []  # answered as it was rung (alone), or its worker is gone
@@ -281,7 +286,7 @@ class Rung:
         return self
 
     def __exit__(self, *_: object) -> None:
-        self.pool.give(self.engine, self.model, self.bells)
+        self.pool.give(self.model, self.bells, self.serves(self.model))
 
     def out(self) -> bool:
         return bool(self.running or self.done)

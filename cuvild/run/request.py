@@ -6,12 +6,12 @@ parts run at once; requests in flight pipeline across devices), through the requ
 record). Every wait has the request's deadline (time.monotonic()): for a worker's restart,
 for a part alone's answer, for the answers of parts in flight. When it passes, the request
 fails with RunTimeout naming the part it waited for, its device and the seconds; and when
-the caller gave the request at least the engine's `run_timeout_s` (it was patient), the
+the caller gave the request at least the runner's `run_timeout_s` (it was patient), the
 worker that gave no reply in all that time is taken as hung: it is killed and restarted.
 Parts still out when a request gives up may still write its block: the RunTimeout's
 `outstanding` futures complete when they no longer can.
 
-A worker that died fails the request with WorkerLost (the engine runs it once more when the
+A worker that died fails the request with WorkerLost (the runner runs it once more when the
 worker is back); a part that names a client region no longer holding its bytes fails it with
 BadRegion.
 """
@@ -19,14 +19,16 @@ BadRegion.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cuvild.engine.errors import InferError, RunTimeout, WorkerLost
-from cuvild.engine.plane import Served, Timeline
+from cuvild.core.errors import InferError, RunTimeout, WorkerLost
 
 if TYPE_CHECKING:
-    from cuvild.engine.loaded import LoadedModel, Route
+    from cuvild.core.loaded import LoadedModel, Route
+    from cuvild.core.served import Timeline
+    from cuvild.workers.workers import Workers
 
 FEEDBACK_RUNS = 20  # a part's measured runs that teach the cost model (once per load)
 # A request's timeline, when it is traced: (route, dispatched, replied), perf_counter_ns.
@@ -49,32 +51,23 @@ class Parts(Protocol):
     def outstanding(self) -> list[Future[Any]]: ...  # done once the block is free of them
 
 
-def measured(engine: Served, model: LoadedModel, route: Route, run_ms: float) -> None:
-    """A part's run time, as its worker measured it: kept (the last 100), told to the
-    monitor, and once per load, at FEEDBACK_RUNS runs, taught to the cost model."""
-    route.measured_ms.append(run_ms)
-    del route.measured_ms[:-100]
-    if engine.monitor:
-        engine.monitor.part(model, route, run_ms / 1e3)
-    if len(route.measured_ms) == FEEDBACK_RUNS and not route.fed_back:
-        route.fed_back = True
-        engine.corrections.later(engine.feedback, model.key)
+Measure = Callable[["LoadedModel", "Route", float], None]  # a part's run time, ms
 
 
-def usable(engine: Served, route: Route, deadline: float) -> None:
+def usable(workers: Workers, route: Route, deadline: float) -> None:
     """Wait, by the deadline, for the part's worker to be back if it is being restarted."""
     t0 = time.monotonic()
-    if not engine.workers.wait_usable(route.device, deadline - t0):
+    if not workers.wait_usable(route.device, deadline - t0):
         raise RunTimeout(f"part {route.id} on {route.device}: its worker was being restarted "
                          f"and was not back in {time.monotonic() - t0:.1f} s (the request's "
                          "deadline)")
 
 
-def run_parts(engine: Served, model: LoadedModel, parts: Parts, timeline: Timeline | None,
-              deadline: float, patient: bool) -> None:
-    """Run the request's parts through `parts` (bells.Rung): each part starts
-    as soon as its inputs are ready; the answers are waited for by the deadline.
-    (`engine`: the Engine, which imports this module.)"""
+def run_parts(workers: Workers, measure: Measure, model: LoadedModel, parts: Parts,
+              timeline: Timeline | None, deadline: float, patient: bool) -> None:
+    """Run the request's parts through `parts` (bells.Rung): each part starts as soon as
+    its inputs are ready; the answers are waited for by the deadline, and each part's run
+    time is handed to `measure`."""
     ready = set(model.inputs)
     waiting = list(model.routes)
     sent: dict[str, tuple[float, int]] = {}  # monotonic (the deadline's), perf_counter_ns
@@ -89,28 +82,28 @@ def run_parts(engine: Served, model: LoadedModel, parts: Parts, timeline: Timeli
             alone = len(startable) == 1 and not parts.out()
             for route in startable:
                 waiting.remove(route)
-                usable(engine, route, deadline)
+                usable(workers, route, deadline)
                 sent[route.id] = (time.monotonic(), time.perf_counter_ns())
                 parts.send(route, deadline, alone)
             if not parts.out():
                 break
             answers = parts.wait(deadline)
             if not answers:
-                raise _expired(engine, parts.pending(), sent, patient)
+                raise _expired(workers, parts.pending(), sent, patient)
             traced = (timeline, sent) if timeline is not None else None
-            failed = _take(engine, model, answers, ready, dead, traced)  # (each answer)
+            failed = _take(measure, model, answers, ready, dead, traced)  # (each answer)
             failure = failure or failed
     except RunTimeout as e:
-        e.outstanding = parts.outstanding()  # type: ignore[attr-defined]
+        e.outstanding = parts.outstanding()
         raise
     finally:
         for device in dead:
-            engine.workers.revive_later(device)
+            workers.revive_later(device)
     if failure is not None:
         raise failure
 
 
-def _take(engine: Served, model: LoadedModel, answers: list[Answer], ready: set[str],
+def _take(measure: Measure, model: LoadedModel, answers: list[Answer], ready: set[str],
           dead: set[str], traced: tuple[Timeline, dict[str, tuple[float, int]]] | None,
           ) -> InferError | None:
     """Take the parts' answers: a done part's outputs are ready (its run time measured, its
@@ -118,7 +111,7 @@ def _take(engine: Served, model: LoadedModel, answers: list[Answer], ready: set[
     failure: InferError | None = None
     for route, error, run_ms in answers:
         if error is None:
-            measured(engine, model, route, run_ms)
+            measure(model, route, run_ms)
             if traced is not None:
                 traced[0].append((route, traced[1][route.id][1], time.perf_counter_ns()))
             ready.update(route.outputs)
@@ -130,12 +123,12 @@ def _take(engine: Served, model: LoadedModel, answers: list[Answer], ready: set[
     return failure
 
 
-def _expired(engine: Served, pending: list[tuple[Route, int]], sent: dict[str, tuple[float, int]],
+def _expired(workers: Workers, pending: list[tuple[Route, int]], sent: dict[str, tuple[float, int]],
              patient: bool) -> RunTimeout:
     """The deadline passed with parts out: the first sent is named; with a patient request,
     their workers are taken as hung (killed and restarted)."""
     route = min((r for r, _ in pending), key=lambda r: sent[r.id][0])
-    killed = patient and any([engine.workers.hung(r.device, gen) for r, gen in pending])
+    killed = patient and any([workers.hung(r.device, gen) for r, gen in pending])
     return RunTimeout(f"part {route.id} on {route.device} ({route.runtime}) gave no reply in "
                       f"{time.monotonic() - sent[route.id][0]:.1f} s (the request's deadline)"
                       + ("; its worker was stopped and is being restarted" if killed else ""))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 import cuvild
-from cuvild.engine.loaded import bucket_stats
+from cuvild.core.loaded import bucket_stats, part_stats
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
 from cuvild.intake.summary import inspect_archive
 from cuvild.serve.errors import abort
@@ -282,7 +282,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                                                        f"{detail}")
         else:
             plan = served.loaded.plan
-            measured = self._models.engine.stats(served.key)
+            measured = part_stats(served.loaded)
         shown, explain = plan.to_dict(), report.explain(plan)
         if not request.replan and served.loaded is not None and served.loaded.dynamic:
             shown["buckets"] = bucket_stats(served.loaded)  # where each input shape runs
@@ -305,7 +305,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                 "a dynamic-shape model is checked per shape, not at load")
             context.abort(grpc.StatusCode.UNAVAILABLE, f"model {served.key} has no "
                                                        f"comparison: {why}")
-        measured = self._models.engine.stats(served.key)
+        measured = part_stats(served.loaded)
         parts = [{"id": p.id, "device": p.device, "runtime": p.runtime,
                   "precision": p.precision, "error": p.error,
                   "predicted_ms": p.predicted_ms, "measured_ms": measured[p.id]["measured_ms"],
@@ -322,7 +322,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                           "metrics are off (metrics.enabled: false in the config)")
         stats = self._metrics.snapshot()
         if self._models is not None:  # what loads did since start (cuvild/load/warm.py)
-            stats["loads"] = dict(self._models.engine.counters)
+            stats["loads"] = dict(self._models.builder.counters)
         return cuvil_pb2.GetStatsResponse(stats_json=json.dumps(stats))
 
     def Reload(self, request: cuvil_pb2.ReloadRequest,
@@ -348,11 +348,11 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         from cuvild.intake.safe_load import load_exported_program
         from partitioner.plan import plan_model
 
-        engine = self._models.engine
+        builder = self._models.builder
         ep = load_exported_program(self._registry.archive_path(served.record.sha256))
         if served.loaded is not None:
-            engine.feedback(served.key)
+            builder.feedback(served.key)
         policy = self._models.policy(served.record)
         return plan_model(ep, self._profiles().devices, objective=objective,
-                          support=engine.support(), corrections=engine.corrections.snapshot(),
+                          support=builder.support(), corrections=builder.corrections.snapshot(),
                           precision=policy.mode, int8=bool(policy.calibration))

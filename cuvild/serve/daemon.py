@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # No child of the daemon uses its gRPC (the forkserver and the resource tracker start
 # afresh): without fork support gRPC installs no fork handlers, and so prints no "skipping
@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 import cuvild
 from cuvild import config as config_mod
-from cuvild.engine.arena import Arena, reclaim_stale
+from cuvild.core.arena import Arena, reclaim_stale
 from cuvild.intake.registry import Registry
 from cuvild.serve import sdnotify
 from cuvild.serve.control import ControlService
@@ -43,6 +43,10 @@ from cuvild.serve.limits import Gate, Uploads, quiet_grpc_logs, raise_nofile
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 from runtimes.cache import KEY_ENV, cache_key_file
 from runtimes.profiling import measure as profiles_mod
+
+if TYPE_CHECKING:
+    from cuvild.engine.engine import Engine
+    from cuvild.run.runner import Runner
 
 log = logging.getLogger("cuvild")
 STARTED = time.monotonic()
@@ -125,7 +129,8 @@ class Daemon:
         self.health = health.HealthServicer()
         self.servers: list[grpc.Server] = []
         self.registry: Registry | None = None
-        self.models: Any = None  # cuvild.load.models.ModelManager, made once profiles are known
+        self.engine: Engine | None = None  # made once profiles are known
+        self.models: Any = None  # cuvild.load.models.ModelManager, with the engine
         self.regions: Any = None
         self.cuda_regions: Any = None  # the cuda_shared_memory extension's
         self.arena: Arena | None = None
@@ -182,9 +187,9 @@ class Daemon:
         peer_uid = self.front.caller if not tcp and self.front else (lambda peer: None)
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceService(self.models, self.regions, shm_enabled=shm, peer_uid=peer_uid,
-                             metrics=self.metrics, tracer=self.tracer, gate=gate,
-                             cuda=self.cuda_regions),
+            InferenceService(self.models, self.engine.runner, self.regions, shm_enabled=shm,
+                             peer_uid=peer_uid, metrics=self.metrics, tracer=self.tracer,
+                             gate=gate, cuda=self.cuda_regions),
             server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -208,7 +213,7 @@ class Daemon:
         from cuvild.serve.rest import RestServer, tls_context
 
         # system shared memory under the TCP listener's rule (caller None: shm.allowed_uids)
-        service = InferenceService(self.models, self.regions,
+        service = InferenceService(self.models, self.engine.runner, self.regions,
                                    shm_enabled=self.cfg.shm_allow_tcp_clients,
                                    metrics=self.metrics, tracer=self.tracer,
                                    gate=Gate(self.cfg.rpc_threads), cuda=self.cuda_regions)
@@ -246,7 +251,7 @@ class Daemon:
         warm.clean(self.cfg.cache_dir)  # what a crash mid-write left of load records
         self.arena = Arena(str(os.getpid()))
         profiles = self.current_profiles()
-        engine = Engine(profiles.devices, self.cfg.cache_dir, self.arena,
+        self.engine = engine = Engine(profiles.devices, self.cfg.cache_dir, self.arena,
                         max_in_flight=self.cfg.max_in_flight,
                         run_timeout_s=self.cfg.run_timeout_s, max_buckets=self.cfg.max_buckets,
                         max_dim=self.cfg.max_dim, runtimes=self.cfg.runtimes,
@@ -255,7 +260,7 @@ class Daemon:
                         compile_timeout_s=self.cfg.compile_timeout_s,
                         corrections_path=self.cfg.state_dir / "corrections"
                         / f"{profiles.fingerprint}.json")
-        self.models = ModelManager(self.registry, engine, self.cfg.objective,
+        self.models = ModelManager(self.registry, engine.builder, self.cfg.objective,
                                    self.cfg.precision, self.cfg.max_error,
                                    Batching(self.cfg.max_batch, self.cfg.max_delay_us))
         started = self.models.start_workers()
@@ -269,8 +274,8 @@ class Daemon:
         if self.cfg.fast_path:
             from cuvild.serve.fast import FastPath
 
-            self.fast = FastPath(self.models)
-        self._observe(engine)
+            self.fast = FastPath(self.models, engine.runner)
+        self._observe(engine.runner)
 
     def _caller_gone(self, uid: int) -> None:
         """A uid's last unix connection closed: its regions go (and the workers' mappings)."""
@@ -279,19 +284,19 @@ class Daemon:
         if gone:
             log.info("uid %d disconnected: dropped its %d shared-memory region(s)", uid,
                      len(gone))
-            self.models.engine.forget_segments([(r.object_name, r.inode) for r in gone])
+            self.engine.builder.forget_segments([(r.object_name, r.inode) for r in gone])
 
-    def _observe(self, engine: Any) -> None:
+    def _observe(self, runner: Runner) -> None:
         """Metrics (and their endpoint) and traces, as the config asks."""
         cfg = self.cfg
         if cfg.metrics_enabled:
             from cuvild.serve.metrics import Metrics
 
             self.metrics = Metrics()
-            self.metrics.watch(self.models, self.regions, self.fast)
+            self.metrics.watch(self.models, runner, self.regions, self.fast)
             if self.fast is not None:
                 self.fast.metrics = self.metrics
-            engine.monitor = self.metrics
+            runner.monitor = self.metrics
             if cfg.metrics_listen:
                 try:
                     log.info("metrics on %s", self.metrics.serve(cfg.metrics_listen,
@@ -348,11 +353,11 @@ class Daemon:
             from cuvild.load.precision import PrecisionPolicy
             from cuvild.run.batching import Batching
 
-            engine = self.models.engine
-            engine.run_timeout_s, engine.max_dim = new.run_timeout_s, new.max_dim
-            engine.max_buckets, engine.runtimes = max(1, new.max_buckets), new.runtimes
-            engine.compile_timeout_s = new.compile_timeout_s
-            engine.build_timeout_s = config_mod.build_timeout_s(new)
+            runner, builder = self.engine.runner, self.engine.builder
+            runner.run_timeout_s, runner.max_dim = new.run_timeout_s, new.max_dim
+            self.engine.buckets.max_buckets = max(1, new.max_buckets)
+            builder.runtimes, builder.compile_timeout_s = new.runtimes, new.compile_timeout_s
+            builder.build_timeout_s = config_mod.build_timeout_s(new)
             self.models.objective = new.objective
             self.models.default_policy = PrecisionPolicy(new.precision, new.max_error)
             self.models.default_batching = Batching(new.max_batch, new.max_delay_us)
@@ -376,7 +381,7 @@ class Daemon:
                                self.cfg.max_connections_per_uid, on_last_close=self._caller_gone,
                                on_session=self.fast.accept if self.fast else None)
         except OSError as e:
-            self.models.engine.close()
+            self.engine.close()
             self.arena.close()
             raise StartupError(f"cannot make the private socket directory: {e}") from None
         try:
@@ -399,7 +404,7 @@ class Daemon:
                 self.http.stop()
             for server in self.servers:
                 server.stop(None)
-            self.models.engine.close()
+            self.engine.close()
             self.arena.close()
             raise
         if self.cfg.tcp:
@@ -482,7 +487,7 @@ class Daemon:
             self.front.close()
         if self.models is not None:
             self.models.close()
-            self.models.engine.close()
+            self.engine.close()
         if self.regions is not None:
             self.regions.close()
         if self.cuda_regions is not None:

@@ -10,7 +10,7 @@ bucket for them, cuvild/load/buckets.py). Who answers the doorbell: for a one-pa
 its worker itself (a process or, with `engine.workers: thread`, a thread: the session is
 attached to it, cuvild/workers/sessions.py), running the part on the slot in place; for any
 other model, and for a batched one (its requests queue to share runs with other clients'),
-the session's thread through `Engine.run` (inputs copied once into the arena, as raw OIP
+the session's thread through `Runner.run` (inputs copied once into the arena, as raw OIP
 inputs are, outputs once into the slot). The client never maps the daemon's arena, and no
 process of ours maps an object the client can shrink (the memfd is sealed), so no client can
 make the daemon or a worker fault.
@@ -34,9 +34,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.errors import InferError
-from cuvild.engine.layout import BadInput
-from cuvild.engine.loaded import one_part
+from cuvild.core.errors import InferError
+from cuvild.core.layout import BadInput
+from cuvild.core.loaded import one_part
 from cuvild.serve.errors import CODES
 from cuvild.workers.sessions import fail, slot_layout
 from protos import fastpath as wire
@@ -44,8 +44,9 @@ from protos.orders import Attach, RawTensor
 from protos.sessions import STATS, STATS_BYTES, TIMES
 
 if TYPE_CHECKING:
-    from cuvild.engine.loaded import LoadedModel
+    from cuvild.core.loaded import LoadedModel
     from cuvild.load.models import ModelManager, ServedModel
+    from cuvild.run.runner import Runner
     from cuvild.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -123,11 +124,10 @@ class Session:
         """Hand a one-part model's session to its worker (cuvild/workers/sessions.py: the
         client's doorbell then wakes the worker itself); False where the daemon serves it
         (several parts, a batched model, a worker being restarted)."""
-        engine = self.fast.models.engine
         if not one_part(self.model) or self.model.batcher is not None:
             return False  # (a batched model's requests queue in the daemon to share runs)
         route = self.model.routes[0]
-        worker = engine.workers.ready(route.device)
+        worker = self.fast.runner.workers.ready(route.device)
         if worker is None:
             return False
         ended = worker.attach(Attach(self.model.key, route.id, self.layout),
@@ -178,8 +178,7 @@ class Session:
                               f"session has slots 0..{depth - 1}")
             if not self.fast.models.current(self.served):
                 raise self._gone()
-            self.fast.models.engine.run(self.model, self.inputs[slot],
-                                        into=self.outputs[slot])
+            self.fast.runner.run(self.model, self.inputs[slot], into=self.outputs[slot])
         except (Refused, InferError) as e:
             code = e.code if isinstance(e, Refused) else CODES.get(
                 getattr(e, "kind", "internal"), CODES["internal"]).name
@@ -241,8 +240,9 @@ class Session:
 class FastPath:
     """The sessions of one daemon."""
 
-    def __init__(self, models: ModelManager, metrics: Metrics | None = None) -> None:
-        self.models, self.metrics = models, metrics
+    def __init__(self, models: ModelManager, runner: Runner,
+                 metrics: Metrics | None = None) -> None:
+        self.models, self.runner, self.metrics = models, runner, metrics
         self._sessions: set[Session] = set()  # served here, by their threads
         self._attached: set[Session] = set()  # served by their model's worker process
         # (name, version) -> requests done, failed, of ended sessions
@@ -344,8 +344,8 @@ class FastPath:
         given = [(dtypes[i] if i < len(dtypes) else "", tuple(shape))  # said by resolve)
                  for i, shape in enumerate(shapes)]
         try:
-            model = self.models.engine.resolve(served.loaded, given,
-                                               deadline=time.monotonic() + OPEN_BUILD_S)
+            model = self.runner.resolve(served.loaded, given,
+                                        deadline=time.monotonic() + OPEN_BUILD_S)
         except BadInput as e:
             raise Refused("INVALID_ARGUMENT", str(e)) from None
         except InferError as e:  # its bucket could not be built in time, or at all

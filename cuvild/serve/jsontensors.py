@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from cuvild.engine.dtypes import BY_OIP
+from cuvild.core.dtypes import BY_OIP
 from protos import inference_pb2 as pb
 
 HEADER_LENGTH = "Inference-Header-Content-Length"

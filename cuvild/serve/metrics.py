@@ -40,8 +40,9 @@ from cuvild.config import HttpLimits
 from protos.sessions import SECONDS
 
 if TYPE_CHECKING:
-    from cuvild.engine.loaded import LoadedModel, Route
+    from cuvild.core.loaded import LoadedModel, Route
     from cuvild.load.models import ModelManager
+    from cuvild.run.runner import Runner
     from cuvild.serve.regions import Regions
 
 log = logging.getLogger(__name__)
@@ -146,9 +147,10 @@ class Metrics:
             queue.observe(wait)
 
     # -- read when scraped -----------------------------------------------------------------
-    def watch(self, models: ModelManager, regions: Regions, fast: FastPath | None = None) -> None:
+    def watch(self, models: ModelManager, runner: Runner, regions: Regions,
+              fast: FastPath | None = None) -> None:
         self.fast = fast
-        self.registry.register(_State(models, regions, fast))
+        self.registry.register(_State(models, runner, regions, fast))
 
     def serve(self, listen: str, limits: HttpLimits | None = None) -> str:
         """Serve /metrics on HOST:PORT (a bare PORT: loopback); returns where. An HTTP
@@ -279,11 +281,12 @@ def at_most(per_bucket: list[float], q: float) -> float | None:
 class _State(Collector):
     """Gauges read at scrape time from what the daemon holds: nothing to update per request."""
 
-    def __init__(self, models: ModelManager, regions: Regions, fast: FastPath | None) -> None:
-        self.models, self.regions, self.fast = models, regions, fast
+    def __init__(self, models: ModelManager, runner: Runner, regions: Regions,
+                 fast: FastPath | None) -> None:
+        self.models, self.runner, self.regions, self.fast = models, runner, regions, fast
 
     def collect(self) -> Iterator[Any]:
-        engine = self.models.engine
+        engine = self.runner
         yield _gauge("cuvil_arena_bytes_in_use", "Arena bytes held by requests in flight",
                      [([], engine.arena.in_use())])
         yield _gauge("cuvil_shm_regions", "Client shared-memory regions registered",

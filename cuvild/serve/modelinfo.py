@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.dtypes import oip_name
+from cuvild.core.dtypes import oip_name
 from protos import inference_pb2 as pb
 
 if TYPE_CHECKING:

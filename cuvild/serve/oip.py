@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 import cuvild
-from cuvild.engine.dtypes import BY_OIP, nbytes, oip_name
-from cuvild.engine.engine import InferError, LoadedModel
-from cuvild.engine.layout import BadInput, check_inputs
+from cuvild.core.dtypes import BY_OIP, nbytes, oip_name
+from cuvild.core.errors import InferError
+from cuvild.core.layout import BadInput, check_inputs
+from cuvild.core.loaded import LoadedModel
 from cuvild.intake.registry import RegistryError
 from cuvild.load.models import ModelManager, ServedModel
 from cuvild.serve import modelinfo
@@ -34,6 +35,7 @@ from protos import inference_pb2_grpc
 from protos.orders import RawTensor, TensorRef
 
 if TYPE_CHECKING:
+    from cuvild.run.runner import Runner
     from cuvild.serve.metrics import Metrics
     from cuvild.serve.tracing import Tracer
 
@@ -78,20 +80,22 @@ def _code(error: Exception) -> grpc.StatusCode:
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
-    """The caller's deadline on the monotonic clock; None when it set none (the engine's
-    engine.run_timeout_s then bounds the run)."""
+    """The caller's deadline on the monotonic clock; None when it set none (the runner's
+    run_timeout_s then bounds the run)."""
     remaining = context.time_remaining()
     return None if remaining is None or remaining > 1e6 else time.monotonic() + remaining
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, models: ModelManager, regions: Regions, shm_enabled: bool = True,
+    def __init__(self, models: ModelManager, runner: Runner | None, regions: Regions,
+                 shm_enabled: bool = True,
                  peer_uid: Callable[[str], int | None] = lambda peer: None,
                  metrics: Metrics | None = None, tracer: Tracer | None = None,
                  gate: Gate | None = None, cuda: CudaRegions | None = None) -> None:
         self.gate = gate or Gate(32)  # this listener's threads for calls that may wait
         self.cuda = cuda or CudaRegions()  # the cuda_shared_memory extension's regions
-        self.models = models
+        self.models = models  # what is registered and whether it is READY
+        self.runner = runner  # what runs it (None: a front with no engine, in tests)
         self.regions = regions
         self.shm_enabled = shm_enabled
         self.peer_uid = peer_uid  # the caller's uid from context.peer() (cuvild/serve/front.py)
@@ -201,7 +205,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                span: Any, t0_ns: int, epoch_ns: int) -> tuple[Any, int]:
         """One request: its inputs checked and placed, the run, the response; and its
         batch size (the first input's first dimension) for the inference count."""
-        engine = self.models.engine
+        runner = self.runner
+        assert runner is not None
         caller = self.peer_uid(context.peer())
         tensors = self._match_inputs(served, request)
         declared = [(self._dtype(spec["name"], t), tuple(t.shape)) for spec, t in tensors]
@@ -211,15 +216,15 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         # declared without their data build nothing and evict no one's bucket
         check_inputs(served.loaded.name, served.loaded.table, declared)
         inputs = self._inputs(request, tensors, declared, caller)
-        model = engine.resolve(served.loaded, declared, deadline=deadline)  # its bucket
-        # The engine names values as in the graph; the protocol by position ("output0").
+        model = runner.resolve(served.loaded, declared, deadline=deadline)  # its bucket
+        # The runner names values as in the graph; the protocol by position ("output0").
         graph_names = dict(zip([t["name"] for t in served.record.outputs], model.outputs,
                                strict=True))
         shapes = {n: model.slots[g].shape for n, g in graph_names.items()}
         wanted, output_refs, cuda_outputs = self._outputs(served, request, shapes, caller)
         timeline = [] if span is not None and span.is_recording() else None
         t_run = time.perf_counter()
-        results = engine.run(model, inputs,
+        results = runner.run(model, inputs,
                              {graph_names[n]: ref for n, ref in output_refs.items()},
                              raw=True, timeline=timeline, deadline=deadline)
         if self.metrics:
@@ -441,7 +446,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         except RegionError as e:
             abort(context, e)
         # The workers unmap them too: an unlinked object lives as long as a mapping does.
-        self.models.engine.forget_segments([(r.object_name, r.inode) for r in gone])
+        self.models.builder.forget_segments([(r.object_name, r.inode) for r in gone])
         return pb.SystemSharedMemoryUnregisterResponse()
 
     def SystemSharedMemoryStatus(self, request, context):  # noqa: N802

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from cuvild.engine.arena import SHM_DIR
+from cuvild.core.arena import SHM_DIR
 
 
 class RegionError(ValueError):
@@ -52,7 +52,7 @@ def _object_name(key: str) -> str:
     return name
 
 
-ARENA = re.compile(r"cuvil-\d+-")  # cuvild.engine.arena.Arena's segment names
+ARENA = re.compile(r"cuvil-\d+-")  # cuvild.core.arena.Arena's segment names
 Caller = int | None  # the caller's uid over the unix socket (-1: unknown); None over TCP
 
 # POSIX ACL xattr (linux/posix_acl_xattr.h): a version word, then (tag, perm, id) entries.

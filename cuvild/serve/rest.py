@@ -49,7 +49,7 @@ import orjson
 from aiohttp import web
 
 from cuvild.config import HttpLimits
-from cuvild.engine.dtypes import oip_name
+from cuvild.core.dtypes import oip_name
 from cuvild.serve import modelinfo
 from cuvild.serve.httpguard import Listener, body
 from cuvild.serve.jsontensors import (

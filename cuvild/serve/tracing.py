@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cuvild.engine.engine import Timeline
-    from cuvild.engine.loaded import LoadedModel
+    from cuvild.core.loaded import LoadedModel
+    from cuvild.core.served import Timeline
 
 
 class JsonLinesExporter:

@@ -27,7 +27,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from cuvild.engine.arena import SHM_DIR
+from cuvild.core.arena import SHM_DIR
 
 MAX_OBJECTS = 64
 

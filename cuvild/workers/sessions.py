@@ -26,10 +26,10 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine import views
-from cuvild.engine.arena import align
-from cuvild.engine.dtypes import nbytes
-from cuvild.engine.spin import MOST_S, Spin
+from cuvild.core import views
+from cuvild.core.arena import align
+from cuvild.core.dtypes import nbytes
+from cuvild.core.spin import MOST_S, Spin
 from protos import fastpath as wire
 from protos.orders import Attach, TensorRef
 from protos.sessions import (
@@ -44,7 +44,7 @@ from protos.sessions import (
 )
 
 if TYPE_CHECKING:
-    from cuvild.engine.loaded import LoadedModel
+    from cuvild.core.loaded import LoadedModel
 
 MAX_BLOCKS = 64  # a session's views of the places it was rung for, kept (they recur)
 

@@ -9,7 +9,7 @@ naming its arena block), attached to the worker (`Attach`, cuvild/workers/sessio
 served by the same loop, which then polls the pipe and their sockets together. Tensors never
 travel through the pipe, only places in shared memory: the arena's are wrapped in place (once
 per place, then reused: numpy arrays in a worker that never needed torch,
-cuvild/engine/views.py); a client's are checked on every use (cuvild/workers/clientmem.py).
+cuvild/core/views.py); a client's are checked on every use (cuvild/workers/clientmem.py).
 
 The same `serve` loop runs in a process (the default: a crashing compiler or driver takes down
 its worker and not the daemon) or in a thread of the daemon (`engine.workers: thread`, and
@@ -27,8 +27,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from cuvild.engine import views
-from cuvild.engine.dtypes import nbytes
+from cuvild.core import views
+from cuvild.core.dtypes import nbytes
 from cuvild.workers.clientmem import ClientObjects, Key
 from cuvild.workers.sessions import Sessions
 from partitioner.profile import DeviceProfile
@@ -121,7 +121,7 @@ class Worker:
         if ref.inode:  # pinned to the inode it was registered with: a replacement is refused
             raw = self.clients.get(ref.segment, ref.inode).view(ref.offset, size)
         else:  # the arena's segment names are never reused
-            from cuvild.engine.arena import Segment
+            from cuvild.core.arena import Segment
 
             seg = self.segments.get(ref.segment)
             if seg is None:

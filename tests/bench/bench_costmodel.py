@@ -39,7 +39,7 @@ sys.path.insert(1, str(ROOT / "tests" / "bench"))
 import cuvild  # noqa: E402
 from cuvild.client.samples import reference  # noqa: E402
 from cuvild.config import parse  # noqa: E402
-from cuvild.engine.arena import Arena  # noqa: E402
+from cuvild.core.arena import Arena  # noqa: E402
 from cuvild.engine.engine import Engine  # noqa: E402
 from cuvild.intake.summary import summarize  # noqa: E402
 from partitioner.corrections import Corrections  # noqa: E402

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cuvild  # noqa: E402
 from cuvild.client.samples import MLP, reference  # noqa: E402
-from cuvild.engine.arena import Arena  # noqa: E402
+from cuvild.core.arena import Arena  # noqa: E402
+from cuvild.core.loaded import part_stats  # noqa: E402
 from cuvild.engine.engine import Engine  # noqa: E402
 from cuvild.intake.summary import summarize  # noqa: E402
 from partitioner.plan import Part, Plan  # noqa: E402
@@ -164,7 +165,7 @@ def main() -> dict[str, Any]:
             tput[f"two_devices_{depth}"] = run_load(engine, "two", x, depth, 4.0)
         result["throughput_rps"] = tput
         result["pipelined_speedup_at_4"] = tput["two_devices_4"] / tput["one_device_4"]
-        result["stats"] = engine.stats("two")
+        result["stats"] = part_stats(engine.runner.served.models["two"])
         torch.manual_seed(0)
         mlp, y = MLP(width=16, depth=2).eval(), torch.randn(1, 16)
         mep = cuvild.export(mlp, (y,))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cuvild
-from cuvild.engine.arena import SHM_DIR, Arena
+from cuvild.core.arena import SHM_DIR, Arena
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
 from partitioner.plan import Part, Plan
@@ -73,13 +73,13 @@ def hang_under_a_patient_request(engine: Engine, device: str, send: Callable[[],
                                  says: str) -> None:
     """Stop `device`'s worker under a request that gives the engine its whole run_timeout_s
     (1 s here): RunTimeout saying `says` and that the worker is being restarted."""
-    from cuvild.engine.engine import RunTimeout
+    from cuvild.core.errors import RunTimeout
 
-    engine.run_timeout_s = 1.0
+    engine.runner.run_timeout_s = 1.0
     os.kill(engine.workers[device].process.pid, signal.SIGSTOP)
     with pytest.raises(RunTimeout, match=f"{says}.* stopped and is being restarted"):
         send()  # no deadline of its own: patient
-    engine.run_timeout_s = 60.0  # (the restart rebuilds its parts: seconds)
+    engine.runner.run_timeout_s = 60.0  # (the restart rebuilds its parts: seconds)
 
 
 @contextlib.contextmanager
@@ -97,7 +97,7 @@ def client_region(engine: Engine, rows: int = 3, width: int = 64) -> Iterator[
     finally:
         region.close()
         region.unlink()
-        engine.forget_segments([(region.name, inode)])
+        engine.builder.forget_segments([(region.name, inode)])
 
 
 def shrink(region: shared_memory.SharedMemory, nbytes: int) -> None:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import torch
 
-from cuvild.engine.arena import SHM_DIR, Arena, Segment, plan_offsets, reclaim_stale
+from cuvild.core.arena import SHM_DIR, Arena, Segment, plan_offsets, reclaim_stale
 
 
 def test_alloc_free_coalesce_and_alignment():
@@ -42,7 +42,7 @@ def test_segment_mode_lock_and_other_process_sees_writes():
         assert seg.locked  # mlock works as root / with LimitMEMLOCK; see the warning otherwise
         t = torch.frombuffer(seg.view(block.offset, 64), dtype=torch.float32)
         t.copy_(torch.arange(16.0))  # written in place, no copy for the reader
-        code = (f"from cuvild.engine.arena import Segment; import numpy as np; "
+        code = (f"from cuvild.core.arena import Segment; import numpy as np; "
                 f"s = Segment({seg.name!r}, 0, create=False, lock=False); "
                 f"a = s.array({block.offset}, np.float32, (16,)); print(float(a.sum())); "
                 f"a[:] = 1")

@@ -20,11 +20,11 @@ from engine_helpers import CORES, chunked_plan, close_all, device
 
 import cuvild
 from cuvild.client.samples import MLP
-from cuvild.engine.arena import SHM_DIR, Arena
+from cuvild.core.arena import SHM_DIR, Arena
+from cuvild.core.errors import BadRegion, InferError, RunTimeout
+from cuvild.core.layout import InputSpec, Slot
+from cuvild.core.loaded import Bucket, bucket_stats
 from cuvild.engine.engine import Engine
-from cuvild.engine.errors import BadRegion, InferError, RunTimeout
-from cuvild.engine.layout import InputSpec, Slot
-from cuvild.engine.loaded import Bucket, bucket_stats
 from cuvild.intake.summary import summarize
 from cuvild.run.batching import Batcher, Batching
 from partitioner.profile import DeviceProfile
@@ -126,8 +126,8 @@ def test_concurrent_requests_get_their_own_rows(make, tmp_path, threads):
     def call(i: int):  # noqa: ANN202
         if i % 2:  # raw bytes, as the protocol gives them
             given = [("float32", tuple(xs[i].shape))]
-            model_ = engine.resolve(loaded, given)
-            return engine.run(model_, [RawTensor(xs[i].numpy().tobytes(), "float32",
+            model_ = engine.runner.resolve(loaded, given)
+            return engine.runner.run(model_, [RawTensor(xs[i].numpy().tobytes(), "float32",
                                                  tuple(xs[i].shape))])
         return engine.infer("rows", (xs[i],))
 
@@ -147,7 +147,8 @@ def test_concurrent_requests_get_their_own_rows(make, tmp_path, threads):
     assert sum(rows * runs for rows, runs in stats["sizes"].items()) == 2 * sum(
         len(x) for x in xs)
     # every batch size was built once and reused: one bucket per size, never built again
-    assert engine.counters["built"] == 2 * len(loaded.family.buckets)  # two parts per bucket
+    # two parts per bucket
+    assert engine.builder.counters["built"] == 2 * len(loaded.family.buckets)
     assert engine.arena.in_use() == 0
 
 
@@ -163,7 +164,7 @@ def test_traced_requests_are_batched_and_get_their_batch_parts(make, tmp_path):
     timelines: list[list] = [[] for _ in xs]
 
     def call(i: int):  # noqa: ANN202
-        return engine.run(engine.resolve(loaded, [("float32", (1, 16))]), [xs[i]],
+        return engine.runner.run(engine.runner.resolve(loaded, [("float32", (1, 16))]), [xs[i]],
                           timeline=timelines[i])
 
     for x, got in zip(xs, at_once(len(xs), call), strict=True):
@@ -191,10 +192,10 @@ def test_client_regions_are_read_and_written_per_request(make, tmp_path):
             region = regions[i]
             inode = os.stat(SHM_DIR / region.name).st_ino
             region.buf[:64] = xs[i].numpy().tobytes()
-            model_ = engine.resolve(loaded, [("float32", (1, 16))])
+            model_ = engine.runner.resolve(loaded, [("float32", (1, 16))])
             inp = TensorRef(region.name, 0, "float32", (1, 16), inode)
             out = {loaded.outputs[0]: TensorRef(region.name, 1024, "float32", (1, 16), inode)}
-            return engine.run(model_, [inp], out, raw=True)
+            return engine.runner.run(model_, [inp], out, raw=True)
 
         results = at_once(count, call)
         for i, got in enumerate(results):
@@ -220,7 +221,7 @@ def test_client_regions_are_read_and_written_per_request(make, tmp_path):
         for region in regions:
             region.close()
             region.unlink()
-    engine.forget_segments(keys)
+    engine.builder.forget_segments(keys)
 
 
 def test_a_request_waits_at_most_the_delay_and_the_run_ahead(make, tmp_path):
@@ -303,12 +304,13 @@ def test_models_whose_rows_mix_or_have_no_batch_are_not_batched(make, tmp_path):
 
 
 class HeldEngine:
-    """What a Batcher needs of the engine, with runs that wait for `go` and fail on the
+    """What a Batcher needs of the runner, with runs that wait for `go` and fail on the
     inputs in `bad`: queue states that real runs pass through too quickly to test."""
 
     def __init__(self) -> None:
         self.run_timeout_s, self.monitor = 60.0, None
-        self.models = {"m": SimpleNamespace(key="m", table=held_model(1).table)}  # loaded
+        self.served = SimpleNamespace(  # loaded
+            models={"m": SimpleNamespace(key="m", table=held_model(1).table)})
         self.go = threading.Event()
         self.bad: set[bytes] = set()
         self.broken = False  # merged runs fail with an error no engine run raises (a bug)
@@ -316,7 +318,7 @@ class HeldEngine:
     def resolve(self, model, given, deadline):  # noqa: ANN001, ANN201
         return held_model(given[0][1][0])  # the bucket of the merged rows
 
-    def run(self, model, inputs, output_refs, raw, timeline, deadline, into, batched):  # noqa: ANN001, ANN202
+    def execute(self, model, inputs, output_refs, raw, timeline, deadline, into):  # noqa: ANN001, ANN202
         self.go.wait(30)
         if self.broken and into is not None:
             raise TypeError("a bug")
@@ -343,7 +345,7 @@ def row(value: float) -> bytes:
 def held_run(batcher: Batcher, engine: HeldEngine, value: float, seconds: float,
              results: dict[float, Any]) -> None:
     try:
-        results[value] = batcher.run(engine, held_model(1),
+        results[value] = batcher.run(held_model(1),
                                      [RawTensor(row(value), "float32", (1, 2))], {}, True, None,
                                      time.monotonic() + seconds)
     except Exception as e:  # noqa: BLE001 - the test looks at it
@@ -351,7 +353,8 @@ def held_run(batcher: Batcher, engine: HeldEngine, value: float, seconds: float,
 
 
 def test_a_request_past_its_deadline_leaves_the_queue_alone():
-    engine, batcher, results = HeldEngine(), Batcher("m", Batching(8, 0)), {}
+    engine, batcher, results = HeldEngine(), None, {}
+    batcher = Batcher("m", Batching(8, 0), engine)
     first = threading.Thread(target=held_run, args=(batcher, engine, 1.0, 60, results))
     first.start()
     time.sleep(0.1)  # its run holds the model: the next ones queue behind it
@@ -374,7 +377,8 @@ def test_a_failed_batch_is_run_again_one_request_at_a_time(broken):
     """A merged run that fails is run again request by request: only the request whose rows
     fail gets the error. An error that is no engine's (a bug) reaches every request of the
     batch: none is answered with nothing."""
-    engine, batcher, results = HeldEngine(), Batcher("m", Batching(8, 0)), {}
+    engine, batcher, results = HeldEngine(), None, {}
+    batcher = Batcher("m", Batching(8, 0), engine)
     engine.bad, engine.broken = {row(2.0)}, broken
     first = threading.Thread(target=held_run, args=(batcher, engine, 1.0, 60, results))
     first.start()
@@ -441,9 +445,9 @@ class TimedEngine(HeldEngine):
         self.run_s = run_s
         self.go.set()
 
-    def run(self, model, inputs, output_refs, raw, timeline, deadline, into, batched):  # noqa: ANN001, ANN202
+    def execute(self, model, inputs, output_refs, raw, timeline, deadline, into):  # noqa: ANN001, ANN202
         time.sleep(self.run_s)
-        return super().run(model, inputs, output_refs, raw, timeline, deadline, into, batched)
+        return super().execute(model, inputs, output_refs, raw, timeline, deadline, into)
 
 
 def test_a_loop_of_clients_slower_to_come_back_than_the_delay_keeps_its_batches_whole():
@@ -453,7 +457,8 @@ def test_a_loop_of_clients_slower_to_come_back_than_the_delay_keeps_its_batches_
     over. A request after a quiet spell still runs at once. (The runs are long so that a
     client thread descheduled on a busy host, as under three pytest workers on two cores,
     still comes back within the delay plus one run: with 60 ms runs it once did not.)"""
-    engine, batcher = TimedEngine(0.2), Batcher("m", Batching(8, 1000))
+    engine = TimedEngine(0.2)
+    batcher = Batcher("m", Batching(8, 1000), engine)
 
     def client(k: int) -> None:
         for i in range(6):

@@ -29,8 +29,9 @@ from engine_helpers import (
 )
 
 from cuvild.client.samples import MLP
-from cuvild.engine.arena import SHM_DIR, Arena
-from cuvild.engine.engine import BadRegion, Engine, RunTimeout
+from cuvild.core.arena import SHM_DIR, Arena
+from cuvild.core.errors import BadRegion, RunTimeout
+from cuvild.engine.engine import Engine
 from protos.orders import RawTensor, TensorRef
 from protos.sessions import STATS, bell_bytes
 
@@ -69,13 +70,13 @@ def workers(tmp_path, request):
 
 
 def raw(engine: Engine, loaded, x: torch.Tensor, **kwargs) -> torch.Tensor:  # noqa: ANN001
-    (data,) = engine.run(loaded, [RawTensor(x.numpy().tobytes(), "float32", tuple(x.shape))],
+    (data,) = engine.runner.run(loaded, [RawTensor(x.numpy().tobytes(), "float32", tuple(x.shape))],
                          raw=True, **kwargs)
     return torch.from_numpy(np.frombuffer(data, np.float32).reshape(x.shape).copy())
 
 
 def idle_sets(engine: Engine) -> int:
-    return sum(len(v) for v in engine.bells.idle().values())
+    return sum(len(v) for v in engine.runner.bells.idle().values())
 
 
 def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(workers):
@@ -97,12 +98,12 @@ def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(workers):
         out = {loaded.outputs[0]: out_ref}
         x = torch.randn(3, 64)
         region.buf[:x.numel() * 4] = x.numpy().tobytes()
-        assert engine.run(loaded, [inp], out, raw=True) == [None]
+        assert engine.runner.run(loaded, [inp], out, raw=True) == [None]
         got = np.frombuffer(region.buf, np.float32)[3 * 64:].reshape(3, 64).copy()
         torch.testing.assert_close(torch.from_numpy(got), eager(model, x), **CLOSE)
         shrink(region, 64)  # under the next request
         with pytest.raises(BadRegion, match="is 64 bytes now"):
-            engine.run(loaded, [inp], out, raw=True)
+            engine.runner.run(loaded, [inp], out, raw=True)
     x = torch.randn(3, 64)  # a bad region is not a lost worker: the same bells serve on
     torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
     assert idle_sets(engine) == 1 and engine.arena.in_use() == 0
@@ -131,16 +132,16 @@ def test_a_record_holds_every_tensor_of_its_part_at_the_longest_names(tmp_path, 
             for i, x in enumerate(xs):
                 region.buf[i * each:(i + 1) * each] = x.numpy().tobytes()
             refs = [TensorRef(region.name, i * each, "float32", (3, 8), inode) for i in range(14)]
-            assert engine.run(loaded, refs[:13], {loaded.outputs[0]: refs[13]}) == [None]
+            assert engine.runner.run(loaded, refs[:13], {loaded.outputs[0]: refs[13]}) == [None]
             got = np.frombuffer(region.buf, np.float32)[13 * 24:].reshape(3, 8).copy()
             torch.testing.assert_close(torch.from_numpy(got), Sum()(*xs), **CLOSE)
-            ((bell,),) = [list(bells.values()) for bells in engine.bells.idle()["sum"]]
+            ((bell,),) = [list(bells.values()) for bells in engine.runner.bells.idle()["sum"]]
             assert STATS.unpack_from(bell.stats)[0] == 1  # its worker ran it, rung
             assert engine.arena.in_use() == 0
         finally:
             region.close()
             region.unlink()
-            engine.forget_segments([(region.name, inode)])
+            engine.builder.forget_segments([(region.name, inode)])
     finally:
         close_all([(engine, arena)])
 
@@ -149,7 +150,7 @@ def test_a_traced_request_is_rung_and_gets_its_timeline(workers):
     engine, loaded, model = workers
     timeline: list = []
     x = torch.randn(3, 64)
-    (out,) = engine.run(loaded, [x], timeline=timeline)
+    (out,) = engine.runner.run(loaded, [x], timeline=timeline)
     torch.testing.assert_close(out, eager(model, x), **CLOSE)
     assert [route.id for route, _, _ in timeline] == [r.id for r in loaded.routes]
     assert all(dispatched <= replied for _, dispatched, replied in timeline)
@@ -207,8 +208,8 @@ def test_a_part_past_the_deadline_holds_the_block_until_it_answers(split):
 def test_unload_ends_the_bells_in_the_workers(workers):
     engine, loaded, _ = workers
     raw(engine, loaded, torch.randn(3, 64))
-    (bells,) = engine.bells._idle["mlp"]  # noqa: SLF001 - white-box: the test reads _idle
-    engine.unload("mlp")
+    (bells,) = engine.runner.bells._idle["mlp"]  # noqa: SLF001 - white-box: the test reads _idle
+    engine.builder.unload("mlp")
     assert idle_sets(engine) == 0
     deadline = time.monotonic() + 10
     while not all(b.ended.done() for b in bells.values()):  # the workers let them go

@@ -17,9 +17,13 @@ from engine_helpers import CORES, chunked_plan, device, prepare
 
 import cuvild
 from cuvild.client.samples import MLP, Encoder, ResNet18
-from cuvild.engine.arena import SHM_DIR, Arena
-from cuvild.engine.engine import FEEDBACK_RUNS, BadInput, Engine, InferError
+from cuvild.core.arena import SHM_DIR, Arena
+from cuvild.core.errors import InferError
+from cuvild.core.layout import BadInput
+from cuvild.core.loaded import part_stats
+from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
+from cuvild.run.request import FEEDBACK_RUNS
 from partitioner.corrections import Corrections
 from partitioner.profile import DeviceProfile
 from protos.orders import Unload
@@ -56,7 +60,7 @@ def test_multi_part_plans_match_eager(engine, tmp_path, devices):
             expected = model(*inputs)
         (out,) = engine.infer(name, inputs)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-        stats = engine.stats(name)
+        stats = part_stats(engine.runner.served.models[name])
         assert all(s["measured_ms"] is not None for s in stats.values())
     assert engine.arena.in_use() == 0
 

@@ -21,14 +21,10 @@ import torch
 from engine_helpers import CORES, close_all, device, prepare
 
 from cuvild.client.samples import MLP
-from cuvild.engine.arena import SHM_DIR, Arena
-from cuvild.engine.engine import (
-    BadInput,
-    BadRegion,
-    Engine,
-    RunTimeout,
-    WorkerUnavailable,
-)
+from cuvild.core.arena import SHM_DIR, Arena
+from cuvild.core.errors import BadRegion, RunTimeout, WorkerUnavailable
+from cuvild.core.layout import BadInput
+from cuvild.engine.engine import Engine
 from cuvild.load import buckets
 from cuvild.workers import sessions, worker
 from cuvild.workers.clientmem import ClientObjects
@@ -255,10 +251,10 @@ def test_c_region_shrunk_before_use_is_invalid(make_engine, tmp_path, client_obj
         make_engine, tmp_path, client_object, in_process)
     os.ftruncate(fd, 0)
     with pytest.raises(BadRegion, match=rf"{name}.* is 0 bytes now") as info:
-        engine.run(loaded, [src], {out_name: dst})
+        engine.runner.run(loaded, [src], {out_name: dst})
     assert info.value.kind == "invalid"
     put(fd, x)  # the same object, whole again
-    assert engine.run(loaded, [src], {out_name: dst}) == [None]
+    assert engine.runner.run(loaded, [src], {out_name: dst}) == [None]
     torch.testing.assert_close(got(fd, tuple(x.shape)), eager(model, x), **CLOSE)
     assert engine.workers["cpu0"].restarts == 0
     assert engine.arena.in_use() == 0
@@ -270,15 +266,15 @@ def test_c_region_shrunk_after_use_is_invalid_and_kills_nothing(make_engine, tmp
     engine, model, x, loaded, (name, fd, src, dst, out_name) = on_region(
         make_engine, tmp_path, client_object, in_process)
     put(fd, x)
-    engine.run(loaded, [src], {out_name: dst})  # mapped (process) or opened (thread) now
+    engine.runner.run(loaded, [src], {out_name: dst})  # mapped (process) or opened (thread) now
     torch.testing.assert_close(got(fd, tuple(x.shape)), eager(model, x), **CLOSE)
     os.ftruncate(fd, 4096)  # the output's bytes are gone
     with pytest.raises(BadRegion, match=r"is 4096 bytes now; the request names bytes "
                                         r"\[4096, 4864\)"):
-        engine.run(loaded, [src], {out_name: dst})
+        engine.runner.run(loaded, [src], {out_name: dst})
     os.ftruncate(fd, 0)
     with pytest.raises(BadRegion, match=r"is 0 bytes now"):
-        engine.run(loaded, [src], {out_name: dst})
+        engine.runner.run(loaded, [src], {out_name: dst})
     assert engine.workers["cpu0"].alive() and engine.workers["cpu0"].restarts == 0
     (out,) = engine.infer("mlp", (x,))
     torch.testing.assert_close(out, eager(model, x), **CLOSE)
@@ -293,11 +289,11 @@ def test_c_worker_killed_mid_request_on_a_shrunk_region_answers_invalid(make_eng
     name, fd, inode = client_object
     src, dst = refs(name, inode, tuple(x.shape))
     put(fd, x)
-    engine.run(loaded, [src], {loaded.outputs[0]: dst})
+    engine.runner.run(loaded, [src], {loaded.outputs[0]: dst})
     pid = engine.workers["cpu0"].process.pid
     os.kill(pid, signal.SIGSTOP)
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(engine.run, loaded, [src], {loaded.outputs[0]: dst})
+        pending = pool.submit(engine.runner.run, loaded, [src], {loaded.outputs[0]: dst})
         time.sleep(0.3)
         os.ftruncate(fd, 0)
         os.kill(pid, signal.SIGKILL)
@@ -350,27 +346,29 @@ def test_d_buckets_are_bounded_least_recently_used_first(make_engine, tmp_path):
         engine.workers["cpu0"].call(Unload("none")).result(30)  # after the evictions' unloads
         assert {k[0] for k in parts} == {f"dyn@{n}-32" for n in
                                          (s[0][0] for s in loaded.family.buckets)}
-        return [s[0][0] for s in loaded.family.buckets]
+        by_use = sorted(loaded.family.buckets.items(), key=lambda kv: kv[1].bucket.used)
+        return [s[0][0] for s, _ in by_use]  # least recently used first
 
     for n in (1, 2, 3):
         infer(n)
     assert kept() == [2, 3]  # 1 went: unloaded from the worker
-    assert "dyn@1-32" not in engine.models
+    assert "dyn@1-32" not in engine.runner.served.models
     infer(1)  # built again
     assert kept() == [3, 1]
     infer(3)  # recency: 1 is now the least recently used
     infer(4)
     assert kept() == [3, 4]
     # A bucket a request is running is not evicted; one evicted after `resolve` is rebuilt.
-    held = buckets.hold(engine, loaded.family.buckets[((3, 32),)], None)
-    resolved = engine.resolve(loaded, [("float32", (4, 32))])
+    held = loaded.family.buckets[((3, 32),)]
+    assert held.bucket.hold()  # (as the runner does for a request)
+    resolved = engine.runner.resolve(loaded, [("float32", (4, 32))])
     infer(5)
     infer(6)
     assert 3 in kept()
-    buckets.release(engine, held)
+    held.bucket.let_go()
     assert resolved.evicted
     x = torch.randn(4, 32)
-    (out,) = engine.run(resolved, [x])
+    (out,) = engine.runner.run(resolved, [x])
     torch.testing.assert_close(out, eager(model, x), **CLOSE)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import cuvild
-from cuvild.engine.arena import Arena
+from cuvild.core.arena import Arena
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
 from cuvild.load.precision import PrecisionPolicy

@@ -13,7 +13,7 @@ import torch
 import cuvild
 from cuvild.client.api import save_calibration
 from cuvild.client.samples import ResNet18
-from cuvild.engine.arena import Arena
+from cuvild.core.arena import Arena
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
 from cuvild.load.precision import PrecisionPolicy
@@ -150,7 +150,7 @@ def test_a_restart_reuses_the_decision_without_searching(engine, model):
     calibration = str(model[3])
     policy = PrecisionPolicy("auto", 0.25, calibration, "t1")
     first = load(engine, model, "again", policy)
-    again = Engine([CPU], engine.cache_dir, engine.arena)
+    again = Engine([CPU], engine.builder.cache_dir, engine.arena)
     try:
         second = again.prepare("again", "again", "1", model[1], model[2], policy=policy)
     finally:

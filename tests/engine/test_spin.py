@@ -1,11 +1,11 @@
-"""The learnt spin window (cuvild/engine/spin.py), on a clock the test moves."""
+"""The learnt spin window (cuvild/core/spin.py), on a clock the test moves."""
 
 from __future__ import annotations
 
 import pytest
 
-from cuvild.engine import spin as spin_mod
-from cuvild.engine.spin import GROW_FROM_S, Spin
+from cuvild.core import spin as spin_mod
+from cuvild.core.spin import GROW_FROM_S, Spin
 
 
 class Clock:

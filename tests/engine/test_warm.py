@@ -16,7 +16,7 @@ import torch
 
 import cuvild
 from cuvild.client.samples import MLP
-from cuvild.engine.arena import Arena
+from cuvild.core.arena import Arena
 from cuvild.engine.engine import Engine
 from cuvild.intake import forks
 from cuvild.intake.summary import summarize
@@ -112,8 +112,9 @@ def test_a_restart_plans_and_compiles_nothing(tmp_path, arena, model):
         assert phases[:3] == ["reading the archive", "planning", "building part 1 of 1 on cpu0"]
         assert "building part 1 of 1 on cpu0: trying openvino at fp32" in phases, phases
         assert phases[-1] == "checking end to end"
-        assert engine.counters["archive_loads"] == 1 and engine.counters["planned"] == 1
-        assert engine.counters["compiled"] == 1 and engine.counters["restored"] == 0
+        counters = engine.builder.counters
+        assert counters["archive_loads"] == 1 and counters["planned"] == 1
+        assert engine.builder.counters["compiled"] == 1 and engine.builder.counters["restored"] == 0
         served_right(engine, model)
     finally:
         engine.close()
@@ -124,7 +125,7 @@ def test_a_restart_plans_and_compiles_nothing(tmp_path, arena, model):
     engine, second = load(cache, arena, model, phases=phases)
     try:
         assert second.warm and phases == ["restoring from the load record"]
-        counters = dict(engine.counters)
+        counters = dict(engine.builder.counters)
         assert counters == {"restored": 1}, counters  # no archive, plan, build or compile
         assert [r.runtime for r in second.routes] == ["openvino"]
         assert second.plan.parts[0].runtime == "openvino"
@@ -141,7 +142,7 @@ def test_another_policy_is_another_record(tmp_path, arena, model, built):
     cache = copy_of(built, tmp_path)
     engine, again = load(cache, arena, model, PrecisionPolicy("auto", 0.05))
     try:
-        assert not again.warm and engine.counters["planned"] == 1
+        assert not again.warm and engine.builder.counters["planned"] == 1
         served_right(engine, model)
     finally:
         engine.close()
@@ -166,13 +167,13 @@ def test_a_corrupt_record_or_part_is_built_again(tmp_path, arena, model, built, 
     engine, again = load(cache, arena, model)
     try:
         assert not again.warm
-        assert engine.counters["planned"] == 1 and engine.counters["built"] == 1
+        assert engine.builder.counters["planned"] == 1 and engine.builder.counters["built"] == 1
         served_right(engine, model)
     finally:
         engine.close()
     engine, third = load(cache, arena, model)  # and the rebuilt record serves the next start
     try:
-        assert third.warm and dict(engine.counters) == {"restored": 1}
+        assert third.warm and dict(engine.builder.counters) == {"restored": 1}
         served_right(engine, model)
     finally:
         engine.close()
@@ -204,7 +205,8 @@ def test_a_restart_serves_a_dynamic_model_and_its_buckets_from_their_records(tmp
         assert not engine.prepare("dyn:1", "dyn", "1", archive, specs).warm
         for rows in (1, 4):
             serve(rows, engine)
-        assert engine.counters["archive_loads"] == 1 and engine.counters["built"] == 2
+        counters = engine.builder.counters
+        assert counters["archive_loads"] == 1 and counters["built"] == 2
     finally:
         engine.close()
     kept = record_dir(cache) / warm.BUCKETS
@@ -216,13 +218,14 @@ def test_a_restart_serves_a_dynamic_model_and_its_buckets_from_their_records(tmp
     engine = Engine([CPU], cache, arena)
     try:
         assert engine.prepare("dyn:1", "dyn", "1", archive, specs).warm
-        assert dict(engine.counters) == {}  # served with nothing read, planned or built
+        assert dict(engine.builder.counters) == {}  # served with nothing read, planned or built
         serve(1, engine)
-        assert dict(engine.counters) == {"restored": 1}
+        assert dict(engine.builder.counters) == {"restored": 1}
         serve(4, engine)  # its record refused: built again (the archive read for it)
         serve(7, engine)  # new shapes: built
-        assert engine.counters["archive_loads"] == 1 and engine.counters["built"] == 2
-        assert engine.counters["compiled"] == 1  # (4 rows: its build was in the cache)
+        counters = engine.builder.counters
+        assert counters["archive_loads"] == 1 and counters["built"] == 2
+        assert engine.builder.counters["compiled"] == 1  # (4 rows: its build was in the cache)
     finally:
         engine.close()
     engine = Engine([CPU], cache, arena)  # and every bucket is served from its record now
@@ -230,7 +233,7 @@ def test_a_restart_serves_a_dynamic_model_and_its_buckets_from_their_records(tmp
         engine.prepare("dyn:1", "dyn", "1", archive, specs)
         for rows in (1, 4, 7):
             serve(rows, engine)
-        assert dict(engine.counters) == {"restored": 3}
+        assert dict(engine.builder.counters) == {"restored": 3}
         maps = Path(f"/proc/{engine.workers['cpu0'].process.pid}/maps").read_text()
         assert "libtorch" not in maps  # the worker never needed torch
         monkeypatch.setattr(buckets, "RECORDS", 2)  # the last written are kept

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cuvild.engine.arena import SHM_DIR, Arena
+from cuvild.core.arena import SHM_DIR, Arena
 from cuvild.serve.front import Front
 from cuvild.serve.regions import RegionError, Regions
 

@@ -32,7 +32,7 @@ from oip_helpers import (
 from cuvild import config as config_mod
 from cuvild.client import Client, samples
 from cuvild.client.infer_io import grant
-from cuvild.engine.arena import Arena
+from cuvild.core.arena import Arena
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 other_user = pytest.mark.skipif(not AS_OTHER_USER, reason="needs root on x86-64 or aarch64 "
@@ -174,7 +174,7 @@ def test_arena_names_are_unpredictable_and_squatting_them_fails_nothing():
 
 
 def test_a_squatted_arena_name_is_drawn_again(monkeypatch):
-    import cuvild.engine.arena as arena_mod
+    import cuvild.core.arena as arena_mod
 
     taken = SHM_DIR / f"cuvil-{os.getpid()}-dup-{'0' * 16}"
     taken.write_bytes(b"")

@@ -142,8 +142,8 @@ def test_a_full_dev_shm_refuses_the_request_and_the_daemon_serves_on(make_daemon
 
 
 def test_a_block_that_does_not_fit_is_resource_exhausted() -> None:
-    from cuvild.engine.arena import Arena
-    from cuvild.engine.errors import ArenaFull
+    from cuvild.core.arena import Arena
+    from cuvild.core.errors import ArenaFull
     from cuvild.serve.errors import CODES
 
     arena = Arena("test-full", segment_bytes=1 << 20, lock=False)

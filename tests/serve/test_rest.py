@@ -289,7 +289,7 @@ def test_shared_memory_off_is_refused_with_403(tmp_path):
     from cuvild.serve.rest import RestServer
 
     address = f"127.0.0.1:{free_port()}"
-    server = RestServer(InferenceService(None, Regions(), shm_enabled=False), address, 2)
+    server = RestServer(InferenceService(None, None, Regions(), shm_enabled=False), address, 2)
     server.start()
     try:
         for path, body in [("/v2/systemsharedmemory/region/r/register",

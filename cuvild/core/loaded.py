@@ -4,11 +4,13 @@ precision and the tensors it reads and writes) and the wiring of a request throu
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cuvild.engine.layout import InputSpec, Slot
+from cuvild.core.layout import BadInput, InputSpec, Slot
 from protos.orders import Built, Variant
 
 if TYPE_CHECKING:
@@ -57,13 +59,38 @@ class Family:
 
 @dataclass
 class Bucket:
-    """What a bucket (a dynamic-shape model built for one input shape) is besides a model."""
+    """What a bucket (a dynamic-shape model built for one input shape) is besides a model.
+    The data plane holds it while a request runs (`hold`, `let_go`: its use count and when it
+    was last used); the control plane evicts it only when no request holds it (`evict`)."""
 
     of: str  # its model's key
     shapes: Shapes
     users: int = 0  # its requests running now: it is not evicted under them
     evicted: bool = False  # unloaded to keep its model's count bounded
     own_split: bool = False  # planned at its own shapes, apart from its model's plan
+    used: float = field(default_factory=time.monotonic)  # its last request's start (or build)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def hold(self) -> bool:
+        """Count a request in; False when the bucket was evicted (build it again)."""
+        with self.lock:
+            if self.evicted:
+                return False
+            self.users += 1
+            self.used = time.monotonic()
+            return True
+
+    def let_go(self) -> None:
+        with self.lock:
+            self.users -= 1
+
+    def evict(self) -> bool:
+        """Mark it evicted unless a request holds it; True if it was."""
+        with self.lock:
+            if self.users:
+                return False
+            self.evicted = True
+            return True
 
 
 @dataclass
@@ -112,6 +139,17 @@ class LoadedModel:
         """What a worker caches this model's split under: a bucket shares its model's,
         unless it was planned apart."""
         return self.bucket.of if self.bucket and not self.bucket.own_split else self.key
+
+
+def check_dims(model: LoadedModel, given: Sequence[tuple[str, tuple[int, ...]]],
+               max_dim: int) -> None:
+    """Refuse a dynamic dimension above `max_dim` (BadInput names the input, the dimension
+    and the limit)."""
+    for i, d, _, _ in model.dynamic:
+        size = given[i][1][d]
+        if size > max_dim:
+            raise BadInput(f"input {model.table[i].name}: dim {d} is {size}, above the "
+                           f"largest this server builds for a dynamic dimension ({max_dim})")
 
 
 def cut_bytes(model: LoadedModel) -> int:

@@ -4,7 +4,7 @@ a part boundary lives in a request's arena block.
 The input table is built once, at load; a request is checked against it once (count, dtype,
 shape, the range of each dynamic dimension), by `check_inputs`. The layout gives each crossing
 tensor an offset from the tensors' lifetimes: tensors that are never alive at the same time
-share bytes (cuvild/engine/arena.py `plan_offsets`).
+share bytes (cuvild/core/arena.py `plan_offsets`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cuvild.engine.arena import plan_offsets
-from cuvild.engine.dtypes import nbytes, oip_name
+from cuvild.core.arena import plan_offsets
+from cuvild.core.dtypes import nbytes, oip_name
 
 
 class BadInput(ValueError):

@@ -173,7 +173,7 @@ class Arena:
                 if attempt == 7:
                     raise
             except OSError as e:  # ENOSPC: /dev/shm is full
-                from cuvild.engine.errors import ArenaFull
+                from cuvild.core.errors import ArenaFull
 
                 raise ArenaFull(f"no shared memory for a block of {size} bytes: {SHM_DIR} is "
                                 f"full ({e.strerror}); requests in flight hold "
@@ -228,7 +228,7 @@ class Arena:
         for future in left:
             future.add_done_callback(done)
 
-    # A request's tensors in its block (`slot`: a cuvild/engine/layout.py Slot).
+    # A request's tensors in its block (`slot`: a cuvild/core/layout.py Slot).
     def ref(self, block: Block, slot: Any) -> Any:
         from protos.orders import TensorRef
 

@@ -1,0 +1,169 @@
+"""A model's load: plan, split, lay out and build it, settle each part's precision under the
+policy and check it end to end against torch eager, then serve it (`prepare`).
+
+A model loaded before (same archive, policy, devices, software) comes back from its load
+record (warm.py) with nothing planned or compiled. A dynamic-shape model is served at once:
+its buckets are built per concrete shape on first use (buckets.py). A part its device cannot
+build is planned off it again (fallback.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cuvild.core.layout import dynamic_dims, input_table, layout
+from cuvild.core.loaded import Family, LoadedModel, cut_bytes
+from cuvild.load import fallback, precision, warm
+from cuvild.load.builder import Builder
+from cuvild.load.precision import Accuracy, PrecisionPolicy
+from cuvild.run.batching import Batching, batcher_for
+
+if TYPE_CHECKING:
+    from partitioner.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def prepare(builder: Builder, key: str, name: str, version: str, archive: Path,  # noqa: C901, PLR0915 - the load's steps in order
+            input_specs: list[dict[str, Any]], objective: str = "latency",
+            plan: Plan | None = None, policy: PrecisionPolicy | None = None,
+            progress: Callable[[str], None] | None = None, cold: bool = True,
+            batching: Batching | None = None,
+            banned: fallback.Banned | None = None) -> LoadedModel | None:
+    """Plan, split, lay out and build a registered model, settle each part's precision
+    under the policy (cuvild/load/precision.py) and check the whole model against
+    torch eager; returns it ready to serve. A model loaded before (same archive, policy,
+    devices, software) comes back from its load record (cuvild/load/warm.py) with
+    nothing planned or compiled (cold=False: only so, else None); `progress` is told
+    each phase. `batching`: how to merge concurrent requests of a model whose first
+    dimension is dynamic (cuvild/run/batching.py; None or max_batch 1: not at all).
+    A part its device cannot build is planned off it again (cuvild/load/fallback.py)."""
+    policy = policy or PrecisionPolicy()
+    say = progress or (lambda phase: None)
+    record_at = warm.directory(builder.cache_dir, warm.key(
+        str(archive), input_specs, objective, policy, builder.devices.values(), builder.runtimes))
+    record = warm.read(record_at) if plan is None else None
+    if record is not None:
+        say("restoring from the load record")
+        try:
+            return warm.restore(builder, record_at, record, key, name, version, str(archive),
+                                input_specs, policy, objective, batching)
+        except Exception as e:  # noqa: BLE001 - never trusted blindly: built again
+            log.warning("model %s: load record not used (%s); building it again", key, e)
+    if not cold:
+        return None
+    from cuvild.intake.safe_load import load_exported_program  # (torch: cold path only)
+    from partitioner.plan import plan_model
+    from partitioner.split import split_program
+
+    say("reading the archive")
+    ep = load_exported_program(archive)
+    builder.counters["archive_loads"] += 1
+    corrections, planned = builder.corrections.snapshot(), plan is None
+    if plan is None:
+        say("planning")
+        plan = plan_model(ep, list(builder.devices.values()), objective=objective,
+                          support=fallback.support(builder.support(), banned),
+                          corrections=corrections, precision=policy.mode,
+                          int8=bool(policy.calibration))
+        plan.notes += fallback.notes(banned)
+        builder.counters["planned"] += 1
+    split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
+    dynamic = dynamic_dims(ep)
+    if dynamic:  # laid out and built per concrete shape, on first use
+        slots, footprint, total = {}, 0, 0
+    else:
+        slots, footprint, total = layout({n.name: n.meta.get("val") for n in ep.graph.nodes},
+                                         split)
+    model = LoadedModel(key, name, version, plan, builder.make_routes(plan, split),
+                        list(split.inputs), list(split.outputs),
+                        input_table(input_specs, dynamic), slots, footprint, total,
+                        str(archive), input_specs, objective=objective,
+                        family=Family(dynamic, split) if dynamic else None)
+    for route in model.routes:
+        model.parts_by_device.setdefault(route.device, []).append(route.id)
+    model.cut_bytes = cut_bytes(model)
+    if model.family:  # its buckets are planned and built at their shapes (buckets.py)
+        model.policy = policy
+        model.family.program = ep if planned else None  # (else: one plan)
+        model.family.replans, model.family.record_at = planned, record_at
+        if batching is not None and batching.max_batch > 1:
+            say("checking that its rows can be batched")
+            batcher_for(model, ep, batching, builder.runner)
+        builder.publish(model)
+        warm.write_dynamic(record_at, model)
+        return model
+    parts = {p.id: p for p in plan.parts}
+    budgets: dict[str, float] = {}
+    decision = precision.decision_path(builder.cache_dir, model, policy, builder.devices.values())
+    decided, recorded = precision.read_decision(decision)
+    for route in model.routes:
+        route.precisions, budget = precision.candidates(
+            parts[route.id], builder.devices[route.device], policy)
+        route.search = list(route.precisions)
+        if budget is not None:
+            budgets[route.id], route.tolerance = budget, precision.part_bound(budget)
+            route.budget = budget
+            if decided and route.id in decided:  # a restart builds only what was chosen
+                route.precisions = [decided[route.id]]
+    inputs = precision.check_inputs(model, policy, searched=bool(budgets))
+    expected, eager_ms = precision.reference(ep, inputs)
+    del ep, split  # workers hold the parts; the daemon keeps only the wiring
+    try:
+        builder.build(model, policy=policy, progress=say)
+    except fallback.BuildFailed as e:  # its nodes off that device, planned again
+        banned = fallback.ban(e, plan if planned else None, banned, len(builder.devices))
+        say(f"planning again: {e}")
+        return fallback.again(e, lambda: prepare(
+            builder, key, name, version, archive, input_specs, objective, policy=policy,
+            progress=progress, batching=batching, banned=banned))
+    say("checking end to end")
+    model.accuracy = _settle(builder, model, policy, budgets, decision, recorded, inputs,
+                                  expected, eager_ms)
+    precision.record_runs(plan, model.routes, corrections, builder.devices)
+    plan.notes += precision.runtime_notes(model.routes) + model.accuracy.notes
+    builder.publish(model)
+    try:
+        warm.write(record_at, model, inputs, expected)
+    except OSError as e:
+        log.warning("model %s: load record not written (%s)", key, e)
+    return model
+
+
+def _settle(builder: Builder, model: LoadedModel, policy: PrecisionPolicy,
+            budgets: dict[str, float], decision: Path, recorded: dict[str, Any] | None,
+            inputs: list[Any], expected: list[Any], eager_ms: float) -> Accuracy:
+    """Check the plan end to end, search the precisions under the budgets (or check the
+    recorded choice again), and fix each part at what it will run."""
+    first = precision.check(builder.runner.run, model, inputs, expected)
+    accuracy = Accuracy("auto" if budgets else "fp32", min(budgets.values(), default=None),
+                        len(inputs), bool(policy.calibration), eager_ms, first, first)
+    if recorded is not None and budgets:
+        if first.error <= min(budgets.values()):
+            accuracy = Accuracy.from_dict(recorded)
+            accuracy.chosen = first
+        else:  # the recorded choice no longer holds: search again, from everything
+            log.warning("model %s: the recorded precisions measure %.1e > %.0e now; "
+                        "searching again", model.key, first.error, min(budgets.values()))
+            for route in model.routes:
+                route.precisions = route.search
+            builder.build(model, policy=policy)
+            return _settle(builder, model, policy, budgets, decision, None, inputs, expected,
+                           eager_ms)
+    elif budgets:
+        if not policy.calibration:
+            accuracy.notes.append("int8 not tried: no calibration inputs were given")
+        accuracy.chosen, notes = precision.search(builder.runner.run, builder.choose,
+                                                  model, budgets, inputs, expected, first)
+        accuracy.notes += notes
+    for route in model.routes:
+        if len(route.variants) > 1:  # the losers' executables go from the workers
+            builder.choose(model, route, route.precision, final=True)
+            route.variants = {route.precision: route.variants[route.precision]}
+        route.precisions = [route.precision]  # what a revived worker rebuilds
+    if budgets and recorded is None:
+        precision.write_decision(decision, model.routes, accuracy)
+    return accuracy
