@@ -1,5 +1,6 @@
-"""What the engine keeps of a prepared model: one route per part (its device, runtime,
-precision and the tensors it reads and writes) and the wiring of a request through them."""
+"""What is kept of a prepared model: one route per part (its device, runtime, precision and
+the tensors it reads and writes) and the wiring of a request through them; a dynamic-shape
+model's family of buckets, and what a bucket is besides a model."""
 
 from __future__ import annotations
 
@@ -8,14 +9,40 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cuvild.core.layout import BadInput, InputSpec, Slot
-from protos.orders import Built, Variant
+from cuvild.core.precision import Accuracy, PrecisionPolicy
+from protos.orders import Built, TensorRef, Variant
 
 if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
     from partitioner.plan import Plan
     from partitioner.split import SplitProgram
+
+
+@dataclass(frozen=True)
+class Batching:
+    """`max_batch`: rows merged into one run at most (1: off); `max_delay_us`: how long the
+    oldest queued request may wait for others."""
+
+    max_batch: int = 8
+    max_delay_us: int = 500
+
+
+class Queue(Protocol):
+    """A batched model's queue (cuvild/run/batching.py `Batcher`), shared by its buckets: a
+    request goes in and comes back answered, from its batch's run."""
+
+    settings: Batching
+
+    def run(self, model: LoadedModel, inputs: Sequence[Any],
+            output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
+            deadline: float | None, timeline: Timeline | None = None) -> list[Any]: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -39,6 +66,7 @@ class Route:
 
 
 Shapes = tuple[tuple[int, ...], ...]  # a request's input shapes, one tuple per input
+Timeline = list[tuple[Route, int, int]]  # a traced request's parts: route, start, end (ns)
 
 
 @dataclass
@@ -49,10 +77,10 @@ class Family:
     dims: list[tuple[int, int, int, int]]  # (input index, dim, low, high) per symbolic dim
     split: SplitProgram | None = None  # its split: a bucket is laid out from it
     # where the engine planned it, its program: each bucket is planned again at its shapes
-    program: Any = None
+    program: ExportedProgram | None = None
     replans: bool = False
-    record_at: Any = None  # its load record's folder: its buckets' records are kept under it
-    # its buckets, least recently used first
+    record_at: Path | None = None  # its load record's folder: its buckets' records under it
+    # its buckets, in the order they were built (recency: each one's Bucket.used)
     buckets: OrderedDict[Shapes, LoadedModel] = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by a bucket's build
 
@@ -113,14 +141,14 @@ class LoadedModel:
     input_specs: list[dict[str, Any]] = field(default_factory=list)
     parts_by_device: dict[str, list[str]] = field(default_factory=dict)
     part_input_shapes: dict[str, list[list[int]]] = field(default_factory=dict)
-    policy: Any = None  # the PrecisionPolicy it was built under (cuvild/load/precision.py)
+    policy: PrecisionPolicy | None = None  # what it was built under
     cut_bytes: int = 0  # bytes one request hands from part to part through the arena
-    accuracy: Any = None  # what the load measured end to end (precision.Accuracy)
+    accuracy: Accuracy | None = None  # what the load measured end to end
     warm: bool = False  # loaded from its load record (cuvild/load/warm.py)
     objective: str = "latency"
     # Dynamic batching (cuvild/run/batching.py): the model's queue, shared by its buckets,
     # or why it is not batched ("" when it was not asked)
-    batcher: Any = None
+    batcher: Queue | None = None
     unbatched: str = ""
     family: Family | None = None  # a dynamic-shape model's
     bucket: Bucket | None = None  # a bucket's

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from cuvild.core.loaded import LoadedModel, Route, Shapes
+from cuvild.core.loaded import LoadedModel, Route, Shapes, Timeline
 
-Timeline = list[tuple[Route, int, int]]  # a traced request's parts: route, start, end (ns)
+__all__ = ["Monitor", "Served", "Timeline"]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ from typing import Any
 from cuvild.core.errors import InferError
 from cuvild.core.layout import input_table, layout
 from cuvild.core.loaded import Bucket, Family, LoadedModel, Shapes, cut_bytes
-from cuvild.load import warm
+from cuvild.core.precision import Accuracy, PrecisionPolicy
+from cuvild.load import precision, warm
 from cuvild.load.builder import Builder
 
 log = logging.getLogger(__name__)
@@ -159,15 +160,13 @@ def record(builder: Builder, model: LoadedModel, variant: LoadedModel, inputs: l
            expected: list[Any]) -> None:
     """Write a bucket's load record, with its check: torch eager's outputs on one input and
     how far the bucket's are from them now."""
-    from cuvild.load import precision
-
     try:
         check = precision.check(builder.runner.run, variant, [inputs], [expected])
     except Exception as e:  # noqa: BLE001 - a record saves a restart's build, no more
         log.warning("bucket %s: not recorded, its check run failed: %s", variant.key, e)
         return
-    policy = variant.policy or precision.PrecisionPolicy()
-    variant.accuracy = precision.Accuracy(policy.mode, None, 1, False, 0.0, check, check)
+    policy = variant.policy or PrecisionPolicy()
+    variant.accuracy = Accuracy(policy.mode, None, 1, False, 0.0, check, check)
     assert variant.bucket is not None
     kept = family(model).record_at / warm.BUCKETS
     try:
@@ -211,7 +210,6 @@ def plan_for(builder: Builder, model: LoadedModel, shapes: Shapes) -> tuple[Any,
     kept = family(model)
     if kept.program is None or len(builder.devices) < 2:
         return model.plan, kept.split, False
-    from cuvild.load.precision import PrecisionPolicy
     from partitioner.plan import plan_model
     from partitioner.split import split_program
 

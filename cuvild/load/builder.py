@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from cuvild.core.errors import InferError, RunTimeout
 from cuvild.core.loaded import LoadedModel, Route
+from cuvild.core.precision import PrecisionPolicy
 from cuvild.load import fallback, precision
 from cuvild.load.corrections import CorrectionStore
-from cuvild.load.precision import PrecisionPolicy
 from cuvild.run.request import FEEDBACK_RUNS
 from cuvild.workers.handle import WorkerDied
 from protos.orders import Build, Built, Choose, Forget, Reply, Unload

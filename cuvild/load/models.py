@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cuvild.core.loaded import LoadedModel
+from cuvild.core.loaded import Batching, LoadedModel
+from cuvild.core.precision import PrecisionPolicy
 from cuvild.intake import repository
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
 from cuvild.load import prepare, warm
 from cuvild.load.builder import Builder
-from cuvild.load.precision import PrecisionPolicy
-from cuvild.run.batching import Batching
 
 log = logging.getLogger(__name__)
 UNLOAD_WAIT_S = 10.0  # an unload waits this long for the workers to let the model go

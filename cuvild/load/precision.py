@@ -32,10 +32,11 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cuvild.core.precision import Accuracy, Check, PrecisionPolicy
 from runtimes.base import INT8_MIXED, MIXED, set_error, top1_agreement, write_atomic
 
 if TYPE_CHECKING:
@@ -56,43 +57,6 @@ CHECK_INPUTS = 4  # random check inputs when no calibration inputs were given (a
 COMPUTE_CLASSES = ("matmul", "conv", "attention")  # what a lower precision speeds up
 
 
-@dataclass(frozen=True)
-class PrecisionPolicy:
-    mode: str = "fp32"  # "fp32" | "auto"
-    max_error: float = 1e-2  # the budget of `auto`
-    calibration: str = ""  # an .npz of model inputs, one row per sample ("": none)
-    calibration_tag: str = ""  # its digest
-
-
-@dataclass
-class Check:
-    """One end-to-end measurement of the served plan on the check inputs."""
-
-    error: float
-    top1: float | None
-    p50_ms: float
-
-
-@dataclass
-class Accuracy:
-    """What the load measured: `cuvilctl compare`'s report."""
-
-    policy: str
-    max_error: float | None
-    inputs: int  # check inputs
-    calibrated: bool  # the check inputs are the user's calibration inputs
-    eager_ms: float
-    fp32: Check | None = None  # every part at its own precision, before any lowering
-    chosen: Check | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Accuracy:
-        checks = {k: Check(**data[k]) if data.get(k) else None for k in ("fp32", "chosen")}
-        return cls(**{**data, **checks})
 
 
 def at(class_ms: dict[str, float], device: DeviceProfile, precision: str) -> dict[str, float]:

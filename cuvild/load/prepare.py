@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cuvild.core.layout import dynamic_dims, input_table, layout
-from cuvild.core.loaded import Family, LoadedModel, cut_bytes
+from cuvild.core.loaded import Batching, Family, LoadedModel, cut_bytes
+from cuvild.core.precision import Accuracy, PrecisionPolicy
 from cuvild.load import fallback, precision, warm
 from cuvild.load.builder import Builder
-from cuvild.load.precision import Accuracy, PrecisionPolicy
-from cuvild.run.batching import Batching, batcher_for
+from cuvild.run.batching import batcher_for
 
 if TYPE_CHECKING:
     from partitioner.plan import Plan

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 from cuvild.core.errors import InferError
 from cuvild.core.layout import Slot, input_table
 from cuvild.core.loaded import Family, LoadedModel, Route, cut_bytes
+from cuvild.core.precision import Accuracy
 from cuvild.core.views import NUMPY
-from cuvild.load import precision
 from cuvild.load.builder import Builder
 from cuvild.run import batching
 from protos.orders import Built, RawTensor, Reply, Restore, Unload, Variant
@@ -51,7 +51,7 @@ from runtimes.base import fsync_dir, remove_leftovers, set_error, write_atomic
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from cuvild.load.precision import PrecisionPolicy
+    from cuvild.core.precision import PrecisionPolicy
     from cuvild.workers.handle import WorkerHandle
     from partitioner.profile import DeviceProfile
 
@@ -209,7 +209,7 @@ def restore(builder: Builder, where: Path, record: dict[str, Any], key_: str, na
                                 list(record["inputs"]), list(record["outputs"]),
                                 input_table(input_specs, []), slots, int(record["footprint"]),
                                 int(record["total_bytes"]), archive, input_specs)
-            model.accuracy = precision.Accuracy.from_dict(record["accuracy"])
+            model.accuracy = Accuracy.from_dict(record["accuracy"])
     except (KeyError, TypeError, ValueError) as e:
         raise Stale(f"the load record does not match this version ({e!r})") from None
     for route in model.routes:

@@ -37,10 +37,10 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cuvild.core.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
+from cuvild.core.loaded import Batching
 from cuvild.core.views import as_bytes
 from cuvild.workers.clientmem import RegionGone
 from protos.orders import RawTensor, TensorRef
@@ -53,13 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Batching:
-    """`max_batch`: rows merged into one run at most (1: off); `max_delay_us`: how long the
-    oldest queued request may wait for others."""
-
-    max_batch: int = 8
-    max_delay_us: int = 500
 
 
 def padded_rows(rows: int, max_batch: int) -> int:

@@ -239,10 +239,10 @@ class Daemon:
                                            require_client_auth=ca is not None)
 
     def _start_engine(self) -> None:
+        from cuvild.core.loaded import Batching
         from cuvild.engine.engine import Engine
         from cuvild.load import warm
         from cuvild.load.models import ModelManager
-        from cuvild.run.batching import Batching
         from cuvild.serve.cuda_regions import CudaRegions
         from cuvild.serve.regions import Regions
 
@@ -350,8 +350,8 @@ class Daemon:
             self.cuda_regions.max_regions, self.cuda_regions.max_bytes = (new.shm_max_regions,
                                                                           new.shm_max_bytes)
         if self.models is not None:  # for the next request, build or load
-            from cuvild.load.precision import PrecisionPolicy
-            from cuvild.run.batching import Batching
+            from cuvild.core.loaded import Batching
+            from cuvild.core.precision import PrecisionPolicy
 
             runner, builder = self.engine.runner, self.engine.builder
             runner.run_timeout_s, runner.max_dim = new.run_timeout_s, new.max_dim

@@ -23,10 +23,10 @@ from cuvild.client.samples import MLP
 from cuvild.core.arena import SHM_DIR, Arena
 from cuvild.core.errors import BadRegion, InferError, RunTimeout
 from cuvild.core.layout import InputSpec, Slot
-from cuvild.core.loaded import Bucket, bucket_stats
+from cuvild.core.loaded import Batching, Bucket, bucket_stats
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
-from cuvild.run.batching import Batcher, Batching
+from cuvild.run.batching import Batcher
 from partitioner.profile import DeviceProfile
 from protos.orders import RawTensor, TensorRef
 

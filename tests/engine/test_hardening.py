@@ -25,7 +25,6 @@ from cuvild.core.arena import SHM_DIR, Arena
 from cuvild.core.errors import BadRegion, RunTimeout, WorkerUnavailable
 from cuvild.core.layout import BadInput
 from cuvild.engine.engine import Engine
-from cuvild.load import buckets
 from cuvild.workers import sessions, worker
 from cuvild.workers.clientmem import ClientObjects
 from cuvild.workers.handle import WorkerHandle

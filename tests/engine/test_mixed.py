@@ -15,9 +15,9 @@ from torch import nn
 
 import cuvild
 from cuvild.core.arena import Arena
+from cuvild.core.precision import PrecisionPolicy
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
-from cuvild.load.precision import PrecisionPolicy
 from partitioner.profile import DeviceProfile
 from partitioner.split import split_program
 from runtimes import mixed, registry

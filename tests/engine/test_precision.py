@@ -14,9 +14,9 @@ import cuvild
 from cuvild.client.api import save_calibration
 from cuvild.client.samples import ResNet18
 from cuvild.core.arena import Arena
+from cuvild.core.precision import PrecisionPolicy
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
-from cuvild.load.precision import PrecisionPolicy
 from cuvild.workers.build import SEARCH_SAMPLES
 from partitioner.profile import DeviceProfile
 from runtimes.base import set_error

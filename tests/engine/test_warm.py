@@ -17,11 +17,11 @@ import torch
 import cuvild
 from cuvild.client.samples import MLP
 from cuvild.core.arena import Arena
+from cuvild.core.precision import PrecisionPolicy
 from cuvild.engine.engine import Engine
 from cuvild.intake import forks
 from cuvild.intake.summary import summarize
 from cuvild.load import buckets, warm
-from cuvild.load.precision import PrecisionPolicy
 from partitioner.profile import DeviceProfile
 
 CORES = sorted(os.sched_getaffinity(0))
