@@ -20,6 +20,8 @@ from cuvild.core.dtypes import nbytes, oip_name
 class BadInput(ValueError):
     """A request's inputs do not match the model (name, count, dtype or shape)."""
 
+    kind = "invalid"
+
 
 @dataclass
 class Slot:

@@ -1,12 +1,15 @@
-"""The one map from the `kind` an error carries to a gRPC status.
+"""The one map from the `kind` an error carries to a gRPC status, and the one error the
+serving layer refuses a request with.
 
-Errors raised below the servicers (RegistryError, RegionError) say what kind of failure they
-are; the servicers answer with exactly one status per kind, through `abort`.
+Errors raised below the servicers (BadInput, InferError and its kinds, RegistryError,
+RegionError) say what kind of failure they are; the listeners (gRPC, HTTP, the fast path)
+answer with exactly one status per kind (`status`). An error that says no kind is a bug:
+INTERNAL, on every listener.
 """
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -18,11 +21,38 @@ CODES = {
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "internal": grpc.StatusCode.INTERNAL,
 }
+KINDS = {code: kind for kind, code in CODES.items()}
+
+
+class Refused(Exception):
+    """A request a listener refuses itself, on any protocol: `kind` as every error's (CODES);
+    `http` where the HTTP status is not the one the kind maps to (413 for a body part over its
+    limit); `said`, more for a fast-path client's reply."""
+
+    def __init__(self, kind: str, message: str, http: int | None = None, **said: Any) -> None:
+        super().__init__(message)
+        self.kind, self.http, self.said = kind, http, said
+
+    @classmethod
+    def of(cls, code: grpc.StatusCode, message: str) -> Refused:
+        """The refusal a servicer's `context.abort(code, message)` makes."""
+        return cls(KINDS.get(code, code.name.lower()), message)
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        return status(self)
+
+
+def status(error: BaseException) -> grpc.StatusCode:
+    """The status an error answers: its kind's (INTERNAL for one that says none)."""
+    kind = getattr(error, "kind", "internal")
+    return CODES.get(kind) or getattr(grpc.StatusCode, kind.upper(), grpc.StatusCode.INTERNAL)
 
 
 def abort(context: grpc.ServicerContext, error: Exception) -> NoReturn:
     """End the call with the status of `error.kind` and the error's message."""
-    context.abort(CODES[getattr(error, "kind", "invalid")], str(error))
+    context.abort(status(error), str(error))
     raise AssertionError("unreachable: context.abort raises")

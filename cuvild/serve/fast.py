@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from cuvild.core.errors import InferError
 from cuvild.core.layout import BadInput
 from cuvild.core.loaded import one_part
-from cuvild.serve.errors import CODES
+from cuvild.serve.errors import Refused, status
 from cuvild.workers.sessions import fail, slot_layout
 from protos import fastpath as wire
 from protos.orders import Attach, RawTensor
@@ -55,10 +55,9 @@ OPEN_BUILD_S = 600.0  # a new bucket's build, waited for by the session that ope
 COUNTS = 2 + len(TIMES.unpack(bytes(TIMES.size)))  # a session's counts(): done, failed, TIMES
 
 
-class Refused(Exception):
-    def __init__(self, code: str, message: str, **said: Any) -> None:
-        super().__init__(message)
-        self.code, self.said = code, said  # (more for the client's reply)
+def _code(error: BaseException) -> str:
+    """The code a fast-path reply carries: its status's name, or the wire's own RELOADED."""
+    return wire.RELOADED if getattr(error, "kind", "") == wire.RELOADED else status(error).name
 
 
 def _recv_exact(sock: socket.socket, n: int, have: bytes = b"") -> bytes:
@@ -170,18 +169,17 @@ class Session:
         name, version = self.served.record.name, self.served.record.version
         try:
             if got != seq or state != wire.SUBMITTED:
-                raise Refused("INVALID_ARGUMENT", f"ring entry {index} holds request {got} in "
+                raise Refused("invalid", f"ring entry {index} holds request {got} in "
                               f"state {state}, the doorbell rang for request {seq} "
                               f"(state {wire.SUBMITTED}: submitted)")
             if slot >= depth:
-                raise Refused("INVALID_ARGUMENT", f"ring entry {index} names slot {slot}; the "
+                raise Refused("invalid", f"ring entry {index} names slot {slot}; the "
                               f"session has slots 0..{depth - 1}")
             if not self.fast.models.current(self.served):
                 raise self._gone()
             self.fast.runner.run(self.model, self.inputs[slot], into=self.outputs[slot])
         except (Refused, InferError) as e:
-            code = e.code if isinstance(e, Refused) else CODES.get(
-                getattr(e, "kind", "internal"), CODES["internal"]).name
+            code = _code(e)
             self._fail(at, index, seq, slot, code, str(e))
             if self.fast.metrics:
                 self.fast.metrics.failed(name, version, code)
@@ -202,8 +200,8 @@ class Session:
             return Refused(wire.RELOADED, f"model {self.served.key} was loaded again since "
                            "this session opened: open a new session")
         if served is None:
-            return Refused("NOT_FOUND", f"model {self.served.key} was unloaded")
-        return Refused("UNAVAILABLE", f"model {self.served.key} is "
+            return Refused("not_found", f"model {self.served.key} was unloaded")
+        return Refused("unavailable", f"model {self.served.key} is "
                        f"{self.served.state.lower()}: {self.served.reason}")
 
     def _fail(self, at: int, index: int, seq: int, slot: int, code: str, error: str) -> None:
@@ -268,16 +266,16 @@ class FastPath:
             head = _recv_exact(sock, wire.OPEN.size, first[:wire.OPEN.size])
             magic, version, length = wire.OPEN.unpack(head)
             if version != wire.VERSION:
-                raise Refused("FAILED_PRECONDITION", f"fast path version {version}: this "
+                raise Refused("precondition", f"fast path version {version}: this "
                               f"cuvild speaks {wire.VERSION}")
             if length > wire.MAX_OPEN_BYTES:
-                raise Refused("INVALID_ARGUMENT", f"open request of {length} bytes (at most "
+                raise Refused("invalid", f"open request of {length} bytes (at most "
                               f"{wire.MAX_OPEN_BYTES})")
             body = _recv_exact(sock, length, first[wire.OPEN.size:])
             served, model, depth = self._model(json.loads(body))
             sock.settimeout(None)
             if self._closed:
-                raise Refused("UNAVAILABLE", "cuvild is stopping")
+                raise Refused("unavailable", "cuvild is stopping")
             # (not under the lock: an attached session may end, and forget itself, at once)
             session = Session(self, sock, uid, served, model, depth, done)
             with self._lock:
@@ -288,7 +286,7 @@ class FastPath:
             # EOF): the caller's connection slot is released, or its uid is locked out of
             # the daemon until restart; anything else is a bug, said, and still released
             known = (Refused, ValueError, EOFError, OSError, RecursionError)
-            code = e.code if isinstance(e, Refused) else (
+            code = _code(e) if isinstance(e, Refused) else (
                 "INVALID_ARGUMENT" if isinstance(e, known) else "INTERNAL")
             if not isinstance(e, known):
                 log.exception("fast path: opening a session of uid %d failed", uid)
@@ -311,23 +309,23 @@ class FastPath:
         """The open request's model and depth; with "shapes" (a dynamic-shape model's
         inputs), the model's bucket for them, built if it is new (cuvild/load/buckets.py)."""
         if not isinstance(request, dict) or not isinstance(request.get("model"), str):
-            raise Refused("INVALID_ARGUMENT", 'open request: expected {"model": name, ...}')
+            raise Refused("invalid", 'open request: expected {"model": name, ...}')
         name, version = request["model"], str(request.get("version") or "")
         depth = request.get("depth", 1)
         if isinstance(depth, bool) or not isinstance(depth, int) or not (
                 1 <= depth <= wire.MAX_DEPTH):
-            raise Refused("INVALID_ARGUMENT", f"depth {depth!r}: 1..{wire.MAX_DEPTH}")
+            raise Refused("invalid", f"depth {depth!r}: 1..{wire.MAX_DEPTH}")
         served = self.models.get(name, version)
         what = repr(name) + (f" version {version!r}" if version else "")
         if served is None:
-            raise Refused("NOT_FOUND", f"unknown model {what}")
+            raise Refused("not_found", f"unknown model {what}")
         if served.state != "READY" or served.loaded is None:
-            raise Refused("UNAVAILABLE", f"model {served.key} is {served.state.lower()}"
+            raise Refused("unavailable", f"model {served.key} is {served.state.lower()}"
                           + (f": {served.reason}" if served.reason else " (still loading)"))
         shapes = request.get("shapes")
         if shapes is None:
             if served.loaded.dynamic:
-                raise Refused("FAILED_PRECONDITION", f"model {served.key} has dynamic input "
+                raise Refused("precondition", f"model {served.key} has dynamic input "
                               'shapes: open the session with "shapes", those of your inputs',
                               dynamic=True, inputs=[
                                   {"name": t["name"], "dtype": spec.dtype,
@@ -338,7 +336,7 @@ class FastPath:
         if not isinstance(shapes, list) or not all(
                 isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
                 for shape in shapes):
-            raise Refused("INVALID_ARGUMENT", f"shapes {shapes!r}: one list of sizes >= 0 per "
+            raise Refused("invalid", f"shapes {shapes!r}: one list of sizes >= 0 per "
                           "input")
         dtypes = [spec.dtype for spec in served.loaded.table]  # (a count that differs is
         given = [(dtypes[i] if i < len(dtypes) else "", tuple(shape))  # said by resolve)
@@ -347,9 +345,9 @@ class FastPath:
             model = self.runner.resolve(served.loaded, given,
                                         deadline=time.monotonic() + OPEN_BUILD_S)
         except BadInput as e:
-            raise Refused("INVALID_ARGUMENT", str(e)) from None
+            raise Refused("invalid", str(e)) from None
         except InferError as e:  # its bucket could not be built in time, or at all
-            raise Refused(CODES.get(e.kind, CODES["internal"]).name, str(e)) from None
+            raise Refused(e.kind, str(e)) from None
         return served, model, depth
 
     def forget(self, session: Session) -> None:

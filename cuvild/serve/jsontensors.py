@@ -6,7 +6,7 @@ shared-memory region. Everything a client sends is checked before it costs anyth
 head's size (limits.http.max_json_bytes), each input's name, datatype and shape against the
 model's declared inputs before its data is turned into an array (JSON tensors cost ~10x their
 bytes as Python objects and arrays), and every number against the range protobuf and numpy
-take; each refusal is an `Aborted` naming the field, never an exception of numpy's or
+take; each refusal is a `Refused` naming the field, never an exception of numpy's or
 protobuf's (once 500s with a traceback each, issue 49).
 """
 
@@ -16,12 +16,12 @@ import math
 import re
 from typing import Any
 
-import grpc
 import numpy as np
 import orjson
 from aiohttp import web
 
 from cuvild.core.dtypes import BY_OIP
+from cuvild.serve.errors import Refused
 from protos import inference_pb2 as pb
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -33,21 +33,12 @@ INT64_MAX = (1 << 63) - 1  # protobuf's int64 (shapes, shared-memory offsets and
 _DIGITS = re.compile(r"[0-9]{1,15}")  # ASCII digits only: str.isdigit() takes "²"
 
 
-class Aborted(Exception):
-    """A request refused with a gRPC status; `http`, where the HTTP status is not the one
-    that status maps to (413 for a body part over its limit)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, http: int | None = None) -> None:
-        super().__init__(message)
-        self.code, self.http = code, http
+def bad(message: str) -> Refused:
+    return Refused("invalid", message)
 
 
-def bad(message: str) -> Aborted:
-    return Aborted(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def too_large(message: str) -> Aborted:
-    return Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, message, http=413)
+def too_large(message: str) -> Refused:
+    return Refused("exhausted", message, http=413)
 
 
 Inputs = dict[str, tuple[str, list[int]]]  # a model's inputs: name -> (OIP datatype, shape)

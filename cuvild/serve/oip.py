@@ -27,7 +27,7 @@ from cuvild.intake.registry import RegistryError
 from cuvild.load.models import ModelManager, ServedModel
 from cuvild.serve import modelinfo
 from cuvild.serve.cuda_regions import CudaRegions
-from cuvild.serve.errors import CODES, abort
+from cuvild.serve.errors import Refused, abort, status
 from cuvild.serve.limits import Gate
 from cuvild.serve.regions import RegionError, Regions
 from protos import inference_pb2 as pb
@@ -42,12 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def _param(params: Any, key: str, where: str) -> Any:
     """A shared-memory parameter of a tensor, of the type the protocol gives it: the region's
     name a non-empty string, offsets and sizes integers >= 0; None when absent."""
@@ -57,26 +51,17 @@ def _param(params: Any, key: str, where: str) -> Any:
     which = p.WhichOneof("parameter_choice")
     if key == "shared_memory_region":
         if which != "string_param" or not p.string_param:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: parameter {key!r} must "
+            raise Refused("invalid", f"{where}: parameter {key!r} must "
                           f"be a region's name (string_param), got {which or 'no value'}")
         return p.string_param
     if which != "int64_param":
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: parameter {key!r} must be "
+        raise Refused("invalid", f"{where}: parameter {key!r} must be "
                       f"an integer (int64_param), got {which or 'no value'}")
     value = getattr(p, which)
     if value < 0:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: parameter {key!r} must be "
+        raise Refused("invalid", f"{where}: parameter {key!r} must be "
                       f">= 0, got {value}")
     return value
-
-
-def _code(error: Exception) -> grpc.StatusCode:
-    """The status of a refused or failed request: Refused carries its own; the rest say
-    their kind (cuvild/serve/errors.py); bad input that says none is INVALID_ARGUMENT."""
-    if isinstance(error, Refused):
-        return error.code
-    fallback = "invalid" if isinstance(error, (RegionError, BadInput)) else "internal"
-    return CODES.get(getattr(error, "kind", fallback), CODES[fallback])
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -138,10 +123,10 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         served = self.models.get(name, version)
         if served is None:
             what = f"{name!r}" + (f" version {version!r}" if version else "")
-            raise Refused(grpc.StatusCode.NOT_FOUND, f"unknown model {what}")
+            raise Refused("not_found", f"unknown model {what}")
         if ready and served.state != "READY":
             detail = f": {served.reason}" if served.reason else " (still loading)"
-            raise Refused(grpc.StatusCode.UNAVAILABLE,
+            raise Refused("unavailable",
                           f"model {served.key} is {served.state.lower()}{detail}")
         return served
 
@@ -187,7 +172,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                     response, batch = self._infer(served, request, context, span, t0_ns,
                                                   epoch_ns)
             except (Refused, RegionError, BadInput, InferError) as e:
-                code = _code(e)
+                code = status(e)
                 if self.metrics:  # an unknown model's failures count under no name
                     known = self.models.get(name, version) is not None
                     self.metrics.failed(name if known else "", version if known else "",
@@ -267,7 +252,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         given: dict[str, Any] = {}
         for tensor in request.inputs:
             if tensor.name in given:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"input {tensor.name!r} given "
+                raise Refused("invalid", f"input {tensor.name!r} given "
                                                                 "twice")
             given[tensor.name] = tensor
         specs = served.record.inputs
@@ -275,7 +260,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         unknown = sorted(set(given) - set(expected))
         missing = [n for n in expected if n not in given]
         if unknown or missing:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused("invalid",
                           f"model {served.key} takes inputs {expected}; "
                           + (f"unknown {unknown} " if unknown else "")
                           + (f"missing {missing}" if missing else ""))
@@ -285,7 +270,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def _dtype(name: str, tensor: Any) -> str:
         dtype = BY_OIP.get(tensor.datatype)
         if dtype is None:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused("invalid",
                           f"input {name!r}: unsupported datatype {tensor.datatype!r}")
         return dtype.name
 
@@ -296,7 +281,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         raw = list(request.raw_input_contents)
         not_shm = [t.name for t in request.inputs if "shared_memory_region" not in t.parameters]
         if raw and len(raw) != len(not_shm):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused("invalid",
                           f"{len(raw)} raw_input_contents for {len(not_shm)} inputs not in "
                           "shared memory")
         data = dict(zip(not_shm, raw, strict=False))
@@ -310,11 +295,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         region = _param(tensor.parameters, "shared_memory_region", where)
         if region is not None:
             if not self.shm_enabled:
-                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                raise Refused("denied",
                               "shared memory is off for this listener (shm.allow_tcp_clients)")
             given = _param(tensor.parameters, "shared_memory_byte_size", where)
             if given is not None and given != size:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                raise Refused("invalid",
                               f"input {name!r}: shared_memory_byte_size {given} != {size} "
                               f"bytes of {tensor.datatype}{list(shape)}")
             offset = _param(tensor.parameters, "shared_memory_offset", where) or 0
@@ -325,18 +310,18 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             return TensorRef(reg.object_name, absolute, dtype, shape, reg.inode)
         if data is not None:
             if len(data) != size:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                raise Refused("invalid",
                               f"input {name!r}: {len(data)} raw bytes, expected {size} for "
                               f"{tensor.datatype}{list(shape)}")
             return RawTensor(data, dtype, shape)  # the engine copies it once, into the arena
         field = BY_OIP[tensor.datatype].contents
         if field is None:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused("invalid",
                           f"input {name!r}: {tensor.datatype} must be sent as raw contents")
         values = getattr(tensor.contents, field)
         count = size // BY_OIP[tensor.datatype].itemsize
         if len(values) != count:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused("invalid",
                           f"input {name!r}: {len(values)} values in contents, expected {count}")
         import torch
 
@@ -353,7 +338,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         cuda: dict[str, tuple[str, int]] = {}  # output -> CUDA region, offset
         for out in request.outputs:
             if out.name not in specs:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                raise Refused("invalid",
                               f"unknown output {out.name!r}; model {served.key} has "
                               f"{sorted(specs)}")
             wanted[out.name] = {}
@@ -362,13 +347,13 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             if region is None:
                 continue
             if not self.shm_enabled:
-                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                raise Refused("denied",
                               "shared memory is off for this listener (shm.allow_tcp_clients)")
             spec = specs[out.name]
             size = nbytes(spec["dtype"], shapes[out.name])
             given = _param(out.parameters, "shared_memory_byte_size", where)
             if given is not None and given < size:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                raise Refused("invalid",
                               f"output {out.name!r}: shared_memory_byte_size {given} < {size} "
                               "bytes needed")
             offset = _param(out.parameters, "shared_memory_offset", where) or 0

@@ -51,11 +51,11 @@ from aiohttp import web
 from cuvild.config import HttpLimits
 from cuvild.core.dtypes import oip_name
 from cuvild.serve import modelinfo
+from cuvild.serve.errors import Refused
 from cuvild.serve.httpguard import Listener, body
 from cuvild.serve.jsontensors import (
     HEADER_LENGTH,
     INT64_MAX,
-    Aborted,
     Inputs,
     bad,
     infer_request,
@@ -80,7 +80,7 @@ class Call:
         self.remote = request.remote or ""
 
     def abort(self, code: grpc.StatusCode, message: str) -> None:
-        raise Aborted(code, message)
+        raise Refused.of(code, message)
 
     def time_remaining(self) -> float | None:
         return None  # engine.run_timeout_s bounds the run
@@ -168,7 +168,7 @@ class RestServer:
         try:
             with self.listener.guard.handling(request):
                 return await handler(request)
-        except Aborted as e:
+        except Refused as e:
             return error(e.http or STATUS.get(e.code, 500), str(e))
         except web.HTTPException as e:  # no such route or method, too large, too slow: JSON
             if e.status < 400:
@@ -254,7 +254,7 @@ class RestServer:
         served = self.service.models.get(name, version)
         if served is None:
             what = repr(name) + (f" version {version!r}" if version else "")
-            raise Aborted(grpc.StatusCode.NOT_FOUND, f"unknown model {what}")
+            raise Refused("not_found", f"unknown model {what}")
         return {t["name"]: (oip_name(t["dtype"]), list(t["shape"]))
                 for t in served.record.inputs}
 
