@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,61 +51,127 @@ class HttpLimits:
     keepalive_s: float = 75.0  # an idle connection between requests is closed after this
 
 
+def setting(key: str, default: Any, doc: str, *, reload: bool = False, types: Any = None,
+            choices: tuple[Any, ...] = (), positive: bool = False,
+            read: Callable[[Any, str], Any] | None = None) -> Any:
+    """One key of cuvild.yaml, declared once: where it is in the file (dotted), its default,
+    what it does (`doc`), whether a reload applies it (else a restart), its YAML types where
+    the field's own type does not say them, its allowed values, and how its value is read
+    (`read(value, key)`, which may refuse it naming the key). The schema, the defaults, the
+    reload rule and the docs table (`table`) all come from these."""
+    meta = {"key": key, "doc": doc, "reload": reload, "types": types, "choices": choices,
+            "positive": positive, "read": read}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _dir(kind: str) -> Callable[[Any, str], Path]:
+    return lambda value, key: _writable_dir(value, kind, key)
+
+
 @dataclass
-class Config:
-    path: str
-    unix_socket: str
-    tcp: str | None
-    state_dir: Path
-    cache_dir: Path
-    log_level: str
-    cpu_enabled: bool
-    cpu_cores: list[int] | None
-    gpu_enabled: bool
-    openvino_enabled: bool
-    emulated: list[EmulatedDevice] = field(default_factory=list)
-    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
-    max_model_bytes: int = 2 << 30
-    max_concurrent_uploads: int = 2
-    upload_idle_s: float = 30.0  # an upload stream silent this long is cancelled
-    upload_max_s: float = 3600.0  # and one still going after this
-    max_connections: int = 256  # unix connections relayed at once, all users
-    max_connections_per_uid: int = 64
-    idle_timeout_s: float = 600.0  # a unix connection with no traffic is closed
-    rpc_threads: int = 32  # gRPC handler threads per listener (4 kept for quick calls)
-    shm_max_regions: int = 64  # per caller
-    shm_max_bytes: int = 16 << 30  # per caller, summed over its regions
-    run_timeout_s: float = 60.0  # a request's deadline when its caller gives none
-    max_buckets: int = 8  # built input shapes kept per dynamic-shape model
-    max_dim: int = 4096  # largest size accepted for a dynamic dimension
-    # device id or kind -> the runtimes `auto` may try there ({}: every one)
-    runtimes: dict[str, list[str]] = field(default_factory=dict)
-    token: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    insecure_loopback: bool = False
-    shm_allowed_uids: list[int] = field(default_factory=list)
-    shm_allow_tcp_clients: bool = False
-    fast_path: bool = True  # same-host sessions on the unix socket (cuvild/serve/fast.py)
-    max_in_flight: int = 4
-    objective: str = "latency"
-    compile_timeout_s: float = 300.0
-    workers: str = "process"
-    precision: str = "fp32"  # the precision policy of a model loaded without one
-    max_error: float = 0.01  # the error budget of "auto" when a load gives none
-    # dynamic batching of models whose first dimension is dynamic (max_batch 1: off)
-    max_batch: int = 8
-    max_delay_us: int = 500
-    metrics_enabled: bool = True
-    metrics_listen: str | None = None  # HOST:PORT of /metrics (None: no endpoint)
-    tracing_exporter: str | None = None  # "file" | "otlp" | None (off)
-    tracing_path: str | None = None
-    tracing_endpoint: str | None = None
-    tracing_sample_rate: float = 1.0
-    http: str | None = None  # HOST:PORT of the protocol's HTTP/REST form (None: off)
-    model_repository: str | None = None  # DIR/<name>/<version>/model.pt2, loaded at start
-    http_limits: HttpLimits = field(default_factory=HttpLimits)  # limits.http
+class Config:  # a key per field; `path` alone is not one (the file it was read from)
+    path: str = field(default="<memory>", metadata={"reload": True})
+    unix_socket: str | None = setting(
+        "listen.unix", None, "the unix socket (default: $RUNTIME_DIRECTORY or XDG's)")
+    tcp: str | None = setting("listen.tcp", None, "HOST:PORT of the gRPC listener off the "
+                              "unix socket (needs listen.token or mutual TLS)")
+    http: str | None = setting("listen.http", None, "HOST:PORT of the protocol's HTTP/REST form")
+    token: str | None = setting("listen.token", None, "bearer token for TCP and HTTP callers")
+    insecure_loopback: bool = setting("listen.insecure_loopback", False,
+                                      "TCP/HTTP on a loopback host with no token")
+    tls_cert: str | None = setting("listen.tls.cert", None, "server certificate (PEM)")
+    tls_key: str | None = setting("listen.tls.key", None, "its key (PEM)")
+    tls_client_ca: str | None = setting("listen.tls.client_ca", None,
+                                        "CA of client certificates: mutual TLS")
+    state_dir: Path = setting("state_dir", None, "models registered (default: "
+                              "$STATE_DIRECTORY or XDG's)", types=(str, type(None)),
+                              read=_dir("state"))
+    cache_dir: Path = setting("cache_dir", None, "compile cache and load records (default: "
+                              "$CACHE_DIRECTORY or XDG's)", types=(str, type(None)),
+                              read=_dir("cache"))
+    model_repository: str | None = setting(
+        "model_repository", None, "DIR/<name>/<version>/model.pt2, served at start",
+        reload=True, read=lambda v, key: v and repository_dir(v))
+    log_level: str = setting("log_level", "info", "debug, info, warning or error", reload=True,
+                             choices=("debug", "info", "warning", "error"))
+    cpu_enabled: bool = setting("devices.cpu.enabled", True, "serve on the host CPU")
+    cpu_cores: list[int] | None = setting(
+        "devices.cpu.cores", None, "the cores it may use (default: all)",
+        read=lambda v, key: v if v is None else _core_list(v, key))
+    gpu_enabled: bool = setting("devices.gpu.enabled", True, "serve on CUDA GPUs found")
+    openvino_enabled: bool = setting("devices.openvino.enabled", True,
+                                     "serve on OpenVINO's NPU where found")
+    emulated: list[EmulatedDevice] = setting(
+        "devices.emulated", [], "devices emulated on CPU cores (id, kind, runtime, cores)",
+        read=lambda v, key: _emulated(v))
+    overrides: dict[str, dict[str, Any]] = setting(
+        "devices.overrides", {}, "profile fields set by hand, per device id",
+        read=lambda v, key: _overrides(v))
+    max_model_bytes: int = setting("limits.max_model_bytes", 2 << 30, "largest archive",
+                                   reload=True, positive=True)
+    max_concurrent_uploads: int = setting("limits.max_concurrent_uploads", 2,
+                                          "uploads at once", positive=True)
+    upload_idle_s: float = setting("limits.upload_idle_s", 30.0, "an upload silent this long "
+                                   "is cancelled", reload=True, positive=True)
+    upload_max_s: float = setting("limits.upload_max_s", 3600.0, "and one still going after "
+                                  "this", reload=True, positive=True)
+    max_connections: int = setting("limits.max_connections", 256, "unix connections at once",
+                                   positive=True)
+    max_connections_per_uid: int = setting("limits.max_connections_per_uid", 64,
+                                           "of them per user", positive=True)
+    idle_timeout_s: float = setting("limits.idle_timeout_s", 600.0, "a silent unix "
+                                    "connection is closed after this", positive=True)
+    rpc_threads: int = setting("limits.rpc_threads", 32, "gRPC handler threads per listener "
+                               "(4 kept for quick calls; at least 8)")
+    http_limits: HttpLimits = setting("limits.http", None, "what one HTTP listener lets a "
+                                      "client hold (docs/OPERATIONS.md)", types=dict,
+                                      read=lambda v, key: HttpLimits(**v))
+    shm_allowed_uids: list[int] = setting("shm.allowed_uids", [], "uids whose regions TCP "
+                                          "callers may name", reload=True)
+    shm_allow_tcp_clients: bool = setting("shm.allow_tcp_clients", False,
+                                          "system shared memory off the unix socket")
+    shm_max_regions: int = setting("shm.max_regions_per_caller", 64, "regions per caller",
+                                   reload=True, positive=True)
+    shm_max_bytes: int = setting("shm.max_bytes_per_caller", 16 << 30, "their bytes, summed",
+                                 reload=True, positive=True)
+    fast_path: bool = setting("shm.fast_path", True, "same-host sessions on the unix socket")
+    max_in_flight: int = setting("engine.max_in_flight", 4, "requests run at once",
+                                 positive=True)
+    objective: str = setting("engine.objective", "latency", "what plans minimise",
+                             reload=True, choices=("latency", "throughput"))
+    compile_timeout_s: float = setting("engine.compile_timeout_s", 300.0, "one compile",
+                                       reload=True, positive=True)
+    workers: str = setting("engine.workers", "process", "device workers as processes or "
+                           "threads of the daemon", choices=("process", "thread"))
+    precision: str = setting("engine.precision", "fp32", "the policy of a model loaded "
+                             "without one", reload=True, choices=("fp32", "auto"))
+    max_error: float = setting("engine.max_error", 0.01, "the error budget of auto, in (0, 1)",
+                               reload=True)
+    run_timeout_s: float = setting("engine.run_timeout_s", 60.0, "a request's deadline when "
+                                   "its caller gives none", reload=True, positive=True)
+    max_buckets: int = setting("engine.max_buckets", 8, "input shapes kept per dynamic-shape "
+                               "model", reload=True, positive=True)
+    max_dim: int = setting("engine.max_dim", 4096, "largest size built for a dynamic "
+                           "dimension", reload=True, positive=True)
+    runtimes: dict[str, list[str]] = setting(
+        "engine.runtimes", {}, "device id or kind -> the runtimes auto may try ({}: all)",
+        reload=True, read=lambda v, key: _runtimes(v))
+    max_batch: int = setting("engine.batching.max_batch", 8, "rows merged into one run, in "
+                             "[1, 1024] (1: off)", reload=True)
+    max_delay_us: int = setting("engine.batching.max_delay_us", 500, "how long the oldest "
+                                "queued request waits for others, in [0, 1000000]", reload=True)
+    metrics_enabled: bool = setting("metrics.enabled", True, "Prometheus metrics")
+    metrics_listen: str | None = setting(
+        "metrics.listen", None, "PORT or HOST:PORT of /metrics (a bare port: loopback)",
+        types=(str, int, type(None)))
+    tracing_exporter: str | None = setting("tracing.exporter", None, "file, otlp or null (off)",
+                                           choices=(None, "file", "otlp"))
+    tracing_path: str | None = setting("tracing.path", None, "the file exporter's JSON lines")
+    tracing_endpoint: str | None = setting("tracing.endpoint", None, "the otlp collector's URL")
+    tracing_sample_rate: float = setting("tracing.sample_rate", 1.0, "share of requests "
+                                         "traced, in [0, 1]")
 
     def device_settings(self) -> dict[str, Any]:
         """The settings that change what the profiler measures (part of the cache key)."""
@@ -116,33 +183,13 @@ class Config:
         }
 
 
-# A reload (SIGHUP) applies these to the running daemon: each is read where it is used (the
-# next request, load, upload or registration; models already loaded keep their plans).
-RELOADED = frozenset({
-    "path", "log_level", "max_model_bytes", "upload_idle_s", "upload_max_s", "shm_max_regions",
-    "shm_max_bytes", "shm_allowed_uids", "run_timeout_s", "max_buckets", "max_dim", "runtimes",
-    "compile_timeout_s", "objective", "precision", "max_error", "max_batch", "max_delay_us",
-    "model_repository"})
-# The rest take effect on restart: field -> its key in the file, which a reload that finds
-# it changed names in its warning (the daemon keeps running as it started).
-ON_RESTART = {
-    "unix_socket": "listen.unix", "tcp": "listen.tcp", "http": "listen.http",
-    "token": "listen.token",
-    "tls_cert": "listen.tls", "tls_key": "listen.tls", "tls_client_ca": "listen.tls",
-    "insecure_loopback": "listen.insecure_loopback", "state_dir": "state_dir",
-    "cache_dir": "cache_dir", "cpu_enabled": "devices.cpu", "cpu_cores": "devices.cpu",
-    "gpu_enabled": "devices.gpu", "openvino_enabled": "devices.openvino",
-    "emulated": "devices.emulated", "overrides": "devices.overrides",
-    "max_concurrent_uploads": "limits.max_concurrent_uploads",
-    "max_connections": "limits.max_connections",
-    "max_connections_per_uid": "limits.max_connections_per_uid",
-    "idle_timeout_s": "limits.idle_timeout_s", "rpc_threads": "limits.rpc_threads",
-    "http_limits": "limits.http", "shm_allow_tcp_clients": "shm.allow_tcp_clients",
-    "fast_path": "shm.fast_path",
-    "max_in_flight": "engine.max_in_flight", "workers": "engine.workers",
-    "metrics_enabled": "metrics.enabled", "metrics_listen": "metrics.listen",
-    "tracing_exporter": "tracing", "tracing_path": "tracing", "tracing_endpoint": "tracing",
-    "tracing_sample_rate": "tracing"}
+KEYS = [f for f in dataclasses.fields(Config) if f.metadata.get("key")]
+# A reload (SIGHUP, `cuvilctl reload`) applies these to the running daemon: each is read where
+# it is used (the next request, load, upload or registration; loaded models keep their plans).
+RELOADED = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata.get("reload"))
+# The rest take effect on restart: field -> its key, which a reload that finds it changed
+# names in its warning (the daemon keeps running as it started).
+ON_RESTART = {f.name: f.metadata["key"] for f in KEYS if not f.metadata["reload"]}
 
 
 def build_timeout_s(cfg: Config) -> float:
@@ -150,51 +197,51 @@ def build_timeout_s(cfg: Config) -> float:
     return max(600.0, 4 * cfg.compile_timeout_s)
 
 
-# key -> (type or tuple of types, default). Nested dicts are their own schema.
-_SCHEMA: dict[str, Any] = {
-    "listen": {"unix": ((str, type(None)), None), "tcp": ((str, type(None)), None),
-               "http": ((str, type(None)), None),
-               "token": ((str, type(None)), None), "insecure_loopback": (bool, False),
-               "tls": {"cert": ((str, type(None)), None), "key": ((str, type(None)), None),
-                       "client_ca": ((str, type(None)), None)}},
-    "state_dir": ((str, type(None)), None),
-    "model_repository": ((str, type(None)), None),
-    "cache_dir": ((str, type(None)), None),
-    "log_level": (str, "info"),
-    "devices": {
-        "cpu": {"enabled": (bool, True), "cores": ((list, type(None)), None)},
-        "gpu": {"enabled": (bool, True)},
-        "openvino": {"enabled": (bool, True)},
-        "emulated": (list, []),
-        "overrides": (dict, {}),
-    },
-    "limits": {
-        "max_model_bytes": (int, 2 << 30),
-        "max_concurrent_uploads": (int, 2),
-        "upload_idle_s": ((int, float), 30),
-        "upload_max_s": ((int, float), 3600),
-        "max_connections": (int, 256),
-        "max_connections_per_uid": (int, 64),
-        "idle_timeout_s": ((int, float), 600),
-        "rpc_threads": (int, 32),
-        "http": {f.name: ((int, float) if isinstance(f.default, float) else int, f.default)
-                 for f in dataclasses.fields(HttpLimits)},
-    },
-    "shm": {"allowed_uids": (list, []), "allow_tcp_clients": (bool, False),
-            "max_regions_per_caller": (int, 64), "max_bytes_per_caller": (int, 16 << 30),
-            "fast_path": (bool, True)},
-    "engine": {"max_in_flight": (int, 4), "objective": (str, "latency"),
-               "compile_timeout_s": ((int, float), 300), "workers": (str, "process"),
-               "precision": (str, "fp32"), "max_error": ((int, float), 0.01),
-               "run_timeout_s": ((int, float), 60), "max_buckets": (int, 8),
-               "max_dim": (int, 4096), "runtimes": (dict, {}),
-               "batching": {"max_batch": (int, 8), "max_delay_us": (int, 500)}},
-    "metrics": {"enabled": (bool, True), "listen": ((str, int, type(None)), None)},
-    "tracing": {"exporter": ((str, type(None)), None), "path": ((str, type(None)), None),
-                "endpoint": ((str, type(None)), None), "sample_rate": ((int, float), 1.0)},
-}
+def _types(f: dataclasses.Field[Any]) -> Any:
+    """The YAML types a key takes: declared, or read from its field's type."""
+    if f.metadata["types"] is not None:
+        return f.metadata["types"]
+    text = str(f.type)
+    base = text.split("|")[0].strip().split("[")[0]
+    types = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,),
+             "list": (list,), "dict": (dict,)}[base]
+    return (*types, type(None)) if "None" in text else types
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
+
+def _schema() -> dict[str, Any]:
+    """key -> (types, default), nested by section, from the declarations."""
+    schema: dict[str, Any] = {}
+    for f in KEYS:
+        *sections, name = f.metadata["key"].split(".")
+        at = schema
+        for section in sections:
+            at = at.setdefault(section, {})
+        if f.name == "http_limits":  # a section of its own: HttpLimits' fields
+            at[name] = {h.name: ((int, float) if isinstance(h.default, float) else int,
+                                 h.default) for h in dataclasses.fields(HttpLimits)}
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        at[name] = (_types(f), default)
+    return schema
+
+
+_SCHEMA = _schema()
+
+
+def table() -> str:
+    """Every key of cuvild.yaml as a Markdown table: default, when it applies, what it does
+    (docs/OPERATIONS.md holds it; tests/serve/test_config.py checks it is this)."""
+    rows = ["| key | default | applies | what |", "|---|---|---|---|"]
+    for f in KEYS:
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        shown = "see below" if f.name == "http_limits" else (
+            "null" if default is None else str(default).lower() if isinstance(default, bool)
+            else default)
+        rows.append(f"| `{f.metadata['key']}` | `{shown}` | "
+                    f"{'reload' if f.metadata['reload'] else 'restart'} | {f.metadata['doc']} |")
+    return "\n".join(rows) + "\n"
+
+
 EMULATED_KINDS = ("npu", "gpu")
 EMULATED_RUNTIMES = ("openvino",)
 OVERRIDE_KEYS = (
@@ -402,106 +449,60 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def parse(data: Any, path: str = "<memory>") -> Config:  # noqa: C901 - a check per config section, in the file's order
-    """Validate a config mapping (as read from YAML) and build a Config. Creates directories."""
+def parse(data: Any, path: str = "<memory>") -> Config:
+    """Validate a config mapping (as read from YAML) and build a Config. Creates directories.
+    Each key is checked as it is declared (types, allowed values, > 0, its reader), then
+    what ties keys together."""
     raw = _fill(_SCHEMA, data, "")
-    if raw["log_level"] not in LOG_LEVELS:
-        raise ConfigError("log_level", f"expected one of {LOG_LEVELS}, got {raw['log_level']!r}")
-    dev = raw["devices"]
-    cpu_cores = dev["cpu"]["cores"]
-    if cpu_cores is not None:
-        cpu_cores = _core_list(cpu_cores, "devices.cpu.cores")
-    emulated = _emulated(dev["emulated"])
-    for e in emulated:
+    values: dict[str, Any] = {}
+    for f in KEYS:
+        key, meta = f.metadata["key"], f.metadata
+        value: Any = raw
+        for part in key.split("."):
+            value = value[part]
+        if meta["choices"] and value not in meta["choices"]:
+            names = ["null" if c is None else str(c) for c in meta["choices"]]
+            shown = ", ".join(names[:-1]) + " or " + names[-1]
+            raise ConfigError(key, f"expected {shown}, got {value!r}")
+        if meta["positive"] and value <= 0:
+            raise ConfigError(key, f"expected a positive number, got {value!r}")
+        if meta["read"] is not None:
+            value = meta["read"](value, key)
+        elif str(f.type) == "float":
+            value = float(value)
+        values[f.name] = value
+    cfg = Config(path=path, **values)
+    _check_together(cfg, raw)
+    unix = cfg.unix_socket or default_socket()
+    sock_dir = _writable_dir(str(Path(unix).parent), "runtime", "listen.unix")
+    cfg.unix_socket = str(sock_dir / Path(unix).name)
+    return cfg
+
+
+def _check_together(cfg: Config, raw: dict[str, Any]) -> None:
+    """What ties keys together, or a key's range past what its declaration says."""
+    for e in cfg.emulated:
         if e.id.startswith("cpu"):
             raise ConfigError("devices.emulated", f"id {e.id!r} clashes with the host CPU's ids")
-    tcp, http, tls = _check_listen(raw["listen"])
-    metrics_listen = _metrics_listen(raw["metrics"])
+    _check_listen(raw["listen"])
+    cfg.metrics_listen = _metrics_listen(raw["metrics"])
     _check_tracing(raw["tracing"])
-    uids = raw["shm"]["allowed_uids"]
+    uids = cfg.shm_allowed_uids
     if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in uids):
         raise ConfigError("shm.allowed_uids", f"expected a list of user ids, got {uids!r}")
-    eng = raw["engine"]
-    if eng["objective"] not in ("latency", "throughput"):
-        raise ConfigError("engine.objective", f"expected latency or throughput, got "
-                          f"{eng['objective']!r}")
-    if eng["workers"] not in ("process", "thread"):
-        raise ConfigError("engine.workers", f"expected process or thread, got "
-                          f"{eng['workers']!r}")
-    if eng["max_in_flight"] <= 0 or eng["compile_timeout_s"] <= 0:
-        raise ConfigError("engine", "max_in_flight and compile_timeout_s must be positive")
-    if eng["precision"] not in ("fp32", "auto"):
-        raise ConfigError("engine.precision", f"expected fp32 or auto, got {eng['precision']!r}")
-    _check_runtimes(eng["runtimes"])
-    batching = eng["batching"]
-    if not 1 <= batching["max_batch"] <= 1024 or not 0 <= batching["max_delay_us"] <= 10**6:
+    if not 1 <= cfg.max_batch <= 1024 or not 0 <= cfg.max_delay_us <= 10**6:
         raise ConfigError("engine.batching", f"expected max_batch in [1, 1024] (1: off) and "
-                          f"max_delay_us in [0, 1000000], got {batching}")
-    if not 0 < eng["max_error"] < 1:
+                          f"max_delay_us in [0, 1000000], got {raw['engine']['batching']}")
+    if not 0 < cfg.max_error < 1:
         raise ConfigError("engine.max_error", f"expected a relative error in (0, 1), got "
-                          f"{eng['max_error']!r}")
-    _positive(raw, ("limits", "max_model_bytes"), ("limits", "max_concurrent_uploads"),
-              ("limits", "upload_idle_s"), ("limits", "upload_max_s"),
-              ("limits", "max_connections"), ("limits", "max_connections_per_uid"),
-              ("limits", "idle_timeout_s"), ("shm", "max_regions_per_caller"),
-              ("shm", "max_bytes_per_caller"), ("engine", "run_timeout_s"),
-              ("engine", "max_buckets"), ("engine", "max_dim"))
-    _check_limits(raw)
-    unix = raw["listen"]["unix"] or default_socket()
-    sock_dir = _writable_dir(str(Path(unix).parent), "runtime", "listen.unix")
-    return Config(
-        path=path,
-        unix_socket=str(sock_dir / Path(unix).name),
-        tcp=tcp,
-        http=http,
-        state_dir=_writable_dir(raw["state_dir"], "state", "state_dir"),
-        cache_dir=_writable_dir(raw["cache_dir"], "cache", "cache_dir"),
-        log_level=raw["log_level"],
-        cpu_enabled=dev["cpu"]["enabled"],
-        cpu_cores=cpu_cores,
-        gpu_enabled=dev["gpu"]["enabled"],
-        openvino_enabled=dev["openvino"]["enabled"],
-        emulated=emulated,
-        overrides=_overrides(dev["overrides"]),
-        max_model_bytes=raw["limits"]["max_model_bytes"],
-        max_concurrent_uploads=raw["limits"]["max_concurrent_uploads"],
-        upload_idle_s=float(raw["limits"]["upload_idle_s"]),
-        upload_max_s=float(raw["limits"]["upload_max_s"]),
-        max_connections=raw["limits"]["max_connections"],
-        max_connections_per_uid=raw["limits"]["max_connections_per_uid"],
-        idle_timeout_s=float(raw["limits"]["idle_timeout_s"]),
-        rpc_threads=raw["limits"]["rpc_threads"],
-        http_limits=HttpLimits(**raw["limits"]["http"]),
-        shm_max_regions=raw["shm"]["max_regions_per_caller"],
-        shm_max_bytes=raw["shm"]["max_bytes_per_caller"],
-        run_timeout_s=float(eng["run_timeout_s"]),
-        max_buckets=eng["max_buckets"],
-        max_dim=eng["max_dim"],
-        runtimes={k: list(v) for k, v in eng["runtimes"].items()},
-        token=raw["listen"]["token"],
-        tls_cert=tls["cert"],
-        tls_key=tls["key"],
-        tls_client_ca=tls["client_ca"],
-        insecure_loopback=raw["listen"]["insecure_loopback"],
-        shm_allowed_uids=list(uids),
-        shm_allow_tcp_clients=raw["shm"]["allow_tcp_clients"],
-        fast_path=raw["shm"]["fast_path"],
-        max_in_flight=eng["max_in_flight"],
-        objective=eng["objective"],
-        compile_timeout_s=float(eng["compile_timeout_s"]),
-        workers=eng["workers"],
-        precision=eng["precision"],
-        max_error=float(eng["max_error"]),
-        max_batch=eng["batching"]["max_batch"],
-        max_delay_us=eng["batching"]["max_delay_us"],
-        metrics_enabled=raw["metrics"]["enabled"],
-        metrics_listen=metrics_listen,
-        tracing_exporter=raw["tracing"]["exporter"],
-        tracing_path=raw["tracing"]["path"],
-        tracing_endpoint=raw["tracing"]["endpoint"],
-        tracing_sample_rate=float(raw["tracing"]["sample_rate"]),
-        model_repository=raw["model_repository"] and repository_dir(raw["model_repository"]),
-    )
+                          f"{cfg.max_error!r}")
+    for f in dataclasses.fields(HttpLimits):
+        if getattr(cfg.http_limits, f.name) <= 0:
+            raise ConfigError(f"limits.http.{f.name}", "expected a positive number, got "
+                              f"{getattr(cfg.http_limits, f.name)!r}")
+    if cfg.rpc_threads < 8:
+        raise ConfigError("limits.rpc_threads", f"expected at least 8 (4 are kept for health "
+                          f"and status), got {cfg.rpc_threads}")
 
 
 def repository_dir(value: str) -> str:
@@ -513,24 +514,7 @@ def repository_dir(value: str) -> str:
     return str(path)
 
 
-def _check_limits(raw: dict[str, Any]) -> None:
-    _positive(raw, *(("limits", "http", f.name) for f in dataclasses.fields(HttpLimits)))
-    if raw["limits"]["rpc_threads"] < 8:
-        raise ConfigError("limits.rpc_threads", f"expected at least 8 (4 are kept for health "
-                          f"and status), got {raw['limits']['rpc_threads']}")
-
-
-def _positive(raw: dict[str, Any], *keys: tuple[str, ...]) -> None:
-    """Each key (a path of sections, then the key) holds a number > 0."""
-    for path in keys:
-        value: Any = raw
-        for part in path:
-            value = value[part]
-        if value <= 0:
-            raise ConfigError(".".join(path), f"expected a positive number, got {value!r}")
-
-
-def _check_runtimes(data: dict[Any, Any]) -> None:
+def _runtimes(data: dict[Any, Any]) -> dict[str, list[str]]:
     """engine.runtimes: device id or kind -> a non-empty list of known runtime names (a typo
     would otherwise leave a device with nothing to build with, found only at the first load)."""
     from runtimes.registry import RUNTIMES  # no torch: cheap
@@ -546,6 +530,7 @@ def _check_runtimes(data: dict[Any, Any]) -> None:
             if name not in RUNTIMES:
                 raise ConfigError(key, f"unknown runtime {name!r}; expected one of "
                                   f"{sorted(RUNTIMES)}")
+    return {k: list(v) for k, v in data.items()}
 
 
 def _metrics_listen(metrics: dict[str, Any]) -> str | None:
@@ -563,9 +548,7 @@ def _metrics_listen(metrics: dict[str, Any]) -> str | None:
 
 
 def _check_tracing(tracing: dict[str, Any]) -> None:
-    exporter = tracing["exporter"]
-    if exporter not in (None, "file", "otlp"):
-        raise ConfigError("tracing.exporter", f"expected file, otlp or null, got {exporter!r}")
+    exporter = tracing["exporter"]  # (one of its choices)
     if exporter == "file" and not tracing["path"]:
         raise ConfigError("tracing.path", "the file exporter writes JSON lines to a path")
     if exporter == "otlp" and not tracing["endpoint"]:

@@ -106,3 +106,19 @@ def test_a_reload_applies_or_names_every_setting():
     fields = {f.name for f in dataclasses.fields(config.Config)}
     assert config.RELOADED.isdisjoint(config.ON_RESTART)
     assert fields == config.RELOADED | set(config.ON_RESTART)
+
+
+def test_every_key_is_declared_once_and_the_docs_table_is_the_codes():
+    """The schema, the reload rule and docs/OPERATIONS.md's table come from one declaration
+    per key (config.setting)."""
+    keys = [f.metadata["key"] for f in config.KEYS]
+    assert len(keys) == len(set(keys))
+    assert config.RELOADED | set(config.ON_RESTART) == {
+        f.name for f in dataclasses.fields(config.Config)}
+    assert config.table() in (ROOT / "docs" / "OPERATIONS.md").read_text()
+    cfg = config.parse({"engine": {"max_buckets": 3, "batching": {"max_batch": 2}},
+                        "limits": {"upload_idle_s": 5}})
+    assert (cfg.max_buckets, cfg.max_batch, cfg.upload_idle_s) == (3, 2, 5.0)
+    assert isinstance(cfg.upload_idle_s, float)
+    with pytest.raises(config.ConfigError, match="engine.max_dim: expected a positive number"):
+        config.parse({"engine": {"max_dim": 0}})
