@@ -61,33 +61,33 @@ class Buckets:
         serves, planned, laid out and built; served, then the oldest past `max_buckets`
         evicted."""
         with family(model).lock:
-            variant = family(model).buckets.get(shapes)
-            if variant is not None and not variant.evicted:
-                return variant
-            variant = (restored(self.builder, model, shapes)
+            bucket = family(model).buckets.get(shapes)
+            if bucket is not None and not bucket.evicted:
+                return bucket
+            bucket = (restored(self.builder, model, shapes)
                        or cold(self.builder, model, shapes))
             if self.builder.runner.served.models.get(model.key) is not model:
-                self.builder.drop(variant)  # unloaded while it was built
+                self.builder.drop(bucket)  # unloaded while it was built
                 raise InferError(f"model {model.key} is not loaded any more")
-            family(model).buckets[shapes] = variant
-            self.builder.publish(variant)
+            family(model).buckets[shapes] = bucket
+            self.builder.publish(bucket)
             self.evict(model)
-            return variant
+            return bucket
 
     def evict(self, model: LoadedModel) -> None:
         """Unload the least recently used buckets past `max_buckets` that no request holds
         (under the model's build lock, so an eviction reaches the workers before a rebuild)."""
         kept = family(model).buckets
         over = len(kept) - self.max_buckets
-        for shapes, variant in sorted(kept.items(), key=lambda kv: kv[1].bucket.used):
+        for shapes, bucket in sorted(kept.items(), key=lambda kv: kv[1].bucket.used):
             if over <= 0:
                 break
-            assert variant.bucket is not None
-            if variant.bucket.evict():
+            assert bucket.bucket is not None
+            if bucket.bucket.evict():
                 del kept[shapes]
                 over -= 1
-                log.info("bucket %s evicted (a model keeps %d)", variant.key, self.max_buckets)
-                self.builder.unload(variant.key)
+                log.info("bucket %s evicted (a model keeps %d)", bucket.key, self.max_buckets)
+                self.builder.unload(bucket.key)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -110,15 +110,15 @@ def restored(builder: Builder, model: LoadedModel, shapes: Shapes) -> LoadedMode
         return None
     key = f"{model.key}@{tag(shapes)}"
     try:
-        variant = warm.restore(builder, where, record, key, model.name, model.version,
+        bucket = warm.restore(builder, where, record, key, model.name, model.version,
                                model.archive, specs(model, shapes), model.policy)
     except Exception as e:  # noqa: BLE001 - never trusted blindly: built again
         log.warning("bucket %s: load record not used (%s); building it again", key, e)
         return None
-    variant.bucket, variant.batcher = Bucket(model.key, shapes), model.batcher
+    bucket.bucket, bucket.batcher = Bucket(model.key, shapes), model.batcher
     log.info("restored %s for input shapes %s from its load record", model.key,
              [list(s) for s in shapes])
-    return variant
+    return bucket
 
 
 def cold(builder: Builder, model: LoadedModel, shapes: Shapes) -> LoadedModel:
@@ -138,44 +138,44 @@ def cold(builder: Builder, model: LoadedModel, shapes: Shapes) -> LoadedModel:
     by_device: dict[str, list[str]] = {}
     for route in routes:
         by_device.setdefault(route.device, []).append(route.id)
-    variant = LoadedModel(f"{model.key}@{tag(shapes)}", model.name, model.version, plan, routes,
+    bucket = LoadedModel(f"{model.key}@{tag(shapes)}", model.name, model.version, plan, routes,
                           model.inputs, model.outputs, input_table(given, []), slots,
                           footprint, total, model.archive, given,
                           parts_by_device=by_device,
                           bucket=Bucket(model.key, shapes, own_split=own))
-    variant.policy = model.policy
-    variant.cut_bytes = cut_bytes(variant)
-    variant.part_input_shapes = {
+    bucket.policy = model.policy
+    bucket.cut_bytes = cut_bytes(bucket)
+    bucket.part_input_shapes = {
         p.id: [list(values[n].shape) for n in p.inputs] for p in split.parts}
     log.info("building %s for input shapes %s%s", model.key, [list(s) for s in shapes],
              ": " + ", ".join(f"{r.id}@{r.device}" for r in routes) if own else "")
-    builder.build(variant)
+    builder.build(bucket)
     if family(model).record_at is not None:
-        record(builder, model, variant, inputs, [values[n] for n in model.outputs])
-    variant.batcher = model.batcher
-    return variant
+        write_record(builder, model, bucket, inputs, [values[n] for n in model.outputs])
+    bucket.batcher = model.batcher
+    return bucket
 
 
-def record(builder: Builder, model: LoadedModel, variant: LoadedModel, inputs: list[Any],
-           expected: list[Any]) -> None:
+def write_record(builder: Builder, model: LoadedModel, bucket: LoadedModel,
+                 inputs: list[Any], expected: list[Any]) -> None:
     """Write a bucket's load record, with its check: torch eager's outputs on one input and
     how far the bucket's are from them now."""
     try:
-        check = precision.check(builder.runner.run, variant, [inputs], [expected])
+        check = precision.check(builder.runner.run, bucket, [inputs], [expected])
     except Exception as e:  # noqa: BLE001 - a record saves a restart's build, no more
-        log.warning("bucket %s: not recorded, its check run failed: %s", variant.key, e)
+        log.warning("bucket %s: not recorded, its check run failed: %s", bucket.key, e)
         return
-    policy = variant.policy or PrecisionPolicy()
-    variant.accuracy = Accuracy(policy.mode, None, 1, False, 0.0, check, check)
-    assert variant.bucket is not None
+    policy = bucket.policy or PrecisionPolicy()
+    bucket.accuracy = Accuracy(policy.mode, None, 1, False, 0.0, check, check)
+    assert bucket.bucket is not None
     kept = family(model).record_at / warm.BUCKETS
     try:
-        warm.write(kept / tag(variant.bucket.shapes), variant, [inputs], [expected])
+        warm.write(kept / tag(bucket.bucket.shapes), bucket, [inputs], [expected])
         records = sorted(kept.iterdir(), key=lambda p: p.stat().st_mtime)
         for old in records[:max(0, len(records) - RECORDS)]:  # the oldest go
             shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
-        log.warning("bucket %s: load record not written (%s)", variant.key, e)
+        log.warning("bucket %s: load record not written (%s)", bucket.key, e)
 
 
 def reread(builder: Builder, model: LoadedModel) -> None:

@@ -109,7 +109,7 @@ class Bell:
         with contextlib.suppress(Exception):
             self.ended.exception(timeout=LOST_WAIT_S)
 
-    def record(self, block: Block, refs: dict[str, TensorRef]) -> None:
+    def point(self, block: Block, refs: dict[str, TensorRef]) -> None:
         """Write the request's record: its block, and its tensors in clients' regions."""
         name = block.segment.encode()
         at, count = BELL_ELSEWHERE, 0
@@ -274,7 +274,7 @@ class Rung:
         self.bells = pool.take(workers, model, deadline)
         try:
             for bell in self.bells.values():
-                bell.record(block, refs)
+                bell.point(block, refs)
         except BaseException:
             pool.give(model, self.bells, serves(model))
             raise

@@ -78,7 +78,7 @@ def layout(served: ServedModel, model: LoadedModel, depth: int) -> dict[str, Any
                           [t["name"] for t in served.record.outputs], depth)}
 
 
-class Session:
+class ClientSession:
     """One client's session: its connection, its memfd mapped here, its thread."""
 
     def __init__(self, fast: FastPath, sock: socket.socket, uid: int, served: ServedModel,
@@ -241,8 +241,8 @@ class FastPath:
     def __init__(self, models: ModelManager, runner: Runner,
                  metrics: Metrics | None = None) -> None:
         self.models, self.runner, self.metrics = models, runner, metrics
-        self._sessions: set[Session] = set()  # served here, by their threads
-        self._attached: set[Session] = set()  # served by their model's worker process
+        self._sessions: set[ClientSession] = set()  # served here, by their threads
+        self._attached: set[ClientSession] = set()  # served by their model's worker process
         # (name, version) -> requests done, failed, of ended sessions
         self._ended: dict[tuple[str, str], list[float]] = {}
         self._lock = threading.Lock()
@@ -277,7 +277,7 @@ class FastPath:
             if self._closed:
                 raise Refused("unavailable", "cuvild is stopping")
             # (not under the lock: an attached session may end, and forget itself, at once)
-            session = Session(self, sock, uid, served, model, depth, done)
+            session = ClientSession(self, sock, uid, served, model, depth, done)
             with self._lock:
                 if not session.ended:
                     (self._attached if session.attached else self._sessions).add(session)
@@ -350,7 +350,7 @@ class FastPath:
             raise Refused(e.kind, str(e)) from None
         return served, model, depth
 
-    def forget(self, session: Session) -> None:
+    def forget(self, session: ClientSession) -> None:
         counts = session.counts()
         with self._lock:
             if session in self._sessions or session in self._attached:
@@ -360,7 +360,7 @@ class FastPath:
 
     def counts(self) -> dict[tuple[str, str], list[float]]:
         """Per model (name, version), what a worker ran on a session's memory (ended
-        sessions' and open ones'), for the metrics: as `Session.counts`."""
+        sessions' and open ones'), for the metrics: as `ClientSession.counts`."""
         with self._lock:
             totals = {k: list(v) for k, v in self._ended.items()}
             sessions = list(self._sessions | self._attached)
