@@ -22,6 +22,7 @@ import socket
 import struct
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,6 @@ from cuvild.core.spin import MOST_S, Spin
 from protos import fastpath as wire
 
 KEEP = 4  # a dynamic model's sessions kept open, one per set of shapes
-_OPEN = ("sock", "mm", "layout", "_in", "_out", "_wait")  # what one open session is
 
 
 # A fast-path request or session failed: the client's one error family, so
@@ -71,6 +71,24 @@ def _array(mm: mmap.mmap, at: int, dtype: str, shape: list[int]) -> Any:
     return np.frombuffer(mm, np_dtype, count, at).reshape(shape)
 
 
+@dataclass
+class _Open:
+    """One open session: its connection, its memory, what the daemon said of it (`layout`),
+    the views of its input and output slots, and the SO_RCVTIMEO set on its socket."""
+
+    sock: socket.socket
+    mm: mmap.mmap
+    layout: dict[str, Any]
+    ins: list[list[Any]] = field(default_factory=list)
+    outs: list[list[Any]] = field(default_factory=list)
+    wait: float = -1.0
+
+    def close(self) -> None:
+        sock, mm = self.sock, self.mm
+        self.ins = self.outs = []  # its views of the memory go first
+        _shut(sock, mm)
+
+
 class FastSession:
     def __init__(self, socket_path: str, model: str, version: str = "", depth: int = 1,
                  timeout: float = 30.0, shapes: Sequence[Sequence[int]] | None = None,
@@ -81,12 +99,11 @@ class FastSession:
         doorbell, learnt from the answers' times (cuvild/core/spin.py; 0: never)."""
         self.path, self.model, self.version = socket_path, model, version
         self.depth, self.timeout, self.keep = depth, timeout, max(1, keep)
-        self._kept: dict[tuple[tuple[int, ...], ...], tuple[Any, ...]] = {}  # by shapes,
-        # oldest first: the open sessions of a dynamic model other than the current one
+        self._kept: dict[tuple[tuple[int, ...], ...], _Open] = {}  # by shapes, oldest
+        # first: the open sessions of a dynamic model other than the current one
         self.shapes = [list(s) for s in shapes] if shapes is not None else None
-        self.sock: socket.socket | None = None
-        self.mm: mmap.mmap | None = None
-        self.layout: dict[str, Any] = {}
+        self.now: _Open | None = None  # the current session
+        self.layout: dict[str, Any] = {}  # the current session's (its inputs, before one)
         self.dynamic = False  # the model's shapes are dynamic: a session has the request's
         self._seq = 0
         self.opened = 0  # sessions opened: 1, then one more per re-open
@@ -156,7 +173,7 @@ class FastSession:
                 raise FastPathError(reply.get("code", "UNKNOWN"), reply.get("error", ""))
             if len(fds) != 1:
                 raise FastPathError("INTERNAL", "the session's memory did not arrive")
-            self.mm = mmap.mmap(fds[0], reply["size"])
+            mm = mmap.mmap(fds[0], reply["size"])
         except BaseException:
             sock.close()
             raise
@@ -164,21 +181,19 @@ class FastSession:
             for fd in fds:
                 os.close(fd)
         sock.settimeout(None)
-        self._wait = -1.0  # the SO_RCVTIMEO set on this socket (none yet)
-        self.sock, self.layout = sock, reply
+        self.layout = reply
         self.dynamic = bool(reply.get("dynamic"))
         self.opened += 1
-        mm = self.mm
-        self._in = [[_array(mm, base + t["offset"], t["dtype"], t["shape"])
-                     for t in reply["inputs"]] for base in reply["slots"]]
-        self._out = [[_array(mm, base + t["offset"], t["dtype"], t["shape"])
-                      for t in reply["outputs"]] for base in reply["slots"]]
+        self.now = _Open(sock, mm, reply, [
+            [_array(mm, base + t["offset"], t["dtype"], t["shape"]) for t in reply["inputs"]]
+            for base in reply["slots"]], [
+            [_array(mm, base + t["offset"], t["dtype"], t["shape"]) for t in reply["outputs"]]
+            for base in reply["slots"]])
 
     def _close(self) -> None:
-        sock, mm = self.sock, self.mm
-        self.sock = self.mm = None
-        self._in = self._out = []  # its views of the memory go first
-        _shut(sock, mm)
+        now, self.now = self.now, None
+        if now is not None:
+            now.close()
 
     def close(self) -> None:
         self._close()
@@ -187,28 +202,21 @@ class FastSession:
     def _switch(self, shapes: list[list[int]]) -> None:
         """Make the session for `shapes` the current one: a kept one, or none (the request
         opens it). The current one is kept, the oldest closed past `keep`."""
-        if self.sock is not None and self.shapes is not None:
-            self._kept[_key(self.shapes)] = tuple(getattr(self, a) for a in _OPEN)
-            self.sock = self.mm = None
+        if self.now is not None and self.shapes is not None:
+            self._kept[_key(self.shapes)] = self.now
+            self.now = None
         self.shapes = shapes
         kept = self._kept.pop(_key(shapes), None)
         if kept is not None:
-            for attr, value in zip(_OPEN, kept, strict=True):
-                setattr(self, attr, value)
+            self.now, self.layout = kept, kept.layout
         while len(self._kept) >= self.keep:  # with the current one, `keep` are open
-            self._close_kept(self._kept.pop(next(iter(self._kept))))
+            self._kept.pop(next(iter(self._kept))).close()
 
     def _forget_kept(self) -> None:
         """Close the kept sessions (the daemon restarted or the model was loaded again: they
         are as stale as the current one, or the session is closed)."""
         while self._kept:
-            self._close_kept(self._kept.popitem()[1])
-
-    @staticmethod
-    def _close_kept(kept: tuple[Any, ...]) -> None:
-        sock, mm = kept[0], kept[1]
-        del kept  # its views of the memory go first
-        _shut(sock, mm)
+            self._kept.popitem()[1].close()
 
     def __enter__(self) -> FastSession:
         return self
@@ -245,7 +253,7 @@ class FastSession:
             if shapes != self.shapes:
                 self._switch(shapes)
         for attempt in (1, 2):
-            if self.sock is None:
+            if self.now is None:
                 self._open(deadline)
             try:
                 return self._request(values, deadline)
@@ -261,32 +269,33 @@ class FastSession:
         raise AssertionError("unreachable")
 
     def _request(self, values: list[Any], deadline: float) -> list[Any]:
-        assert self.sock is not None and self.mm is not None
+        now = self.now
+        assert now is not None
         self._seq += 1
         seq, slot = self._seq, 0
-        index = seq % self.layout["depth"]
-        for spec, place, value in zip(self.inputs, self._in[slot], values, strict=True):
+        index = seq % now.layout["depth"]
+        for spec, place, value in zip(self.inputs, now.ins[slot], values, strict=True):
             self._put(spec, place, value)
-        at = self.layout["ring"] + index * self.layout["entry_bytes"]
-        wire.ENTRY.pack_into(self.mm, at, seq, slot, wire.SUBMITTED, 0)
-        return self._ring(seq, slot, at, index, deadline)
+        at = now.layout["ring"] + index * now.layout["entry_bytes"]
+        wire.ENTRY.pack_into(now.mm, at, seq, slot, wire.SUBMITTED, 0)
+        return self._ring(now, seq, slot, at, index, deadline)
 
-    def _ring(self, seq: int, slot: int, at: int, index: int, deadline: float) -> list[Any]:  # noqa: C901 - one ring round trip: write, bell, wait, read, in order
-        """Send the doorbell for ring entry `index` (seq) and read the answer."""
-        assert self.sock is not None and self.mm is not None
+    def _ring(self, now: _Open, seq: int, slot: int, at: int, index: int,  # noqa: C901 - one ring round trip: write, bell, wait, read, in order
+              deadline: float) -> list[Any]:
+        """Send the doorbell for ring entry `index` (seq) of session `now`; read the answer."""
         bell = wire.DOORBELL.pack(seq)
         # The wait's limit is the kernel's (SO_RCVTIMEO, set when it changes): a blocking
         # socket reads the answer in one system call, where a Python timeout polls first.
         wait = max(0.001, round(deadline - time.monotonic(), 2))
         try:
-            if wait != self._wait:
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack(
+            if wait != now.wait:
+                now.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack(
                     "ll", int(wait), int(wait % 1 * 1e6)))
-                self._wait = wait
-            self.sock.sendall(bell)
-            mm = self.mm  # (answered: the entry's state is no longer SUBMITTED)
+                now.wait = wait
+            now.sock.sendall(bell)
+            mm = now.mm  # (answered: the entry's state is no longer SUBMITTED)
             spun = self._spin.check(lambda: wire.ENTRY.unpack_from(mm, at)[2] != wire.SUBMITTED)
-            answer = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
+            answer = now.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
             if not spun:
                 self._spin.slept()
         except (BlockingIOError, TimeoutError):
@@ -302,17 +311,17 @@ class FastSession:
                                 "time")
         if not answer:
             raise _Gone("the daemon closed the session")
-        got, _, state, error_len = wire.ENTRY.unpack_from(self.mm, at)
+        got, _, state, error_len = wire.ENTRY.unpack_from(now.mm, at)
         if answer != bell or got != seq:
             self._close()
             raise FastPathError("INTERNAL", f"the answer was for request "
                                 f"{wire.DOORBELL.unpack(answer)[0]}, not {seq}")
         if state == wire.DONE:
             return [np.array(out) if isinstance(out, np.ndarray) else out.clone()
-                    for out in self._out[slot]]
-        where = self.layout["errors"] + index * self.layout["error_bytes"]
+                    for out in now.outs[slot]]
+        where = now.layout["errors"] + index * now.layout["error_bytes"]
         try:
-            error = json.loads(bytes(self.mm[where:where + error_len]))
+            error = json.loads(bytes(now.mm[where:where + error_len]))
         except ValueError:
             error = {"code": "INTERNAL", "error": f"request {seq} failed (state {state})"}
         raise FastPathError(error.get("code", "UNKNOWN"), error.get("error", ""))

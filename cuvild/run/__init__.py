@@ -1,2 +1,3 @@
-"""The data plane: a request through its parts (request.py), the doorbells that ring a worker
-(bells.py), dynamic batching. It never imports the control plane (cuvild/engine/__init__.py)."""
+"""The data plane: the Runner (runner.py) over a snapshot of what is served; a request through
+its parts (request.py), the doorbells that ring a worker (bells.py), dynamic batching. It
+never imports the control plane (tests/test_layout.py: it stands below it)."""

@@ -88,12 +88,12 @@ class Bell:
             os.ftruncate(stats_fd, mmap.PAGESIZE)
             self.mm = mmap.mmap(memfd, size)
             self.stats = mmap.mmap(stats_fd, STATS.size)
+            self.generation = worker.generation  # the worker's start it is attached to
             self.ended = worker.attach(order, [theirs.fileno(), memfd, stats_fd])
         finally:
             theirs.close()
             os.close(memfd)
             os.close(stats_fd)
-        self.generation: int = getattr(self.ended, "generation", 0)  # the worker's start
         self.sock, self.seq, self.closed = ours, 0, False
         self.busy, self.read_timeout = 0.0, 0.0  # the counts' busy time at the ring; SO_RCVTIMEO
 

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from cuvild.workers.workers import Workers
 
 FEEDBACK_RUNS = 20  # a part's measured runs that teach the cost model (once per load)
-# A request's timeline, when it is traced: (route, dispatched, replied), perf_counter_ns.
 # A part's answer: its failure (None: done; WorkerLost: its worker died) and its run time, ms.
 Answer = tuple["Route", "InferError | None", float]
 

@@ -113,20 +113,19 @@ class WorkerHandle:
             self.broken = True
 
     def call(self, order: Order, told: Any = None) -> Future[Reply]:
-        """Send `order`; the future's `generation` is the worker's start it went to. `told`
-        is called with each Progress the order sends before its reply (on the reader's
+        """Send `order` to the worker's current start. `told` is called with each Progress the order sends before its reply (on the reader's
         thread)."""
         future: Future[Reply] = Future()
         with self._send_lock:
             rid = next(self._ids)
-            future.generation = self.generation  # type: ignore[attr-defined]
+            generation = self.generation
             self._pending[rid] = future
             if told is not None:
                 self._told[rid] = told
             try:
                 self.conn.send(Envelope(rid, order))
             except (OSError, ValueError, BrokenPipeError) as e:
-                self._broke(future.generation)  # type: ignore[attr-defined]
+                self._broke(generation)
                 self._pending.pop(rid, None)
                 future.set_exception(WorkerDied(f"worker for {self.device.id} is gone: {e}"))
         return future
@@ -140,7 +139,7 @@ class WorkerHandle:
         future: Future[Reply] = Future()
         with self._send_lock:
             rid = next(self._ids)
-            future.generation = self.generation  # type: ignore[attr-defined]
+            generation = self.generation
             self._pending[rid] = future
             try:
                 self.conn.send(Envelope(rid, order))
@@ -148,7 +147,7 @@ class WorkerHandle:
                                    socket.SOCK_STREAM) as pipe:
                     sendfds(pipe, fds)
             except (OSError, ValueError) as e:
-                self._broke(future.generation)  # type: ignore[attr-defined]
+                self._broke(generation)
                 self._pending.pop(rid, None)
                 future.set_exception(WorkerDied(f"worker for {self.device.id} is gone: {e}"))
         return future
