@@ -113,8 +113,8 @@ class WorkerHandle:
             self.broken = True
 
     def call(self, order: Order, told: Any = None) -> Future[Reply]:
-        """Send `order` to the worker's current start. `told` is called with each Progress the order sends before its reply (on the reader's
-        thread)."""
+        """Send `order` to the worker's current start. `told` is called with each Progress
+        the order sends before its reply (on the reader's thread)."""
         future: Future[Reply] = Future()
         with self._send_lock:
             rid = next(self._ids)
