@@ -28,6 +28,7 @@ cuvild/client/fast.py is the Python client and cuvild/serve/fast.py the daemon's
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 MAGIC = b"CUVF"
 VERSION = 1
@@ -43,3 +44,23 @@ MAX_ERROR_TEXT = 900  # characters of an error message (its JSON fits ERROR_BYTE
 ALIGN = 64
 FREE, SUBMITTED, DONE, FAILED = 0, 1, 2, 3
 RELOADED = "RELOADED"  # an error code of its own: re-open and send again
+
+
+class BadEntry(ValueError):
+    """A doorbell rang for a ring entry that does not hold a submitted request of that seq,
+    or that names a slot the session does not have: the client wrote its ring wrong."""
+
+
+def submitted(mm: Any, ring: int, depth: int, seq: int) -> tuple[int, int, int]:
+    """The ring entry a doorbell for request `seq` rang: (index, its offset, its slot),
+    checked (BadEntry); `ring` is the ring's offset in the session's memory."""
+    index = seq % depth
+    at = ring + index * ENTRY_BYTES
+    got, slot, state, _ = ENTRY.unpack_from(mm, at)
+    if got != seq or state != SUBMITTED:
+        raise BadEntry(f"ring entry {index} holds request {got} in state {state}, the "
+                       f"doorbell rang for request {seq} (state {SUBMITTED}: submitted)")
+    if slot >= depth:
+        raise BadEntry(f"ring entry {index} names slot {slot}; the session has slots "
+                       f"0..{depth - 1}")
+    return index, at, slot

@@ -31,15 +31,16 @@ if TYPE_CHECKING:
 
 class Engine:
     def __init__(self, devices: Sequence[DeviceProfile], cache_dir: Path, arena: Arena,
-                 in_process: bool = False, max_in_flight: int = 4,
+                 workers: str = "process", max_in_flight: int = 4,
                  build_timeout_s: float = 600.0, compile_timeout_s: float = 300.0,
                  corrections_path: Path | None = None, run_timeout_s: float = 60.0,
                  max_buckets: int = 8, max_dim: int = 4096,
                  runtimes: dict[str, list[str]] | None = None) -> None:
-        """`run_timeout_s`: a request's deadline when its caller gives none, and how long a
-        worker may give no reply before it is restarted; `max_buckets`: input shapes kept per
-        dynamic-shape model, up to `max_dim`; `runtimes`: device id or kind -> runtimes."""
-        self.workers = Workers({d.id: d for d in devices}, cache_dir, in_process,
+        """`workers`: "process" or "thread" (`engine.workers`); `run_timeout_s`: a request's
+        deadline when its caller gives none, and how long a worker may give no reply before
+        it is restarted; `max_buckets`: input shapes kept per dynamic-shape model, up to
+        `max_dim`; `runtimes`: device id or kind -> runtimes."""
+        self.workers = Workers({d.id: d for d in devices}, cache_dir, workers,
                                run_timeout_s, lambda device, worker: warm.revive(
                                    self.builder, device, worker))
         self.runner = Runner(arena, self.workers, max_in_flight, run_timeout_s, max_dim)

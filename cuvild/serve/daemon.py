@@ -255,7 +255,7 @@ class Daemon:
                         max_in_flight=self.cfg.max_in_flight,
                         run_timeout_s=self.cfg.run_timeout_s, max_buckets=self.cfg.max_buckets,
                         max_dim=self.cfg.max_dim, runtimes=self.cfg.runtimes,
-                        in_process=self.cfg.workers == "thread",
+                        workers=self.cfg.workers,
                         build_timeout_s=config_mod.build_timeout_s(self.cfg),
                         compile_timeout_s=self.cfg.compile_timeout_s,
                         corrections_path=self.cfg.state_dir / "corrections"

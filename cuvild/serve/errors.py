@@ -9,9 +9,12 @@ INTERNAL, on every listener.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
+
+if TYPE_CHECKING:
+    from cuvild.load.models import ModelManager, ServedModel
 
 CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -56,3 +59,16 @@ def abort(context: grpc.ServicerContext, error: Exception) -> NoReturn:
     """End the call with the status of `error.kind` and the error's message."""
     context.abort(status(error), str(error))
     raise AssertionError("unreachable: context.abort raises")
+
+
+def find(models: ModelManager, name: str, version: str = "", ready: bool = True) -> ServedModel:
+    """The served model a request names, or the one refusal every listener gives: not_found
+    (unknown), or, when it must be `ready`, unavailable (loading or failed, and why)."""
+    served = models.get(name, version)
+    if served is None:
+        what = f"{name!r}" + (f" version {version!r}" if version else "")
+        raise Refused("not_found", f"unknown model {what}")
+    if ready and (served.state != "READY" or served.loaded is None):
+        detail = f": {served.reason}" if served.reason else " (still loading)"
+        raise Refused("unavailable", f"model {served.key} is {served.state.lower()}{detail}")
+    return served

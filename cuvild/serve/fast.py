@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from cuvild.core.errors import InferError
 from cuvild.core.layout import BadInput
 from cuvild.core.loaded import one_part
-from cuvild.serve.errors import Refused, status
+from cuvild.serve.errors import Refused, find, status
 from cuvild.workers.sessions import fail, slot_layout
 from protos import fastpath as wire
 from protos.orders import Attach, RawTensor
@@ -161,20 +161,16 @@ class ClientSession:
             self.close()
 
     def handle(self, seq: int) -> None:
-        depth = self.layout["depth"]
-        index = seq % depth
-        at = self.layout["ring"] + index * wire.ENTRY_BYTES
-        got, slot, state, _ = wire.ENTRY.unpack_from(self.mm, at)
         t0 = time.perf_counter()
         name, version = self.served.record.name, self.served.record.version
+        depth, ring = self.layout["depth"], self.layout["ring"]
+        index, slot = seq % depth, 0
+        at = ring + index * wire.ENTRY_BYTES
         try:
-            if got != seq or state != wire.SUBMITTED:
-                raise Refused("invalid", f"ring entry {index} holds request {got} in "
-                              f"state {state}, the doorbell rang for request {seq} "
-                              f"(state {wire.SUBMITTED}: submitted)")
-            if slot >= depth:
-                raise Refused("invalid", f"ring entry {index} names slot {slot}; the "
-                              f"session has slots 0..{depth - 1}")
+            try:
+                _, _, slot = wire.submitted(self.mm, ring, depth, seq)
+            except wire.BadEntry as e:
+                raise Refused("invalid", str(e)) from None
             if not self.fast.models.current(self.served):
                 raise self._gone()
             self.fast.runner.run(self.model, self.inputs[slot], into=self.outputs[slot])
@@ -315,13 +311,8 @@ class FastPath:
         if isinstance(depth, bool) or not isinstance(depth, int) or not (
                 1 <= depth <= wire.MAX_DEPTH):
             raise Refused("invalid", f"depth {depth!r}: 1..{wire.MAX_DEPTH}")
-        served = self.models.get(name, version)
-        what = repr(name) + (f" version {version!r}" if version else "")
-        if served is None:
-            raise Refused("not_found", f"unknown model {what}")
-        if served.state != "READY" or served.loaded is None:
-            raise Refused("unavailable", f"model {served.key} is {served.state.lower()}"
-                          + (f": {served.reason}" if served.reason else " (still loading)"))
+        served = find(self.models, name, version)
+        assert served.loaded is not None  # (READY)
         shapes = request.get("shapes")
         if shapes is None:
             if served.loaded.dynamic:

@@ -27,7 +27,7 @@ from cuvild.intake.registry import RegistryError
 from cuvild.load.models import ModelManager, ServedModel
 from cuvild.serve import modelinfo
 from cuvild.serve.cuda_regions import CudaRegions
-from cuvild.serve.errors import Refused, abort, status
+from cuvild.serve.errors import Refused, abort, find, status
 from cuvild.serve.limits import Gate
 from cuvild.serve.regions import RegionError, Regions
 from protos import inference_pb2 as pb
@@ -120,15 +120,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             raise
 
     def _find(self, name: str, version: str, ready: bool = True) -> ServedModel:
-        served = self.models.get(name, version)
-        if served is None:
-            what = f"{name!r}" + (f" version {version!r}" if version else "")
-            raise Refused("not_found", f"unknown model {what}")
-        if ready and served.state != "READY":
-            detail = f": {served.reason}" if served.reason else " (still loading)"
-            raise Refused("unavailable",
-                          f"model {served.key} is {served.state.lower()}{detail}")
-        return served
+        return find(self.models, name, version, ready)
 
     def ModelMetadata(self, request, context):  # noqa: N802
         served = self._served(request.name, request.version, context, ready=False)

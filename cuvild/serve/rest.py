@@ -51,7 +51,7 @@ from aiohttp import web
 from cuvild.config import HttpLimits
 from cuvild.core.dtypes import oip_name
 from cuvild.serve import modelinfo
-from cuvild.serve.errors import Refused
+from cuvild.serve.errors import Refused, find
 from cuvild.serve.httpguard import Listener, body
 from cuvild.serve.jsontensors import (
     HEADER_LENGTH,
@@ -251,10 +251,7 @@ class RestServer:
 
     def _inputs_of(self, name: str, version: str) -> Inputs:
         """What the model takes, to check a body against before parsing its tensors."""
-        served = self.service.models.get(name, version)
-        if served is None:
-            what = repr(name) + (f" version {version!r}" if version else "")
-            raise Refused("not_found", f"unknown model {what}")
+        served = find(self.service.models, name, version, ready=False)
         return {t["name"]: (oip_name(t["dtype"]), list(t["shape"]))
                 for t in served.record.inputs}
 

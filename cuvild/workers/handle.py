@@ -3,10 +3,11 @@
 `call` sends an order and returns a Future that the handle's reader thread completes;
 `attach` hands the worker a session or a bell (its socket and memory follow the order on the
 pipe), whose future completes when it ends. Parts run only when rung that way
-(cuvild/run/bells.py), in a process or, with `in_process=True`, in a thread of the daemon.
-The worker's death is EOF on the pipe: pending calls fail with WorkerDied and the engine's
-Workers (workers.py) revive it.
+(cuvild/run/bells.py). The worker's death is EOF on the pipe: pending calls fail with
+WorkerDied and Workers (workers.py) revive it.
 
+One verb set, two kinds, chosen once for the daemon (`engine.workers`, `KINDS`): a
+`ProcessWorker` runs in a process of its own; a `ThreadWorker` in a thread of the daemon.
 `kill` ends a worker that stopped answering: a process is killed; a thread cannot be, so it
 is abandoned (its sessions and pending calls fail now; it ends once the part it is stuck in
 returns) and `restart` starts a fresh one beside it. Each start is a `generation`: a kill
@@ -35,10 +36,13 @@ class WorkerDied(RuntimeError):
 
 
 class WorkerHandle:
-    def __init__(self, device: DeviceProfile, cache_dir: Path, in_process: bool = False) -> None:
+    """The daemon's end of a worker, whatever runs it (ProcessWorker, ThreadWorker)."""
+
+    in_process = False  # a thread of the daemon (its memory, its faults)
+
+    def __init__(self, device: DeviceProfile, cache_dir: Path) -> None:
         self.device = device
         self.cache_dir = str(cache_dir)
-        self.in_process = in_process
         self._ids = itertools.count()
         self._pending: dict[int, Future[Reply]] = {}
         self._told: dict[int, Any] = {}  # order id -> its progress callback
@@ -61,15 +65,7 @@ class WorkerHandle:
         self.generation += 1
         self.broken = False
         self._pending = {}  # this generation's: a dead one's reader fails only its own
-        if self.in_process:
-            self.in_thread = Worker(self.device, self.cache_dir, in_process=True)
-            self.process = threading.Thread(target=serve, args=(
-                theirs, self.device, self.cache_dir, self.in_thread),
-                name=f"worker-{self.device.id}", daemon=True)
-        else:
-            self.process = ctx.Process(target=process_main, name=f"cuvil-{self.device.id}",
-                                       args=(theirs, self.device.to_dict(), self.cache_dir),
-                                       daemon=True)
+        self.process = self._launch(ctx, theirs)
         self.process.start()
         del theirs
         self.conn = ours
@@ -77,6 +73,18 @@ class WorkerHandle:
                                         args=(ours, self._pending, self.generation),
                                         name=f"reply-{self.device.id}", daemon=True)
         self._reader.start()
+
+    def _launch(self, ctx: Any, theirs: Any) -> Any:
+        """What runs the worker (a Process or a Thread, not started), on pipe end `theirs`."""
+        raise NotImplementedError
+
+    def _end(self) -> None:
+        """End a start that stopped answering (`kill`, under its lock)."""
+        raise NotImplementedError
+
+    def _join(self, timeout: float) -> None:
+        """Wait for a stopped start to end."""
+        self.process.join(timeout)
 
     def _died(self, detail: str = "") -> WorkerDied:
         code = getattr(self.process, "exitcode", None)
@@ -154,22 +162,12 @@ class WorkerHandle:
 
     def kill(self, generation: int) -> bool:
         """End start `generation` of the worker if it is still the current one and alive
-        (it stopped answering); True if this call ended it. A process is killed (its pending
-        calls fail when its pipes close); a thread is abandoned: its pending calls (and its
-        sessions' and bells' Attaches) fail now."""
+        (it stopped answering); True if this call ended it."""
         with self._kill_lock:
             if generation != self.generation or self.broken:
                 return False
             self.broken = True
-            if not self.in_process:
-                self.process.kill()
-                return True
-            self.in_thread.abandoned = True
-            error = self._died("it stopped answering and was replaced")
-            for rid, future in list(self._pending.items()):
-                self._pending.pop(rid, None)
-                if not future.done():
-                    future.set_exception(error)
+            self._end()
             return True
 
     def alive(self) -> bool:
@@ -188,11 +186,55 @@ class WorkerHandle:
                 self.conn.send(None)
         except (OSError, ValueError):
             pass
-        if not (self.in_process and self.broken):
+        self._join(timeout)
+
+
+class ProcessWorker(WorkerHandle):
+    """A worker in a process of its own: forked from the daemon's forkserver once it runs,
+    else spawned; killed when it stops answering (its pending calls fail when its pipes
+    close)."""
+
+    def _launch(self, ctx: Any, theirs: Any) -> Any:
+        return ctx.Process(target=process_main, name=f"cuvil-{self.device.id}",
+                           args=(theirs, self.device.to_dict(), self.cache_dir), daemon=True)
+
+    def _end(self) -> None:
+        self.process.kill()
+
+    def _join(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+class ThreadWorker(WorkerHandle):
+    """A worker in a thread of the daemon (`engine.workers: thread`): `in_thread` is its
+    Worker; abandoned when it stops answering (its pending calls, and its sessions' and
+    bells' Attaches, fail now), and not waited for at stop once abandoned."""
+
+    in_process = True
+
+    def _launch(self, ctx: Any, theirs: Any) -> Any:
+        self.in_thread = Worker(self.device, self.cache_dir, in_process=True)
+        return threading.Thread(target=serve, args=(theirs, self.device, self.cache_dir,
+                                                    self.in_thread),
+                                name=f"worker-{self.device.id}", daemon=True)
+
+    def _end(self) -> None:
+        self.in_thread.abandoned = True
+        error = self._died("it stopped answering and was replaced")
+        for rid, future in list(self._pending.items()):
+            self._pending.pop(rid, None)
+            if not future.done():
+                future.set_exception(error)
+
+    def _join(self, timeout: float) -> None:
+        if not self.broken:
             self.process.join(timeout)
-            if not self.in_process and self.process.is_alive():
-                self.process.kill()
-                self.process.join()
+
+
+KINDS: dict[str, type[WorkerHandle]] = {"process": ProcessWorker, "thread": ThreadWorker}
 
 
 def stop_all(handles: Iterable[WorkerHandle]) -> None:

@@ -119,17 +119,10 @@ class Slots:
         self.at = self.index = self.slot = 0  # the entry of the request being served
 
     def where(self, seq: int) -> tuple[str | None, int, int]:
-        depth = self.layout["depth"]
-        self.index = seq % depth
-        self.at = self.layout["ring"] + self.index * wire.ENTRY_BYTES
-        got, self.slot, state, _ = wire.ENTRY.unpack_from(self.mm, self.at)
-        if got != seq or state != wire.SUBMITTED:
-            raise ValueError(f"ring entry {self.index} holds request {got} in state {state}, "
-                             f"the doorbell rang for request {seq} (state {wire.SUBMITTED}: "
-                             "submitted)")
-        if self.slot >= depth:
-            raise ValueError(f"ring entry {self.index} names slot {self.slot}; the session "
-                             f"has slots 0..{depth - 1}")
+        depth, ring = self.layout["depth"], self.layout["ring"]
+        self.index, self.slot = seq % depth, 0  # (where a refusal is written)
+        self.at = ring + self.index * wire.ENTRY_BYTES
+        _, _, self.slot = wire.submitted(self.mm, ring, depth, seq)
         return None, self.layout["slots"][self.slot], 0
 
     def done(self, seq: int) -> None:

@@ -16,19 +16,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cuvild.workers.handle import WorkerHandle, stop_all
+from cuvild.workers.handle import KINDS, WorkerHandle, stop_all
 from partitioner.profile import DeviceProfile
 
 log = logging.getLogger(__name__)
 
 
 class Workers:
-    def __init__(self, devices: dict[str, DeviceProfile], cache_dir: Path, in_process: bool,
+    def __init__(self, devices: dict[str, DeviceProfile], cache_dir: Path, kind: str,
                  run_timeout_s: float, restore: Callable[[str, WorkerHandle], None]) -> None:
-        """`restore(device, worker)`: put the device's parts back in its restarted worker."""
+        """`kind`: "process" or "thread" (handle.KINDS), for every worker of the daemon;
+        `restore(device, worker)`: put the device's parts back in its restarted worker."""
         self.devices = devices
         self.cache_dir = cache_dir
-        self.in_process = in_process
+        self.kind = KINDS[kind]
         self.run_timeout_s = run_timeout_s
         self.restore = restore
         self._handles: dict[str, WorkerHandle] = {}
@@ -46,8 +47,8 @@ class Workers:
                     self._usable[device] = threading.Event()
                     self._usable[device].set()
                     self._revive_locks[device] = threading.Lock()
-                    worker = self._handles[device] = WorkerHandle(
-                        self.devices[device], self.cache_dir, in_process=self.in_process)
+                    worker = self._handles[device] = self.kind(self.devices[device],
+                                                               self.cache_dir)
         return worker
 
     def ready(self, device: str) -> WorkerHandle | None:

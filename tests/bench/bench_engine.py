@@ -112,7 +112,7 @@ def processes_vs_threads(tmp: Path, path: Path, specs: Any, plan: Plan,
     worker processes and on worker threads, in turn."""
     arenas = {way: Arena(f"{os.getpid()}-bench-{way}") for way in ("processes", "threads")}
     engines = {way: Engine([CPU, NPU], tmp / "cache", arenas[way], max_in_flight=8,
-                           in_process=way == "threads") for way in arenas}
+                           workers="thread" if way == "threads" else "process") for way in arenas}
     try:
         for engine in engines.values():
             engine.prepare("tiny", "mlp", "1", path, specs, plan=plan)

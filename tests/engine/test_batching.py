@@ -69,7 +69,7 @@ def make(tmp_path):
     def engine(threads: bool = False) -> Engine:
         arena = Arena(f"{os.getpid()}-bat{len(made)}")
         eng = Engine([device("cpu0"), device("npu0")], tmp_path / "cache", arena,
-                     in_process=threads)
+                     workers="thread" if threads else "process")
         made.append((eng, arena))
         return eng
 

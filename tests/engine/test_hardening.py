@@ -109,7 +109,7 @@ def test_a_a_short_deadline_fails_the_request_but_spares_the_worker(make_engine,
 def test_a_thread_worker_stuck_in_a_part_is_replaced(make_engine, tmp_path, monkeypatch):
     """A thread cannot be killed: it is abandoned and a fresh one serves; the part it is
     stuck in still holds its request's block until it returns, then the thread ends."""
-    engine = make_engine(in_process=True, run_timeout_s=1.0)
+    engine = make_engine(workers="thread", run_timeout_s=1.0)
     model, x = mlp()
     prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0"])
     gate, stuck = threading.Event(), threading.Event()
@@ -235,7 +235,7 @@ def got(fd: int, shape: tuple[int, ...]) -> torch.Tensor:
 def on_region(make_engine, tmp_path, client_object, in_process):  # noqa: ANN001, ANN201
     """An MLP on cpu0 whose input and output are in a client's object: (engine, model, x,
     the loaded model, (object name, its fd, input ref, output ref, output name))."""
-    engine = make_engine(in_process=in_process)
+    engine = make_engine(workers="thread" if in_process else "process")
     model, x = mlp()
     loaded = prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0"])
     name, fd, inode = client_object
@@ -331,7 +331,7 @@ def dynamic_mlp():
 
 
 def test_d_buckets_are_bounded_least_recently_used_first(make_engine, tmp_path):
-    engine = make_engine(in_process=True, max_buckets=2)
+    engine = make_engine(workers="thread", max_buckets=2)
     model, dyn = dynamic_mlp()
     loaded = prepare(engine, tmp_path, "dyn", model, (torch.randn(2, 32),), ["cpu0"], dyn)
     parts = engine.workers.of("cpu0").in_thread.parts
@@ -372,7 +372,7 @@ def test_d_buckets_are_bounded_least_recently_used_first(make_engine, tmp_path):
 
 
 def test_d_a_dynamic_dimension_above_max_dim_is_refused(make_engine, tmp_path):
-    engine = make_engine(in_process=True, max_dim=16)
+    engine = make_engine(workers="thread", max_dim=16)
     model, dyn = dynamic_mlp()
     loaded = prepare(engine, tmp_path, "dyn", model, (torch.randn(2, 32),), ["cpu0"], dyn)
     with pytest.raises(BadInput, match=r"input x: dim 0 is 17, above the largest .* \(16\)"):
@@ -384,7 +384,7 @@ def test_d_a_dynamic_dimension_above_max_dim_is_refused(make_engine, tmp_path):
 
 def test_d_built_buckets_are_served_while_another_builds_thread(make_engine, tmp_path,
                                                                  monkeypatch):
-    engine = make_engine(in_process=True)
+    engine = make_engine(workers="thread")
     model, dyn = dynamic_mlp()
     prepare(engine, tmp_path, "dyn", model, (torch.randn(2, 32),), ["cpu0"], dyn)
     x1, x5 = torch.randn(1, 32), torch.randn(5, 32)

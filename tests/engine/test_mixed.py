@@ -273,7 +273,7 @@ def test_a_runtime_whose_bf16_is_wrong_is_refused_end_to_end(monkeypatch, tmp_pa
                         peak_gflops={"fp32": 100.0, "bf16": 400.0}, mem_bw_gbs=20.0,
                         link_bw_gbs=10.0, launch_us=5.0)
     arena = Arena(f"{os.getpid()}-corrupt")
-    engine = Engine([cpu], tmp_path, arena, in_process=True, runtimes={"cpu": ["corrupt"]})
+    engine = Engine([cpu], tmp_path, arena, workers="thread", runtimes={"cpu": ["corrupt"]})
     try:
         path, specs = archive
         loaded = engine.prepare("c", "c", "1", path, specs,

@@ -49,7 +49,7 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, str]]:
 
 def test_a_static_models_requests_run_no_control_plane_code(made, tmp_path, monkeypatch):
     arena = Arena(f"{os.getpid()}-planes")
-    engine = Engine([device("cpu0")], tmp_path / "cache", arena, in_process=True)
+    engine = Engine([device("cpu0")], tmp_path / "cache", arena, workers="thread")
     made.append((engine, arena))
     torch.manual_seed(0)
     model, x = MLP(width=32, depth=2).eval(), torch.randn(2, 32)
@@ -64,7 +64,7 @@ def test_a_static_models_requests_run_no_control_plane_code(made, tmp_path, monk
 
 def test_a_bucket_miss_is_built_off_the_requests_thread(made, tmp_path, monkeypatch):
     arena = Arena(f"{os.getpid()}-planes")
-    engine = Engine([device("cpu0")], tmp_path / "cache", arena, in_process=True)
+    engine = Engine([device("cpu0")], tmp_path / "cache", arena, workers="thread")
     made.append((engine, arena))
     torch.manual_seed(0)
     model = MLP(width=32, depth=2).eval()
