@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,14 +32,24 @@ class Batching:
     max_delay_us: int = 500
 
 
+@dataclass(frozen=True)
+class Out:
+    """Where a request's outputs go (one mode per caller): those named in `refs` are written
+    in place in clients' regions (None stands for them); the rest are copied `into` places
+    (one per output; nothing is returned), or returned as bytes (`raw`) or as fresh tensors."""
+
+    refs: Mapping[str, TensorRef] = field(default_factory=dict)
+    raw: bool = False
+    into: Sequence[memoryview] | None = None
+
+
 class Queue(Protocol):
     """A batched model's queue (cuvild/run/batching.py `Batcher`), shared by its buckets: a
     request goes in and comes back answered, from its batch's run."""
 
     settings: Batching
 
-    def run(self, model: LoadedModel, inputs: Sequence[Any],
-            output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
+    def run(self, model: LoadedModel, inputs: Sequence[Any], out: Out,
             deadline: float | None, timeline: Timeline | None = None) -> list[Any]: ...
 
     def stats(self) -> dict[str, Any]: ...

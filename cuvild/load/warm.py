@@ -288,8 +288,8 @@ def _check(builder: Builder, model: LoadedModel, where: Path) -> None:
     try:
         for xs, want in zip(inputs, expected, strict=False):
             t0 = time.perf_counter()
-            got = builder.runner.run(
-                model, [RawTensor(x.tobytes(), str(x.dtype), x.shape) for x in xs], raw=True)
+            got = builder.runner.run_raw(
+                model, [RawTensor(x.tobytes(), str(x.dtype), x.shape) for x in xs])
             times.append((time.perf_counter() - t0) * 1e3)
             outputs.append([np.frombuffer(g, w.dtype).reshape(w.shape)
                             for g, w in zip(got, want, strict=True)])

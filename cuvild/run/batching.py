@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from cuvild.core.errors import BadRegion, InferError, RunTimeout, WorkerUnavailable
-from cuvild.core.loaded import Batching
+from cuvild.core.loaded import Batching, Out
 from cuvild.core.views import as_bytes
 from cuvild.workers.clientmem import RegionGone
 from protos.orders import RawTensor, TensorRef
@@ -145,15 +145,15 @@ def check(ep: Any, specs: list[dict[str, Any]], low: int) -> str:
 class Pending:
     """One queued request."""
 
-    __slots__ = ("arrived", "deadline", "done", "error", "gap", "given", "inputs", "into",
-                 "model", "output_refs", "raw", "result", "rows", "sig", "taken", "timeline")
+    __slots__ = ("arrived", "deadline", "done", "error", "gap", "given", "inputs", "model",
+                 "out", "result", "rows", "sig", "taken", "timeline")
 
-    def __init__(self, model: Any, inputs: Sequence[Any], output_refs: dict[str, TensorRef],
-                 raw: bool, into: Sequence[memoryview] | None, given: float | None,
-                 default_s: float, timeline: Timeline | None = None) -> None:
-        self.model, self.inputs, self.output_refs = model, inputs, output_refs
+    def __init__(self, model: LoadedModel, inputs: Sequence[Any], out: Out,
+                 given: float | None, default_s: float,
+                 timeline: Timeline | None = None) -> None:
+        self.model, self.inputs, self.out = model, inputs, out
         self.timeline = timeline  # a traced request's: the parts of its batch's run
-        self.raw, self.into, self.given = raw, into, given  # given: the caller's deadline
+        self.given = given  # the caller's deadline
         shapes = model.bucket.shapes  # (a batched request's model is a bucket)
         self.rows = shapes[0][0]
         self.sig = tuple((spec.dtype, shape[1:]) for spec, shape
@@ -191,15 +191,13 @@ class Batcher:
         self.waits: deque[float] = deque(maxlen=1000)  # the last queue waits, seconds
 
     # -- the request's side ----------------------------------------------------------------
-    def run(self, model: LoadedModel, inputs: Sequence[Any],
-            output_refs: dict[str, TensorRef], raw: bool, into: Sequence[memoryview] | None,
+    def run(self, model: LoadedModel, inputs: Sequence[Any], out: Out,
             deadline: float | None, timeline: Timeline | None = None) -> list[Any]:
         """Run one request of `model` (its bucket) in a batch; what Runner.execute returns."""
         runner = self.runner
-        me = Pending(model, inputs, output_refs, raw, into, deadline, runner.run_timeout_s,
-                     timeline)
+        me = Pending(model, inputs, out, deadline, runner.run_timeout_s, timeline)
         if me.rows >= self.settings.max_batch:
-            return runner.execute(model, inputs, output_refs, raw, timeline, deadline, into)
+            return runner.execute(model, inputs, out, timeline, deadline)
         with self._cond:
             me.gap, self._last = me.arrived - self._last, me.arrived
             self._back += 1
@@ -329,8 +327,7 @@ class Batcher:
     @staticmethod
     def _alone(runner: Runner, p: Pending) -> None:
         try:
-            p.result = runner.execute(p.model, p.inputs, p.output_refs, p.raw, p.timeline,
-                                      p.given, p.into)
+            p.result = runner.execute(p.model, p.inputs, p.out, p.timeline, p.given)
         except Exception as e:  # noqa: BLE001 - the request's own answer
             p.error = e
 
@@ -349,7 +346,7 @@ class Batcher:
         outs = [memoryview(bytearray(model.slots[n].nbytes)) for n in model.outputs]
         traced = [p.timeline for p in batch if p.timeline is not None]
         timeline: Timeline | None = [] if traced else None
-        runner.execute(model, inputs, {}, False, timeline, deadline, outs)
+        runner.execute(model, inputs, Out(into=outs), timeline, deadline)
         for each in traced:
             each.extend(timeline or ())
         at_row = 0
@@ -402,13 +399,13 @@ class Batcher:
         for k, name in enumerate(model.outputs):
             per_row = len(outs[k]) // rows
             mine = outs[k][at_row * per_row:(at_row + p.rows) * per_row]
-            ref = p.output_refs.get(name)
+            ref = p.out.refs.get(name)
             if ref is not None:
                 runner.regions.write(ref.segment, ref.inode, ref.offset, mine)
                 result.append(None)
-            elif p.into is not None:
-                p.into[k][:] = mine
-            elif p.raw:
+            elif p.out.into is not None:
+                p.out.into[k][:] = mine
+            elif p.out.raw:
                 result.append(bytes(mine))
             else:
                 import torch
@@ -416,7 +413,7 @@ class Batcher:
                 slot = p.model.slots[name]
                 result.append(torch.frombuffer(bytearray(mine), dtype=getattr(
                     torch, slot.dtype)).view(slot.shape))
-        return [] if p.into is not None else result
+        return [] if p.out.into is not None else result
 
     # -- what it did -------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from cuvild.core.errors import (
     WorkerUnavailable,
 )
 from cuvild.core.layout import check_inputs
-from cuvild.core.loaded import check_dims
+from cuvild.core.loaded import Out, check_dims
 from cuvild.core.served import Monitor, Served, Timeline
 from cuvild.run.bells import Bells, Rung
 from cuvild.run.request import FEEDBACK_RUNS, run_parts
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from cuvild.core.arena import Arena, Block
     from cuvild.core.loaded import LoadedModel, Route, Shapes
     from cuvild.workers.workers import Workers
+
+    Input = torch.Tensor | TensorRef | RawTensor  # a request's input, as it comes
 
 log = logging.getLogger(__name__)
 # A bucket miss: the Builder's future for `model`'s bucket at these shapes.
@@ -100,30 +102,40 @@ class Runner:
         model = self.resolve(self.served.models[key], given, deadline)
         return self.run(model, inputs, deadline=deadline)  # type: ignore[return-value]
 
-    def run(self, model: LoadedModel, inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
-            output_refs: dict[str, TensorRef] | None = None, raw: bool = False,
-            timeline: Timeline | None = None, deadline: float | None = None,
-            into: Sequence[memoryview] | None = None) -> list[Any]:
-        """Run one request of a resolved model: a batched model's in its queue (batching.py),
-        else at once (`execute`, which says what the arguments are)."""
-        if model.batcher is not None:
-            return model.batcher.run(model, inputs, output_refs or {}, raw, into, deadline,
-                                     timeline)
-        return self.execute(model, inputs, output_refs, raw, timeline, deadline, into)
+    def run(self, model: LoadedModel, inputs: Sequence[Input],
+            refs: dict[str, TensorRef] | None = None, timeline: Timeline | None = None,
+            deadline: float | None = None) -> list[torch.Tensor | None]:
+        """One request of a resolved model; its outputs as fresh host tensors (None for those
+        written in place in clients' regions, `refs`)."""
+        return self._run(model, inputs, Out(refs or {}), timeline, deadline)
 
-    def execute(self, model: LoadedModel,
-                inputs: Sequence[torch.Tensor | TensorRef | RawTensor],
-                output_refs: dict[str, TensorRef] | None = None, raw: bool = False,
-                timeline: Timeline | None = None, deadline: float | None = None,
-                into: Sequence[memoryview] | None = None) -> list[Any]:
+    def run_raw(self, model: LoadedModel, inputs: Sequence[Input],
+                refs: dict[str, TensorRef] | None = None, timeline: Timeline | None = None,
+                deadline: float | None = None) -> list[bytes | None]:
+        """As `run`, the outputs as bytes (the block is reused at once)."""
+        return self._run(model, inputs, Out(refs or {}, raw=True), timeline, deadline)
+
+    def run_into(self, model: LoadedModel, inputs: Sequence[Input],
+                 into: Sequence[memoryview], timeline: Timeline | None = None,
+                 deadline: float | None = None) -> None:
+        """As `run`, each output copied into its place."""
+        self._run(model, inputs, Out(into=into), timeline, deadline)
+
+    def _run(self, model: LoadedModel, inputs: Sequence[Input], out: Out,
+             timeline: Timeline | None, deadline: float | None) -> list[Any]:
+        """A batched model's request queues to share a run (batching.py), which comes back
+        to `execute`; any other runs at once."""
+        if model.batcher is not None:
+            return model.batcher.run(model, inputs, out, deadline, timeline)
+        return self.execute(model, inputs, out, timeline, deadline)
+
+    def execute(self, model: LoadedModel, inputs: Sequence[Input], out: Out,
+                timeline: Timeline | None = None, deadline: float | None = None) -> list[Any]:
         """One run of a resolved model. Inputs are tensors or raw bytes (copied into the arena)
-        or references into shared memory (read in place by the first part); outputs named in
-        output_refs are written in place there (None is returned for them), the rest come
-        back as fresh host tensors, or with raw=True as bytes, or with `into` copied there
-        (one place per output; nothing is returned). A `timeline` list gets each part's
-        dispatch and reply times. `deadline` (time.monotonic()) bounds every wait of the
-        request (None: run_timeout_s from now): RunTimeout after it."""
-        output_refs = output_refs or {}
+        or references into shared memory (read in place by the first part); the outputs go
+        where `out` says. A `timeline` list gets each part's dispatch and reply times.
+        `deadline` (time.monotonic()) bounds every wait of the request (None: run_timeout_s
+        from now): RunTimeout after it."""
         begun = time.monotonic()
         deadline = begun + self.run_timeout_s if deadline is None else deadline
         patient = deadline - begun >= self.run_timeout_s  # may take a silent worker as hung
@@ -131,7 +143,7 @@ class Runner:
         outstanding: Sequence[Future[Any]] = ()  # parts that may still write the block
         block = None
         try:
-            refs = dict(output_refs)  # the request's tensors in clients' regions
+            refs = dict(out.refs)  # the request's tensors in clients' regions
             refs.update((n, v) for n, v in zip(model.inputs, inputs, strict=True)
                         if isinstance(v, TensorRef))
             block = self.arena.alloc(model.footprint)
@@ -148,7 +160,7 @@ class Runner:
                     raise
                 except InferError as e:
                     self._again(model, e, attempt, deadline, timeline)  # or raises
-            return self._results(model, block, output_refs, raw, into)
+            return self._results(model, block, out)
         finally:
             if block is not None:
                 self.arena.free_after(block, outstanding)
@@ -207,7 +219,7 @@ class Runner:
             self.measured(model.key)
 
     def _place(self, model: LoadedModel, block: Block,
-               inputs: Sequence[torch.Tensor | TensorRef | RawTensor]) -> None:
+               inputs: Sequence[Input]) -> None:
         """The request's inputs into its block (those in clients' regions stay there)."""
         for name, value in zip(model.inputs, inputs, strict=True):
             if isinstance(value, RawTensor):
@@ -238,16 +250,14 @@ class Runner:
                                     f"and the retry failed: {error}") from None
         raise error
 
-    def _results(self, model: LoadedModel, block: Block, output_refs: dict[str, TensorRef],
-                 raw: bool, into: Sequence[memoryview] | None) -> list[Any]:
-        """The outputs from the block: copied `into` places, as bytes (`raw`) or tensors
-        (None for those written in clients' regions)."""
-        if into is not None:
-            for name, place in zip(model.outputs, into, strict=True):
+    def _results(self, model: LoadedModel, block: Block, out: Out) -> list[Any]:
+        """The outputs from the block, where `out` says."""
+        if out.into is not None:
+            for name, place in zip(model.outputs, out.into, strict=True):
                 place[:] = self.arena.bytes(block, model.slots[name])
             return []
-        if raw:
-            return [None if n in output_refs else bytes(self.arena.bytes(block, model.slots[n]))
+        if out.raw:
+            return [None if n in out.refs else bytes(self.arena.bytes(block, model.slots[n]))
                     for n in model.outputs]
-        return [None if n in output_refs else self.arena.tensor(block, model.slots[n]).clone()
+        return [None if n in out.refs else self.arena.tensor(block, model.slots[n]).clone()
                 for n in model.outputs]

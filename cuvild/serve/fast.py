@@ -173,7 +173,7 @@ class ClientSession:
                 raise Refused("invalid", str(e)) from None
             if not self.fast.models.current(self.served):
                 raise self._gone()
-            self.fast.runner.run(self.model, self.inputs[slot], into=self.outputs[slot])
+            self.fast.runner.run_into(self.model, self.inputs[slot], self.outputs[slot])
         except (Refused, InferError) as e:
             code = _code(e)
             self._fail(at, index, seq, slot, code, str(e))

@@ -201,9 +201,9 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         wanted, output_refs, cuda_outputs = self._outputs(served, request, shapes, caller)
         timeline = [] if span is not None and span.is_recording() else None
         t_run = time.perf_counter()
-        results = runner.run(model, inputs,
-                             {graph_names[n]: ref for n, ref in output_refs.items()},
-                             raw=True, timeline=timeline, deadline=deadline)
+        results = runner.run_raw(model, inputs,
+                                 {graph_names[n]: ref for n, ref in output_refs.items()},
+                                 timeline=timeline, deadline=deadline)
         if self.metrics:
             self.metrics.computed(model, time.perf_counter() - t_run)
         if cuda_outputs:

@@ -23,7 +23,7 @@ from cuvild.client.samples import MLP
 from cuvild.core.arena import SHM_DIR, Arena
 from cuvild.core.errors import BadRegion, InferError, RunTimeout
 from cuvild.core.layout import InputSpec, Slot
-from cuvild.core.loaded import Batching, Bucket, bucket_stats
+from cuvild.core.loaded import Batching, Bucket, Out, bucket_stats
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
 from cuvild.run.batching import Batcher
@@ -128,7 +128,7 @@ def test_concurrent_requests_get_their_own_rows(make, tmp_path, threads):
             given = [("float32", tuple(xs[i].shape))]
             model_ = engine.runner.resolve(loaded, given)
             return engine.runner.run(model_, [RawTensor(xs[i].numpy().tobytes(), "float32",
-                                                 tuple(xs[i].shape))])
+                                                        tuple(xs[i].shape))])
         return engine.infer("rows", (xs[i],))
 
     for _ in range(2):
@@ -164,8 +164,8 @@ def test_traced_requests_are_batched_and_get_their_batch_parts(make, tmp_path):
     timelines: list[list] = [[] for _ in xs]
 
     def call(i: int):  # noqa: ANN202
-        return engine.runner.run(engine.runner.resolve(loaded, [("float32", (1, 16))]), [xs[i]],
-                          timeline=timelines[i])
+        return engine.runner.run(engine.runner.resolve(loaded, [("float32", (1, 16))]),
+                                 [xs[i]], timeline=timelines[i])
 
     for x, got in zip(xs, at_once(len(xs), call), strict=True):
         assert not isinstance(got, Exception), got
@@ -195,7 +195,7 @@ def test_client_regions_are_read_and_written_per_request(make, tmp_path):
             model_ = engine.runner.resolve(loaded, [("float32", (1, 16))])
             inp = TensorRef(region.name, 0, "float32", (1, 16), inode)
             out = {loaded.outputs[0]: TensorRef(region.name, 1024, "float32", (1, 16), inode)}
-            return engine.runner.run(model_, [inp], out, raw=True)
+            return engine.runner.run_raw(model_, [inp], out)
 
         results = at_once(count, call)
         for i, got in enumerate(results):
@@ -318,7 +318,8 @@ class HeldEngine:
     def resolve(self, model, given, deadline):  # noqa: ANN001, ANN201
         return held_model(given[0][1][0])  # the bucket of the merged rows
 
-    def execute(self, model, inputs, output_refs, raw, timeline, deadline, into):  # noqa: ANN001, ANN202
+    def execute(self, model, inputs, out, timeline, deadline):  # noqa: ANN001, ANN202
+        into = out.into
         self.go.wait(30)
         if self.broken and into is not None:
             raise TypeError("a bug")
@@ -346,7 +347,7 @@ def held_run(batcher: Batcher, engine: HeldEngine, value: float, seconds: float,
              results: dict[float, Any]) -> None:
     try:
         results[value] = batcher.run(held_model(1),
-                                     [RawTensor(row(value), "float32", (1, 2))], {}, True, None,
+                                     [RawTensor(row(value), "float32", (1, 2))], Out(raw=True),
                                      time.monotonic() + seconds)
     except Exception as e:  # noqa: BLE001 - the test looks at it
         results[value] = e
@@ -445,9 +446,9 @@ class TimedEngine(HeldEngine):
         self.run_s = run_s
         self.go.set()
 
-    def execute(self, model, inputs, output_refs, raw, timeline, deadline, into):  # noqa: ANN001, ANN202
+    def execute(self, model, inputs, out, timeline, deadline):  # noqa: ANN001, ANN202
         time.sleep(self.run_s)
-        return super().execute(model, inputs, output_refs, raw, timeline, deadline, into)
+        return super().execute(model, inputs, out, timeline, deadline)
 
 
 def test_a_loop_of_clients_slower_to_come_back_than_the_delay_keeps_its_batches_whole():

@@ -71,8 +71,8 @@ def workers(tmp_path, request):
 
 
 def raw(engine: Engine, loaded, x: torch.Tensor, **kwargs) -> torch.Tensor:  # noqa: ANN001
-    (data,) = engine.runner.run(loaded, [RawTensor(x.numpy().tobytes(), "float32", tuple(x.shape))],
-                         raw=True, **kwargs)
+    (data,) = engine.runner.run_raw(
+        loaded, [RawTensor(x.numpy().tobytes(), "float32", tuple(x.shape))], **kwargs)
     return torch.from_numpy(np.frombuffer(data, np.float32).reshape(x.shape).copy())
 
 
@@ -99,12 +99,12 @@ def test_parts_are_rung_for_raw_inputs_tensors_and_client_regions(workers):
         out = {loaded.outputs[0]: out_ref}
         x = torch.randn(3, 64)
         region.buf[:x.numel() * 4] = x.numpy().tobytes()
-        assert engine.runner.run(loaded, [inp], out, raw=True) == [None]
+        assert engine.runner.run_raw(loaded, [inp], out) == [None]
         got = np.frombuffer(region.buf, np.float32)[3 * 64:].reshape(3, 64).copy()
         torch.testing.assert_close(torch.from_numpy(got), eager(model, x), **CLOSE)
         shrink(region, 64)  # under the next request
         with pytest.raises(BadRegion, match="is 64 bytes now"):
-            engine.runner.run(loaded, [inp], out, raw=True)
+            engine.runner.run_raw(loaded, [inp], out)
     x = torch.randn(3, 64)  # a bad region is not a lost worker: the same bells serve on
     torch.testing.assert_close(raw(engine, loaded, x), eager(model, x), **CLOSE)
     assert idle_sets(engine) == 1 and engine.arena.in_use() == 0
