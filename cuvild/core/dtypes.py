@@ -1,5 +1,6 @@
 """The one dtype table: a tensor's torch dtype name, its Open Inference Protocol datatype, its
-size in bytes, and the typed-contents field of the protocol that carries it.
+size in bytes, the typed-contents field of the protocol that carries it, and whether numpy
+holds it (views without torch, JSON data over HTTP).
 
 The engine sizes slots with it, the OIP servicer checks requests with it and the client packs
 requests with it, so it imports nothing heavy: no torch, no gRPC.
@@ -15,19 +16,20 @@ class DType(NamedTuple):
     oip: str | None  # the protocol's datatype, e.g. "FP32"; None: not served over OIP
     itemsize: int
     contents: str | None  # InferTensorContents field; None: raw bytes only
+    numpy: bool = False  # numpy has it, by the same name (bfloat16: no)
 
 
 TABLE = (
-    DType("bool", "BOOL", 1, "bool_contents"),
-    DType("uint8", "UINT8", 1, "uint_contents"),
-    DType("int8", "INT8", 1, "int_contents"),
-    DType("int16", "INT16", 2, "int_contents"),
-    DType("int32", "INT32", 4, "int_contents"),
-    DType("int64", "INT64", 8, "int64_contents"),
-    DType("float16", "FP16", 2, None),
+    DType("bool", "BOOL", 1, "bool_contents", True),
+    DType("uint8", "UINT8", 1, "uint_contents", True),
+    DType("int8", "INT8", 1, "int_contents", True),
+    DType("int16", "INT16", 2, "int_contents", True),
+    DType("int32", "INT32", 4, "int_contents", True),
+    DType("int64", "INT64", 8, "int64_contents", True),
+    DType("float16", "FP16", 2, None, True),
     DType("bfloat16", "BF16", 2, None),
-    DType("float32", "FP32", 4, "fp32_contents"),
-    DType("float64", "FP64", 8, "fp64_contents"),
+    DType("float32", "FP32", 4, "fp32_contents", True),
+    DType("float64", "FP64", 8, "fp64_contents", True),
     DType("uint16", None, 2, None),
     DType("uint32", None, 4, None),
     DType("uint64", None, 8, None),
@@ -36,6 +38,7 @@ TABLE = (
 )
 BY_NAME = {d.name: d for d in TABLE}
 BY_OIP = {d.oip: d for d in TABLE if d.oip}
+NUMPY = frozenset(d.name for d in TABLE if d.numpy)  # torch names numpy holds as they are
 
 
 def oip_name(dtype: str) -> str:

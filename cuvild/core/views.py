@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-NUMPY = {"float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+from cuvild.core.dtypes import NUMPY
+
 NUMPY_RUNTIMES = {"openvino", "onnxruntime"}  # they take numpy arrays and answer in kind
 
 

@@ -38,11 +38,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cuvild.core.dtypes import NUMPY
 from cuvild.core.errors import InferError
 from cuvild.core.layout import Slot, input_table
 from cuvild.core.loaded import Family, LoadedModel, Route, cut_bytes
 from cuvild.core.precision import Accuracy
-from cuvild.core.views import NUMPY
 from cuvild.load.builder import Builder
 from cuvild.run import batching
 from protos.orders import Built, RawTensor, Reply, Restore, Unload, Variant

@@ -20,14 +20,13 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from cuvild.core.dtypes import BY_OIP
+from cuvild.core.dtypes import BY_OIP, TABLE
 from cuvild.serve.errors import Refused
 from protos import inference_pb2 as pb
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16,
-         "INT32": np.int32, "INT64": np.int64, "FP16": np.float16, "FP32": np.float32,
-         "FP64": np.float64}  # JSON data; BF16 travels as binary data only
+# JSON data's numpy types, from the one dtype table; BF16 travels as binary data only
+NUMPY = {d.oip: np.dtype(d.name) for d in TABLE if d.oip and d.numpy}
 SHM = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 INT64_MAX = (1 << 63) - 1  # protobuf's int64 (shapes, shared-memory offsets and sizes)
 _DIGITS = re.compile(r"[0-9]{1,15}")  # ASCII digits only: str.isdigit() takes "²"

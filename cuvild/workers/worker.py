@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cuvild.core import views
-from cuvild.core.dtypes import nbytes
+from cuvild.core.dtypes import NUMPY, nbytes
 from cuvild.workers.clientmem import ClientObjects, Key
 from cuvild.workers.sessions import Sessions
 from partitioner.profile import DeviceProfile
@@ -96,7 +96,7 @@ class Worker:
         if ref.inode:
             self.clients.get(ref.segment, ref.inode).check(ref.offset,
                                                            nbytes(ref.dtype, ref.shape))
-        if numpy and ref.dtype in views.NUMPY:
+        if numpy and ref.dtype in NUMPY:
             array = self.arrays.get(ref)
             if array is None:
                 if len(self.arrays) >= MAX_VIEWS:
