@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
                       "partitioner"},
     "cuvild.load": {"cuvild.run", "cuvild.workers", "cuvild.core", "cuvild.intake",
                     "partitioner", "runtimes", "protos.orders"},
-    "cuvild.run": {"cuvild.workers", "cuvild.core", "protos.fastpath", "protos.sessions",
+    "cuvild.run": {"cuvild.workers", "cuvild.core", "protos.fastpath", "protos.shared",
                    "protos.orders"},
     "cuvild.workers": {"cuvild.core", "cuvild.intake", "partitioner", "runtimes", "protos"},
     # cuvilctl plans a local .pt2 offline: it opens it with the safe loader

@@ -46,7 +46,7 @@ from cuvild.core.errors import BadRegion, InferError, WorkerLost
 from cuvild.run.request import Answer, usable
 from protos import fastpath as wire
 from protos.orders import Attach, TensorRef
-from protos.sessions import (
+from protos.shared import (
     BELL,
     BELL_ELSEWHERE,
     BELL_ERRORS,

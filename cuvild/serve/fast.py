@@ -41,7 +41,7 @@ from cuvild.serve.errors import Refused, find, status
 from cuvild.workers.sessions import fail, slot_layout
 from protos import fastpath as wire
 from protos.orders import Attach, RawTensor
-from protos.sessions import STATS, STATS_BYTES, TIMES
+from protos.shared import STATS, STATS_BYTES, TIMES
 
 if TYPE_CHECKING:
     from cuvild.core.loaded import LoadedModel
@@ -206,7 +206,7 @@ class ClientSession:
     def counts(self) -> list[float]:
         """Requests done and failed that a worker ran on this session's memory (the others
         are in the request metrics already), and the histogram of the ones done: seconds
-        summed, requests per bucket (protos/sessions.py, TIMES)."""
+        summed, requests per bucket (protos/shared.py, TIMES)."""
         if not self.attached or self.stats.closed:
             return [0] * COUNTS
         done, failed, _ = STATS.unpack_from(self.stats)

@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from cuvild.config import HttpLimits
-from protos.sessions import SECONDS
+from protos.shared import SECONDS
 
 if TYPE_CHECKING:
     from cuvild.core.loaded import LoadedModel, Route
@@ -212,7 +212,7 @@ class Metrics:
                     "p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
                     "n": len(times)}
         # Fast-path requests a worker ran on the session's memory count here too; their times
-        # are only in the histogram the worker keeps (protos/sessions.py TIMES), so their
+        # are only in the histogram the worker keeps (protos/shared.py TIMES), so their
         # quantiles are its buckets' bounds, over every such request since the daemon started.
         for (name, version), (done, failed, _, *per_bucket) in (self.fast.counts() if self.fast
                                                                  else {}).items():

@@ -38,7 +38,7 @@ class WorkerDied(RuntimeError):
 class WorkerHandle:
     """The daemon's end of a worker, whatever runs it (ProcessWorker, ThreadWorker)."""
 
-    in_process = False  # a thread of the daemon (its memory, its faults)
+    threaded = False  # a thread of the daemon (its memory, its faults)
 
     def __init__(self, device: DeviceProfile, cache_dir: Path) -> None:
         self.device = device
@@ -209,20 +209,20 @@ class ProcessWorker(WorkerHandle):
 
 
 class ThreadWorker(WorkerHandle):
-    """A worker in a thread of the daemon (`engine.workers: thread`): `in_thread` is its
+    """A worker in a thread of the daemon (`engine.workers: thread`): `worker` is its
     Worker; abandoned when it stops answering (its pending calls, and its sessions' and
     bells' Attaches, fail now), and not waited for at stop once abandoned."""
 
-    in_process = True
+    threaded = True
 
     def _launch(self, ctx: Any, theirs: Any) -> Any:
-        self.in_thread = Worker(self.device, self.cache_dir, in_process=True)
+        self.worker = Worker(self.device, self.cache_dir, threaded=True)
         return threading.Thread(target=serve, args=(theirs, self.device, self.cache_dir,
-                                                    self.in_thread),
+                                                    self.worker),
                                 name=f"worker-{self.device.id}", daemon=True)
 
     def _end(self) -> None:
-        self.in_thread.abandoned = True
+        self.worker.abandoned = True
         error = self._died("it stopped answering and was replaced")
         for rid, future in list(self._pending.items()):
             self._pending.pop(rid, None)

@@ -6,7 +6,7 @@ memfd over the worker's pipe, SCM_RIGHTS), and one class serves both (`Session`)
   is protos/fastpath.py): its sealed memfd holds a request ring and the input and output
   slots; the client's doorbell wakes the worker, which runs the part on the slot in place;
 - the engine's bell for a part of a model (cuvild/run/bells.py): its record names the
-  request's arena block and the request's tensors in clients' regions (protos/sessions.py).
+  request's arena block and the request's tensors in clients' regions (protos/shared.py).
 Either way one round trip per request, nothing pickled, no copy of the inputs. The worker's
 loop polls its pipe and its sessions' sockets together (`Sessions.wait`); a client's session
 ends when the client closes it (or dies), when its model is unloaded here (the client then
@@ -32,7 +32,7 @@ from cuvild.core.dtypes import nbytes
 from cuvild.core.spin import MOST_S, Spin
 from protos import fastpath as wire
 from protos.orders import Attach, TensorRef
-from protos.sessions import (
+from protos.shared import (
     BELL,
     BELL_ELSEWHERE,
     BELL_ERRORS,
@@ -138,7 +138,7 @@ class Slots:
 
 
 class Record:
-    """An engine's bell's record (protos/sessions.py BELL): the request's arena block, and the
+    """An engine's bell's record (protos/shared.py BELL): the request's arena block, and the
     tensors the request has in clients' regions (TENSOR_AT entries)."""
 
     def __init__(self, mm: mmap.mmap) -> None:
@@ -260,7 +260,7 @@ class Session:
                 at += TENSOR_AT.size + length
                 _, dtype, shape = self.places[("inputs", "outputs")[kind]][index]
                 ref = TensorRef(name.decode(), where, dtype, shape, inode)
-                if not (inode and self.worker.in_process):
+                if not (inode and self.worker.threaded):
                     (inputs, outputs)[kind][index] = self.worker.tensor(ref, numpy)
                 elif kind == 0:  # (a worker thread never maps a client's object)
                     inputs[index] = self.worker.read(ref, numpy)
@@ -306,7 +306,7 @@ class Sessions:
         self.poll.register(pipe_fd, select.POLLIN)
         # a worker process spins a little before it sleeps (spin.py); one in the daemon's
         # threads never: it would hold the GIL the gRPC threads need
-        self.spin = Spin(0.0 if worker.in_process else MOST_S)
+        self.spin = Spin(0.0 if worker.threaded else MOST_S)
 
     def take(self, envelope: Any, conn: Any) -> bool:
         """An Attach order: its three descriptors (the client's socket, the session's memfd,

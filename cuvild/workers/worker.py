@@ -49,18 +49,18 @@ from protos.orders import (
 
 MAX_VIEWS = 4096  # tensor views kept per worker (arena blocks recur request after request)
 # torch.export keeps global state: in the daemon (thread workers), one build at a time.
-BUILDS_IN_PROCESS = threading.Lock()
+BUILDS_IN_THREADS = threading.Lock()
 CONTROL = (Build, Choose, Unload, Restore)  # answered by the worker's build thread, in order
 
 
 class Worker:
     """The compiled parts of one device and the shared memory they read and write."""
 
-    def __init__(self, device: DeviceProfile, cache_dir: str, in_process: bool = False) -> None:
+    def __init__(self, device: DeviceProfile, cache_dir: str, threaded: bool = False) -> None:
         from runtimes.cache import CompileCache
 
         self.device = device
-        self.in_process = in_process  # in the daemon: client objects are never mapped
+        self.threaded = threaded  # a thread of the daemon: client objects are never mapped
         self.cache = CompileCache(Path(cache_dir))
         self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable run
         # (model, part) -> precision -> Executable, while a precision search needs them
@@ -162,7 +162,7 @@ class Worker:
 
         from cuvild.workers.build import build_model_part, forget, variants
 
-        if not self.in_process:  # this worker's cores (torch may be imported only now)
+        if not self.threaded:  # this worker's cores (torch may be imported only now)
             torch.set_num_threads(len(os.sched_getaffinity(0)))
 
         try:
@@ -231,21 +231,21 @@ def answer(worker: Worker, envelope: Envelope) -> Reply:
 
 
 def serve(conn: Any, device: DeviceProfile, cache_dir: str,  # noqa: C901 - the worker's loop: a branch per order
-          in_thread: Worker | None = None) -> None:
+          threaded: Worker | None = None) -> None:
     """The worker loop until the pipe closes or brings None (or, in a thread, the daemon
     gave up on it): rings and Forgets here, one at a time, the control orders on a second
-    thread. In a thread of the daemon, `in_thread` is its Worker (the handle abandons it)."""
-    if in_thread is None:
+    thread. In a thread of the daemon, `threaded` is its Worker (the handle abandons it)."""
+    if threaded is None:
         _pin(device)
         _quiet()
-    worker, lock = in_thread or Worker(device, cache_dir), threading.Lock()
+    worker, lock = threaded or Worker(device, cache_dir), threading.Lock()
     sending = threading.Lock()
 
     def reply(envelope: Envelope, answered: Reply) -> None:
         with sending, contextlib.suppress(OSError, ValueError):  # the daemon let go of us
             conn.send(answered)
 
-    control = Control(worker, lock, reply, BUILDS_IN_PROCESS if in_thread else None)
+    control = Control(worker, lock, reply, BUILDS_IN_THREADS if threaded else None)
     sessions: Sessions | None = None  # sessions and bells served here, from the first Attach
     while True:
         try:

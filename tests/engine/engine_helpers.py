@@ -60,7 +60,7 @@ def close_all(made: list[tuple[Engine, Arena]]) -> None:
     """Close the engines and arenas a test made, waking any worker it left stopped."""
     for engine, arena in made:
         for handle in engine.workers.values():
-            if not handle.in_process and handle.process.pid:
+            if not handle.threaded and handle.process.pid:
                 try:
                     os.kill(handle.process.pid, signal.SIGCONT)
                 except ProcessLookupError:

@@ -33,15 +33,15 @@ from cuvild.core.arena import SHM_DIR, Arena
 from cuvild.core.errors import BadRegion, RunTimeout
 from cuvild.engine.engine import Engine
 from protos.orders import RawTensor, TensorRef
-from protos.sessions import STATS, bell_bytes
+from protos.shared import STATS, bell_bytes
 
 
-def served(tmp_path, devices: list[str], in_process: bool = False):  # noqa: ANN201
+def served(tmp_path, devices: list[str], threads: bool = False):  # noqa: ANN201
     """An MLP in two parts, cpu0 then npu0, or one part on npu0: (engine, loaded, model)."""
     arena = Arena(f"{os.getpid()}-bells")
     engine = Engine([device("cpu0"), device("npu0")], tmp_path / "cache", arena,
                     max_in_flight=4,
-                    workers="thread" if in_process else "process")
+                    workers="thread" if threads else "process")
     torch.manual_seed(0)
     model = MLP(width=64, depth=2).eval()
     loaded = prepare(engine, tmp_path, "mlp", model, (torch.randn(3, 64),), devices)
@@ -115,13 +115,13 @@ class Sum(torch.nn.Module):
         return torch.stack(xs).sum(0) * 2
 
 
-@pytest.mark.parametrize("in_process", [False, True], ids=["process", "thread"])
-def test_a_record_holds_every_tensor_of_its_part_at_the_longest_names(tmp_path, in_process):
+@pytest.mark.parametrize("threads", [False, True], ids=["process", "thread"])
+def test_a_record_holds_every_tensor_of_its_part_at_the_longest_names(tmp_path, threads):
     """13 inputs and the output in a client's object named 240 bytes long: more than a
     page of record, which used to send the part as a pickled order instead."""
     arena = Arena(f"{os.getpid()}-bells")
     engine = Engine([device("npu0")], tmp_path / "cache", arena,
-                    workers="thread" if in_process else "process")
+                    workers="thread" if threads else "process")
     try:
         xs = tuple(torch.randn(3, 8) for _ in range(13))
         loaded = prepare(engine, tmp_path, "sum", Sum().eval(), xs, ["npu0"])

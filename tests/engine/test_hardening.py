@@ -232,10 +232,10 @@ def got(fd: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.frombuffer(bytearray(os.pread(fd, 4 * n, 4096)), dtype=torch.float32).view(shape)
 
 
-def on_region(make_engine, tmp_path, client_object, in_process):  # noqa: ANN001, ANN201
+def on_region(make_engine, tmp_path, client_object, threads):  # noqa: ANN001, ANN201
     """An MLP on cpu0 whose input and output are in a client's object: (engine, model, x,
     the loaded model, (object name, its fd, input ref, output ref, output name))."""
-    engine = make_engine(workers="thread" if in_process else "process")
+    engine = make_engine(workers="thread" if threads else "process")
     model, x = mlp()
     loaded = prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0"])
     name, fd, inode = client_object
@@ -243,11 +243,11 @@ def on_region(make_engine, tmp_path, client_object, in_process):  # noqa: ANN001
     return engine, model, x, loaded, (name, fd, src, dst, loaded.outputs[0])
 
 
-@pytest.mark.parametrize("in_process", [False, True], ids=["process", "thread"])
+@pytest.mark.parametrize("threads", [False, True], ids=["process", "thread"])
 def test_c_region_shrunk_before_use_is_invalid(make_engine, tmp_path, client_object,
-                                               in_process):
+                                               threads):
     engine, model, x, loaded, (name, fd, src, dst, out_name) = on_region(
-        make_engine, tmp_path, client_object, in_process)
+        make_engine, tmp_path, client_object, threads)
     os.ftruncate(fd, 0)
     with pytest.raises(BadRegion, match=rf"{name}.* is 0 bytes now") as info:
         engine.runner.run(loaded, [src], {out_name: dst})
@@ -259,11 +259,11 @@ def test_c_region_shrunk_before_use_is_invalid(make_engine, tmp_path, client_obj
     assert engine.arena.in_use() == 0
 
 
-@pytest.mark.parametrize("in_process", [False, True], ids=["process", "thread"])
+@pytest.mark.parametrize("threads", [False, True], ids=["process", "thread"])
 def test_c_region_shrunk_after_use_is_invalid_and_kills_nothing(make_engine, tmp_path,
-                                                                client_object, in_process):
+                                                                client_object, threads):
     engine, model, x, loaded, (name, fd, src, dst, out_name) = on_region(
-        make_engine, tmp_path, client_object, in_process)
+        make_engine, tmp_path, client_object, threads)
     put(fd, x)
     engine.runner.run(loaded, [src], {out_name: dst})  # mapped (process) or opened (thread) now
     torch.testing.assert_close(got(fd, tuple(x.shape)), eager(model, x), **CLOSE)
@@ -334,7 +334,7 @@ def test_d_buckets_are_bounded_least_recently_used_first(make_engine, tmp_path):
     engine = make_engine(workers="thread", max_buckets=2)
     model, dyn = dynamic_mlp()
     loaded = prepare(engine, tmp_path, "dyn", model, (torch.randn(2, 32),), ["cpu0"], dyn)
-    parts = engine.workers.of("cpu0").in_thread.parts
+    parts = engine.workers.of("cpu0").worker.parts
 
     def infer(n: int) -> None:
         x = torch.randn(n, 32)

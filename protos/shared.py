@@ -1,4 +1,4 @@
-"""The records the daemon and its device workers share in memory (the fast path's own wire,
+"""What the daemon and its device workers share in memory (the fast path's own wire,
 which clients speak too, is protos/fastpath.py): a session's counts and histogram, and a
 bell's request record. cuvild/workers/sessions.py writes and reads them on the worker's side;
 cuvild/run/bells.py, cuvild/serve/fast.py and cuvild/serve/metrics.py on the daemon's."""
