@@ -7,11 +7,14 @@ How a part is compiled (control path, `TritonRuntime.compile`):
    -> one `.pt2` package (Triton kernels as cubins, a C++ wrapper, the weights), loaded with
    `aoti_load_package`. The package is the compile-cache artifact: `save` copies it, `load`
    only loads it, so a restarted daemon compiles nothing;
-3. only where AOTInductor is missing or fails to build (e.g. no C++ compiler or CUDA headers on
-   the host) does it fall back to `torch.compile(backend="inductor")`, compiled eagerly with
-   the example inputs. That executable is not cached across restarts except through inductor's
-   own on-disk cache (a warm restart then recompiles in seconds, not minutes); `path` and
-   `aoti_error` on the executable say which path was taken and why.
+3. where AOTInductor is missing, fails to build (e.g. no C++ compiler or CUDA headers on the
+   host) or fails its check on the device (AOTI_BROKEN), inductor's `standalone_compile`
+   compiles the part's GraphModule for the example inputs' shapes into one artifact that
+   `save` writes into cuvild's compile cache (`part.inductor`) and `load` reads back with
+   nothing traced or compiled. Only where that fails too does it fall back to
+   `torch.compile(backend="inductor")`, which saves nothing (a restart recompiles, from
+   inductor's own cache: the worker points it, and Triton's, at cuvild's cache directory).
+   `path` and `aoti_error` on the executable say which path was taken and why.
 
 Running (data path, `InductorExecutable.run`): host tensors are copied to the device (without
 blocking when the caller's tensor is pinned), cast to the compute dtype there, run, and the
@@ -60,6 +63,9 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PACKAGE = "part.pt2"  # the AOTInductor package inside a compile-cache directory
+ARTIFACT = "part.inductor"  # or standalone_compile's artifact, its weights beside it:
+WEIGHTS = "weights.bin"  # their bytes, in order; WEIGHTS_META: name, dtype, shape, offset each
+WEIGHTS_META = "weights.json"
 META = "triton.json"  # what `load` needs besides the package
 META_FORMAT = 1
 AOTI_ENV = "CUVILD_TRITON_AOTI"  # "0": compile with torch.compile, not AOTInductor
@@ -218,14 +224,18 @@ class InductorExecutable(Executable):
     def __init__(self, model: Callable[..., Any], device: torch.device, precision: str,
                  out_dtype: torch.dtype, package: Path | None = None,
                  aoti_error: str | None = None,
-                 workdir: tempfile.TemporaryDirectory[str] | None = None) -> None:
+                 workdir: tempfile.TemporaryDirectory[str] | None = None,
+                 artifact: Any = None, weights: Sequence[torch.Tensor] = ()) -> None:
         self.model = model
         self.device = device
         self.precision = precision
         self.compute_dtype = DTYPES[precision]
         self.out_dtype = out_dtype
-        self.package = package  # None for the torch.compile fallback: nothing to cache
-        self.path = "aoti" if package is not None else "torch.compile"
+        self.package = package  # AOTInductor's package
+        self.artifact = artifact  # or standalone_compile's (None for both: torch.compile),
+        self.weights = list(weights)  # whose first inputs are the part's weights, on the device
+        self.path = ("aoti" if package is not None else "standalone" if artifact is not None
+                     else "torch.compile")
         self.aoti_error = aoti_error
         self._workdir = workdir  # owns a freshly built package until the executable is dropped
 
@@ -241,8 +251,8 @@ class InductorExecutable(Executable):
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.inference_mode(), _on(self.device), _math(self.device, self.compute_dtype):
-            outs = self.model(*(device_input(t, self.device, self.compute_dtype)
-                                for t in inputs))
+            outs = self.model(*self.weights, *(device_input(t, self.device, self.compute_dtype)
+                                               for t in inputs))
             if isinstance(outs, torch.Tensor):
                 outs = (outs,)
             host = [self._to_host(o) for o in outs]
@@ -252,16 +262,20 @@ class InductorExecutable(Executable):
         return host
 
     def save(self, directory: Path) -> None:
-        if self.package is None:
+        if self.package is None and self.artifact is None:
             raise NotImplementedError(
                 "triton: this part was compiled with torch.compile (AOTInductor unavailable: "
                 f"{self.aoti_error}); only inductor's own cache keeps it across restarts")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        target = directory / PACKAGE
-        if not (target.exists() and target.samefile(self.package)):
-            shutil.copyfile(self.package, target)
-        meta = {"format": META_FORMAT, "precision": self.precision,
+        if self.package is not None:
+            target = directory / PACKAGE
+            if not (target.exists() and target.samefile(self.package)):
+                shutil.copyfile(self.package, target)
+        else:
+            self.artifact.save(path=str(directory / ARTIFACT), format="binary")
+            save_weights(directory, self.weights)
+        meta = {"format": META_FORMAT, "precision": self.precision, "path": self.path,
                 "out_dtype": str(self.out_dtype).removeprefix("torch."),
                 "torch": torch.__version__, "arch": _arch(self.device)}
         (directory / META).write_text(json.dumps(meta, indent=1))
@@ -307,6 +321,11 @@ def compile_part(part: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
             aoti_error = f"{type(e).__name__}: {e}"
             log.warning("triton: AOTInductor failed, falling back to torch.compile: %s",
                         aoti_error)
+    try:
+        return _standalone(module, example_inputs, device, precision, out_dtype, aoti_error)
+    except Exception as e:  # noqa: BLE001 - torch.compile below may still work
+        log.warning("triton: standalone_compile failed, falling back to torch.compile (not "
+                    "saved: a restart compiles again): %s: %s", type(e).__name__, e)
     executable = InductorExecutable(torch.compile(module, backend="inductor", dynamic=False),
                                     device, precision, out_dtype, aoti_error=aoti_error)
     try:
@@ -317,6 +336,73 @@ def compile_part(part: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
         raise CompileError(f"triton: could not compile the part for {device}: torch.compile "
                            f"failed ({type(e).__name__}: {e}); AOTInductor: {aoti_error}") from e
     return executable
+
+
+def _standalone(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+                device: torch.device, precision: str, out_dtype: torch.dtype,
+                aoti_error: str | None) -> InductorExecutable:
+    """The part compiled by inductor's standalone_compile for the example inputs' shapes,
+    its weights lifted to its first inputs (a loaded artifact holds the code, not the
+    module's tensors), and run once through the path `run` takes."""
+    from torch._inductor import standalone_compile
+
+    compute = DTYPES[precision]
+    lifted, weights = lift_weights(module)
+    args = [device_input(t, device, compute) for t in example_inputs]
+    with torch.no_grad(), _on(device), _math(device, compute):
+        artifact = standalone_compile(lifted, [*weights, *args],
+                                      dynamic_shapes="from_example_inputs")
+    executable = InductorExecutable(artifact, device, precision, out_dtype,
+                                    aoti_error=aoti_error, artifact=artifact, weights=weights)
+    executable.run(example_inputs)
+    return executable
+
+
+def lift_weights(module: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    """A module of `module`'s graph with no tensors of its own: those it read with get_attr
+    (its weights) are its first placeholders, in graph order; and those tensors."""
+    graph = copy.deepcopy(module.graph)
+    first = next((n for n in graph.nodes if n.op == "placeholder"), None)
+    weights: list[torch.Tensor] = []
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = module
+        for name in str(node.target).split("."):
+            value = getattr(value, name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        with (graph.inserting_before(first) if first is not None
+              else graph.inserting_before(node)):
+            placeholder = graph.placeholder(f"weight_{len(weights)}")
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+        weights.append(value.detach())
+    if any(n.op in ("get_attr", "call_module") for n in graph.nodes):
+        raise CompileError("triton: the part reads modules, not only tensors: not lifted")
+    return fx.GraphModule(torch.nn.Module(), graph), weights
+
+
+def save_weights(directory: Path, weights: Sequence[torch.Tensor]) -> None:
+    """The weights' bytes in one file and what they are in another (no pickle)."""
+    meta, at = [], 0
+    with open(directory / WEIGHTS, "wb") as f:
+        for w in weights:
+            data = w.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+            f.write(data)
+            meta.append({"dtype": str(w.dtype).removeprefix("torch."), "shape": list(w.shape),
+                         "offset": at, "nbytes": len(data)})
+            at += len(data)
+    (directory / WEIGHTS_META).write_text(json.dumps(meta))
+
+
+def load_weights(directory: Path, device: torch.device) -> list[torch.Tensor]:
+    data = bytearray((directory / WEIGHTS).read_bytes())
+    out = []
+    for w in json.loads((directory / WEIGHTS_META).read_text()):
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=w["nbytes"], offset=w["offset"])
+        out.append(raw.view(getattr(torch, w["dtype"])).reshape(w["shape"]).clone().to(device))
+    return out
 
 
 class TritonRuntime(Runtime):
@@ -386,10 +472,10 @@ class TritonRuntime(Runtime):
 def load_package_dir(directory: Path, device: torch.device,
                      precision: str) -> InductorExecutable:
     """Rebuild an executable from a directory `InductorExecutable.save` wrote."""
-    meta_path, package = directory / META, directory / PACKAGE
-    if not meta_path.exists() or not package.exists():
+    meta_path, package, artifact = directory / META, directory / PACKAGE, directory / ARTIFACT
+    if not meta_path.exists() or not (package.exists() or artifact.exists()):
         raise CompileError(f"triton: {directory} holds no saved part (expected {META} and "
-                           f"{PACKAGE})")
+                           f"{PACKAGE} or {ARTIFACT})")
     meta = json.loads(meta_path.read_text())
     expected = {"format": META_FORMAT, "precision": precision, "torch": torch.__version__,
                 "arch": _arch(device)}
@@ -400,5 +486,11 @@ def load_package_dir(directory: Path, device: torch.device,
         raise CompileError(f"triton: saved part in {directory} does not fit here: saved "
                            f"{stale}, need { {k: expected[k] for k in stale} }")
     out_dtype = getattr(torch, meta["out_dtype"])
+    if not package.exists():  # standalone_compile's: loaded, nothing traced or compiled
+        from torch._inductor import CompiledArtifact
+
+        loaded = CompiledArtifact.load(path=str(artifact), format="binary")
+        return InductorExecutable(loaded, device, precision, out_dtype, artifact=loaded,
+                                  weights=load_weights(directory, device))
     return InductorExecutable(_load_package(package, device), device, precision, out_dtype,
                               package)

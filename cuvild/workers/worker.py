@@ -62,6 +62,9 @@ class Worker:
         self.device = device
         self.threaded = threaded  # a thread of the daemon: client objects are never mapped
         self.cache = CompileCache(Path(cache_dir))
+        # inductor's and Triton's own caches under cuvild's (where the caller named none)
+        for env, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+            os.environ.setdefault(env, str(Path(cache_dir) / sub))
         self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable run
         # (model, part) -> precision -> Executable, while a precision search needs them
         self.variants: dict[tuple[str, str], dict[str, Any]] = {}

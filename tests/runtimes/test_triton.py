@@ -23,7 +23,7 @@ from partitioner.profile import DeviceProfile
 from partitioner.split import split_program
 from runtimes import registry
 from runtimes import triton as triton_runtime
-from runtimes.base import TOLERANCE, CompileError, CompileSpec, RuntimeUnavailable
+from runtimes.base import ROOT, TOLERANCE, CompileError, CompileSpec, RuntimeUnavailable
 from runtimes.triton import (
     AOTI_BROKEN,
     TritonRuntime,
@@ -190,7 +190,48 @@ def test_bf16_part_returns_fp32_on_host() -> None:
 
 
 @pytest.mark.slow
-def test_torch_compile_fallback_on_host() -> None:
+def test_without_aotinductor_a_part_is_saved_and_loads_in_a_fresh_process_uncompiled(
+        tmp_path: Path) -> None:
+    """standalone_compile's artifact in cuvild's compile cache: a new process (a restarted
+    worker) loads it with nothing traced or compiled (compile_fx and torch.compile made to
+    fail there) and answers what the compiling process answered, within eager's tolerance."""
+    import numpy as np
+
+    model, part, x = small_part()
+    cpu = torch.device("cpu")
+    executable = compile_part(part, [x], cpu, "fp32", aoti=False)
+    assert executable.path == "standalone" and executable.package is None
+    (out,) = executable.run([x])
+    assert relative_error(out, model(x).detach()) < TOLERANCE["fp32"]
+    executable.save(tmp_path / "part")
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "out.npy", out.numpy())
+    child = f"""
+from pathlib import Path
+import numpy as np, torch
+import torch._inductor.compile_fx as compile_fx
+from runtimes.triton import load_package_dir
+def no(*a, **k): raise AssertionError("compiled on load")
+compile_fx.compile_fx = compile_fx.compile_fx_inner = torch.compile = no
+part = load_package_dir(Path({str(tmp_path / "part")!r}), torch.device("cpu"), "fp32")
+assert part.path == "standalone", part.path
+(got,) = part.run([torch.from_numpy(np.load({str(tmp_path / "x.npy")!r}))])
+want = torch.from_numpy(np.load({str(tmp_path / "out.npy")!r}))
+assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+print("loaded uncompiled")
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and "loaded uncompiled" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_torch_compile_fallback_on_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where standalone_compile fails too: torch.compile, which saves nothing (and says so)."""
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no standalone_compile here")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", fails)  # noqa: SLF001 - inductor's API
     model, part, x = small_part()
     executable = compile_part(part, [x], torch.device("cpu"), "fp32", aoti=False)
     assert executable.path == "torch.compile" and executable.package is None
@@ -214,7 +255,7 @@ def test_a_check_that_crashes_says_so() -> None:
     assert child_verdict(fails, 60) == "the AOTInductor check failed: RuntimeError: no nvcc"
 
 
-def test_a_profile_marked_aoti_broken_compiles_with_torch_compile(
+def test_a_profile_marked_aoti_broken_compiles_without_aotinductor(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _, part, x = small_part()
     asked: list[bool] = []
@@ -230,5 +271,5 @@ def test_a_profile_marked_aoti_broken_compiles_with_torch_compile(
     executable = TritonRuntime(aoti=True).compile(part, CompileSpec(broken, "fp32", [x]))
     TritonRuntime(aoti=True).compile(part, CompileSpec(GPU, "fp32", [x]))
     assert asked == [False, True]
-    assert executable.path == "torch.compile"
+    assert executable.path == "standalone"  # saved in the compile cache all the same
     assert "aoti-broken" in (executable.aoti_error or "")
