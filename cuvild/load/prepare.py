@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from cuvild.core.layout import dynamic_dims, input_table, layout
 from cuvild.core.loaded import Batching, Family, LoadedModel, cut_bytes
 from cuvild.core.precision import Accuracy, PrecisionPolicy
-from cuvild.load import fallback, precision, warm
+from cuvild.load import fallback, guard, precision, warm
 from cuvild.load.builder import Builder
 from cuvild.run.batching import batcher_for
 
@@ -32,7 +32,8 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
             plan: Plan | None = None, policy: PrecisionPolicy | None = None,
             progress: Callable[[str], None] | None = None, cold: bool = True,
             batching: Batching | None = None,
-            banned: fallback.Banned | None = None) -> LoadedModel | None:
+            banned: fallback.Banned | None = None,
+            keep_record: bool = True) -> LoadedModel | None:
     """Plan, split, lay out and build a registered model, settle each part's precision
     under the policy (cuvild/load/precision.py) and check the whole model against
     torch eager; returns it ready to serve. A model loaded before (same archive, policy,
@@ -40,7 +41,10 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
     nothing planned or compiled (cold=False: only so, else None); `progress` is told
     each phase. `batching`: how to merge concurrent requests of a model whose first
     dimension is dynamic (cuvild/run/batching.py; None or max_batch 1: not at all).
-    A part its device cannot build is planned off it again (cuvild/load/fallback.py)."""
+    A part its device cannot build is planned off it again (cuvild/load/fallback.py); a
+    split planned here that is predicted less than guard.GAIN faster than one device is timed
+    against the best single device's plan, and the faster served (cuvild/load/guard.py).
+    `keep_record`: write its load record (not for the guard's second build)."""
     policy = policy or PrecisionPolicy()
     say = progress or (lambda phase: None)
     record_at = warm.directory(builder.cache_dir, warm.key(
@@ -73,6 +77,21 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         builder.counters["planned"] += 1
     split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
     dynamic = dynamic_dims(ep)
+    alternative = None  # the best single device's plan, where the split is to be timed
+    if planned and not dynamic and len({p.device for p in plan.parts}) > 1 and not (
+            guard.annotated(ep)):
+        support = fallback.support(builder.support(), banned)
+        single = guard.single_plan(ep, list(builder.devices.values()), lambda program, one: (
+            plan_model(program, one, objective=objective,
+                       support={d.id: support[d.id] for d in one if d.id in support},
+                       corrections=corrections, precision=policy.mode,
+                       int8=bool(policy.calibration))))
+        if guard.worth_timing(plan, single):
+            alternative = single
+        elif single is not None:
+            plan.notes.append(f"predicted {single.predicted_ms / plan.predicted_ms:.2f}x "
+                              f"faster than all on {single.parts[0].device}: served split "
+                              "without timing both")
     if dynamic:  # laid out and built per concrete shape, on first use
         slots, footprint, total = {}, 0, 0
     else:
@@ -122,14 +141,32 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
             progress=progress, batching=batching, banned=banned))
     say("checking end to end")
     model.accuracy = _settle(builder, model, policy, budgets, decision, recorded, inputs,
-                                  expected, eager_ms)
+                             expected, eager_ms)
     precision.record_runs(plan, model.routes, corrections, builder.devices)
     plan.notes += precision.runtime_notes(model.routes) + model.accuracy.notes
+    if alternative is not None:
+        say("timing the best single device's plan against the split")
+        other = prepare(builder, f"{key}~one", name, version, archive, input_specs,
+                        objective, plan=alternative, policy=policy, keep_record=False)
+        assert other is not None
+        try:
+            split_ms, single_ms = guard.timed(builder.runner.run, model, other, inputs)
+        finally:
+            builder.unload(other.key)
+        device = alternative.parts[0].device
+        if single_ms < split_ms:  # served from the same plan, under the model's key (its
+            builder.drop(model)   # parts from the compile cache)
+            alternative.notes.append(guard.note(split_ms, single_ms, device, False))
+            return prepare(builder, key, name, version, archive, input_specs, objective,
+                           plan=alternative, policy=policy, progress=progress,
+                           batching=batching)
+        plan.notes.append(guard.note(split_ms, single_ms, device, True))
     builder.publish(model)
-    try:
-        warm.write(record_at, model, inputs, expected)
-    except OSError as e:
-        log.warning("model %s: load record not written (%s)", key, e)
+    if keep_record:
+        try:
+            warm.write(record_at, model, inputs, expected)
+        except OSError as e:
+            log.warning("model %s: load record not written (%s)", key, e)
     return model
 
 

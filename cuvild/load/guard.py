@@ -1,0 +1,74 @@
+"""Never worse than the best single device, by measurement (the GPU issue, item 2).
+
+A plan that splits a model across devices on its own (no annotation names a device) and is
+predicted less than GAIN faster than the best single device may be the cost model's mistake:
+a mispriced profile, a link dearer than measured, hand-offs the roofline does not see. So the
+load builds the best single device's plan too (`single_plan`: the model planned on each device
+alone, the fastest predicted), times both end to end in turn on the check inputs (`timed`),
+and serves the faster; the plan's notes say which, with both figures. A split predicted at
+least GAIN faster is served without the second build (the note says so).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from partitioner.costgraph import ANNOTATION_KEY
+
+if TYPE_CHECKING:
+    from cuvild.core.loaded import LoadedModel
+    from partitioner.plan import Plan
+    from partitioner.profile import DeviceProfile
+
+GAIN = 1.5  # a split predicted at least this much faster than one device is not timed
+ROUNDS = 5  # rounds of timing, each model in turn on every check input
+
+
+def annotated(program: Any) -> bool:
+    """Whether any node of the program carries an annotation that names a device."""
+    return any(((n.meta.get("custom") or {}).get(ANNOTATION_KEY) or {}).get("device")
+               for n in program.graph.nodes)
+
+
+def single_plan(program: Any, devices: Sequence[DeviceProfile],
+                plan: Callable[[Any, list[DeviceProfile]], Plan]) -> Plan | None:
+    """The best single device's plan (`plan(program, [device])` on each), None if none can
+    run the whole model."""
+    best = None
+    for device in devices:
+        try:
+            alone = plan(program, [device])
+        except Exception:  # noqa: BLE001 - that device cannot run the whole model
+            continue
+        if best is None or alone.predicted_ms < best.predicted_ms:
+            best = alone
+    return best
+
+
+def worth_timing(split: Plan, single: Plan | None) -> bool:
+    """A split predicted less than GAIN faster than the best single device."""
+    return (single is not None and len({p.device for p in split.parts}) > 1
+            and single.predicted_ms < GAIN * split.predicted_ms)
+
+
+def timed(run: Callable[[LoadedModel, list[Any]], Any], first: LoadedModel,
+          second: LoadedModel, inputs: list[list[Any]]) -> tuple[float, float]:
+    """Median ms of a request of each model, timed in turn on every check input."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(ROUNDS):
+        for model, kept in zip((first, second), times, strict=True):
+            for x in inputs:
+                t0 = time.perf_counter()
+                run(model, x)
+                kept.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def note(split_ms: float, single_ms: float, device: str, served_split: bool) -> str:
+    return (f"never worse than one device: measured end to end {split_ms:.3f} ms split vs "
+            f"{single_ms:.3f} ms all on {device}; serving the "
+            + (f"split ({single_ms / split_ms:.2f}x)" if served_split
+               else f"single device ({split_ms / single_ms:.2f}x)"))

@@ -1,0 +1,67 @@
+"""Never worse than the best single device, by measurement (cuvild/load/guard.py): a split
+the cost model prices a little faster than one device is timed against that device's plan
+at load, and the faster one is served."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from engine_helpers import CLOSE, CORES, eager
+
+import cuvild
+from cuvild.client.samples import MLP
+from cuvild.core.arena import Arena
+from cuvild.engine.engine import Engine
+from cuvild.intake.summary import summarize
+from cuvild.load import guard
+from partitioner.plan import Part, Plan, plan_model
+from partitioner.profile import DeviceProfile
+
+# A profile that misprices: the CPU 100x slow at matmuls, the emulated NPU slow at moving
+# bytes and the link free, so the planner alternates matmuls (NPU) and activations (CPU)
+# over 8 parts, predicted ~1.05x faster than all on the NPU. Both run torch eager on a core
+# each: measured, the 7 hand-offs cost more than the split saves.
+CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"],
+                    peak_gflops={"fp32": 100.0}, mem_bw_gbs=100.0, link_bw_gbs=1000.0,
+                    efficiency={"matmul": 0.01})
+NPU = DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:], runtimes=["torch"],
+                    peak_gflops={"fp32": 1000.0}, mem_bw_gbs=10.0, link_bw_gbs=1000.0)
+
+
+def test_a_mispriced_split_is_timed_and_the_faster_single_device_served(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = MLP(width=64, depth=4).eval(), torch.randn(2, 64)
+    ep = cuvild.export(model, (x,))
+    split = plan_model(ep, [CPU, NPU])
+    single = plan_model(ep, [NPU])
+    assert len(split.parts) > 2 and split.predicted_ms < single.predicted_ms  # the mistake
+    assert guard.worth_timing(split, single)
+    path = tmp_path / "mlp.pt2"
+    torch.export.save(ep, path)
+    arena = Arena(f"{os.getpid()}-guard")
+    engine = Engine([CPU, NPU], tmp_path / "cache", arena, workers="thread")
+    try:
+        loaded = engine.prepare("mlp", "mlp", "1", path, summarize(ep)["inputs"])
+        assert loaded is not None
+        assert [(r.id, r.device) for r in loaded.routes] == [("p0", "npu0")]
+        (said,) = [n for n in loaded.plan.notes if n.startswith("never worse")]
+        assert "split vs" in said and "serving the single device" in said, said
+        assert "mlp~one" not in engine.runner.served.models  # the second build is gone
+        torch.testing.assert_close(engine.infer("mlp", (x,))[0], eager(model, x), **CLOSE)
+    finally:
+        engine.close()
+        arena.close()
+
+
+def test_only_a_split_predicted_less_than_gain_faster_is_timed() -> None:
+    def plan(ms: float, devices: list[str]) -> Plan:
+        parts = [Part(f"p{i}", d, "", "fp32", [], ms) for i, d in enumerate(devices)]
+        return Plan(parts=parts, cuts=[], predicted_ms=ms, peak_bytes={})
+
+    one = plan(10.0, ["cpu0"])
+    assert guard.worth_timing(plan(8.0, ["cpu0", "npu0"]), one)
+    assert not guard.worth_timing(plan(10.0 / guard.GAIN, ["cpu0", "npu0"]), one)
+    assert not guard.worth_timing(plan(9.0, ["npu0"]), one)  # no split: nothing to guard
+    assert not guard.worth_timing(plan(9.0, ["cpu0", "npu0"]), None)
