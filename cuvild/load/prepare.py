@@ -146,21 +146,30 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
     plan.notes += precision.runtime_notes(model.routes) + model.accuracy.notes
     if alternative is not None:
         say("timing the best single device's plan against the split")
-        other = prepare(builder, f"{key}~one", name, version, archive, input_specs,
-                        objective, plan=alternative, policy=policy, keep_record=False)
-        assert other is not None
-        try:
-            split_ms, single_ms = guard.timed(builder.runner.run, model, other, inputs)
-        finally:
-            builder.unload(other.key)
         device = alternative.parts[0].device
-        if single_ms < split_ms:  # served from the same plan, under the model's key (its
-            builder.drop(model)   # parts from the compile cache)
+        try:
+            other = prepare(builder, f"{key}~one", name, version, archive, input_specs,
+                            objective, plan=alternative, policy=policy, keep_record=False)
+        except Exception as e:  # noqa: BLE001 - the split stands, and says why
+            builder.unload(f"{key}~one")
+            other = None
+            plan.notes.append(f"never worse than one device: all on {device} did not build "
+                              f"({type(e).__name__}: {e}); serving the split")
+        split_ms = single_ms = 0.0
+        if other is not None:
+            try:
+                split_ms, single_ms = guard.timed(builder.runner.run, model, other, inputs)
+            finally:
+                builder.unload(other.key)
+        if other is not None and single_ms < split_ms:
+            # served from the same plan, under the model's key (its parts: the compile cache)
+            builder.drop(model)
             alternative.notes.append(guard.note(split_ms, single_ms, device, False))
             return prepare(builder, key, name, version, archive, input_specs, objective,
                            plan=alternative, policy=policy, progress=progress,
                            batching=batching)
-        plan.notes.append(guard.note(split_ms, single_ms, device, True))
+        if other is not None:
+            plan.notes.append(guard.note(split_ms, single_ms, device, True))
     builder.publish(model)
     if keep_record:
         try:
