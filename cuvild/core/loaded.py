@@ -220,6 +220,8 @@ def part_stats(model: LoadedModel) -> dict[str, Any]:
 def bucket_stats(model: LoadedModel) -> list[dict[str, Any]]:
     """A dynamic-shape model's buckets, most recently used last: the input shapes, and where
     each part runs for them (the runtime is chosen per bucket, by timing it at its shapes)."""
-    return [{"shapes": [list(s) for s in shapes], "key": variant.key,
-             "parts": [{**stats, "id": part} for part, stats in part_stats(variant).items()]}
-            for shapes, variant in list(model.family.buckets.items() if model.family else [])]
+    kept = list(model.family.buckets.items()) if model.family else []
+    kept.sort(key=lambda item: item[1].bucket.used if item[1].bucket else 0.0)
+    return [{"shapes": [list(s) for s in shapes], "key": bucket.key,
+             "parts": [{**stats, "id": part} for part, stats in part_stats(bucket).items()]}
+            for shapes, bucket in kept]
