@@ -59,11 +59,6 @@ class Builder:
         self.counters: Counter[str] = Counter()
         self._publishing = threading.Lock()
 
-    @property
-    def models(self) -> dict[str, LoadedModel]:
-        """The models served now (a copy of the runner's snapshot)."""
-        return dict(self.runner.served.models)
-
     def publish(self, model: LoadedModel) -> None:
         """Serve `model` under its key (a bucket also under its shapes): a new snapshot."""
         with self._publishing:
