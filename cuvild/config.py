@@ -246,6 +246,7 @@ EMULATED_KINDS = ("npu", "gpu")
 EMULATED_RUNTIMES = ("openvino",)
 OVERRIDE_KEYS = (
     "peak_gflops", "mem_bw_gbs", "link_bw_gbs", "link_latency_us", "launch_us", "memory_gb",
+    "call_us", "kernel_us",
 )
 
 

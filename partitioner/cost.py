@@ -1,10 +1,12 @@
 """Cost model: how long an assignment of nodes to devices takes, and how much memory it needs.
 
 A node on a device costs its roofline time, max(FLOPs / peak(dtype), bytes / memory bandwidth).
-Nodes become parts (see partitioner.schedule); a part costs its device's launch overhead once
-plus its nodes. A tensor crossing between parts on different devices costs bytes / link
-bandwidth + link latency of each non-host end: a copy between two accelerators goes through
-host memory, so it pays both links. Graph inputs start, and graph outputs end, in host memory.
+Nodes become parts (see partitioner.schedule); a part costs its device's call overhead once
+plus its nodes, and each node that runs as a kernel of its own costs the device's per-kernel
+time too (partitioner/corrections.py: `call + kernels x kernel + roofline`). A tensor
+crossing between parts on different devices costs bytes / link bandwidth + link latency of
+each non-host end: a copy between two accelerators goes through host memory, so it pays
+both links. Graph inputs start, and graph outputs end, in host memory.
 
 A node whose precision is `auto` (its annotation's, else the model's policy) is priced at the
 fastest precision its device measured among those a search may lower it to (bf16, fp16; int8
@@ -21,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Sequence
 
-from partitioner.corrections import Corrections
+from partitioner.corrections import KERNEL_CATEGORIES, Corrections, prior
 from partitioner.costgraph import PRECISIONS, CostGraph, CostNode
 from partitioner.profile import DeviceProfile
 
@@ -37,14 +39,6 @@ Support = Callable[[CostNode], bool] | Collection[str]
 
 class PlacementError(ValueError):
     """No valid placement: a strict annotation or an op no device can run."""
-
-
-# Ops a GPU runs as a kernel of their own (inductor fuses elementwise ops and views into
-# them): each costs at least a kernel launch, the profile's launch_us. At batch 1 that floor,
-# not the roofline, is a small model's time: on the lent H200, resnet18's roofline is 0.09 ms
-# and its part ran 2.1 ms (43 such ops); bert4 0.16 ms against 0.87 (28).
-KERNEL_CATEGORIES = frozenset({"matmul", "conv", "attention", "rnn", "norm", "softmax",
-                               "reduction", "pool"})
 
 
 class CostModel:
@@ -80,8 +74,9 @@ class CostModel:
         # What measured parts taught (partitioner/corrections.py): each device at the speed
         # of the runtime `auto` would pick for a node's class, and its call overhead.
         self.corrections = corrections or Corrections()
-        self.launch_ms = [self.corrections.best_overhead_ms(d.id, d.runtimes, d.launch_us / 1e3)
-                          for d in devices]
+        fixed = [self.corrections.best_overhead(d.id, d.runtimes, prior(d)) for d in devices]
+        self.call_ms = [f.call_ms for f in fixed]
+        self.kernel_ms = [f.kernel_ms for f in fixed]
         self._links()
         # a part holds nodes of one precision request: a dtype, "auto" or none. fp32 asked
         # under an fp32 policy asks nothing the policy does not: the same request, so a
@@ -91,11 +86,13 @@ class CostModel:
         self.prec = [self.precisions.index(
             None if _precision(node) == "fp32" == precision else _precision(node))
             for node in graph.nodes]
-        # roofline_ms is the profile's prediction; node_ms adds the learned scale
+        # roofline_ms is the profile's prediction; node_ms adds the learned scale, and a
+        # kernel's launch where the node runs as a kernel of its own
         self.roofline_ms = [[self._node_ms(node, dev) for dev in devices] for node in graph.nodes]
         self.node_ms = [
             [ms * self.corrections.best_scale(dev.id, dev.runtimes, node.category)
-             for ms, dev in zip(row, devices, strict=True)]
+             + (self.kernel_ms[d] if node.category in KERNEL_CATEGORIES else 0.0)
+             for d, (ms, dev) in enumerate(zip(row, devices, strict=True))]
             for row, node in zip(self.roofline_ms, graph.nodes, strict=True)]
         self._support(support or {})
         self._constraints()
@@ -117,10 +114,7 @@ class CostModel:
         moved = node.bytes_read + node.bytes_written
         if asked in BYTES_PER and node.dtype in BYTES_PER:
             moved = moved * BYTES_PER[asked] / BYTES_PER[node.dtype]
-        ms = max(node.flops / (peak * 1e6), moved / (dev.mem_bw_gbs * 1e6))
-        if dev.kind == "gpu" and node.category in KERNEL_CATEGORIES:
-            ms = max(ms, dev.launch_us / 1e3)  # no kernel takes less than its launch
-        return ms
+        return max(node.flops / (peak * 1e6), moved / (dev.mem_bw_gbs * 1e6))
 
     def is_auto(self, node: CostNode) -> bool:
         """Its precision is `auto`: its annotation's, else (none asked) the model's policy."""

@@ -52,7 +52,7 @@ def chain_dp(model: CostModel) -> ExactResult:
     in_bytes = sum(dict(model.node_inputs[0]).values())
     cost = [math.inf] * model.k
     for d in model.allowed[0]:
-        cost[d] = model.node_ms[0][d] + model.launch_ms[d] + model.penalty[0][d]
+        cost[d] = model.node_ms[0][d] + model.call_ms[d] + model.penalty[0][d]
         cost[d] += model.cut_ms(in_bytes, HOST, d) if in_bytes else 0.0
     back: list[list[int]] = [[-1] * model.k]
     for v in range(1, n):
@@ -63,7 +63,7 @@ def chain_dp(model: CostModel) -> ExactResult:
                 if cost[e] == math.inf:
                     continue
                 same = e == d and model.prec[v] == model.prec[v - 1]
-                step = 0.0 if same else model.launch_ms[d] + model.cut_ms(nbytes, e, d)
+                step = 0.0 if same else model.call_ms[d] + model.cut_ms(nbytes, e, d)
                 if cost[e] + step < new[d]:
                     new[d], choice[d] = cost[e] + step, e
             new[d] += model.node_ms[v][d] + model.penalty[v][d]
@@ -126,7 +126,7 @@ class Bound:
         nbytes = model.graph.edge_bytes[(v, w)]
         best = math.inf
         for e in model.allowed[w]:
-            move = 0.0 if e == d else model.cut_ms(nbytes, d, e) + model.launch_ms[e]
+            move = 0.0 if e == d else model.cut_ms(nbytes, d, e) + model.call_ms[e]
             best = min(best, move + tail[w][e])
         return best
 

@@ -31,7 +31,7 @@ def fragments(model: CostModel, schedule: Schedule) -> list[int]:
             cut_ms[c.dst] += c.ms
     found = []
     for p, part in enumerate(schedule.parts):
-        launch = model.launch_ms[part.device]
+        launch = model.call_ms[part.device]
         if cut_ms[p] > 0 and part.compute_ms - launch < launch + cut_ms[p]:
             found.append(p)
     return found

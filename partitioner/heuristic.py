@@ -87,7 +87,7 @@ def greedy(model: CostModel, groups: list[list[int]]) -> list[int]:  # noqa: C90
                     t = model.cut_ms(b, dev[p], d)
                     moved += t
                     ready = max(ready, finish[p] + t)
-            work += 0.0 if joins else model.launch_ms[d]
+            work += 0.0 if joins else model.call_ms[d]
             end = max(ready, free[d]) + work
             if model.objective == "latency":
                 score = end + (model.cut_ms(out, d, HOST) if out else 0.0)
@@ -129,7 +129,7 @@ def sweep(  # noqa: C901 - the sweep and its moves in one loop
             if group_of[u] != group_of[v]:
                 ins[group_of[v]].append((u, b))
                 outs[group_of[u]].append((v, b))
-    launch, cut = model.launch_ms, model.cut_ms
+    launch, cut = model.call_ms, model.cut_ms
     for _ in range(passes):
         moved = 0
         for g, members in enumerate(groups):

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.corrections import Corrections
+from partitioner.corrections import Corrections, kernel_count, prior
 from partitioner.cost import CostModel, Support
 from partitioner.costgraph import PRECISIONS, CostGraph
 from partitioner.place import place
@@ -30,7 +30,7 @@ class Part:
     runtime: str
     precision: str
     nodes: list[str]  # graph node names, in graph order (folded getitems follow their op)
-    predicted_ms: float  # launch + nodes
+    predicted_ms: float  # call + kernels + nodes
     gflops: float = 0.0
     start_ms: float = 0.0
     finish_ms: float = 0.0
@@ -44,6 +44,8 @@ class Part:
     policy: str = ""
     max_error: float | None = None
     error: float | None = None
+    # how many of its nodes run as a kernel of their own on a GPU (partitioner/corrections.py)
+    kernels: int = 0
 
 
 @dataclass
@@ -118,8 +120,9 @@ def plan_model(
     if priced:
         plan.notes.append("priced at the precision `auto` would run: " + ", ".join(priced))
     if corrections:
+        priors = {d.id: prior(d) for d in cost.devices}
         used = [line for dev in sorted({p.device for p in plan.parts})
-                for line in corrections.describe(dev)]
+                for line in corrections.describe(dev, priors)]
         if used:
             plan.notes.append("cost corrections learned from measured parts: " + "; ".join(used))
     return plan
@@ -172,6 +175,7 @@ def build_plan(
             class_ms={c: ms for c, ms in sorted(class_ms.items()) if ms > 0},
             policy="auto" if asked == "auto" else "fixed" if asked else "",
             max_error=min(budgets) if budgets else None,
+            kernels=kernel_count([graph.nodes[v].category for v in timing.nodes]),
         ))  # fmt: skip
     cuts = []
     for c in sorted(schedule.cuts, key=lambda c: (c.src != HOST, c.src, c.dst == HOST, c.dst)):

@@ -22,7 +22,8 @@ RUNTIMES_BY_KIND: dict[str, tuple[str, ...]] = {
     "npu": ("openvino",),
 }
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "configs" / "profiles"
-_NUMBER_KEYS = ("memory_gb", "mem_bw_gbs", "link_bw_gbs", "link_latency_us", "launch_us")
+_NUMBER_KEYS = ("memory_gb", "mem_bw_gbs", "link_bw_gbs", "link_latency_us", "launch_us",
+                "call_us", "kernel_us")
 _LIST_KEYS = ("runtimes", "cores", "features")
 
 
@@ -40,6 +41,11 @@ class DeviceProfile:
     link_bw_gbs: float = 0.0  # host <-> device copy bandwidth (host memcpy for host devices)
     link_latency_us: float = 0.0  # cost of the smallest host <-> device transfer
     launch_us: float = 0.0  # fixed overhead of one call into the device's runtime
+    # A compiled part timed through its runtime's own `run` at profiling time (GPUs): one
+    # call of a 1-kernel part, and each further kernel (from a ~20-kernel part); 0: not
+    # measured, `launch_us` stands in (partitioner/corrections.py `prior`)
+    call_us: float = 0.0
+    kernel_us: float = 0.0
     runtimes: list[str] = field(default_factory=list)  # compile paths that can target it
     cores: list[int] = field(default_factory=list)  # host cores its worker is pinned to
     features: list[str] = field(default_factory=list)  # ISA / capability flags

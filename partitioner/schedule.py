@@ -22,7 +22,7 @@ class PartTiming:
     device: int
     precision: int  # index into CostModel.precisions
     nodes: list[int]
-    compute_ms: float  # launch + nodes
+    compute_ms: float  # call + nodes (kernels included)
     start_ms: float = 0.0
     finish_ms: float = 0.0
 
@@ -96,7 +96,7 @@ def _form_parts(model: CostModel, assign: Sequence[int], m: int, r: Run) -> None
     r.part_of = [order[kk] for kk in key]
     r.dev = [(kk % width) // labels for kk in keys]
     r.prec = [kk % labels for kk in keys]
-    compute = [model.launch_ms[d] for d in r.dev]
+    compute = [model.call_ms[d] for d in r.dev]
     node_ms = model.node_ms
     part_of = r.part_of
     for v in range(m):

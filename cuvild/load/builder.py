@@ -25,9 +25,10 @@ from cuvild.core.errors import InferError, RunTimeout
 from cuvild.core.loaded import LoadedModel, Route
 from cuvild.core.precision import PrecisionPolicy
 from cuvild.load import fallback, precision
-from cuvild.load.corrections import CorrectionStore
+from cuvild.load.corrections import CorrectionStore, Lesson
 from cuvild.run.request import FEEDBACK_RUNS
 from cuvild.workers.handle import WorkerDied
+from partitioner.corrections import prior
 from protos.orders import Build, Built, Choose, Forget, Reply, Unload
 from runtimes import registry
 
@@ -187,8 +188,11 @@ class Builder:
             runs = sorted(route.measured_ms[:FEEDBACK_RUNS])  # (the runs that triggered it)
             if part is None or not part.class_ms or len(runs) < min_runs:
                 continue
-            taught.append((route.device, route.runtime, part.class_ms,
-                           self.devices[route.device].launch_us / 1e3, runs[len(runs) // 2]))
+            device = self.devices[route.device]
+            taught.append(Lesson(  # priced as precision.record_runs prices it
+                route.device, precision.runtime_key(route.runtime, route.precision),
+                precision.at(part.class_ms, device, route.precision), part.kernels,
+                prior(device), runs[len(runs) // 2], model.name))
             route.fed_back = True
         self.corrections.learn(taught)
         return len(taught)

@@ -15,12 +15,24 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from partitioner.corrections import Corrections
+from partitioner.corrections import Corrections, Prior
 from runtimes.base import write_atomic
 
 log = logging.getLogger(__name__)
+
+
+class Lesson(NamedTuple):
+    """One measured part, as the corrections learn from it."""
+
+    device: str
+    runtime: str  # its key: "triton@bf16" (cuvild/load/precision.py runtime_key)
+    class_ms: Mapping[str, float]
+    kernels: int
+    prior: Prior
+    measured_ms: float
+    model: str
 
 
 class CorrectionStore:
@@ -44,14 +56,14 @@ class CorrectionStore:
         with self._lock:
             return Corrections.from_dict(self._corrections.to_dict())
 
-    def learn(self, parts: list[tuple[str, str, Mapping[str, float], float, float]]) -> None:
-        """Observe (device, runtime, class ms, default call ms, measured ms) per part, then
-        persist."""
+    def learn(self, parts: list[Lesson]) -> None:
+        """Observe each measured part (partitioner/corrections.py `observe`), then persist."""
         if not parts:
             return
         with self._lock:
-            for device, runtime, class_ms, launch_ms, measured_ms in parts:
-                self._corrections.observe(device, runtime, class_ms, launch_ms, measured_ms)
+            for p in parts:
+                self._corrections.observe(p.device, p.runtime, p.class_ms, p.kernels, p.prior,
+                                          p.measured_ms, p.model)
             data = json.dumps(self._corrections.to_dict(), indent=1).encode()
             if self.path is not None:
                 write_atomic(self.path, data)

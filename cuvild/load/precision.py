@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cuvild.core.precision import Accuracy, Check, PrecisionPolicy
+from partitioner.corrections import prior
 from runtimes.base import INT8_MIXED, MIXED, set_error, top1_agreement, write_atomic
 
 if TYPE_CHECKING:
@@ -73,7 +74,9 @@ def floors(part: Part, device: DeviceProfile, precisions: list[str]) -> dict[str
     any correction learned from measurements): a build's search stops near it."""
     if not part.class_ms:
         return {}
-    return {p: sum(at(part.class_ms, device, p).values()) + device.launch_us / 1e3
+    start = prior(device)
+    return {p: sum(at(part.class_ms, device, p).values()) + start.call_ms
+            + part.kernels * start.kernel_ms
             for p in precisions}
 
 
@@ -296,4 +299,4 @@ def record_runs(plan: Any, routes: Sequence[Any], corrections: Any,
                 device = devices[part.device]
                 part.predicted_ms = corrections.price(
                     part.device, runtime_key(part.runtime, part.precision),
-                    at(part.class_ms, device, part.precision), device.launch_us / 1e3)
+                    at(part.class_ms, device, part.precision), part.kernels, prior(device))

@@ -77,21 +77,8 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         builder.counters["planned"] += 1
     split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
     dynamic = dynamic_dims(ep)
-    alternative = None  # the best single device's plan, where the split is to be timed
-    if planned and not dynamic and len({p.device for p in plan.parts}) > 1 and not (
-            guard.annotated(ep)):
-        support = fallback.support(builder.support(), banned)
-        single = guard.single_plan(ep, list(builder.devices.values()), lambda program, one: (
-            plan_model(program, one, objective=objective,
-                       support={d.id: support[d.id] for d in one if d.id in support},
-                       corrections=corrections, precision=policy.mode,
-                       int8=bool(policy.calibration))))
-        if guard.worth_timing(plan, single):
-            alternative = single
-        elif single is not None:
-            plan.notes.append(f"predicted {single.predicted_ms / plan.predicted_ms:.2f}x "
-                              f"faster than all on {single.parts[0].device}: served split "
-                              "without timing both")
+    alternative = _alternative(builder, ep, plan, objective, policy, banned, corrections,
+                               planned and not dynamic)
     if dynamic:  # laid out and built per concrete shape, on first use
         slots, footprint, total = {}, 0, 0
     else:
@@ -145,31 +132,32 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
     precision.record_runs(plan, model.routes, corrections, builder.devices)
     plan.notes += precision.runtime_notes(model.routes) + model.accuracy.notes
     if alternative is not None:
-        say("timing the best single device's plan against the split")
-        device = alternative.parts[0].device
+        other_plan, ours, theirs = alternative
+        say(f"timing the plan {theirs} against the one {ours}")
         try:
             other = prepare(builder, f"{key}~one", name, version, archive, input_specs,
-                            objective, plan=alternative, policy=policy, keep_record=False)
-        except Exception as e:  # noqa: BLE001 - the split stands, and says why
+                            objective, plan=other_plan, policy=policy, keep_record=False)
+        except Exception as e:  # noqa: BLE001 - the plan stands, and says why
             builder.unload(f"{key}~one")
             other = None
-            plan.notes.append(f"never worse than one device: all on {device} did not build "
-                              f"({type(e).__name__}: {e}); serving the split")
-        split_ms = single_ms = 0.0
+            plan.notes.append(f"{GUARD}: the plan {theirs} did not build "
+                              f"({type(e).__name__}: {e}); serving the one {ours}")
+        ours_ms = theirs_ms = 0.0
         if other is not None:
             try:
-                split_ms, single_ms = guard.timed(builder.runner.run, model, other, inputs)
+                ours_ms, theirs_ms = guard.timed(builder.runner.run, model, other, inputs)
             finally:
                 builder.unload(other.key)
-        if other is not None and single_ms < split_ms:
+        if other is not None and theirs_ms < ours_ms:
             # served from the same plan, under the model's key (its parts: the compile cache)
             builder.drop(model)
-            alternative.notes.append(guard.note(split_ms, single_ms, device, False))
+            other_plan.notes.append(f"{GUARD}: " + guard.note(ours_ms, theirs_ms, ours, theirs,
+                                                              False))
             return prepare(builder, key, name, version, archive, input_specs, objective,
-                           plan=alternative, policy=policy, progress=progress,
+                           plan=other_plan, policy=policy, progress=progress,
                            batching=batching)
         if other is not None:
-            plan.notes.append(guard.note(split_ms, single_ms, device, True))
+            plan.notes.append(f"{GUARD}: " + guard.note(ours_ms, theirs_ms, ours, theirs, True))
     builder.publish(model)
     if keep_record:
         try:
@@ -177,6 +165,45 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         except OSError as e:
             log.warning("model %s: load record not written (%s)", key, e)
     return model
+
+
+GUARD = "never worse than one device"
+
+
+def _alternative(builder: Builder, ep: Any, plan: Any, objective: str, policy: PrecisionPolicy,
+                 banned: Any, corrections: Any, guarded: bool) -> tuple[Any, str, str] | None:
+    """The plan to time the planned one against before serving it (cuvild/load/guard.py),
+    with how each is named: the profile's own plan where the lessons learned moved the
+    model's heaviest part, else the best single device's where a split is predicted less
+    than guard.GAIN faster; None where neither."""
+    if not guarded:
+        return None
+    from partitioner.plan import plan_model
+
+    support = fallback.support(builder.support(), banned)
+
+    def planned(on: list[Any], learned: Any) -> Any:
+        return plan_model(ep, on, objective=objective,
+                          support={d.id: support[d.id] for d in on if d.id in support},
+                          corrections=learned, precision=policy.mode,
+                          int8=bool(policy.calibration))
+
+    devices = list(builder.devices.values())
+    if corrections:
+        unlearned = planned(devices, None)
+        if guard.moved_by_lessons(plan, unlearned):
+            return (unlearned, f"as learned ({guard.heaviest(plan)})",
+                    f"of the profile alone ({guard.heaviest(unlearned)})")
+    if len({p.device for p in plan.parts}) < 2 or guard.annotated(ep):
+        return None
+    single = guard.single_plan(ep, devices, lambda program, one: planned(one, corrections))
+    if guard.worth_timing(plan, single):
+        return single, "split", f"all on {single.parts[0].device}"
+    if single is not None:
+        plan.notes.append(f"predicted {single.predicted_ms / plan.predicted_ms:.2f}x "
+                          f"faster than all on {single.parts[0].device}: served split "
+                          "without timing both")
+    return None
 
 
 def _settle(builder: Builder, model: LoadedModel, policy: PrecisionPolicy,

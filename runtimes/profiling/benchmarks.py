@@ -1,5 +1,6 @@
 """Micro-benchmarks that measure a device: peak matmul GFLOP/s per dtype, memory bandwidth,
-host<->device copy bandwidth and latency, per-call launch overhead.
+host<->device copy bandwidth and latency, per-call launch overhead, and (GPUs) what a call and
+each kernel of a compiled part cost through its runtime (runtimes/profiling/calls.py).
 
 Run as a subprocess (`python -m runtimes.profiling.benchmarks SPEC_JSON`), pinned to the cores the
 device's worker will own, so the numbers are those the worker will see and the daemon never
@@ -182,6 +183,7 @@ def profile_cuda(index: int) -> dict[str, Any]:
         for _ in range(launches):
             torch.add(one, one)
 
+    features = [f"sm_{props.major}{props.minor}", *_aoti_feature(dev)]
     return {
         "id": f"gpu{index}",
         "kind": "gpu",
@@ -194,8 +196,27 @@ def profile_cuda(index: int) -> dict[str, Any]:
         "launch_us": best_time(launch_many, reps=3, sync=sync) / launches * 1e6,
         "runtimes": ["triton"] if installed("triton") else [],
         "cores": [],
-        "features": [f"sm_{props.major}{props.minor}", *_aoti_feature(dev)],
+        "features": features,
+        **_compiled_calls(dev, features),
     }
+
+
+def _compiled_calls(dev: Any, features: list[str]) -> dict[str, float]:
+    """call_us / kernel_us of parts compiled for `dev` (runtimes/profiling/calls.py), {} where
+    triton is missing or the compile fails (the cost model then takes launch_us)."""
+    if not installed("triton"):
+        return {}
+    from runtimes.profiling.calls import compiled_call_us
+    from runtimes.triton import AOTI_BROKEN, compile_part
+
+    aoti = AOTI_BROKEN not in features
+    try:
+        return compiled_call_us(lambda part, inputs: compile_part(part, inputs, dev,
+                                                                  aoti=aoti))
+    except Exception as e:  # noqa: BLE001 - the profile stands without it
+        print(f"note: {dev}: compiled-part timing failed ({type(e).__name__}: {e}); the cost "
+              "model prices its kernels at launch_us", file=sys.stderr)
+        return {}
 
 
 def _aoti_feature(dev: Any) -> list[str]:

@@ -12,10 +12,12 @@ OpenVINO's CPU plugin on the other, as `make demo`):
    from the other models only (what a new model on this host is predicted with).
 3. The shipped xeon-amx-h100 profile with partial GPU coverage: the plan vs an ORT-style
    greedy assignment on resnet18-like (goal <= 0.8x).
-4. The lent H200 (configs/profiles/h200.yaml, measured there on 2026-12-04): each GPU part
-   that run measured (torch.compile path, p50 on the device) against the cost model's
-   prediction, and where the models that run loaded next are placed once the corrections
-   have learned from its first two GPU parts, as its daemon did (no GPU needed).
+4. The lent H200 (configs/profiles/h200.yaml, measured there on 2026-12-04;
+   tests/partitioner/h200_replay.py): each GPU part that run measured (torch.compile path,
+   p50 on the device) against the cost model's prediction from the profile's prior alone and
+   after learning from its daemon's first two GPU parts, and where the models that daemon
+   loaded next are placed (and, where the lessons moved them, which the load's timing of both
+   plans serves by what the H200 measured of each). No GPU needed.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from cuvild.config import parse  # noqa: E402
 from cuvild.core.arena import Arena  # noqa: E402
 from cuvild.engine.engine import Engine  # noqa: E402
 from cuvild.intake.summary import summarize  # noqa: E402
-from partitioner.corrections import Corrections  # noqa: E402
+from partitioner.corrections import Corrections, Prior, prior  # noqa: E402
 from runtimes.profiling import hardware  # noqa: E402
 from runtimes.profiling.measure import measure  # noqa: E402
 
@@ -106,19 +108,19 @@ def serve_and_measure(engine: Engine, tmp: Path) -> dict[str, dict[str, Any]]:
         parts = {p.id: p for p in loaded.plan.parts}
         out[name] = {"build_s": round(build_s, 1), "parts": {
             r.id: {"device": r.device, "runtime": r.runtime, "class_ms": parts[r.id].class_ms,
-                   "before_ms": parts[r.id].predicted_ms,
+                   "kernels": parts[r.id].kernels, "before_ms": parts[r.id].predicted_ms,
                    "measured_ms": statistics.median(r.measured_ms)}
             for r in loaded.routes}}
     return out
 
 
-def learn(measured: dict[str, Any], launch_ms: dict[str, float],
+def learn(measured: dict[str, Any], priors: dict[str, Prior],
           models: tuple[str, ...]) -> Corrections:
     learned = Corrections()
     for name in models:
         for p in measured[name]["parts"].values():
-            learned.observe(p["device"], p["runtime"], p["class_ms"], launch_ms[p["device"]],
-                            p["measured_ms"])
+            learned.observe(p["device"], p["runtime"], p["class_ms"], p["kernels"],
+                            priors[p["device"]], p["measured_ms"], name)
     return learned
 
 
@@ -130,14 +132,14 @@ def fidelity_section(devices: list, tmp: Path) -> dict[str, Any]:
     finally:
         engine.close()
         arena.close()
-    launch = {d.id: d.launch_us / 1e3 for d in devices}
-    everyone = learn(measured, launch, MODELS)
+    priors = {d.id: prior(d) for d in devices}
+    everyone = learn(measured, priors, MODELS)
     rows, worst_after = [], 0.0
     for name in MODELS:
-        others = learn(measured, launch, tuple(m for m in MODELS if m != name))
+        others = learn(measured, priors, tuple(m for m in MODELS if m != name))
         for pid, p in measured[name]["parts"].items():
-            after = everyone.price(p["device"], p["runtime"], p["class_ms"], launch[p["device"]])
-            new = others.price(p["device"], p["runtime"], p["class_ms"], launch[p["device"]])
+            args = p["device"], p["runtime"], p["class_ms"], p["kernels"], priors[p["device"]]
+            after, new = everyone.price(*args), others.price(*args)
             m = p["measured_ms"]
             worst_after = max(worst_after, abs(after / m - 1))
             rows.append({"model": name, "part": pid, "device": p["device"],
@@ -175,61 +177,17 @@ def placement_section() -> list[dict[str, Any]]:
     return rows
 
 
-# What the lent H200 measured (tests/gpu/check_gpu.py, gpu_summary.json of 2026-12-04): a
-# part compiled by inductor (torch.compile path: AOTInductor crashed there), p50 ms on the GPU.
-H200_PARTS = {("resnet18", 1, "fp32"): 2.239, ("resnet18", 1, "bf16"): 1.814,
-              ("resnet18", 16, "fp32"): 3.122, ("resnet18", 16, "bf16"): 1.739,
-              ("bert4", 1, "fp32"): 0.874, ("bert4", 1, "bf16"): 0.738}
-# Its daemon's GPU parts, in the order it measured them: the split model's backbone, then
-# resnet18 at fp32 (ms).
-H200_DAEMON = (2.1185, 2.1336)
-
-
 def h200_section() -> dict[str, Any]:
-    """Section 4: predicted vs measured GPU parts on the H200, and the placements after the
-    corrections learn from the daemon's first two GPU parts."""
-    from torch import nn
+    """Section 4: the lent H200's GPU parts, measured vs predicted, and where the models its
+    daemon loaded next are placed (tests/partitioner/h200_replay.py)."""
+    sys.path.insert(0, str(ROOT / "tests" / "partitioner"))
+    import h200_replay
 
-    from partitioner.annotate import partition
-    from partitioner.corrections import Corrections
-    from partitioner.cost import CostModel
-    from partitioner.fxgraph import build_costgraph
-    from partitioner.plan import plan_model
-    from partitioner.profile import load_shipped
-
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-    import check_daemon
-
-    devices = load_shipped("h200")
+    corrections, devices = h200_replay.learned()
     gpu = next(d for d in devices if d.kind == "gpu")
-    parts = []
-    for (name, batch, precision), measured in H200_PARTS.items():
-        model, args = reference(name, batch)
-        if precision != "fp32":
-            model = partition(precision=precision)(model)
-        cost = CostModel(build_costgraph(cuvild.export(model, args)), [gpu])
-        predicted = sum(row[0] for row in cost.node_ms) + cost.launch_ms[0]
-        parts.append({"model": name, "batch": batch, "precision": precision,
-                      "measured_ms": measured, "predicted_ms": round(predicted, 3),
-                      "measured_over_predicted": round(measured / predicted, 2)})
-    corrections = Corrections()
-    steps = [check_daemon.split_model(), reference("resnet18")]
-    for (model, args), measured in zip(steps, H200_DAEMON, strict=True):
-        plan = plan_model(cuvild.export(model, args), devices, corrections=corrections)
-        on_gpu = next(p for p in plan.parts if p.device == gpu.id)
-        corrections.observe(gpu.id, "triton", on_gpu.class_ms, gpu.launch_us / 1e3, measured)
-    torch.manual_seed(0)
-    width = 2048
-    mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width),
-                        nn.GELU(), nn.Linear(width, width)).eval()
-    later = {"mlp 2048 b16": (mlp, (torch.randn(16, width),)),
-             "resnet18 bf16": (partition(precision="bf16")(reference("resnet18")[0]),
-                               reference("resnet18")[1])}
-    placed = {}
-    for label, (model, args) in later.items():
-        plan = plan_model(cuvild.export(model, args), devices, corrections=corrections)
-        placed[label] = [(p.device, p.precision, round(p.predicted_ms, 3)) for p in plan.parts]
-    return {"parts": parts, "learned": corrections.describe(gpu.id), "placed": placed}
+    return {"parts": h200_replay.parts(corrections, devices),
+            "learned": corrections.describe(gpu.id, {gpu.id: prior(gpu)}),
+            "placed": h200_replay.placed(corrections, devices)}
 
 
 def main() -> dict[str, Any]:
@@ -280,14 +238,17 @@ def show(r: dict[str, Any]) -> None:
 
 
     h = r["h200"]
-    print("\nthe lent H200 (2026-12-04; torch.compile path): GPU part measured vs predicted")
+    print("\nthe lent H200 (2026-12-04; torch.compile path): GPU part measured vs predicted "
+          "(the profile's prior alone; learned from its daemon's first two GPU parts)")
     for p in h["parts"]:
-        print(f"  {p['model']:<9} b{p['batch']:<3} {p['precision']}: measured "
-              f"{p['measured_ms']:.3f} ms, predicted {p['predicted_ms']:.3f} ms, "
-              f"{p['measured_over_predicted']:.2f}x")
-    print("  after its daemon's first two GPU parts, learned: " + "; ".join(h["learned"]))
-    for label, parts in h["placed"].items():
-        print(f"  {label} placed: {parts}")
+        print(f"  {p['model']:<9} b{p['batch']:<3} {p['precision']} {p['kernels']:>3} kernels: "
+              f"measured {p['measured_ms']:.3f} ms, prior {p['prior_ms']:.3f} ms, learned "
+              f"{p['learned_ms']:.3f} ms = {p['learned_over_measured']:.2f}x (goal 0.5-2x)")
+    print("  learned: " + "; ".join(h["learned"]))
+    for label, row in h["placed"].items():
+        print(f"  {label}: learned plan {row['learned']}, the profile alone "
+              f"{row['profile_alone']}; " + (f"both timed at load, served on {row['served_on']}"
+                                             if row["timed"] else "not timed (same device)"))
 
 
 if __name__ == "__main__":

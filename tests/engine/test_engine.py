@@ -24,7 +24,7 @@ from cuvild.core.loaded import part_stats
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
 from cuvild.run.request import FEEDBACK_RUNS
-from partitioner.corrections import Corrections
+from partitioner.corrections import Corrections, prior
 from partitioner.profile import DeviceProfile
 from protos.orders import Unload
 
@@ -185,7 +185,8 @@ def test_measured_parts_teach_the_cost_model_and_survive_a_restart(tmp_path):
         (route,) = first.routes
         (part,) = first.plan.parts
         measured = sorted(route.measured_ms[:FEEDBACK_RUNS])[FEEDBACK_RUNS // 2]
-        assert learned.price("cpu0", "torch", part.class_ms, 1e-3) == pytest.approx(
+        assert learned.price("cpu0", "torch", part.class_ms, part.kernels,
+                             prior(cpu)) == pytest.approx(
             measured, rel=0.01)
         again = Engine([cpu], tmp_path / "cache", arena, corrections_path=path)
         second = again.prepare("mlp", "mlp", "1", archive, specs)

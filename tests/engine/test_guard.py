@@ -4,7 +4,9 @@ at load, and the faster one is served."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ from cuvild.core.arena import Arena
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
 from cuvild.load import guard
+from partitioner.corrections import Corrections, prior
 from partitioner.plan import Part, Plan, plan_model
 from partitioner.profile import DeviceProfile
 
@@ -47,8 +50,49 @@ def test_a_mispriced_split_is_timed_and_the_faster_single_device_served(tmp_path
         assert loaded is not None
         assert [(r.id, r.device) for r in loaded.routes] == [("p0", "npu0")]
         (said,) = [n for n in loaded.plan.notes if n.startswith("never worse")]
-        assert "split vs" in said and "serving the single device" in said, said
+        assert "split vs" in said and "serving all on npu0" in said, said
         assert "mlp~one" not in engine.runner.served.models  # the second build is gone
+        torch.testing.assert_close(engine.infer("mlp", (x,))[0], eager(model, x), **CLOSE)
+    finally:
+        engine.close()
+        arena.close()
+
+
+def test_a_lesson_that_moves_the_heaviest_part_is_timed_before_it_is_served(
+        tmp_path: Path) -> None:
+    """The profile alone puts the MLP on the NPU (10x the CPU's peak); a lesson another model
+    taught says a call there costs 50 ms, so the learned plan moves it to the CPU. The load
+    builds both, times them in turn and serves the faster; the plan gives both figures."""
+    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"],
+                        peak_gflops={"fp32": 100.0}, mem_bw_gbs=100.0, link_bw_gbs=1000.0)
+    npu = DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:],
+                        runtimes=["torch"], peak_gflops={"fp32": 1000.0}, mem_bw_gbs=1000.0,
+                        link_bw_gbs=1000.0)
+    lesson = Corrections()
+    lesson.observe("npu0", "torch", {}, 0, prior(npu), 50.0, "another model")
+    path = tmp_path / "corrections" / "host.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(lesson.to_dict()))
+    torch.manual_seed(0)
+    model, x = MLP(width=64, depth=4).eval(), torch.randn(2, 64)
+    ep = cuvild.export(model, (x,))
+    assert guard.heaviest(plan_model(ep, [cpu, npu])) == "npu0"
+    assert guard.heaviest(plan_model(ep, [cpu, npu], corrections=lesson)) == "cpu0"
+    archive = tmp_path / "mlp.pt2"
+    torch.export.save(ep, archive)
+    arena = Arena(f"{os.getpid()}-lesson")
+    engine = Engine([cpu, npu], tmp_path / "cache", arena, workers="thread",
+                    corrections_path=path)
+    try:
+        loaded = engine.prepare("mlp", "mlp", "1", archive, summarize(ep)["inputs"])
+        (said,) = [n for n in loaded.plan.notes if n.startswith("never worse")]
+        found = re.search(r"([\d.]+) ms as learned \(cpu0\) vs ([\d.]+) ms of the profile "
+                          r"alone \(npu0\)", said)
+        assert found, said
+        learned_ms, alone_ms = map(float, found.groups())
+        faster = "cpu0" if learned_ms <= alone_ms else "npu0"
+        assert {r.device for r in loaded.routes} == {faster}, said
+        assert "mlp~one" not in engine.runner.served.models
         torch.testing.assert_close(engine.infer("mlp", (x,))[0], eager(model, x), **CLOSE)
     finally:
         engine.close()

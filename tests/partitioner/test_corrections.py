@@ -7,13 +7,14 @@ import random
 
 import pytest
 
-from partitioner.corrections import KEEP, Corrections
+from partitioner.corrections import KEEP, Corrections, Prior
 from partitioner.cost import CostModel
 from partitioner.costgraph import CostGraph, CostNode, Edge
 from partitioner.plan import plan_model
 from partitioner.profile import DeviceProfile
 
 CALL_MS = 0.05
+START = Prior(CALL_MS, 0.0)  # a CPU's prior: its call, no kernel cost
 
 
 def part(rng: random.Random) -> dict[str, float]:
@@ -31,12 +32,12 @@ def test_a_consistently_2x_slow_runtime_is_predicted_2x_after_feedback() -> None
     rng = random.Random(0)
     learned = Corrections()
     first = part(rng)
-    assert learned.price("cpu0", "openvino", first, CALL_MS) == pytest.approx(
+    assert learned.price("cpu0", "openvino", first, 0, START) == pytest.approx(
         CALL_MS + sum(first.values()))  # nothing learned: the roofline
-    learned.observe("cpu0", "openvino", first, CALL_MS, true_ms(first, 2.0))
+    learned.observe("cpu0", "openvino", first, 0, START, true_ms(first, 2.0))
     for _ in range(5):  # parts it has never seen are predicted 2x too
         unseen = part(rng)
-        assert learned.price("cpu0", "openvino", unseen, CALL_MS) == pytest.approx(
+        assert learned.price("cpu0", "openvino", unseen, 0, START) == pytest.approx(
             true_ms(unseen, 2.0), rel=0.01)
     assert learned.scale("cpu0", "openvino", "conv") == pytest.approx(2.0, rel=0.01)
     # the lesson stays with its device and runtime
@@ -49,30 +50,31 @@ def test_noise_and_an_outlier_do_not_swing_it() -> None:
     learned = Corrections()
     for _ in range(KEEP):
         p = part(rng)
-        learned.observe("cpu0", "openvino", p, CALL_MS, true_ms(p, 2.0, rng, noise=0.3))
+        learned.observe("cpu0", "openvino", p, 0, START, true_ms(p, 2.0, rng, noise=0.3))
     settled = learned.scale("cpu0", "openvino", "conv")
     assert settled == pytest.approx(2.0, rel=0.15)
     p = part(rng)
-    learned.observe("cpu0", "openvino", p, CALL_MS, 10 * true_ms(p, 2.0))  # one bad run
+    learned.observe("cpu0", "openvino", p, 0, START, 10 * true_ms(p, 2.0))  # one bad run
     assert learned.scale("cpu0", "openvino", "conv") == pytest.approx(settled, rel=0.1)
 
 
 def test_an_overhead_dominated_part_teaches_the_call_not_the_scale() -> None:
     learned = Corrections()
     tiny = {"matmul": 0.01}
-    learned.observe("cpu0", "onnxruntime", tiny, 0.005, 0.30)  # ORT's call, not its matmul
-    assert learned.overhead_ms("cpu0", "onnxruntime", 0.005) == pytest.approx(0.29)
+    start = Prior(0.005, 0.0)
+    learned.observe("cpu0", "onnxruntime", tiny, 1, start, 0.30)  # ORT's call, not its matmul
+    assert learned.overhead("cpu0", "onnxruntime", start).call_ms == pytest.approx(0.29)
     assert learned.scale("cpu0", "onnxruntime", "matmul") == 1.0
-    assert learned.price("cpu0", "onnxruntime", tiny, 0.005) == pytest.approx(0.30)
+    assert learned.price("cpu0", "onnxruntime", tiny, 1, start) == pytest.approx(0.30)
     # a large part on the same runtime then learns its scale with that call cost taken off
     big = {"matmul": 10.0}
-    learned.observe("cpu0", "onnxruntime", big, 0.005, 0.29 + 15.0)
+    learned.observe("cpu0", "onnxruntime", big, 1, start, 0.29 + 15.0)
     assert learned.scale("cpu0", "onnxruntime", "matmul") == pytest.approx(1.5)
 
 
 def test_round_trip_and_bad_files() -> None:
     learned = Corrections()
-    learned.observe("cpu0", "torch", {"conv": 2.0}, CALL_MS, 4.0)
+    learned.observe("cpu0", "torch", {"conv": 2.0}, 0, START, 4.0)
     again = Corrections.from_dict(json.loads(json.dumps(learned.to_dict())))
     assert again.scale("cpu0", "torch", "conv") == learned.scale("cpu0", "torch", "conv")
     with pytest.raises(ValueError, match="malformed"):
@@ -88,8 +90,8 @@ def test_placement_prices_devices_at_their_best_learned_runtime() -> None:
                       bytes_written=1000, out_bytes=1000) for i in range(3)]
     graph = CostGraph(nodes, [Edge(0, 1, 1000), Edge(1, 2, 1000)])
     learned = Corrections()
-    learned.observe("cpu0", "openvino", {"conv": 10.0}, 0.005, 30.005)
-    learned.observe("cpu0", "onnxruntime", {"conv": 10.0}, 0.005, 15.005)
+    learned.observe("cpu0", "openvino", {"conv": 10.0}, 0, Prior(0.005, 0.0), 30.005)
+    learned.observe("cpu0", "onnxruntime", {"conv": 10.0}, 0, Prior(0.005, 0.0), 15.005)
     plain, corrected = CostModel(graph, [cpu]), CostModel(graph, [cpu], corrections=learned)
     assert corrected.node_ms[0][0] == pytest.approx(1.5 * plain.node_ms[0][0])
     assert corrected.roofline_ms == plain.roofline_ms
