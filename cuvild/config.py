@@ -101,6 +101,8 @@ class Config:  # a key per field; `path` alone is not one (the file it was read 
         "devices.cpu.cores", None, "the cores it may use (default: all)",
         read=lambda v, key: v if v is None else _core_list(v, key))
     gpu_enabled: bool = setting("devices.gpu.enabled", True, "serve on CUDA GPUs found")
+    cuda_graphs: bool = setting("devices.gpu.cuda_graphs", True, "run each static-shape GPU "
+                                "part as one CUDA graph (captured at its first request)")
     openvino_enabled: bool = setting("devices.openvino.enabled", True,
                                      "serve on OpenVINO's NPU where found")
     emulated: list[EmulatedDevice] = setting(

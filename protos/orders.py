@@ -134,6 +134,9 @@ class Built:
     # the signed compile-cache entry it runs from (runtimes/cache.py artifact): hash, runtime,
     # runtime_version, verified; {} for a part with none (torch eager)
     artifact: dict[str, Any] = field(default_factory=dict)
+    # how a GPU part's kernels are launched: "cuda graph ...", "kernel by kernel: why"
+    # (runtimes/graphs.py); "" where that does not apply
+    graph: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,11 @@ How a part is compiled (control path, `TritonRuntime.compile`):
 
 Running (data path, `InductorExecutable.run`): host tensors are copied to the device (without
 blocking when the caller's tensor is pinned), cast to the compute dtype there, run, and the
-outputs are cast back to the inputs' dtype on the device and copied to host tensors.
+outputs are cast back to the inputs' dtype on the device and copied to host tensors. On a
+CUDA device the worker's first request (`run_into`) captures the part as a CUDA graph
+(runtimes/graphs.py: static input buffers, one replay, outputs copied straight into the
+arena's views, one synchronisation); `devices.gpu.cuda_graphs: false` turns it off, and a
+capture that fails leaves the part kernel by kernel (`graph` says which, and why).
 
 Shapes are static: a part is compiled for its example inputs' shapes (they are in the compile
 cache key, CompileSpec.shapes()).
@@ -49,6 +53,7 @@ import torch
 from torch import fx
 
 from partitioner.profile import DeviceProfile
+from runtimes import graphs
 from runtimes.base import (
     ROOT,
     CompileError,
@@ -238,6 +243,12 @@ class InductorExecutable(Executable):
                      else "torch.compile")
         self.aoti_error = aoti_error
         self._workdir = workdir  # owns a freshly built package until the executable is dropped
+        # a CUDA graph of the part (runtimes/graphs.py), captured at the first request
+        self.graphed: graphs.Graphed | None = None
+        self.want_graph = device.type == "cuda" and graphs.wanted()
+        self.graph = ("" if device.type != "cuda" else
+                      "cuda graph (captured at its first request)" if self.want_graph else
+                      "kernel by kernel (devices.gpu.cuda_graphs is off)")
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if t.dtype == self.compute_dtype != self.out_dtype:
@@ -249,7 +260,33 @@ class InductorExecutable(Executable):
             return host.copy_(t, non_blocking=True)
         return t.to("cpu")
 
+    def run_into(self, inputs: Sequence[torch.Tensor], places: Sequence[Any]) -> list[Any]:
+        """`run`, its outputs copied straight into `places` (the arena's views) where the
+        part runs as a CUDA graph, which is captured here, on the thread that serves it."""
+        if self.want_graph and self.graphed is None:
+            self._capture(inputs)
+        if self.graphed is not None:
+            with torch.inference_mode(), _on(self.device):
+                return self.graphed.run(inputs, places)
+        return self.run(inputs)
+
+    def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
+        try:
+            with torch.inference_mode(), _on(self.device), _math(self.device,
+                                                                 self.compute_dtype):
+                self.graphed = graphs.Graphed(self.model, self.weights, inputs, self.device,
+                                              self.compute_dtype, self.out_dtype)
+            self.graph = "cuda graph"
+        except Exception as e:  # noqa: BLE001 - it runs kernel by kernel, and says why
+            self.want_graph, self.graphed = False, None
+            self.graph = ("kernel by kernel: the CUDA graph capture failed "
+                          f"({type(e).__name__}: {e})")
+            log.warning("triton: %s", self.graph)
+
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.graphed is not None:
+            with torch.inference_mode(), _on(self.device):
+                return self.graphed.run(inputs)
         with torch.inference_mode(), _on(self.device), _math(self.device, self.compute_dtype):
             outs = self.model(*self.weights, *(device_input(t, self.device, self.compute_dtype)
                                                for t in inputs))

@@ -271,7 +271,8 @@ def write_decision(path: Path, routes: list[Route], accuracy: Accuracy) -> None:
 def runtime_notes(routes: Sequence[Any]) -> list[str]:
     """The plan's word on each part whose first choice of runtime could not run it: which
     runtimes failed there and why, and the one it runs on instead (a model OpenVINO's CPU
-    plugin refuses, say an EfficientNet's oversized AvgPool, served on ONNX Runtime)."""
+    plugin refuses, say an EfficientNet's oversized AvgPool, served on ONNX Runtime); and on
+    how each GPU part's kernels are launched (as a CUDA graph, or kernel by kernel and why)."""
     notes = []
     for route in routes:
         built = getattr(route, "built", None)
@@ -282,6 +283,11 @@ def runtime_notes(routes: Sequence[Any]) -> list[str]:
             why = "; ".join(f"{c['runtime']} {c['status']}: "
                             f"{' '.join(str(c.get('reason', '')).split())[:200]}" for c in failed)
             notes.append(f"{route.id} on {route.device} runs on {route.runtime}: {why}")
+        graph = getattr(built, "graph", "")
+        if graph:  # a GPU part: as one CUDA graph, or kernel by kernel and why
+            notes.append(f"{route.id} on {route.device} runs as a {graph}" if
+                         graph.startswith("cuda graph") else
+                         f"{route.id} on {route.device} runs {graph}")
     return notes
 
 

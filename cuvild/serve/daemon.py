@@ -367,6 +367,8 @@ class Daemon:
         # the compile cache's signing key: workers inherit where it is (runtimes/cache.py);
         # an operator's (a Secret shared by pods) wins over state_dir's own
         os.environ.setdefault(KEY_ENV, str(self.cfg.state_dir / "cache.key"))
+        # the workers' CUDA graphs (runtimes/graphs.py), inherited by every worker
+        os.environ["CUVILD_CUDA_GRAPHS"] = "1" if self.cfg.cuda_graphs else "0"
         cache_key_file()  # made now (0600), not by two workers at once
         quiet_grpc_logs()
         log.debug("open-file limit %d", soft)

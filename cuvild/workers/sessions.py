@@ -90,7 +90,8 @@ def run_into(exe: Any, inputs: list[Any], outputs: list[Any]) -> float:
     """Run a part on `inputs` and put its outputs into `outputs` (views of shared memory, of
     the planned shapes); the run's seconds."""
     t0 = time.perf_counter()
-    got = exe.run(inputs)
+    into = getattr(exe, "run_into", None)  # a runtime that writes into the places itself
+    got = into(inputs, outputs) if into is not None else exe.run(inputs)
     seconds = time.perf_counter() - t0
     for out, place in zip(got, outputs, strict=True):
         if tuple(out.shape) != tuple(place.shape):

@@ -130,6 +130,8 @@ class Worker:
             if seg is None:
                 seg = self.segments[ref.segment] = Segment(ref.segment, 0, create=False,
                                                            lock=False)
+                if self.device.kind == "gpu":  # copies to and from it without staging
+                    seg.register_cuda()
             raw = seg.view(ref.offset, size)
         return views.wrap(raw, ref.dtype, ref.shape, numpy)
 
@@ -179,7 +181,8 @@ class Worker:
             self.variants[key] = {p: b.executable for p, b in built.items()}
         self.parts[key] = own.executable
         return Built(own.runtime, all(b.from_cache for b in built.values()), tried,
-                     variants(built), self._artifact(own.part_key, own.runtime))
+                     variants(built), self._artifact(own.part_key, own.runtime),
+                     getattr(own.executable, "graph", ""))
 
     def _artifact(self, part_key: str, runtime: str) -> dict[str, Any]:
         """The signed cache entry a part runs from: its hash, what built it, verified."""
@@ -207,8 +210,9 @@ class Worker:
                               f"{order.part} (evicted, or built by another version)")
         spec = CompileSpec(self.device, compiled_as(order.precision),
                            threads=max(len(self.device.cores), 1))
-        self.parts[(order.model, order.part)] = rt.load(entry, spec)
-        return Built(order.runtime, True, artifact=self._artifact(order.part_key, order.runtime))
+        executable = self.parts[(order.model, order.part)] = rt.load(entry, spec)
+        return Built(order.runtime, True, artifact=self._artifact(order.part_key, order.runtime),
+                     graph=getattr(executable, "graph", ""))
 
     def choose(self, order: Choose) -> None:
         key = (order.model, order.part)
