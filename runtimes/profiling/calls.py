@@ -6,7 +6,8 @@ inductor's parts cost ~48 us a kernel).
 
 Two parts of the same shape are compiled, one of 1 and one of `KERNELS` Linear + ReLU layers
 (each layer one node of a kernel class: a matmul, its epilogue fused), and each timed over
-`CALLS` runs: kernel = (t(KERNELS) - t(1)) / (KERNELS - 1), call = t(1) - kernel.
+`CALLS` runs the way a worker runs them (`run_into`: as a CUDA graph where those are on):
+kernel = (t(KERNELS) - t(1)) / (KERNELS - 1), call = t(1) - kernel.
 """
 
 from __future__ import annotations
@@ -53,10 +54,19 @@ def compiled_call_us(compile: Callable[[Any, Sequence[Any]], Any],
                      kernels: int = KERNELS, calls: int = CALLS) -> dict[str, float]:
     """{"call_us", "kernel_us"} of parts built by `compile(part, example_inputs)` (an
     Executable: its `run` is timed)."""
-    times = {}
-    for layers in (1, kernels):
-        part, inputs = probe_part(layers)
-        executable = compile(part, inputs)
-        times[layers] = median_run_us(lambda e=executable, x=inputs: e.run(x), calls)
+    times = {layers: median_run_us(_as_served(compile, layers), calls)
+             for layers in (1, kernels)}
     kernel = max((times[kernels] - times[1]) / (kernels - 1), 0.0)
     return {"call_us": round(max(times[1] - kernel, 0.0), 2), "kernel_us": round(kernel, 2)}
+
+
+def _as_served(compile: Callable[[Any, Sequence[Any]], Any], layers: int) -> Callable[[], Any]:
+    """One run of the probe part the way a worker runs it: into the places (a CUDA graph
+    where those are on), where the executable can."""
+    part, inputs = probe_part(layers)
+    executable = compile(part, inputs)
+    places = [o.clone() for o in executable.run(inputs)]
+    into = getattr(executable, "run_into", None)
+    if into is None:
+        return lambda: executable.run(inputs)
+    return lambda: into(inputs, places)
