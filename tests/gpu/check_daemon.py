@@ -1,16 +1,23 @@
 """The daemon on a GPU host, as check_gpu.py's last sections: one cuvild with the host's CPU
 and GPU, driven the way users drive it (cuvild.client, tritonclient).
 
+The daemon starts from the profile check_gpu.py measured into its state directory
+(`seed_profile`). Sections, what decides most first:
+- gpu: resnet18 on the GPU (fp32, then bf16 last), end to end through tritonclient and the
+  fast path next to its part alone (the plan's measured ms; its notes say whether the part
+  runs as a CUDA graph);
+- unpinned: the 2048-wide MLP at b16 and a bf16 ResNet-18 loaded with no device asked: where
+  they go, each part predicted vs measured;
 - split: a model whose backbone is annotated `@partition(device="gpu")` and head
   `@partition(device="cpu")`; its plan, every cut's predicted copy time next to a measured
   copy of as many bytes in the same direction (pinned host memory, CUDA events), the answer
   against eager, and end-to-end p50 next to the parts' measured times;
-- gpu: resnet18 placed by cuvild (fp32 and bf16), end to end through tritonclient and the fast
-  path next to its part alone (the plan's measured ms);
+- demo: that model split, all on the GPU, all on the CPU and as planned unannotated;
 - cuda_shm: tritonclient's cuda_shared_memory regions for input and output, registered,
   used, unregistered; the answer against eager;
 - batching: an MLP with a dynamic batch, 1 client in turn vs 16 clients at once;
-- restart: cuvild stopped and started on the same state and cache: time to READY.
+- restart: cuvild stopped and started on the same state and cache: time to READY, and each
+  model's own restore time.
 
 Each section records its own error and the next one runs. Needs grpcio and tritonclient
 (check_gpu.py says how they travel to a machine that lacks them).
@@ -53,29 +60,51 @@ def rel_error(got: Any, want: Any) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def write_config(tmp: Path) -> Path:
+    """The daemon's config under `tmp` (its state and cache there too)."""
+    import yaml
+
+    try:
+        import openvino  # noqa: F401 - only to learn whether to enable its devices
+        openvino_present = True
+    except ImportError:
+        openvino_present = False
+    config = {
+        "listen": {"unix": str(tmp / "cuvild.sock")},
+        "state_dir": str(tmp / "state"), "cache_dir": str(tmp / "cache"),
+        "log_level": "info",
+        "devices": {"cpu": {"enabled": True}, "gpu": {"enabled": True},
+                    "openvino": {"enabled": openvino_present}},
+        # Every merged batch size is its own bucket: room for all of them.
+        "engine": {"max_buckets": CLIENTS + 2, "compile_timeout_s": 600},
+    }
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / "cuvild.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def seed_profile(tmp: Path) -> dict[str, Any]:
+    """Measure the host's devices as the daemon on `tmp`'s config would, into its state
+    directory: the daemon then starts from this profile (no second measurement, no second
+    AOTInductor check)."""
+    from cuvild.config import load
+    from runtimes.profiling.measure import load_or_measure
+
+    cfg = load(write_config(tmp))
+    result = load_or_measure(cfg.state_dir, cfg.device_settings(), refresh=True)
+    return {"seconds": round(result.seconds, 1), "fingerprint": result.fingerprint,
+            "devices": [d.to_dict() for d in result.devices]}
+
+
 class Daemon:
-    """cuvild in a subprocess on a config of its own; its log goes to $OUT."""
+    """cuvild in a subprocess on the config of `tmp` (write_config); its log goes to $OUT."""
 
     def __init__(self, tmp: Path, out: Path | None) -> None:
-        import yaml
-
         self.tmp, self.out = tmp, out
-        try:
-            import openvino  # noqa: F401 - only to learn whether to enable its devices
-            openvino_present = True
-        except ImportError:
-            openvino_present = False
-        config = {
-            "listen": {"unix": str(tmp / "cuvild.sock")},
-            "state_dir": str(tmp / "state"), "cache_dir": str(tmp / "cache"),
-            "log_level": "info",
-            "devices": {"cpu": {"enabled": True}, "gpu": {"enabled": True},
-                        "openvino": {"enabled": openvino_present}},
-            # Every merged batch size is its own bucket: room for all of them.
-            "engine": {"max_buckets": CLIENTS + 2, "compile_timeout_s": 600},
-        }
         self.config = tmp / "cuvild.yaml"
-        self.config.write_text(yaml.safe_dump(config))
+        if not self.config.exists():
+            write_config(tmp)
         self.target = f"unix://{tmp}/cuvild.sock"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -121,21 +150,25 @@ class Daemon:
 ACCELERATOR = "gpu"  # `python tests/gpu/check_daemon.py --cpu` dry-runs it all on the CPU
 
 
-def split_model() -> tuple[Any, tuple[Any, ...]]:
+def demo_model(backbone: str | None, head: str | None) -> tuple[Any, tuple[Any, ...]]:
+    """The GPU demo: a ResNet-18 backbone (width 64) and an MLP head, each annotated with a
+    device (None: left to the planner); the same weights whatever the annotations."""
     import torch
     from torch import nn
 
     from cuvild.client.samples import ResNet18
     from partitioner.annotate import partition
 
+    def on(device: str | None, module: nn.Module) -> nn.Module:
+        return partition(device=device)(module) if device else module
+
     class GpuDemo(nn.Module):
         def __init__(self, width: int = 64, classes: int = 1000) -> None:
             super().__init__()
-            backbone = ResNet18(num_classes=classes, width=width)
-            self.backbone = partition(device=ACCELERATOR)(nn.Sequential(backbone.stem,
-                                                                  backbone.layers))
-            self.head = partition(device="cpu")(nn.Sequential(
-                nn.Linear(8 * width, 1024), nn.GELU(), nn.Linear(1024, classes)))
+            body = ResNet18(num_classes=classes, width=width)
+            self.backbone = on(backbone, nn.Sequential(body.stem, body.layers))
+            self.head = on(head, nn.Sequential(nn.Linear(8 * width, 1024), nn.GELU(),
+                                               nn.Linear(1024, classes)))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = self.backbone(x)
@@ -143,6 +176,11 @@ def split_model() -> tuple[Any, tuple[Any, ...]]:
 
     torch.manual_seed(0)
     return GpuDemo().eval(), (torch.randn(1, 3, 224, 224),)
+
+
+def split_model() -> tuple[Any, tuple[Any, ...]]:
+    """The demo split by annotation: backbone on the accelerator, head on the CPU."""
+    return demo_model(ACCELERATOR, "cpu")
 
 
 def measured_copy_ms(nbytes: int, to_device: bool) -> float:
@@ -366,6 +404,70 @@ def section_batching(client: Any, result: dict[str, Any]) -> None:
         result["buckets"] = str(e)
 
 
+def section_unpinned(client: Any, fast: Any, result: dict[str, Any]) -> None:
+    """The models the H200's daemon put on the CPU, loaded with no device asked: where they
+    go, each part predicted vs measured, and end to end."""
+    import torch
+    from torch import nn
+
+    from cuvild.client.samples import reference
+    from partitioner.annotate import partition
+
+    torch.manual_seed(0)
+    width = 2048
+    mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width),
+                        nn.GELU(), nn.Linear(width, width)).eval()
+    resnet, args = reference("resnet18")
+    models = {"mlp_b16": (mlp, (torch.randn(16, width),)),
+              "resnet18_bf16_free": (partition(precision="bf16")(resnet), args)}
+    for name, (model, inputs) in models.items():
+        row: dict[str, Any] = result.setdefault(name, {})
+        try:
+            t0 = time.perf_counter()
+            client.load(name, model, inputs, timeout=600)
+            row["load_s"] = round(time.perf_counter() - t0, 1)
+            row["fast_path_ms"] = median_ms(lambda n=name, x=inputs[0]: fast.infer(n, x))
+            plan = client.plan(name)
+            measured = plan["measured"]
+            row["parts"] = [{"id": p["id"], "device": p["device"], "runtime": p["runtime"],
+                             "precision": p["precision"], "kernels": p.get("kernels"),
+                             "predicted_ms": round(p["predicted_ms"], 3),
+                             "measured_ms": (measured.get(p["id"]) or {}).get("measured_ms")}
+                            for p in plan["plan"]["parts"]]
+            row["notes"] = [n for n in plan["plan"].get("notes", [])
+                            if "never worse" in n or "corrections" in n or "graph" in n]
+        except Exception as e:
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {e}"[:1500]
+
+
+def section_demo(client: Any, fast: Any, result: dict[str, Any]) -> None:
+    """The demo model end to end: split by annotation, all on the GPU, all on the CPU, and
+    as the planner places it unannotated."""
+    import torch
+
+    for label, devices in (("split", (ACCELERATOR, "cpu")), ("gpu_only", (ACCELERATOR,) * 2),
+                           ("cpu_only", ("cpu", "cpu")), ("planned", (None, None))):
+        row: dict[str, Any] = result.setdefault(label, {})
+        try:
+            model, args = demo_model(*devices)
+            with torch.inference_mode():
+                expected = model(*args)
+            name = f"demo_{label}"
+            client.load(name, model, args, precision="fp32", timeout=600)
+            row["error_vs_eager"] = rel_error(fast.infer(name, args[0])["output0"], expected)
+            row["fast_path_ms"] = median_ms(lambda n=name, x=args[0]: fast.infer(n, x))
+            row["parts"] = [(p["id"], p["device"], round(p["predicted_ms"], 3))
+                            for p in client.plan(name)["plan"]["parts"]]
+        except Exception as e:
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {e}"[:1500]
+    done = {k: v["fast_path_ms"] for k, v in result.items() if "fast_path_ms" in v}
+    if done:
+        best = min(done.values())
+        result["over_best"] = {k: round(v / best, 3) for k, v in done.items()}
+
+
 def section_restart(daemon: Daemon, result: dict[str, Any]) -> None:
     from cuvild.client import Client
 
@@ -381,16 +483,18 @@ def section_restart(daemon: Daemon, result: dict[str, Any]) -> None:
         result["all_ready_s_after_health"] = round(time.perf_counter() - t0, 2)
         result["states"] = {m["name"]: m["state"] for m in models}
         result["warm"] = {m["name"]: m.get("warm") for m in models}
+        result["load_s"] = {m["name"]: m.get("load_s") for m in models}  # per model, restored
 
 
 def run(out: Path | None, record: Callable[[str, dict[str, Any]], None],
-        deadline: Callable[[], float]) -> None:
-    """All sections; `record(name, result)` stores each as it ends."""
+        deadline: Callable[[], float], tmp: Path | None = None) -> None:
+    """All sections; `record(name, result)` stores each as it ends. `tmp`: a directory whose
+    state already holds the measured profile (seed_profile), else a new one."""
     import tempfile
 
     from cuvild.client import Client
 
-    tmp = Path(tempfile.mkdtemp(prefix="cuvild-gpu-daemon-"))
+    tmp = tmp or Path(tempfile.mkdtemp(prefix="cuvild-gpu-daemon-"))
     daemon = Daemon(tmp, out)
     start: dict[str, Any] = {}
     try:
@@ -405,11 +509,13 @@ def run(out: Path | None, record: Callable[[str, dict[str, Any]], None],
         return
     record("daemon_start", start)
     fast = Client(daemon.target, timeout=120, fast=True)
-    steps: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
-        ("daemon_split", lambda r: section_split(client, r)),
+    steps: list[tuple[str, Callable[[dict[str, Any]], None]]] = [  # what decides most first
         ("daemon_gpu", lambda r: section_gpu(client, fast, r, ("fp32",))),
-        ("daemon_cuda_shm", lambda r: section_cuda_shm(client, r)),
+        ("daemon_unpinned", lambda r: section_unpinned(client, fast, r)),
         ("daemon_batching", lambda r: section_batching(client, r)),
+        ("daemon_cuda_shm", lambda r: section_cuda_shm(client, r)),
+        ("daemon_split", lambda r: section_split(client, r)),
+        ("daemon_demo", lambda r: section_demo(client, fast, r)),
         ("daemon_gpu_bf16", lambda r: section_gpu(client, fast, r, ("bf16",))),
     ]
     if ACCELERATOR != "gpu":  # the dry run: what needs no CUDA
@@ -448,7 +554,11 @@ if __name__ == "__main__":
 
     if "--cpu" in sys.argv:
         ACCELERATOR = "cpu"
+    import tempfile
+
     found: dict[str, Any] = {}
     end = time.monotonic() + 600
-    run(None, found.__setitem__, lambda: end - time.monotonic())
+    where = Path(tempfile.mkdtemp(prefix="cuvild-gpu-daemon-"))
+    found["seeded"] = {k: v for k, v in seed_profile(where).items() if k != "devices"}
+    run(None, found.__setitem__, lambda: end - time.monotonic(), where)
     print(json.dumps(found, indent=1, default=str))

@@ -1,33 +1,43 @@
-"""Validate and time cuvild's GPU path on a CUDA machine, in one call (about 6-8 minutes).
+"""Validate and time cuvild's GPU path on a CUDA machine, in one call of at most 8 minutes.
 
-    cd <repo> && python3 tests/gpu/check_gpu.py            # all of it
-    python3 tests/gpu/check_gpu.py --models resnet18 --budget 240 --skip-daemon
+    cd <repo> && python3 tests/gpu/check_gpu.py            # the lease script
+    python3 tests/gpu/check_gpu.py --budget 240 --skip-daemon
+    python3 tests/gpu/check_gpu.py --timing --pytest       # + the older per-model rows, pytest
 
 Made for a lent GPU machine with no network: it uses the system python and what is installed
 there (torch, triton; torchvision, pytest if present). The daemon sections also need
-grpcio, protobuf and tritonclient at our pins: carry them as wheels (docs/RUNTIMES.md, "GPU
-check"). Sections, each of which reports its error and lets the next one run:
+grpcio, protobuf, pyyaml and tritonclient at our pins: carry them as wheels (docs/RUNTIMES.md,
+"GPU check"). Sections, each of which reports its error and lets the next one run, in the
+order of what decides most:
 
 1. environment: nvidia-smi, versions, the C compiler and headers AOTInductor needs;
-2. the measured GPU profile (`runtimes.profiling.benchmarks`) next to the card's published
-   figures, and host<->device copies from pinned and from pageable memory;
-3. per reference model (resnet18, resnet50 when torchvision is there, bert4; batch 1 then 16),
-   fp32 and bf16: torch eager on the GPU, torch.compile (inductor) on the GPU, and the part
-   compiled by TritonRuntime (AOTInductor): p50, error against eager fp32 on the CPU, cold
-   compile, save + warm load. The first model runs before the daemon, the rest after it;
-4. the daemon (tests/gpu/check_daemon.py): a CPU+GPU split with each cut's measured copy next
-   to its prediction, resnet18 on the GPU end to end vs its part, CUDA shared memory through
-   tritonclient, dynamic batching at 1 vs 16 clients, a restart to READY from the cache;
-5. `pytest tests/gpu` on the now warm caches, with what is left of the budget.
+2. the profile: the host's devices measured exactly as the daemon will measure them, into
+   the daemon's state directory (tests/gpu/check_daemon.py seed_profile), so the daemon
+   starts from it (no second measurement, no second AOTInductor check); the GPU's figures
+   next to its datasheet's (H100 SXM and PCIe, H200), its compiled-part call and per-kernel
+   cost (runtimes/profiling/calls.py);
+3. host<->device copies from pinned and from pageable memory;
+4. parts (tests/gpu/check_parts.py): resnet18 b1 fp32/bf16, bert4 b1, resnet18 b16 bf16, each
+   kernel by kernel and as a CUDA graph, against a manual torch.cuda.graph replay of the same
+   compiled function and torch.compile; torch.profiler per part, peak GPU memory, pinned vs
+   pageable inputs, the restart path (save, load, first run);
+5. the daemon (tests/gpu/check_daemon.py): resnet18 end to end (fast path, tritonclient) vs
+   its part, the bf16 ResNet-18 and the MLP loaded unpinned (where they go, predicted vs
+   measured), batching at 1 vs 16 clients with its buckets warmed first, CUDA shared memory,
+   the split model's cuts, the demo model split vs GPU-only vs CPU-only, a restart to READY;
+6. AOTInductor three ways (as built, run_single_threaded, constants outside the .so), each
+   loaded in a fresh process, with a native backtrace (gdb) where one crashes;
+7. with --timing, the older per-model rows (eager, torch.compile, the part; resnet50 too);
+   with --pytest, `pytest tests/gpu` (it recompiles everything: not in the lease by default).
 
-The daemon and each (model, batch) run in a child process of this script (faulthandler on):
-a crash loses its own rows only. After one, AOTInductor is switched off
-(CUVILD_TRITON_AOTI=0) for the rest of the run, the daemon included, and the row runs again;
-so it is from the start when the measured profile lists aoti-broken (runtimes/triton.py).
+Sections 4-7 run in child processes of this script (faulthandler on): a crash loses its own
+rows only. After a crash of a compile, AOTInductor is switched off (CUVILD_TRITON_AOTI=0) for
+the rest of the run; so it is from the start when the measured profile lists aoti-broken.
 
-Past the time budget, the remaining work is skipped and says so. A JSON summary goes to
-$OUT/gpu_summary.json when OUT is set (rewritten after every section, so a killed run still
-leaves one). On a host without CUDA every section says "no CUDA device" and the run exits 1.
+Every section has a share of the budget: past it, the remaining work is skipped and says so.
+A JSON summary goes to $OUT/gpu_summary.json when OUT is set (rewritten after every section,
+so a killed run still leaves one). On a host without CUDA every section says "no CUDA
+device" and the run exits 1 (a dry run of the script itself).
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRATCH = Path(tempfile.mkdtemp(prefix="cuvild-gpu-check-"))
+DAEMON_DIR = SCRATCH / "daemon"  # the daemon's config, state (the seeded profile) and cache
 # Set before torch and triton are imported: both read their cache locations from these.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "inductor"))
 os.environ.setdefault("TRITON_CACHE_DIR", str(SCRATCH / "triton"))
@@ -355,11 +366,22 @@ def child(options: argparse.Namespace) -> int:
         found[key] = value
         out.write_text(json.dumps(found, indent=1, default=str))
 
+    def left() -> float:
+        return deadline - elapsed()
+
     if options.child == "daemon":
         import check_daemon  # tests/gpu/check_daemon.py; needs grpcio and tritonclient
 
         check_daemon.run(Path(os.environ["OUT"]) if os.environ.get("OUT") else None, keep,
-                         lambda: deadline - elapsed())
+                         left, Path(options.state) if options.state else None)
+    elif options.child == "parts":
+        import check_parts
+
+        check_parts.parts(left, keep)
+    elif options.child == "aoti":
+        import check_parts
+
+        check_parts.aoti_variants(left, keep)
     else:
         time_model(options.models, options.batch, deadline, keep)
     return 0
@@ -371,7 +393,21 @@ def child(options: argparse.Namespace) -> int:
 # link (PCIe Gen5 x16: 64 GB/s each way, about 50-55 achievable).
 PUBLISHED = {"NVIDIA H200": {"peak_gflops": {"fp32": 67_000, "bf16": 989_000,
                                              "fp16": 989_000, "int8": 1_979_000},
-                             "mem_bw_gbs": 4_800, "link_bw_gbs": 64}}
+                             "mem_bw_gbs": 4_800, "link_bw_gbs": 64},
+             # H100 SXM5 80 GB (torch names it "NVIDIA H100 80GB HBM3") and H100 PCIe
+             "NVIDIA H100 80GB HBM3": {"peak_gflops": {"fp32": 67_000, "bf16": 989_000,
+                                                       "fp16": 989_000, "int8": 1_979_000},
+                                       "mem_bw_gbs": 3_350, "link_bw_gbs": 64},
+             "NVIDIA H100 PCIe": {"peak_gflops": {"fp32": 51_000, "bf16": 756_000,
+                                                  "fp16": 756_000, "int8": 1_513_000},
+                                  "mem_bw_gbs": 2_000, "link_bw_gbs": 64}}
+
+
+def published(name: str) -> Any:
+    """The datasheet row of a card by torch's name for it (a prefix match: "NVIDIA H100")."""
+    found = PUBLISHED.get(name) or next(
+        (row for key, row in PUBLISHED.items() if name.startswith(key.split(" 80GB")[0])), None)
+    return found or f"no published figures recorded for {name!r}"
 
 
 def transfers() -> dict[str, Any]:
@@ -396,8 +432,7 @@ def transfers() -> dict[str, Any]:
                 torch.cuda.synchronize()
                 best = min(best, time.perf_counter() - t0)
             out[f"{direction}_{label}_gbs"] = round(nbytes / best / 1e9, 1)
-    name = torch.cuda.get_device_name(0)
-    out["published"] = PUBLISHED.get(name, f"no published figures recorded for {name!r}")
+    out["published"] = published(torch.cuda.get_device_name(0))
     return out
 
 
@@ -442,30 +477,46 @@ def pytest_suite(deadline: float) -> dict[str, Any]:
 # ---- 4. the measured GPU profile ----------------------------------------------------------
 
 def profile() -> Any:
-    spec = {"task": "host", "cpu": False, "openvino": False}  # the GPUs alone
-    command = [sys.executable, "-m", "runtimes.profiling.benchmarks", json.dumps(spec)]
-    env = child_env()  # the repository, then the carried wheels
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
-    if done.returncode == 0:
-        profiles = json.loads(done.stdout.strip().splitlines()[-1])
-    else:
-        raise RuntimeError(f"runtimes.profiling.benchmarks exited {done.returncode}: "
-                           f"{done.stderr[-3000:]}")
-    for p in profiles:
-        print(json.dumps(p), flush=True)
-    return profiles
-
-
-# ---- entry --------------------------------------------------------------------------------
-
-def daemon(deadline: float) -> dict[str, Any]:
+    """The host's devices measured into the daemon's state directory (DAEMON_DIR), as the
+    daemon would (check_daemon.seed_profile); the GPUs alone where that cannot run (no
+    pyyaml): the daemon then measures again itself."""
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
-    results = in_child(["--child", "daemon"], deadline, "daemon")
-    SUMMARY["daemon"] = results
+    try:
+        import check_daemon
+
+        seeded = check_daemon.seed_profile(DAEMON_DIR)
+        seeded["seeded"] = str(DAEMON_DIR)
+        profiles = seeded["devices"]
+    except ImportError as e:
+        say(f"the daemon's profile cannot be seeded ({e}): measuring the GPUs alone")
+        seeded = {"seeded": f"no ({e})"}
+        spec = {"task": "host", "cpu": False, "openvino": False}
+        command = [sys.executable, "-m", "runtimes.profiling.benchmarks", json.dumps(spec)]
+        done = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"runtimes.profiling.benchmarks exited {done.returncode}: "
+                               f"{done.stderr[-3000:]}") from None
+        profiles = json.loads(done.stdout.strip().splitlines()[-1])
+    for p in profiles:
+        print(json.dumps(p), flush=True)
+        if p.get("kind") == "gpu":
+            p["published"] = published(p.get("name", ""))
+    return {**seeded, "devices": profiles}
+
+
+# ---- entry --------------------------------------------------------------------------------
+
+def in_children(name: str, argv: list[str], deadline: float) -> dict[str, Any]:
+    """A section in a child process (`--child NAME`), its rows kept in SUMMARY[name]."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
+    SUMMARY[name] = results = in_child(["--child", *argv], deadline, name)
     return results
 
 
@@ -474,13 +525,17 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS),
-                        help=f"comma-separated, from {MODELS} (default: all)")
-    parser.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET_S", 420)),
-                        help="seconds after which no new work starts (default 420)")
-    parser.add_argument("--skip-pytest", action="store_true")
+                        help=f"with --timing: comma-separated, from {MODELS} (default: all)")
+    parser.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET_S", 400)),
+                        help="seconds after which no new work starts (default 400: the run "
+                             "ends within 8 minutes)")
     parser.add_argument("--skip-daemon", action="store_true")
-    parser.add_argument("--child", choices=("daemon", "timing"), help=argparse.SUPPRESS)
+    parser.add_argument("--timing", action="store_true", help="the older per-model rows too")
+    parser.add_argument("--pytest", action="store_true", help="pytest tests/gpu at the end")
+    parser.add_argument("--child", choices=("daemon", "timing", "parts", "aoti"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--deadline-s", type=float, default=0.0, help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -490,28 +545,33 @@ def main() -> int:
             return child(options)
         finally:
             shutil.rmtree(SCRATCH, ignore_errors=True)
-    models = [m for m in options.models.split(",") if m]
     budget = options.budget
-    say(f"cuvild GPU check: models {models}, budget {budget:.0f} s, caches in {SCRATCH}")
+    DAEMON_DIR.mkdir(parents=True, exist_ok=True)
+    say(f"cuvild GPU check: budget {budget:.0f} s, caches in {SCRATCH}")
     SUMMARY["environment"] = section("environment", environment)
-    SUMMARY["profile"] = section("GPU profile (runtimes.profiling.benchmarks)", profile)
+    SUMMARY["profile"] = section("the profile, seeded for the daemon", profile)
     SUMMARY["transfers"] = section("host<->device copies", transfers)
-    keys = [(name, batch) for batch in BATCHES for name in models]
-    broken = [p["id"] for p in SUMMARY.get("profile") or [] if AOTI_BROKEN in p.get("features", [])]
-    if broken:  # the profile's own check crashed or failed: no compile of ~100 s to crash again
-        os.environ[AOTI_ENV] = "0"
-        say(f"{', '.join(broken)}: {AOTI_BROKEN} in the measured profile: {AOTI_ENV}=0")
-    # One model first: it shows whether AOTInductor works here before the daemon relies on it.
-    section("timing (first)", lambda: timing(keys[:1], deadline=0.9 * budget))
+    gpus = [p for p in (SUMMARY.get("profile") or {}).get("devices", [])
+            if p.get("kind") == "gpu"]
+    if any(AOTI_BROKEN in p.get("features", []) for p in gpus):
+        os.environ[AOTI_ENV] = "0"  # its own check crashed or failed: no compile to crash again
+        say(f"{AOTI_BROKEN} in the measured profile: {AOTI_ENV}=0")
+    section("parts (tests/gpu/check_parts.py)",
+            lambda: in_children("parts", ["parts"], 0.45 * budget))
     if options.skip_daemon:
         SUMMARY["daemon"] = {"skipped": "--skip-daemon"}
-    else:  # the daemon runs until ~55% of the budget; the models most of the rest
-        section("daemon (tests/gpu/check_daemon.py)", lambda: daemon(0.55 * budget))
-    section("timing (the rest)", lambda: timing(keys[1:], deadline=0.9 * budget))
-    if options.skip_pytest:
-        SUMMARY["pytest"] = {"skipped": "--skip-pytest"}
     else:
-        SUMMARY["pytest"] = section("pytest tests/gpu", lambda: pytest_suite(budget))
+        section("daemon (tests/gpu/check_daemon.py)", lambda: in_children(
+            "daemon", ["daemon", "--state", str(DAEMON_DIR)], 0.88 * budget))
+    # last: each variant compiles for ~1-2 min and may crash (it did on the H200)
+    section("AOTInductor three ways (check_parts.py)",
+            lambda: in_children("aoti", ["aoti"], budget))
+    if options.timing:
+        models = [m for m in options.models.split(",") if m]
+        keys = [(name, batch) for batch in BATCHES for name in models]
+        section("timing", lambda: timing(keys, deadline=budget))
+    if options.pytest:
+        SUMMARY["pytest"] = section("pytest tests/gpu", lambda: pytest_suite(budget + 120))
     write_summary()
     say("==== summary")
     print(json.dumps({k: v for k, v in SUMMARY.items() if k != "environment"}, indent=1,

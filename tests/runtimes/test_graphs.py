@@ -4,6 +4,11 @@ the fallback of a part that is not on a CUDA device, the config key, and the pla
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -101,3 +106,20 @@ def test_the_plan_says_how_each_gpu_part_is_launched() -> None:
     assert runtime_notes(routes) == [
         "p0 on gpu0 runs as a cuda graph (captured at its first request)",
         "p1 on gpu0 runs kernel by kernel (devices.gpu.cuda_graphs is off)"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host runs the real thing")
+def test_the_lease_script_dry_runs_section_by_section(tmp_path) -> None:
+    """tests/gpu/check_gpu.py without CUDA: every section says so, the summary is written,
+    and the run fails (exit 1) in seconds, not minutes."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "tests/gpu/check_gpu.py", "--budget", "60"],
+                          cwd=root, env={**os.environ, "OUT": str(tmp_path)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((tmp_path / "gpu_summary.json").read_text())
+    sections = ("the profile", "host<->device copies", "parts", "daemon", "AOTInductor")
+    for name in sections:
+        (error,) = [e for e in summary["errors"] if e.startswith(name)]
+        assert "no CUDA device" in error, error
+    assert summary["environment"]["cuda_available"] is False
