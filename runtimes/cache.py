@@ -91,7 +91,7 @@ def graph_digest(module: fx.GraphModule) -> str:
                                 **dict(module.named_parameters())}.items()):
         t = tensor.detach().contiguous().cpu()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

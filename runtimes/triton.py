@@ -425,7 +425,7 @@ def save_weights(directory: Path, weights: Sequence[torch.Tensor]) -> None:
     meta, at = [], 0
     with open(directory / WEIGHTS, "wb") as f:
         for w in weights:
-            data = w.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+            data = w.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             f.write(data)
             meta.append({"dtype": str(w.dtype).removeprefix("torch."), "shape": list(w.shape),
                          "offset": at, "nbytes": len(data)})
