@@ -95,6 +95,15 @@ class Forget:
 
 
 @dataclass(frozen=True, slots=True)
+class EndSequence:
+    """A sequence of a stateful model ended (cuvild/run/sequences.py): its parts here drop the
+    state they kept for its slot."""
+
+    model: str
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
 class Attach:
     """Serve a fast-path session of a one-part model here, or with layout "kind" "bell" an
     engine's bell for one part (cuvild/workers/sessions.py): the client's socket, the
@@ -105,7 +114,7 @@ class Attach:
     layout: dict[str, Any]  # as the session's open reply gave it to the client
 
 
-Order = Build | Unload | Forget | Choose | Restore | Attach
+Order = Build | Unload | Forget | Choose | Restore | Attach | EndSequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,11 +20,12 @@ TIMES = struct.Struct(f"<d{len(SECONDS) + 1}Q")
 STATS_BYTES = STATS.size + TIMES.size
 
 # A bell's request record (cuvild/run/bells.py), `bell_bytes` long: seq, state, error_len, the
-# arena block's offset, its segment's name's length and the count of tensors elsewhere; the
+# arena block's offset, its segment's name's length, the count of tensors elsewhere and the
+# request's sequence slot (cuvild/run/sequences.py; 0: none); the
 # name at BELL_NAME; the error text (JSON: kind, error) at BELL_ERRORS; from BELL_ELSEWHERE,
 # each tensor in a client's region: TENSOR_AT (0 input, 1 output; its index; the object's
 # inode; the offset; its name's length) and the name.
-BELL = struct.Struct("<QIIQHH")
+BELL = struct.Struct("<QIIQHHI")
 BELL_NAME, BELL_ERRORS, BELL_ELSEWHERE = 64, 320, 1344
 TENSOR_AT = struct.Struct("<BHQQH")
 NAME_MAX = 255  # a client's object is a file in /dev/shm: its name is at most this long

@@ -70,6 +70,7 @@ from runtimes.mixed import RUNTIMES as MIXED_RUNTIMES
 from runtimes.mixed import Mix
 from runtimes.mixed import choose as choose_mix
 from runtimes.mixed import low_of as mixed_low
+from runtimes.torch_eager import state_of
 
 log = logging.getLogger(__name__)
 TIMING_BUDGET_S = 0.5  # per candidate; at least 3 runs
@@ -77,6 +78,7 @@ SKIP_RATIO = 1.3  # a runtime this much slower than the winner in every recorded
 SKIP_MIN_SEARCHES = 3  # ...of at least this many is not tried once one candidate is accurate
 RETRY_AFTER = 10  # searches a runtime is skipped in a row before it is tried again
 NEAR_FLOOR = 1.25  # an accurate candidate this close to the roofline floor ends the search
+STATEFUL_RUNTIMES = ("torch",)  # those that keep a part's in-place state per sequence
 CLOSE = 1.5  # accurate candidates timed within this of the fastest are timed again, in turn
 BLOCK_RUNS, BLOCK_S = 20, 0.02  # ...in blocks of runs back to back: at most so many, so long
 
@@ -352,6 +354,14 @@ def _problem(part: fx.GraphModule, spec: CompileSpec, precision: str, cache: Com
     part_key = cache.part_key(graph_digest(part), spec.device, key_precision, spec.shapes())
     names = [n for n in registry.candidates_for(spec.device, spec.precision, runtime)
              if (allowed is None or n in allowed) and (not mix or n in MIXED_RUNTIMES)]
+    if state_of(part):  # buffers updated in place (a KV cache): kept per sequence by torch
+        kept = [n for n in names if n in STATEFUL_RUNTIMES]
+        if not kept:
+            raise CompileError(
+                f"the part updates its buffers in place (a language model's cache): only "
+                f"{', '.join(STATEFUL_RUNTIMES)} keeps them per sequence, and it cannot "
+                f"target {spec.device.id} at {precision} (tried for: {names})")
+        names = kept
     return part_key, names
 
 

@@ -2,6 +2,12 @@
 
 It is what every other runtime is checked against, and the null backend that lets the
 engine and its tests run anywhere.
+
+It is also the runtime of stateful parts: a part whose graph updates some of its buffers in
+place (`state_of`: a language model's KV cache, as transformers' static-cache export writes
+it with index_copy_) keeps a copy of those buffers per sequence slot (`use`, `drop`;
+cuvild/run/sequences.py), swapped in before a run: the state stays where the part runs and
+is never copied per step. Slot 0 is a request outside any sequence: a fresh copy each run.
 """
 
 from __future__ import annotations
@@ -15,14 +21,83 @@ from partitioner.profile import DeviceProfile
 from runtimes.base import CompileSpec, Executable, Runtime
 
 
+def state_of(module: fx.GraphModule) -> list[str]:
+    """The module's attributes (buffers) its graph updates in place, in graph order."""
+    found: list[str] = []
+    for node in module.graph.nodes:
+        target, args = node.target, node.args
+        if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)  # noqa: SLF001 - aten's op type
+                and target._schema.is_mutable and args  # noqa: SLF001 - its schema
+                and isinstance(args[0], fx.Node) and args[0].op == "get_attr"
+                and args[0].target not in found):
+            found.append(str(args[0].target))
+    return found
+
+
+def _attr(module: torch.nn.Module, name: str) -> torch.Tensor:
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module  # type: ignore[return-value]
+
+
+def _set_attr(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    *path, last = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    setattr(module, last, value)
+
+
+INITIAL = "cuvild_initial"  # a stateful module's meta: its state before any run
+
+
+def remember_initial(module: fx.GraphModule) -> list[str]:
+    """Keep the module's state as it is now (before any run) in its meta; its state's names."""
+    state = state_of(module)
+    if state and INITIAL not in module.meta:
+        module.meta[INITIAL] = {n: _attr(module, n).detach().clone() for n in state}
+    return state
+
+
+def reset(module: fx.GraphModule) -> None:
+    """Put the state remembered by `remember_initial` back (a run on a fresh state)."""
+    with torch.no_grad():
+        for name, value in module.meta.get(INITIAL, {}).items():
+            _attr(module, name).copy_(value)
+
+
 class TorchExecutable(Executable):
     runtime = "torch"
 
     def __init__(self, module: fx.GraphModule, dtype: torch.dtype | None) -> None:
         self.module = module
         self.dtype = dtype
+        self.state = remember_initial(module)  # what a sequence keeps: runs change it in place
+        self.initial: dict[str, torch.Tensor] = module.meta.get(INITIAL, {})
+        self.slots: dict[int, dict[str, torch.Tensor]] = {}
+        self._slot = 0  # the sequence slot of the next run (0: a fresh state)
+
+    def use(self, slot: int) -> None:
+        """Run the next call on sequence `slot`'s state (made from the initial values at its
+        first step); without it, or with slot 0, a run is on a fresh copy of them."""
+        self._slot = slot
+
+    def drop(self, slot: int) -> None:
+        """Sequence `slot` ended: its state goes."""
+        self.slots.pop(slot, None)
+
+    def _install(self) -> None:
+        slot, self._slot = self._slot, 0
+        kept = self.slots.get(slot) if slot else None
+        if kept is None:
+            kept = {n: t.clone() for n, t in self.initial.items()}
+            if slot:
+                self.slots[slot] = kept
+        for name, tensor in kept.items():
+            _set_attr(self.module, name, tensor)
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.state:
+            self._install()
         with torch.inference_mode():
             if self.dtype is None:
                 return list(self.module(*inputs))

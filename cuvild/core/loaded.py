@@ -132,6 +132,17 @@ class Bucket:
 
 
 @dataclass
+class State:
+    """What a stateful model keeps between the steps of a sequence (cuvild/run/sequences.py):
+    its buffers updated in place, their bytes per sequence, and the longest sequence they
+    hold (a KV cache's length, dim 2 of its [batch, heads, length, dim] tensors; 0: none)."""
+
+    buffers: int
+    nbytes: int
+    context: int
+
+
+@dataclass
 class LoadedModel:
     """A prepared model as every plane reads it: a static-shape model, a dynamic-shape one
     (`family`: it serves no request itself, its buckets do) or a bucket (`bucket`)."""
@@ -162,6 +173,7 @@ class LoadedModel:
     unbatched: str = ""
     family: Family | None = None  # a dynamic-shape model's
     bucket: Bucket | None = None  # a bucket's
+    state: State | None = None  # a stateful model's (a language model's cache)
 
     @property
     def dynamic(self) -> list[tuple[int, int, int, int]]:

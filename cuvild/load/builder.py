@@ -71,6 +71,7 @@ class Builder:
             model = self.runner.served.models.get(key)
             self.runner.served = self.runner.served.without(key)
         self.runner.bells.drop(key)
+        self.runner.sequences.drop_model(key)  # (a stateful model's live sequences end)
         return model
 
     def support(self) -> dict[str, Any]:

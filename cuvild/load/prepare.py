@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cuvild.core.layout import dynamic_dims, input_table, layout
-from cuvild.core.loaded import Batching, Family, LoadedModel, cut_bytes
+from cuvild.core.loaded import Batching, Family, LoadedModel, State, cut_bytes
 from cuvild.core.precision import Accuracy, PrecisionPolicy
 from cuvild.load import fallback, guard, precision, warm
 from cuvild.load.builder import Builder
@@ -92,6 +92,12 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
     for route in model.routes:
         model.parts_by_device.setdefault(route.device, []).append(route.id)
     model.cut_bytes = cut_bytes(model)
+    model.state = state_of(ep)
+    if model.state is not None:
+        plan.notes.append(f"stateful: {model.state.buffers} buffers updated in place "
+                          f"({model.state.nbytes / 1e6:.1f} MB a sequence, context "
+                          f"{model.state.context}) are kept per sequence where their part runs "
+                          "(on the torch runtime: the one that keeps them)")
     if model.family:  # its buckets are planned and built at their shapes (buckets.py)
         model.policy = policy
         model.family.program = ep if planned else None  # (else: one plan)
@@ -168,6 +174,30 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
 
 
 GUARD = "never worse than one device"
+
+
+def state_of(ep: Any) -> State | None:
+    """What a stateful program keeps per sequence: the buffers its graph updates in place
+    (transformers' static-cache export writes its KV cache with index_copy_), None if none."""
+    import torch
+
+    buffers = {s.arg.name: s.target for s in ep.graph_signature.input_specs
+               if s.kind.name == "BUFFER"}
+    mutated: list[str] = []
+    for node in ep.graph.nodes:
+        target, args = node.target, node.args
+        if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)  # noqa: SLF001 - aten's op type
+                and target._schema.is_mutable and args  # noqa: SLF001 - its schema
+                and getattr(args[0], "name", None) in buffers
+                and buffers[args[0].name] not in mutated):
+            mutated.append(buffers[args[0].name])
+    if not mutated:
+        return None
+    tensors = dict(ep.named_buffers())
+    kept = [tensors[n] for n in mutated if n in tensors]
+    lengths = [t.shape[2] for t in kept if t.dim() == 4]
+    return State(len(kept), sum(t.numel() * t.element_size() for t in kept),
+                 min(lengths) if lengths else 0)
 
 
 def _alternative(builder: Builder, ep: Any, plan: Any, objective: str, policy: PrecisionPolicy,

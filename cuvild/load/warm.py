@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from cuvild.core.dtypes import NUMPY
 from cuvild.core.errors import InferError
 from cuvild.core.layout import Slot, input_table
-from cuvild.core.loaded import Family, LoadedModel, Route, cut_bytes
+from cuvild.core.loaded import Family, LoadedModel, Route, State, cut_bytes
 from cuvild.core.precision import Accuracy
 from cuvild.load.builder import Builder
 from cuvild.run import batching
@@ -146,7 +146,8 @@ def write(where: Path, model: LoadedModel, inputs: list[list[Any]],
               "inputs": model.inputs, "outputs": model.outputs,
               "slots": {n: [s.dtype, list(s.shape), s.offset] for n, s in model.slots.items()},
               "footprint": model.footprint, "total_bytes": model.total_bytes,
-              "routes": routes, "accuracy": model.accuracy.to_dict()}
+              "routes": routes, "accuracy": model.accuracy.to_dict(),
+              "state": asdict(model.state) if model.state else None}
     tmp = where.with_name(f".tmp-{where.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -210,6 +211,7 @@ def restore(builder: Builder, where: Path, record: dict[str, Any], key_: str, na
                                 input_table(input_specs, []), slots, int(record["footprint"]),
                                 int(record["total_bytes"]), archive, input_specs)
             model.accuracy = Accuracy.from_dict(record["accuracy"])
+            model.state = State(**record["state"]) if record.get("state") else None
     except (KeyError, TypeError, ValueError) as e:
         raise Stale(f"the load record does not match this version ({e!r})") from None
     for route in model.routes:

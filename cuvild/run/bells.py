@@ -109,8 +109,9 @@ class Bell:
         with contextlib.suppress(Exception):
             self.ended.exception(timeout=LOST_WAIT_S)
 
-    def point(self, block: Block, refs: dict[str, TensorRef]) -> None:
-        """Write the request's record: its block, and its tensors in clients' regions."""
+    def point(self, block: Block, refs: dict[str, TensorRef], slot: int = 0) -> None:
+        """Write the request's record: its block, its tensors in clients' regions, and its
+        sequence slot (0: none)."""
         name = block.segment.encode()
         at, count = BELL_ELSEWHERE, 0
         if len(name) > BELL_ERRORS - BELL_NAME:
@@ -132,7 +133,7 @@ class Bell:
         self.mm[BELL_NAME:BELL_NAME + len(name)] = name
         self.seq += 1
         BELL.pack_into(self.mm, 0, self.seq, wire.SUBMITTED, 0, block.offset, len(name),
-                       count)
+                       count, slot)
 
     def ring(self) -> None:
         self.busy = STATS.unpack_from(self.stats)[2]
@@ -155,7 +156,7 @@ class Bell:
         if answer != wire.DOORBELL.pack(self.seq):
             self.lost()
             raise WorkerLost(f"{where} failed: its worker died", {self.device})
-        _, state, error_len, _, _, _ = BELL.unpack_from(self.mm, 0)
+        _, state, error_len, *_ = BELL.unpack_from(self.mm, 0)
         if state != wire.DONE:
             text = bytes(self.mm[BELL_ERRORS:BELL_ERRORS + error_len]).decode(errors="replace")
             try:
@@ -267,14 +268,14 @@ class Rung:
 
     def __init__(self, pool: Bells, workers: Workers, model: LoadedModel, block: Block,
                  refs: dict[str, TensorRef], deadline: float,
-                 serves: Callable[[LoadedModel], bool]) -> None:
+                 serves: Callable[[LoadedModel], bool], slot: int = 0) -> None:
         """`serves(model)`: whether the model is still the one served under its key (its
-        bells are kept for its next request)."""
+        bells are kept for its next request); `slot`: the request's sequence's (0: none)."""
         self.pool, self.model, self.serves = pool, model, serves
         self.bells = pool.take(workers, model, deadline)
         try:
             for bell in self.bells.values():
-                bell.point(block, refs)
+                bell.point(block, refs, slot)
         except BaseException:
             pool.give(model, self.bells, serves(model))
             raise

@@ -46,8 +46,9 @@ from cuvild.core.loaded import Out, check_dims
 from cuvild.core.served import Monitor, Served, Timeline
 from cuvild.run.bells import Bells, Rung
 from cuvild.run.request import FEEDBACK_RUNS, run_parts
+from cuvild.run.sequences import Live, Sequences
 from cuvild.workers.clientmem import DaemonRegions
-from protos.orders import RawTensor, TensorRef
+from protos.orders import EndSequence, RawTensor, TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -65,10 +66,12 @@ Miss = Callable[["LoadedModel", "Shapes"], "Future[LoadedModel]"]
 
 class Runner:
     def __init__(self, arena: Arena, workers: Workers, max_in_flight: int = 4,
-                 run_timeout_s: float = 60.0, max_dim: int = 4096) -> None:
+                 run_timeout_s: float = 60.0, max_dim: int = 4096, max_sequences: int = 64,
+                 sequence_idle_s: float = 300.0) -> None:
         """`run_timeout_s`: a request's deadline when its caller gives none, and how long a
         worker may give no reply before it is restarted; `max_dim`: the largest size built
-        for a dynamic dimension (larger is refused before anything is built)."""
+        for a dynamic dimension (larger is refused before anything is built);
+        `max_sequences` live at once, each ended after `sequence_idle_s` idle."""
         self.arena = arena
         self.workers = workers
         self.served = Served()  # replaced whole by the Builder, never written here
@@ -80,6 +83,9 @@ class Runner:
         self.miss: Miss | None = None  # wired to the Builder's bucket builds
         self.measured: Callable[[str], None] = lambda key: None  # a model's parts measured
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
+        # a stateful model's sequences: their state is in its workers, by slot
+        self.sequences = Sequences(lambda device: self.workers.of(device).generation,
+                                   self._end_slot, max_sequences, sequence_idle_s)
 
     # -- the verbs ---------------------------------------------------------------------------
     def resolve(self, model: LoadedModel, given: Sequence[tuple[str, tuple[int, ...]]],
@@ -121,6 +127,26 @@ class Runner:
         """As `run`, each output copied into its place."""
         self._run(model, inputs, Out(into=into), timeline, deadline)
 
+    def step(self, model: LoadedModel, live: Live, inputs: Sequence[Input], out: Out,
+             timeline: Timeline | None = None, deadline: float | None = None) -> list[Any]:
+        """One request of sequence `live` (cuvild/run/sequences.py): on its state, one step
+        at a time. Its worker dying under it ends the sequence (the state was there)."""
+        with live.lock:
+            try:
+                outputs = self.execute(model, inputs, out, timeline, deadline, live.slot)
+            except WorkerUnavailable:
+                self.sequences.end(live, "its state was lost: its worker died during a step "
+                                         "(start it again)")
+                raise
+            live.steps += 1
+            return outputs
+
+    def _end_slot(self, key: str, slot: int, devices: list[str]) -> None:
+        for device in devices:
+            worker = self.workers.ready(device)
+            if worker is not None:  # (a dead one's state went with it)
+                worker.call(EndSequence(key, slot))
+
     def _run(self, model: LoadedModel, inputs: Sequence[Input], out: Out,
              timeline: Timeline | None, deadline: float | None) -> list[Any]:
         """A batched model's request queues to share a run (batching.py), which comes back
@@ -130,12 +156,14 @@ class Runner:
         return self.execute(model, inputs, out, timeline, deadline)
 
     def execute(self, model: LoadedModel, inputs: Sequence[Input], out: Out,
-                timeline: Timeline | None = None, deadline: float | None = None) -> list[Any]:
+                timeline: Timeline | None = None, deadline: float | None = None,
+                slot: int = 0) -> list[Any]:
         """One run of a resolved model. Inputs are tensors or raw bytes (copied into the arena)
         or references into shared memory (read in place by the first part); the outputs go
         where `out` says. A `timeline` list gets each part's dispatch and reply times.
         `deadline` (time.monotonic()) bounds every wait of the request (None: run_timeout_s
-        from now): RunTimeout after it."""
+        from now): RunTimeout after it. `slot`: the sequence whose state a stateful model's
+        parts run on (0: a fresh state)."""
         begun = time.monotonic()
         deadline = begun + self.run_timeout_s if deadline is None else deadline
         patient = deadline - begun >= self.run_timeout_s  # may take a silent worker as hung
@@ -151,7 +179,7 @@ class Runner:
                 self._place(model, block, inputs)  # (again for a retry: a later part may
                 try:                               # have reused a spent input's bytes)
                     with Rung(self.bells, self.workers, model, block, refs, deadline,
-                              self._serves) as parts:
+                              self._serves, slot) as parts:
                         run_parts(self.workers, self._measure, model, parts, timeline,
                                   deadline, patient)
                     break
@@ -159,6 +187,9 @@ class Runner:
                     outstanding = e.outstanding
                     raise
                 except InferError as e:
+                    if slot and isinstance(e, WorkerLost):  # not again: its state is gone
+                        raise WorkerUnavailable(f"{e}; the sequence's state was in it and is "
+                                                "gone (start the sequence again)") from None
                     self._again(model, e, attempt, deadline, timeline)  # or raises
             return self._results(model, block, out)
         finally:

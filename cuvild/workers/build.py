@@ -23,6 +23,7 @@ from protos.orders import Build, Variant
 from runtimes.base import INT8_MIXED, MIXED, CompileError
 from runtimes.cache import CompileCache
 from runtimes.select import BuiltPart, Candidate, build_part
+from runtimes.torch_eager import remember_initial, reset
 
 _splits: dict[str, SplitProgram] = {}  # model key -> split, while its parts are being built
 
@@ -76,6 +77,8 @@ def load_split(model: str, archive: str, parts: list[tuple[str, list[str]]]) -> 
 
         ep = load_exported_program(archive)
         split = _splits[model] = split_program(ep, parts)
+        for p in split.parts:  # a stateful part's state before any run (its sequences')
+            remember_initial(p.module)
     return split
 
 
@@ -103,6 +106,8 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
             # no_grad, not inference_mode: runtimes re-export the part with these tensors.
             with torch.no_grad():
                 for model_inputs in models:
+                    for p in split.parts:  # each sample on a fresh state (stateful parts)
+                        reset(p.module)
                     values = split.trace(*model_inputs)
                     inputs.append([values[n] for n in part.inputs])
                     outputs.append([values[n] for n in part.outputs])
@@ -165,8 +170,11 @@ def eager(ep: Any) -> Any:
     import torch.utils._pytree as pytree
 
     module, spec = ep.module(), ep.call_spec.in_spec
+    stateful = bool(remember_initial(module))
 
     def run(*inputs: Any) -> list[Any]:
+        if stateful:  # each call on a fresh state, as a request outside a sequence runs
+            reset(module)
         args, kwargs = pytree.tree_unflatten(list(inputs), spec)
         out = module(*args, **kwargs)
         return pytree.tree_flatten(out, is_leaf=lambda x: x is None)[0]

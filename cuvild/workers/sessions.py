@@ -86,9 +86,13 @@ def count_time(stats: mmap.mmap, seconds: float) -> None:
     _COUNT.pack_into(stats, at, n + 1)
 
 
-def run_into(exe: Any, inputs: list[Any], outputs: list[Any]) -> float:
+def run_into(exe: Any, inputs: list[Any], outputs: list[Any], slot: int = 0) -> float:
     """Run a part on `inputs` and put its outputs into `outputs` (views of shared memory, of
-    the planned shapes); the run's seconds."""
+    the planned shapes); the run's seconds. A stateful part runs on sequence `slot`'s state
+    (0: a fresh one)."""
+    use = getattr(exe, "use", None)
+    if use is not None:
+        use(slot)
     t0 = time.perf_counter()
     into = getattr(exe, "run_into", None)  # a runtime that writes into the places itself
     got = into(inputs, outputs) if into is not None else exe.run(inputs)
@@ -119,12 +123,12 @@ class Slots:
         self.layout, self.mm, self.part = layout, mm, part
         self.at = self.index = self.slot = 0  # the entry of the request being served
 
-    def where(self, seq: int) -> tuple[str | None, int, int]:
+    def where(self, seq: int) -> tuple[str | None, int, int, int]:
         depth, ring = self.layout["depth"], self.layout["ring"]
         self.index, self.slot = seq % depth, 0  # (where a refusal is written)
         self.at = ring + self.index * wire.ENTRY_BYTES
         _, _, self.slot = wire.submitted(self.mm, ring, depth, seq)
-        return None, self.layout["slots"][self.slot], 0
+        return None, self.layout["slots"][self.slot], 0, 0  # (no sequence: a fresh state)
 
     def done(self, seq: int) -> None:
         wire.ENTRY.pack_into(self.mm, self.at, seq, self.slot, wire.DONE, 0)
@@ -144,15 +148,17 @@ class Record:
 
     def __init__(self, mm: mmap.mmap) -> None:
         self.mm = mm
-        self.kept = (0, 0, 0)  # the request's block offset, name length, tensors elsewhere
+        # the request's block offset, name length, tensors elsewhere, sequence slot
+        self.kept = (0, 0, 0, 0)
 
-    def where(self, seq: int) -> tuple[str | None, int, int]:
-        got, state, _, offset, name_len, elsewhere = BELL.unpack_from(self.mm, 0)
-        self.kept = (offset, name_len, elsewhere)
+    def where(self, seq: int) -> tuple[str | None, int, int, int]:
+        got, state, _, offset, name_len, elsewhere, slot = BELL.unpack_from(self.mm, 0)
+        self.kept = (offset, name_len, elsewhere, slot)
         if got != seq or state != wire.SUBMITTED:
             raise ValueError(f"the record holds request {got} in state {state}, the bell "
                              f"rang for request {seq}")
-        return bytes(self.mm[BELL_NAME:BELL_NAME + name_len]).decode(), offset, elsewhere
+        return (bytes(self.mm[BELL_NAME:BELL_NAME + name_len]).decode(), offset, elsewhere,
+                slot)
 
     def done(self, seq: int) -> None:
         BELL.pack_into(self.mm, 0, seq, wire.DONE, 0, *self.kept)
@@ -238,8 +244,10 @@ class Session:
         self.exe = self.exe or weakref.ref(exe)  # (weakly: not kept alive by a session)
         return True
 
-    def _run(self, exe: Any, segment: str | None, start: int, elsewhere: int) -> float:
-        """The part on the request's views; its run's seconds."""
+    def _run(self, exe: Any, segment: str | None, start: int, elsewhere: int,
+             slot: int) -> float:
+        """The part on the request's views (a stateful part on its sequence `slot`'s state:
+        runtimes/torch_eager.py); its run's seconds."""
         if exe is None:
             raise KeyError(f"part {self.part} of model {self.model} is not built here")
         numpy = getattr(exe, "runtime", "") in views.NUMPY_RUNTIMES
@@ -268,7 +276,7 @@ class Session:
                 else:
                     outputs[index] = views.wrap(None, dtype, shape, numpy)
                     through.append((index, ref))
-        seconds = run_into(exe, inputs, outputs)
+        seconds = run_into(exe, inputs, outputs, slot)
         for index, ref in through:
             self.worker.write(outputs[index], ref)
         if self.worker.clients.closing:

@@ -37,6 +37,7 @@ from protos.orders import (
     Build,
     Built,
     Choose,
+    EndSequence,
     Envelope,
     Forget,
     Order,
@@ -89,6 +90,8 @@ class Worker:
             return self.choose(order)
         if isinstance(order, Unload):
             return self.unload(order)
+        if isinstance(order, EndSequence):
+            return self.end_sequence(order)
         raise TypeError(f"unknown order {type(order).__name__}")
 
     # -- shared memory -----------------------------------------------------------------
@@ -219,6 +222,13 @@ class Worker:
         self.parts[key] = self.variants[key][order.precision]
         if order.final:  # the losing precisions' executables go
             del self.variants[key]
+
+    def end_sequence(self, order: EndSequence) -> None:
+        """The sequence's state goes from every part of its model here."""
+        for key, exe in list(self.parts.items()):
+            drop = getattr(exe, "drop", None)
+            if key[0] == order.model and drop is not None:
+                drop(order.slot)
 
     def unload(self, order: Unload) -> None:
         from cuvild.workers.build import forget

@@ -1,0 +1,104 @@
+"""Generation: a causal language model's tokens, one step at a time, on a sequence's state.
+
+A generative model is one whose inputs are `input_ids` [1, n] and `cache_position` [n] and
+whose first output is the logits [1, n, vocab] (transformers' TorchExportableModuleForDecoder
+OnlyLM export: its KV cache is buffers the graph updates in place, kept per sequence by the
+worker that runs it, cuvild/run/sequences.py). `generate` feeds the prompt (the prefill),
+then picks each next token from the last logits (`pick`: greedy, or sampled with
+temperature, top-k and top-p from a seeded generator, as transformers' `generate` does)
+until max_tokens, a stop token id or the end of the context.
+
+Simple version: the prefill runs token by token (the exported `n` is 1), so a prompt of p
+tokens costs p decode steps; a prefill of the whole prompt in one run (a bucket of its own,
+its own plan) is still to come.
+
+Plain numpy: the daemon needs no torch to generate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cuvild.core.layout import BadInput
+
+INPUTS = ("input_ids", "cache_position")
+
+
+@dataclass
+class Sampling:
+    """How the next token is chosen. temperature 0: greedy (the argmax)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0: all
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[int] = field(default_factory=tuple)  # token ids that end it (included)
+
+    def check(self) -> Sampling:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise BadInput(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise BadInput(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise BadInput(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise BadInput(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise BadInput(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(t, int) for t in self.stop):
+            raise BadInput(f"stop must be token ids (integers), got {list(self.stop)!r}")
+        return self
+
+
+def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+    """The next token from one position's logits [vocab]."""
+    if sampling.temperature == 0:
+        return int(np.argmax(logits))
+    scores = logits.astype(np.float64) / sampling.temperature
+    if 0 < sampling.top_k < scores.size:
+        kth = np.partition(scores, -sampling.top_k)[-sampling.top_k]
+        scores = np.where(scores < kth, -np.inf, scores)
+    probs = np.exp(scores - scores.max())
+    probs /= probs.sum()
+    if sampling.top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        keep = cumulative - probs[order] < sampling.top_p  # the smallest set reaching top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    return int(rng.choice(probs.size, p=probs))
+
+
+Step = Callable[[int, int], np.ndarray]  # (token id, position) -> logits [1, vocab]
+
+
+def generate(step: Step, prompt: Sequence[int], sampling: Sampling,
+             context: int) -> Iterator[int]:
+    """The generated token ids, one at a time. `step(token, position)` runs the model on one
+    token at `position` on the sequence's state and returns its logits; `context`: the
+    longest sequence the model's cache holds."""
+    sampling.check()
+    if not prompt:
+        raise BadInput("the prompt is empty: generation starts from at least one token")
+    if len(prompt) >= context:
+        raise BadInput(f"the prompt is {len(prompt)} tokens; the model's context is {context} "
+                       "(its cache's length), and at least one must be left to generate")
+    rng = np.random.default_rng(sampling.seed)
+    logits = np.empty(0)
+    for position, token in enumerate(prompt):
+        logits = step(token, position)
+    position = len(prompt)
+    for _ in range(sampling.max_tokens):
+        token = pick(np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1])[-1],
+                     sampling, rng)
+        yield token
+        if token in sampling.stop or position >= context:
+            return
+        logits = step(token, position)
+        position += 1

@@ -1,0 +1,139 @@
+"""A stateful model's sequences (cuvild/run/sequences.py) and generation on them
+(cuvild/run/generate.py): tiny random-weight language models of three families, exported
+as a user would (transformers' static-cache export), generate greedily token for token as
+transformers' own `generate`; sequences keep their own state; a sequence that is unknown,
+ended, idle too long, over the model's context or whose worker died answers a clear error
+and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import lm_models
+import numpy as np
+import pytest
+import torch
+from engine_helpers import CORES
+
+from cuvild.core.arena import Arena
+from cuvild.core.layout import BadInput
+from cuvild.core.loaded import LoadedModel, Out
+from cuvild.engine.engine import Engine
+from cuvild.intake.summary import summarize
+from cuvild.run.generate import Sampling, generate
+from cuvild.run.sequences import Live, SequenceError, TooManySequences
+from partitioner.profile import DeviceProfile
+
+CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1],
+                    runtimes=["openvino", "onnxruntime", "torch"], peak_gflops={"fp32": 50.0},
+                    mem_bw_gbs=10.0, link_bw_gbs=10.0)
+PROMPT = [5, 17, 42, 99]
+
+
+def served(tmp_path: Path, family: str, workers: str = "thread",
+           **options: object) -> tuple[Engine, Arena, LoadedModel, object]:
+    hf = lm_models.lm(family)
+    ep = lm_models.export(hf)
+    archive = tmp_path / f"{family}.pt2"
+    torch.export.save(ep, archive)
+    arena = Arena(f"{os.getpid()}-seq-{family}")
+    engine = Engine([CPU], tmp_path / "cache", arena, workers=workers, **options)
+    model = engine.prepare(family, family, "1", archive, summarize(ep)["inputs"])
+    return engine, arena, model, hf
+
+
+def stepper(engine: Engine, model: LoadedModel, live: Live):  # noqa: ANN201
+    def step(token: int, position: int) -> np.ndarray:
+        (logits,) = engine.runner.step(model, live, [torch.tensor([[token]]),
+                                                     torch.tensor([position])], Out({}))
+        return logits.numpy()[0]
+    return step
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma"])
+def test_greedy_generation_equals_transformers_token_for_token(tmp_path: Path,
+                                                                family: str) -> None:
+    engine, arena, model, hf = served(tmp_path, family)
+    try:
+        assert model.state is not None and model.state.context == lm_models.CONTEXT
+        assert [r.runtime for r in model.routes] == ["torch"]  # the one that keeps state
+        assert any(n.startswith("stateful:") for n in model.plan.notes)
+        live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
+        got = list(generate(stepper(engine, model, live), PROMPT, Sampling(max_tokens=10),
+                            model.state.context))
+        engine.runner.sequences.end(live)
+        assert got == lm_models.reference(hf, PROMPT, 10)
+        assert arena.in_use() == 0
+    finally:
+        engine.close()
+        arena.close()
+
+
+def test_interleaved_sequences_keep_their_own_state_and_errors_are_clear(
+        tmp_path: Path) -> None:
+    engine, arena, model, hf = served(tmp_path, "llama")
+    seqs = engine.runner.sequences
+    try:
+        other = [7, 3]
+        a, b = seqs.begin(model.key, "a", ["cpu0"]), seqs.begin(model.key, "b", ["cpu0"])
+        ga = generate(stepper(engine, model, a), PROMPT, Sampling(max_tokens=6), 64)
+        gb = generate(stepper(engine, model, b), other, Sampling(max_tokens=6), 64)
+        got_a, got_b = [], []
+        for x, y in zip(ga, gb, strict=True):  # step by step, in turn
+            got_a.append(x)
+            got_b.append(y)
+        assert got_a == lm_models.reference(hf, PROMPT, 6)
+        assert got_b == lm_models.reference(hf, other, 6)
+        seqs.end(a)
+        with pytest.raises(SequenceError, match=r"sequence 'a' of model llama: ended"):
+            seqs.get(model.key, "a")
+        with pytest.raises(SequenceError, match="unknown"):
+            seqs.get(model.key, "never")
+        with pytest.raises(BadInput, match="the prompt is 64 tokens; the model's context is 64"):
+            list(generate(stepper(engine, model, b), list(range(64)), Sampling(), 64))
+        seqs.idle_s = 0.05
+        time.sleep(0.1)
+        with pytest.raises(SequenceError, match=r"ended after 0.05 s idle"):
+            seqs.get(model.key, "b")
+        assert len(seqs) == 0
+        seqs.cap = 1
+        seqs.begin(model.key, "c", ["cpu0"])
+        with pytest.raises(TooManySequences, match="1 sequences are live"):
+            seqs.begin(model.key, "d", ["cpu0"])
+        engine.builder.unload(model.key)
+        with pytest.raises(SequenceError, match="its model was unloaded"):
+            seqs.get(model.key, "c")
+        assert arena.in_use() == 0
+    finally:
+        engine.close()
+        arena.close()
+
+
+def test_a_worker_killed_mid_generation_ends_its_sequence_clearly(tmp_path: Path) -> None:
+    engine, arena, model, _ = served(tmp_path, "llama", workers="process")
+    seqs = engine.runner.sequences
+    try:
+        live = seqs.begin(model.key, "s", ["cpu0"])
+        step = stepper(engine, model, live)
+        step(PROMPT[0], 0)
+        os.kill(engine.workers.of("cpu0").process.pid, signal.SIGKILL)
+        with pytest.raises(Exception, match="state") as caught:  # this step, or the next
+            step(PROMPT[1], 1)
+            seqs.get(model.key, "s")
+        assert "start" in str(caught.value), caught.value
+        with pytest.raises(SequenceError, match="state was lost|unknown|ended"):
+            seqs.get(model.key, "s")
+        # a new sequence on the revived worker generates from the start
+        again = seqs.begin(model.key, "t", ["cpu0"])
+        deadline = time.monotonic() + 60
+        while engine.workers.ready("cpu0") is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert list(generate(stepper(engine, model, again), PROMPT, Sampling(max_tokens=3),
+                             64))
+        assert arena.in_use() == 0
+    finally:
+        engine.close()
+        arena.close()

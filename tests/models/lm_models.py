@@ -1,0 +1,54 @@
+"""Tiny random-weight causal language models of several families, exported the way a user
+would for cuvild's generation (transformers' own TorchExportableModuleForDecoderOnlyLM:
+the static KV cache as buffers, inputs `input_ids` [1, 1] and `cache_position` [1])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers as tf
+from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+CONTEXT = 64  # the static cache's length: the longest sequence
+VOCAB = 128
+
+FAMILIES = {
+    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT)),
+    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=CONTEXT)),
+    "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=CONTEXT)),
+}
+
+
+def lm(family: str) -> Any:
+    """The family's model with variance-preserving random weights: its logits far apart, so
+    a greedy token is no near tie that rounding could flip."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
+    model.generation_config.cache_implementation = "static"
+    return model
+
+
+def export(model: Any, context: int = CONTEXT) -> torch.export.ExportedProgram:
+    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=context)
+    return wrapper.export(input_ids=torch.tensor([[1]], dtype=torch.long),
+                          cache_position=torch.tensor([0], dtype=torch.long))
+
+
+def reference(model: Any, prompt: list[int], new: int) -> list[int]:
+    """transformers' own greedy generation: the token ids after the prompt."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                             min_new_tokens=new, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
