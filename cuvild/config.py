@@ -157,6 +157,11 @@ class Config:  # a key per field; `path` alone is not one (the file it was read 
                                "model", reload=True, positive=True)
     max_dim: int = setting("engine.max_dim", 4096, "largest size built for a dynamic "
                            "dimension", reload=True, positive=True)
+    max_sequences: int = setting("engine.sequences.max_live", 64, "a stateful model's "
+                                 "sequences live at once (their state kept in the workers)",
+                                 positive=True)
+    sequence_idle_s: float = setting("engine.sequences.idle_timeout_s", 300.0, "a sequence "
+                                     "idle this long ends", positive=True)
     runtimes: dict[str, list[str]] = setting(
         "engine.runtimes", {}, "device id or kind -> the runtimes auto may try ({}: all)",
         reload=True, read=lambda v, key: _runtimes(v))

@@ -9,7 +9,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -410,6 +410,35 @@ class Client:
             timeout=max(self.timeout, 120.0))
         return {"plan": json.loads(r.plan_json), "explain": r.explain,
                 "measured": json.loads(r.measured_json or "{}"), "dot": r.dot}
+
+    def generate(self, name: str, prompt: Sequence[int] | None = None, *,
+                 text: str | None = None, max_tokens: int = 16, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop: Sequence[int] = (), version: str | None = None,
+                 timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """A language model's tokens as they come: {"token_id", "text", "index"} each (`text`
+        is what the token adds, with the model's tokenizer; "" without one). `prompt`: token
+        ids, or `text` for a model with a tokenizer; temperature 0 is greedy, `seed` makes
+        sampling repeatable, `stop` token ids end it (docs/GENERATION.md). Leaving the loop
+        early ends the generation in the daemon."""
+        import grpc
+
+        from cuvild.client.errors import from_rpc
+
+        request = cuvil_pb2.GenerateRequest(
+            name=name, version=version or "", input_ids=list(prompt or ()), text=text or "",
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            stop=list(stop))
+        if seed is not None:
+            request.seed = seed
+        stream = self._control._stub.Generate(request, timeout=timeout)  # noqa: SLF001 - a server stream: its errors come as it is read
+        try:
+            for r in stream:
+                yield {"token_id": r.token_id, "text": r.text, "index": r.index}
+        except grpc.RpcError as e:
+            raise from_rpc(e, self.target) from None
+        finally:
+            stream.cancel()
 
     # -- inference (Open Inference Protocol) -----------------------------------------------
     def metadata(self, name: str) -> dict[str, Any]:

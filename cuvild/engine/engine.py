@@ -35,15 +35,18 @@ class Engine:
                  build_timeout_s: float = 600.0, compile_timeout_s: float = 300.0,
                  corrections_path: Path | None = None, run_timeout_s: float = 60.0,
                  max_buckets: int = 8, max_dim: int = 4096,
-                 runtimes: dict[str, list[str]] | None = None) -> None:
+                 runtimes: dict[str, list[str]] | None = None, max_sequences: int = 64,
+                 sequence_idle_s: float = 300.0) -> None:
         """`workers`: "process" or "thread" (`engine.workers`); `run_timeout_s`: a request's
         deadline when its caller gives none, and how long a worker may give no reply before
         it is restarted; `max_buckets`: input shapes kept per dynamic-shape model, up to
-        `max_dim`; `runtimes`: device id or kind -> runtimes."""
+        `max_dim`; `runtimes`: device id or kind -> runtimes; `max_sequences` of stateful
+        models live at once, each ended after `sequence_idle_s` idle."""
         self.workers = Workers({d.id: d for d in devices}, cache_dir, workers,
                                run_timeout_s, lambda device, worker: warm.revive(
                                    self.builder, device, worker))
-        self.runner = Runner(arena, self.workers, max_in_flight, run_timeout_s, max_dim)
+        self.runner = Runner(arena, self.workers, max_in_flight, run_timeout_s, max_dim,
+                             max_sequences, sequence_idle_s)
         self.builder = Builder(devices, cache_dir, self.workers, self.runner,
                                build_timeout_s, compile_timeout_s, corrections_path, runtimes)
         self.buckets = Buckets(self.builder, max_buckets)

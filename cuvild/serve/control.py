@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from cuvild.load.models import ModelManager, ServedModel
+    from cuvild.serve.generation import Generator
     from cuvild.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -97,8 +99,10 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                  reprofile: Callable[[], ProfileResult], config_path: str,
                  registry: Registry, uploads: Uploads, gate: Gate,
                  models: ModelManager | None = None, metrics: Metrics | None = None,
-                 reload: Callable[[], Future[dict[str, Any]]] | None = None) -> None:
+                 reload: Callable[[], Future[dict[str, Any]]] | None = None,
+                 generator: Generator | None = None) -> None:
         self._profiles = profiles
+        self._generator = generator  # a language model's tokens (Generate)
         self._reload = reload  # asks the daemon's main thread for a reload (cuvild/serve/daemon.py)
         self._reprofile = reprofile
         self._config_path = config_path
@@ -341,6 +345,29 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         return cuvil_pb2.ReloadResponse(ok=outcome["ok"], error=outcome.get("error", ""),
                                         config_path=outcome["config_path"],
                                         on_restart=outcome.get("on_restart", []))
+
+    def Generate(self, request: cuvil_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[cuvil_pb2.GenerateResponse]:
+        """Each token as it comes (cuvild/serve/generation.py); the generation, and its
+        sequence, end when the caller goes."""
+        if self._generator is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon serves no generation")
+        options: dict[str, Any] = {
+            "max_tokens": request.max_tokens or 16, "temperature": request.temperature,
+            "top_k": request.top_k, "top_p": request.top_p or 1.0, "stop": list(request.stop)}
+        if request.HasField("seed"):
+            options["seed"] = request.seed
+        try:
+            gen = self._generator.open(request.name, request.version,
+                                       prompt=None if request.text else list(request.input_ids),
+                                       text=request.text or None, options=options)
+            with contextlib.closing(gen.tokens()) as tokens:
+                for index, (token, piece) in enumerate(tokens):
+                    if not context.is_active():
+                        return
+                    yield cuvil_pb2.GenerateResponse(token_id=token, text=piece, index=index)
+        except Exception as e:  # noqa: BLE001 - its kind decides the status
+            abort(context, e)
 
     def _replan(self, served, objective: str):  # noqa: ANN001, ANN202
         """A fresh plan, priced with what measured parts taught the cost model (this model's

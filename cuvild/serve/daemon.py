@@ -182,7 +182,8 @@ class Daemon:
                                       ("grpc.server_handshake_timeout_ms", idle_ms)])
         control = ControlService(self.current_profiles, lambda: self._load_profiles(True),
                                  self.cfg.path, self.registry, self.uploads, gate,
-                                 self.models, self.metrics, reload=self.reloads.request)
+                                 self.models, self.metrics, reload=self.reloads.request,
+                                 generator=self.generator)
         shm = not tcp or self.cfg.shm_allow_tcp_clients
         peer_uid = self.front.caller if not tcp and self.front else (lambda peer: None)
         cuvil_pb2_grpc.add_ControlServicer_to_server(control, server)
@@ -220,7 +221,8 @@ class Daemon:
         http = RestServer(service, self.cfg.http, self.cfg.rpc_threads, self.cfg.token,
                           tls_context(self.cfg.tls_cert, self.cfg.tls_key,
                                       self.cfg.tls_client_ca), drain_s=DRAIN_GRACE_S,
-                          metrics=self.metrics, limits=self.cfg.http_limits)
+                          metrics=self.metrics, limits=self.cfg.http_limits,
+                          generator=self.generator)
         try:
             http.start()
         except OSError as e:
@@ -255,6 +257,8 @@ class Daemon:
                         max_in_flight=self.cfg.max_in_flight,
                         run_timeout_s=self.cfg.run_timeout_s, max_buckets=self.cfg.max_buckets,
                         max_dim=self.cfg.max_dim, runtimes=self.cfg.runtimes,
+                        max_sequences=self.cfg.max_sequences,
+                        sequence_idle_s=self.cfg.sequence_idle_s,
                         workers=self.cfg.workers,
                         build_timeout_s=config_mod.build_timeout_s(self.cfg),
                         compile_timeout_s=self.cfg.compile_timeout_s,
@@ -271,6 +275,9 @@ class Daemon:
         cuda = {int(d.id[3:]) for d in profiles.devices  # the CUDA GPUs served: gpu0 -> 0
                 if d.kind == "gpu" and not d.emulated and d.id[3:].isdecimal()}
         self.cuda_regions = CudaRegions(self.cfg.shm_max_regions, self.cfg.shm_max_bytes, cuda)
+        from cuvild.serve.generation import Generator
+
+        self.generator = Generator(self.models, engine.runner, self.cfg.model_repository)
         if self.cfg.fast_path:
             from cuvild.serve.fast import FastPath
 

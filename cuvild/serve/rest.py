@@ -23,6 +23,8 @@ listener does.
   POST /v2/systemsharedmemory[/region/{r}]/unregister
   GET  /metrics                                the Prometheus metrics (metrics.enabled), as
                                                metrics.listen serves them, with the token
+  POST /v2/models/{m}[/versions/{v}]/generate[_stream], /v1/completions: a language model's
+                                               tokens (cuvild/serve/generate_http.py)
 
 Errors are `{"error": "..."}` with the status Triton gives (400 bad request, 404 unknown
 model or route, 405 wrong method, 503 not ready or busy). System shared memory follows the
@@ -50,7 +52,7 @@ from aiohttp import web
 
 from cuvild.config import HttpLimits
 from cuvild.core.dtypes import oip_name
-from cuvild.serve import modelinfo
+from cuvild.serve import generate_http, modelinfo
 from cuvild.serve.errors import Refused, find
 from cuvild.serve.httpguard import Listener, body
 from cuvild.serve.jsontensors import (
@@ -111,8 +113,10 @@ class RestServer:
 
     def __init__(self, service: Any, address: str, threads: int, token: str | None = None,
                  tls: ssl.SSLContext | None = None, drain_s: float = 10.0,
-                 metrics: Any = None, limits: HttpLimits | None = None) -> None:
+                 metrics: Any = None, limits: HttpLimits | None = None,
+                 generator: Any = None) -> None:
         self.service, self.metrics = service, metrics
+        self.generator = generator  # cuvild/serve/generation.py (None: no generation routes)
         self.limits = limits or HttpLimits()
         host, _, port = address.rpartition(":")
         self.token = token
@@ -135,6 +139,8 @@ class RestServer:
             app.router.add_get(base, self._metadata)
             app.router.add_get(base + "/ready", self._model_ready)
             app.router.add_post(base + "/infer", self._infer)
+        if self.generator is not None:
+            generate_http.register(app, self)
         app.router.add_post("/v2/repository/index", self._index)
         app.router.add_post("/v2/repository/models/{name}/load", self._load)
         app.router.add_post("/v2/repository/models/{name}/unload", self._unload)

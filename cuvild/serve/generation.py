@@ -1,0 +1,176 @@
+"""Generation for the listeners: a prompt in, tokens out as they come, on a sequence of its
+own (cuvild/run/sequences.py, cuvild/run/generate.py).
+
+`Generator.open` checks the request once (the model is served and generative, the prompt is
+token ids or text and the model has a tokenizer, the sampling options are sane) and
+`Generation.tokens` yields each token (its id and, with a tokenizer, the text it adds) until
+max_tokens, a stop token or the context's end; the sequence ends with the generator, however
+it ends (finished, failed, or its caller gone).
+
+A tokenizer is the model repository entry's `tokenizer.json` (`<repository>/<name>/<version>/`
+or `<repository>/<name>/`), read with the `tokenizers` library: JSON, never code from the
+repository; a link out of the repository or a file over MAX_TOKENIZER_BYTES is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cuvild.core.layout import BadInput
+from cuvild.core.loaded import LoadedModel, Out
+from cuvild.load.models import ModelManager
+from cuvild.run.generate import INPUTS, Sampling, generate
+from cuvild.run.runner import Runner
+from cuvild.serve.errors import Refused, find
+from protos.orders import RawTensor
+
+TOKENIZER = "tokenizer.json"
+MAX_TOKENIZER_BYTES = 64 << 20
+OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+
+
+@dataclass
+class Generation:
+    """One checked request: run it with `tokens`."""
+
+    runner: Runner
+    model: LoadedModel
+    name: str
+    version: str
+    prompt: list[int]
+    sampling: Sampling
+    tokenizer: Any = None
+    ids: list[int] = field(default_factory=list)  # generated so far
+    _text: str = ""
+
+    def tokens(self) -> Iterator[tuple[int, str]]:
+        """(token id, the text it adds: "" without a tokenizer), one at a time."""
+        model, runner = self.model, self.runner
+        assert model.state is not None
+        live = runner.sequences.begin(model.key, f"generate-{next(_ids)}",
+                                      sorted(model.parts_by_device))
+        logits = model.outputs[0]
+        vocab = model.slots[logits].shape[-1]
+        order = [model.inputs.index(n) for n in INPUTS]
+
+        def step(token: int, position: int) -> np.ndarray:
+            values = (np.array([[token]], np.int64), np.array([position], np.int64))
+            inputs: list[Any] = [None, None]
+            for value, at in zip(values, order, strict=True):
+                inputs[at] = RawTensor(value.tobytes(), "int64", value.shape)
+            raw = runner.step(model, live, inputs, Out({}, raw=True))[0]
+            return np.frombuffer(raw, np.float32).reshape(-1, vocab)[-1]
+
+        try:
+            for token in generate(step, self.prompt, self.sampling, model.state.context):
+                self.ids.append(token)
+                yield token, self._piece()
+        finally:
+            runner.sequences.end(live, "ended (its generation ended)")
+
+    def _piece(self) -> str:
+        """The text the last token added (decoding the whole output: a token may complete a
+        character another began)."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        piece, self._text = text[len(self._text):], text
+        return piece
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+
+_ids = itertools.count(1)
+
+
+class Generator:
+    def __init__(self, models: ModelManager, runner: Runner,
+                 repository: str | Path | None = None) -> None:
+        self.models, self.runner = models, runner
+        self.repository = Path(repository).resolve() if repository else None
+        self._tokenizers: dict[Path, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+
+    def open(self, name: str, version: str = "", prompt: Any = None, text: str | None = None,
+             options: Mapping[str, Any] | None = None) -> Generation:
+        """A checked generation: `prompt` token ids, or `text` with the model's tokenizer;
+        `options`: max_tokens, temperature, top_k, top_p, seed, stop (token ids)."""
+        served = find(self.models, name, version)
+        model = served.loaded
+        assert model is not None
+        if model.state is None or sorted(model.inputs) != sorted(INPUTS):
+            raise Refused("invalid", f"model {served.key} does not generate: generation needs "
+                          "a causal language model exported with its cache, inputs "
+                          f"{' and '.join(INPUTS)} (transformers' "
+                          "TorchExportableModuleForDecoderOnlyLM); docs/GENERATION.md")
+        tokenizer = self.tokenizer(served.record.name, served.record.version)
+        if text is not None:
+            if tokenizer is None:
+                raise Refused("invalid", f"model {served.key} has no tokenizer ({TOKENIZER} "
+                              "in its model repository entry): send token ids")
+            if not isinstance(text, str):
+                raise BadInput(f"the prompt text must be a string, got {type(text).__name__}")
+            prompt = tokenizer.encode(text).ids
+        if (not isinstance(prompt, (list, tuple)) or not prompt
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            raise BadInput("the prompt must be a non-empty list of token ids (integers), or "
+                           "text for a model with a tokenizer")
+        vocab = model.slots[model.outputs[0]].shape[-1]
+        if any(not 0 <= t < vocab for t in prompt):
+            raise BadInput(f"a prompt token id is outside the vocabulary [0, {vocab})")
+        return Generation(self.runner, model, served.record.name, served.record.version,
+                          list(prompt), sampling(options or {}), tokenizer)
+
+    def tokenizer(self, name: str, version: str) -> Any:
+        """The entry's tokenizer (read again when its file changes), None without one."""
+        if self.repository is None:
+            return None
+        for where in (self.repository / name / version / TOKENIZER,
+                      self.repository / name / TOKENIZER):
+            if not where.is_file():
+                continue
+            real = where.resolve()
+            if not real.is_relative_to(self.repository):
+                raise Refused("invalid", f"{where}: a link out of the model repository")
+            stat = real.stat()
+            if stat.st_size > MAX_TOKENIZER_BYTES:
+                raise Refused("invalid", f"{where}: {stat.st_size} bytes, over "
+                              f"{MAX_TOKENIZER_BYTES}")
+            with self._lock:
+                kept = self._tokenizers.get(real)
+                if kept is None or kept[0] != stat.st_mtime:
+                    from tokenizers import Tokenizer
+
+                    try:
+                        kept = (stat.st_mtime, Tokenizer.from_str(real.read_text()))
+                    except Exception as e:  # noqa: BLE001 - a bad file is the request's error
+                        raise Refused("invalid", f"{where}: not a tokenizer the tokenizers "
+                                      f"library reads ({str(e)[:200]})") from None
+                    self._tokenizers[real] = kept
+            return kept[1]
+        return None
+
+
+def sampling(options: Mapping[str, Any]) -> Sampling:
+    """The sampling options of a request (unknown ones refused, each checked)."""
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise BadInput(f"unknown generation options {sorted(unknown)}; known: {list(OPTIONS)}")
+    stop = options.get("stop", ())
+    if isinstance(stop, int) and not isinstance(stop, bool):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise BadInput(f"stop must be token ids, got {stop!r}")
+    return Sampling(max_tokens=options.get("max_tokens", 16),
+                    temperature=options.get("temperature", 0.0),
+                    top_k=options.get("top_k", 0), top_p=options.get("top_p", 1.0),
+                    seed=options.get("seed"), stop=tuple(stop)).check()

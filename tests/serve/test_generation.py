@@ -1,0 +1,157 @@
+"""Generation served (cuvild/serve/generation.py, generate_http.py): a tiny random-weight
+Llama from the model repository, with a tokenizer.json beside it, and a GPT-2 without one,
+generate token for token as transformers' own `generate` through the Python client (gRPC
+streaming), Triton's generate_stream (server-sent events), OpenAI's /v1/completions and
+`cuvilctl generate`; a model that does not generate, a bad option and a prompt over the
+context are refused with clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import lm_models
+import pytest
+import torch
+from daemons import free_port
+
+from cuvild.client import Client
+from cuvild.client.errors import CuvildError
+
+PROMPT = [5, 17, 42, 99]
+WORDS = [f"w{i}" for i in range(lm_models.VOCAB)]
+
+
+def tokenizer_json() -> str:
+    """A word-level tokenizer over the tiny vocabulary: "w5 w17" <-> [5, 17]."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
+    return tok.to_str()
+
+
+def post(address: str, path: str, doc: Any) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://{address}{path}", data=json.dumps(doc).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def events(body: bytes) -> list[Any]:
+    return [json.loads(line[6:]) if line[6:] != b"[DONE]" else "[DONE]"
+            for line in body.split(b"\n") if line.startswith(b"data: ")]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("lm-repo")
+    refs = {}
+    for family in ("llama", "gpt2"):
+        hf = lm_models.lm(family)
+        (root / family / "1").mkdir(parents=True)
+        torch.export.save(lm_models.export(hf), root / family / "1" / "model.pt2")
+        refs[family] = hf
+    (root / "llama" / "tokenizer.json").write_text(tokenizer_json())
+    return {"root": root, "hf": refs}
+
+
+@pytest.fixture
+def daemon(make_daemon, served):  # noqa: ANN001, ANN201
+    http = f"127.0.0.1:{free_port()}"
+    torch_too = {"cpu": ["openvino", "torch"], "npu": ["openvino", "torch"]}
+    d = make_daemon(model_repository=str(served["root"]), engine={"runtimes": torch_too},
+                    listen={"http": http, "insecure_loopback": True})
+    d.http = http
+    with Client(d.target) as client:
+        deadline = time.monotonic() + 300
+        while {m["name"]: m["state"] for m in client.models()}.get("gpt2") != "ready" or \
+                {m["name"]: m["state"] for m in client.models()}.get("llama") != "ready":
+            assert time.monotonic() < deadline, client.models()
+            time.sleep(0.1)
+    return d
+
+
+def test_every_surface_generates_as_transformers(daemon, served) -> None:  # noqa: ANN001
+    want = {f: lm_models.reference(served["hf"][f], PROMPT, 8) for f in ("llama", "gpt2")}
+    text = " ".join(WORDS[t] for t in PROMPT)
+    with Client(daemon.target) as client:
+        for family in ("llama", "gpt2"):  # the Python client: gRPC streaming
+            got = [t["token_id"] for t in client.generate(family, PROMPT, max_tokens=8)]
+            assert got == want[family], family
+        out = list(client.generate("llama", text=text, max_tokens=8))
+        assert [t["token_id"] for t in out] == want["llama"]
+        assert "".join(t["text"] for t in out).split() == [WORDS[t] for t in want["llama"]]
+        with pytest.raises(CuvildError, match="has no tokenizer"):
+            list(client.generate("gpt2", text=text))
+    status, body = post(daemon.http, "/v2/models/gpt2/generate_stream",
+                        {"input_ids": PROMPT, "max_tokens": 8})
+    assert status == 200
+    assert [e["output_ids"][0] for e in events(body)] == want["gpt2"]
+    status, body = post(daemon.http, "/v2/models/llama/generate",
+                        {"text_input": text, "parameters": {"max_tokens": 8}})
+    assert status == 200, body
+    doc = json.loads(body)
+    assert doc["output_ids"] == want["llama"] and doc["model_name"] == "llama"
+    assert doc["text_output"].split() == [WORDS[t] for t in want["llama"]]
+    status, body = post(daemon.http, "/v1/completions",
+                        {"model": "llama", "prompt": text, "max_tokens": 8,
+                         "temperature": 0})
+    assert status == 200, body
+    doc = json.loads(body)
+    assert doc["choices"][0]["text"].split() == [WORDS[t] for t in want["llama"]]
+    assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+    status, body = post(daemon.http, "/v1/completions",
+                        {"model": "llama", "prompt": text, "max_tokens": 8, "stream": True})
+    streamed = events(body)
+    assert streamed[-1] == "[DONE]" and streamed[-2]["choices"][0]["finish_reason"] == "length"
+    assert [e["choices"][0]["token_ids"][0] for e in streamed[:-2]] == want["llama"]
+    done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
+                           daemon.target, "generate", "gpt2", "--ids", "5,17,42,99",
+                           "--max-tokens", "8", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["output_ids"] == want["gpt2"]
+
+
+def test_sampling_is_repeatable_with_a_seed(daemon) -> None:  # noqa: ANN001
+    with Client(daemon.target) as client:
+        runs = [[t["token_id"] for t in client.generate(
+            "llama", PROMPT, max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=7)]
+            for _ in range(2)]
+        assert runs[0] == runs[1] and len(runs[0]) == 8
+        stopped = [t["token_id"] for t in client.generate("llama", PROMPT, max_tokens=8,
+                                                          stop=[runs[0][0]], temperature=0.9,
+                                                          top_k=20, top_p=0.9, seed=7)]
+        assert stopped == runs[0][:1]  # the stop token ends it (and is sent)
+
+
+def test_bad_requests_are_refused_clearly(daemon, served) -> None:  # noqa: ANN001
+    status, body = post(daemon.http, "/v2/models/llama/generate",
+                        {"input_ids": PROMPT, "temprature": 1})
+    assert status == 400 and b"unknown fields ['temprature']" in body
+    status, body = post(daemon.http, "/v2/models/llama/generate",
+                        {"input_ids": list(range(lm_models.CONTEXT))})
+    assert status == 400 and b"the model's context is 64" in body
+    status, body = post(daemon.http, "/v2/models/llama/generate",
+                        {"input_ids": PROMPT, "top_p": 0})
+    assert status == 400 and b"top_p must be in (0, 1]" in body
+    status, body = post(daemon.http, "/v2/models/nope/generate", {"input_ids": PROMPT})
+    assert status == 404
+    with Client(daemon.target) as client:
+        with pytest.raises(CuvildError, match="vocabulary"):
+            list(client.generate("llama", [lm_models.VOCAB + 5]))
+        assert any(n.startswith("stateful: ") for n in client.plan("llama")["plan"]["notes"])
+        client.load("mlp", torch.nn.Linear(8, 8).eval(), (torch.randn(1, 8),),
+                    precision="fp32", timeout=300)
+        with pytest.raises(CuvildError, match="mlp:1 does not generate"):
+            list(client.generate("mlp", PROMPT))
