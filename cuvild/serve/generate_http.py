@@ -21,7 +21,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -30,8 +30,9 @@ from cuvild.core.layout import BadInput
 from cuvild.serve.errors import Refused
 from cuvild.serve.generation import OPTIONS, Generation
 
-if TYPE_CHECKING:
-    from cuvild.serve.rest import RestServer
+# `server` below is the RestServer (cuvild/serve/rest.py) that registered the routes: its
+# `pool` runs the generation, `generator` opens it, `_body` reads a body within its limits.
+RestServer = Any
 
 FIELDS = {"input_ids", "text_input", "parameters", "stream", *OPTIONS}
 OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream", "n",
