@@ -1,0 +1,226 @@
+"""Generation on this host: a Llama-architecture model sized for it (random weights, ~200M
+parameters), a 128-token prompt and 128 generated tokens, batch 1, greedy, one run of each
+in turn on the same weights:
+
+    python tests/bench/bench_generation.py [--json] [--quick]
+
+- transformers' `generate` (torch eager, its static cache: the same cache the export holds);
+- cuvild, the model exported as a user would (transformers' TorchExportableModuleForDecoder
+  OnlyLM) and served by a daemon on one CPU device: through the Python client (gRPC
+  streaming) and HTTP generate_stream (server-sent events);
+- cuvild with 4 sequences at once (4 clients) against 1.
+
+Each figure: time to first token (TTFT: request sent to first token back), decode tokens/s
+(tokens after the first over their time), and the generated tokens' agreement with
+transformers' (greedy at fp32: identical is expected). OpenVINO GenAI's LLMPipeline is not
+installed here (optimum-intel + openvino-genai): its row says so. `--quick`: 32 + 32 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))
+sys.path.insert(2, str(ROOT / "tests" / "models"))
+
+PROMPT, NEW = 128, 128
+CONTEXT = 320
+
+
+def llama() -> Any:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                            num_hidden_layers=12, num_attention_heads=16,
+                            num_key_value_heads=4, max_position_embeddings=CONTEXT)
+    model = tf.LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # variance-preserving weights: logits far apart, greedy stable
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
+    model.generation_config.cache_implementation = "static"
+    return model
+
+
+def transformers_row(model: Any, prompt: list[int], new: int) -> dict[str, Any]:
+    """transformers' generate, eager, static cache: TTFT from a 1-token generate, decode from
+    the whole run's time less that."""
+    import torch
+
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        model.generate(x, max_new_tokens=2, do_sample=False, min_new_tokens=2, pad_token_id=0)
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=1, do_sample=False, min_new_tokens=1, pad_token_id=0)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(x, max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                             pad_token_id=0)
+        total = time.perf_counter() - t0
+    ids = out[0, len(prompt):].tolist()
+    return {"ttft_s": round(ttft, 3), "decode_tok_s": round((new - 1) / (total - ttft), 2),
+            "ids": ids}
+
+
+def client_row(target: str, name: str, prompt: list[int], new: int) -> dict[str, Any]:
+    from cuvild.client import Client
+
+    with Client(target, timeout=3600) as client:
+        t0 = time.perf_counter()
+        stamps, ids = [], []
+        for token in client.generate(name, prompt, max_tokens=new):
+            stamps.append(time.perf_counter())
+            ids.append(token["token_id"])
+    return _row(t0, stamps, ids)
+
+
+def http_row(address: str, name: str, prompt: list[int], new: int) -> dict[str, Any]:
+    body = json.dumps({"input_ids": prompt, "max_tokens": new}).encode()
+    request = urllib.request.Request(f"http://{address}/v2/models/{name}/generate_stream",
+                                     data=body, headers={"Content-Type": "application/json"})
+    stamps, ids = [], []
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=3600) as reply:
+        for line in reply:
+            if line.startswith(b"data: "):
+                stamps.append(time.perf_counter())
+                ids.append(json.loads(line[6:])["output_ids"][0])
+    return _row(t0, stamps, ids)
+
+
+def _row(t0: float, stamps: list[float], ids: list[int]) -> dict[str, Any]:
+    decode = (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
+    return {"ttft_s": round(stamps[0] - t0, 3), "decode_tok_s": round(1 / decode, 2),
+            "ids": ids}
+
+
+def concurrent_row(target: str, name: str, prompt: list[int], new: int,
+                   clients: int) -> dict[str, Any]:
+    """`clients` sequences at once: tokens/s of them all."""
+    from cuvild.client import Client
+
+    counts = [0] * clients
+
+    def one(i: int) -> None:
+        with Client(target, timeout=3600) as client:
+            for _ in client.generate(name, [*prompt[:-1], prompt[-1] + i], max_tokens=new):
+                counts[i] += 1
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"clients": clients, "tokens": sum(counts), "tok_s": round(sum(counts) / wall, 2),
+            "wall_s": round(wall, 1)}
+
+
+def main() -> dict[str, Any]:
+    import lm_models
+    import torch
+    from daemons import DaemonProcess, daemon_config, free_port, one_cpu
+
+    from runtimes.profiling import hardware
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    prompt_len, new = (32, 32) if "--quick" in sys.argv else (PROMPT, NEW)
+    info = hardware.cpuinfo()
+    report: dict[str, Any] = {"host": {"cpu": info["name"], "flags": hardware.cpu_features(
+        info["flags"]), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__}}
+    model = llama()
+    report["model"] = {"parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6,
+                                             1), "context": CONTEXT, "prompt": prompt_len,
+                       "new_tokens": new}
+    prompt = torch.randint(0, 32000, (prompt_len,), generator=torch.Generator().manual_seed(2)
+                           ).tolist()
+    report["transformers_eager"] = reference = transformers_row(model, prompt, new)
+    report["openvino_genai"] = ("not measured: openvino-genai and optimum-intel are not "
+                                "installed here (their pinned dev dependencies are to come)")
+    with tempfile.TemporaryDirectory(prefix="cuvil-bench-gen-") as tmp:
+        home = Path(tmp)
+        (home / "repo" / "llama" / "1").mkdir(parents=True)
+        t0 = time.perf_counter()
+        torch.export.save(lm_models.export(model, CONTEXT),
+                          home / "repo" / "llama" / "1" / "model.pt2")
+        report["export_s"] = round(time.perf_counter() - t0, 1)
+        del model
+        http = f"127.0.0.1:{free_port()}"
+        config = daemon_config(home, home / "state", home, model_repository=str(home / "repo"),
+                               listen={"http": http, "insecure_loopback": True})
+        config["devices"] = one_cpu()
+        config["log_level"] = "info"
+        daemon = DaemonProcess(home, config).start()
+        try:
+            from cuvild.client import Client
+
+            t0 = time.perf_counter()
+            with Client(daemon.target, timeout=3600) as control:  # the repository's entry
+                while {m["name"]: m["state"] for m in control.models()}.get("llama") != "ready":
+                    if time.perf_counter() - t0 > 3600:
+                        raise RuntimeError(f"llama not ready: {control.models()}")
+                    time.sleep(0.2)
+            report["load_s"] = round(time.perf_counter() - t0, 1)
+            for label, row in (("cuvild_client", lambda: client_row(
+                    daemon.target, "llama", prompt, new)), ("cuvild_http_stream", lambda: http_row(
+                    http, "llama", prompt, new))):
+                got = row()
+                got["same_tokens_as_transformers"] = round(statistics.mean(
+                    a == b for a, b in zip(got.pop("ids"), reference["ids"], strict=True)), 3)
+                report[label] = got
+            one = concurrent_row(daemon.target, "llama", prompt, new // 4, 1)
+            four = concurrent_row(daemon.target, "llama", prompt, new // 4, 4)
+            report["concurrent"] = {"one": one, "four": four,
+                                    "ratio": round(four["tok_s"] / one["tok_s"], 2)}
+        finally:
+            daemon.stop()
+    reference.pop("ids")
+    return report
+
+
+def show(r: dict[str, Any]) -> None:
+    print(f"host: {r['host']['cpu']}, {r['host']['cores']} cores, flags {r['host']['flags']}, "
+          f"torch {r['host']['torch']}")
+    m = r["model"]
+    print(f"Llama-architecture, {m['parameters_m']}M parameters (random), context {m['context']},"
+          f" prompt {m['prompt']}, {m['new_tokens']} new tokens, greedy fp32; export "
+          f"{r['export_s']} s, daemon load {r['load_s']} s")
+    t = r["transformers_eager"]
+    print(f"  transformers generate (eager):  TTFT {t['ttft_s']:.3f} s, decode "
+          f"{t['decode_tok_s']:.2f} tok/s")
+    for label in ("cuvild_client", "cuvild_http_stream"):
+        c = r[label]
+        print(f"  {label:<31} TTFT {c['ttft_s']:.3f} s ({c['ttft_s'] / t['ttft_s']:.2f}x), "
+              f"decode {c['decode_tok_s']:.2f} tok/s ({c['decode_tok_s'] / t['decode_tok_s']:.2f}x"
+              f"), tokens as transformers' {c['same_tokens_as_transformers']:.0%}")
+    print(f"  OpenVINO GenAI: {r['openvino_genai']}")
+    c = r["concurrent"]
+    print(f"  4 sequences at once: {c['four']['tok_s']} generated tok/s vs 1: "
+          f"{c['one']['tok_s']} tok/s = {c['ratio']}x (each {r['model']['prompt']} prompt tokens "
+          f"and {r['model']['new_tokens'] // 4} new; the prompt's time included)")
+
+
+if __name__ == "__main__":
+    result = main()
+    if "--json" in sys.argv:
+        print(json.dumps(result, indent=2))
+    else:
+        show(result)
