@@ -22,7 +22,7 @@ import cuvild
 from cuvild.core.dtypes import BY_OIP, nbytes, oip_name
 from cuvild.core.errors import InferError
 from cuvild.core.layout import BadInput, check_inputs
-from cuvild.core.loaded import LoadedModel
+from cuvild.core.loaded import LoadedModel, Out
 from cuvild.intake.registry import RegistryError
 from cuvild.load.models import ModelManager, ServedModel
 from cuvild.serve import modelinfo
@@ -201,9 +201,15 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         wanted, output_refs, cuda_outputs = self._outputs(served, request, shapes, caller)
         timeline = [] if span is not None and span.is_recording() else None
         t_run = time.perf_counter()
-        results = runner.run_raw(model, inputs,
-                                 {graph_names[n]: ref for n, ref in output_refs.items()},
-                                 timeline=timeline, deadline=deadline)
+        refs = {graph_names[n]: ref for n, ref in output_refs.items()}
+        sequence = self._sequence(model, request)
+        if sequence is None:
+            results = runner.run_raw(model, inputs, refs, timeline=timeline, deadline=deadline)
+        else:  # a step of a stateful model's sequence (Triton's sequence parameters)
+            live, end = sequence
+            results = runner.step(model, live, inputs, Out(refs, raw=True), timeline, deadline)
+            if end:
+                runner.sequences.end(live)
         if self.metrics:
             self.metrics.computed(model, time.perf_counter() - t_run)
         if cuda_outputs:
@@ -216,6 +222,29 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             self.tracer.parts(span, model, timeline, t0_ns, epoch_ns)  # type: ignore[union-attr]
         batch = declared[0][1][0] if declared and declared[0][1] else 1
         return self._response(served, request, model, results, shapes, wanted), batch
+
+    def _sequence(self, model: LoadedModel, request: Any) -> tuple[Any, bool] | None:
+        """The live sequence a request steps (Triton's `sequence_id`, `sequence_start`,
+        `sequence_end` parameters), and whether it ends it; None when it names none."""
+        params = request.parameters
+        given = params.get("sequence_id")
+        seq = (given.string_param or (given.int64_param or given.uint64_param or "")
+               if given is not None else "")
+        start = bool(params["sequence_start"].bool_param) if "sequence_start" in params else False
+        end = bool(params["sequence_end"].bool_param) if "sequence_end" in params else False
+        if not seq:
+            if start or end:
+                raise BadInput("sequence_start and sequence_end need a sequence_id")
+            return None
+        if model.state is None:
+            raise BadInput(f"model {model.name} keeps no state between requests: "
+                           "sequence_id means nothing to it")
+        runner = self.runner
+        assert runner is not None
+        seq = str(seq)
+        live = (runner.sequences.begin(model.key, seq, sorted(model.parts_by_device)) if start
+                else runner.sequences.get(model.key, seq))
+        return live, end
 
     @staticmethod
     def _response(served: ServedModel, request: Any, model: LoadedModel, results: list[Any],

@@ -155,3 +155,39 @@ def test_bad_requests_are_refused_clearly(daemon, served) -> None:  # noqa: ANN0
                     precision="fp32", timeout=300)
         with pytest.raises(CuvildError, match="mlp:1 does not generate"):
             list(client.generate("mlp", PROMPT))
+
+
+def test_triton_sequence_parameters_step_the_model_on_its_state(daemon, served) -> None:  # noqa: ANN001
+    """Raw steps over the protocol's infer, as a Triton client drives a stateful model:
+    sequence_id / sequence_start / sequence_end; the argmax of each step's logits is the
+    greedy token; a step after the end, an unknown id and a sequence on a stateless model
+    are refused."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    want = lm_models.reference(served["hf"]["llama"], PROMPT, 3)
+    names = {i["name"] for i in Client(daemon.target).metadata("llama")["inputs"]}
+    assert names == {"input_ids", "cache_position"}
+
+    def step(triton: Any, token: int, position: int, **seq: Any) -> int:
+        ids = grpcclient.InferInput("input_ids", [1, 1], "INT64")
+        ids.set_data_from_numpy(np.array([[token]], np.int64))
+        pos = grpcclient.InferInput("cache_position", [1], "INT64")
+        pos.set_data_from_numpy(np.array([position], np.int64))
+        out = triton.infer("llama", [ids, pos], **seq).as_numpy("output0")
+        return int(out.reshape(-1)[-out.shape[-1]:].argmax())
+
+    with grpcclient.InferenceServerClient(url=daemon.target) as triton:
+        got, token = [], None
+        for position, token in enumerate(PROMPT):
+            nxt = step(triton, token, position, sequence_id=42, sequence_start=position == 0)
+        got.append(nxt)
+        for position in range(len(PROMPT), len(PROMPT) + 2):
+            last = position == len(PROMPT) + 1
+            nxt = step(triton, got[-1], position, sequence_id=42, sequence_end=last)
+            got.append(nxt)
+        assert got == want
+        with pytest.raises(Exception, match="sequence '42' of model llama:1: ended"):
+            step(triton, 1, 0, sequence_id=42)
+        with pytest.raises(Exception, match="unknown"):
+            step(triton, 1, 0, sequence_id=7)
