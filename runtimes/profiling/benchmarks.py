@@ -212,7 +212,8 @@ def _compiled_calls(dev: Any, features: list[str]) -> dict[str, float]:
     aoti = AOTI_BROKEN not in features
     try:
         return compiled_call_us(lambda part, inputs: compile_part(part, inputs, dev,
-                                                                  aoti=aoti))
+                                                                  aoti=aoti),
+                                lambda run: median_call_us(run, calls=200))
     except Exception as e:  # noqa: BLE001 - the profile stands without it
         print(f"note: {dev}: compiled-part timing failed ({type(e).__name__}: {e}); the cost "
               "model prices its kernels at launch_us", file=sys.stderr)

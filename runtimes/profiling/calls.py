@@ -5,20 +5,17 @@ taken from an eager op's queueing rate (on the lent H200 `torch.add` queued at 1
 inductor's parts cost ~48 us a kernel).
 
 Two parts of the same shape are compiled, one of 1 and one of `KERNELS` Linear + ReLU layers
-(each layer one node of a kernel class: a matmul, its epilogue fused), and each timed over
-`CALLS` runs the way a worker runs them (`run_into`: as a CUDA graph where those are on):
+(each layer one node of a kernel class: a matmul, its epilogue fused), each timed (the
+median of 200 calls) the way a worker runs them (`run_into`: as a CUDA graph where on):
 kernel = (t(KERNELS) - t(1)) / (KERNELS - 1), call = t(1) - kernel.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 KERNELS = 20
-CALLS = 200
 WIDTH = 64
 
 
@@ -40,22 +37,12 @@ def probe_part(layers: int) -> tuple[Any, list[Any]]:
     return part.module, [x]
 
 
-def median_run_us(run: Callable[[], Any], calls: int = CALLS) -> float:
-    run()
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        run()
-        samples.append(time.perf_counter_ns() - t0)
-    return statistics.median(samples) / 1e3
-
-
 def compiled_call_us(compile: Callable[[Any, Sequence[Any]], Any],
-                     kernels: int = KERNELS, calls: int = CALLS) -> dict[str, float]:
+                     timer: Callable[[Callable[[], Any]], float],
+                     kernels: int = KERNELS) -> dict[str, float]:
     """{"call_us", "kernel_us"} of parts built by `compile(part, example_inputs)` (an
-    Executable: its `run` is timed)."""
-    times = {layers: median_run_us(_as_served(compile, layers), calls)
-             for layers in (1, kernels)}
+    Executable: its run is timed by `timer`, the median us of a call: benchmarks.py's)."""
+    times = {layers: timer(_as_served(compile, layers)) for layers in (1, kernels)}
     kernel = max((times[kernels] - times[1]) / (kernels - 1), 0.0)
     return {"call_us": round(max(times[1] - kernel, 0.0), 2), "kernel_us": round(kernel, 2)}
 
