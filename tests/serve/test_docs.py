@@ -44,9 +44,11 @@ def test_every_python_block_names_its_config() -> None:
 @pytest.mark.parametrize("config", sorted({c for _, c, _ in python_blocks() if c}))
 def test_python_blocks_run_as_written(make_daemon, tmp_path: Path, config: str) -> None:
     """Each block in its own interpreter, in the order the docs give them, against one daemon
-    with the devices of the config named (the suite's runtimes, to keep builds short)."""
-    devices = yaml.safe_load((ROOT / config).read_text())["devices"]
-    daemon = make_daemon(devices=devices, cache_dir=str(tmp_path / "cache"))
+    with the devices of the config named (the suite's runtimes, to keep builds short, unless
+    the config names its own engine)."""
+    named = yaml.safe_load((ROOT / config).read_text())
+    engine = {"engine": named["engine"]} if "engine" in named else {}  # (its runtimes too)
+    daemon = make_daemon(devices=named["devices"], cache_dir=str(tmp_path / "cache"), **engine)
     env = {**os.environ, "CUVIL_TARGET": daemon.target}
     for where, named, code in python_blocks():
         if named != config:
