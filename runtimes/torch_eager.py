@@ -5,9 +5,12 @@ engine and its tests run anywhere.
 
 It is also the runtime of stateful parts: a part whose graph updates some of its buffers in
 place (`state_of`: a language model's KV cache, as transformers' static-cache export writes
-it with index_copy_) keeps a copy of those buffers per sequence slot (`use`, `drop`;
+it with index_copy_) runs on a copy of those buffers per sequence (`use(slot, scope)`;
 cuvild/run/sequences.py), swapped in before a run: the state stays where the part runs and
-is never copied per step. Slot 0 is a request outside any sequence: a fresh copy each run.
+is never copied per step. The copies are this process's, by (scope, slot): the scope is the
+model's key, so the buckets of a dynamic-shape model (a prefill chunk of 64 tokens, a
+decode step of 1) share a sequence's cache. Slot 0 is a request outside any sequence: a
+fresh copy each run. `drop_sequence` / `drop_scope` let them go.
 """
 
 from __future__ import annotations
@@ -48,6 +51,19 @@ def _set_attr(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 INITIAL = "cuvild_initial"  # a stateful module's meta: its state before any run
+# this process's sequences' state: (scope, slot) -> buffer name -> tensor
+_SEQUENCES: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+
+def drop_sequence(scope: str, slot: int) -> None:
+    """Sequence `slot` of model `scope` ended: its state goes."""
+    _SEQUENCES.pop((scope, slot), None)
+
+
+def drop_scope(scope: str) -> None:
+    """Model `scope` was unloaded: every sequence's state of it goes."""
+    for key in [k for k in list(_SEQUENCES) if k[0] == scope]:
+        _SEQUENCES.pop(key, None)
 
 
 def remember_initial(module: fx.GraphModule) -> list[str]:
@@ -73,31 +89,36 @@ class TorchExecutable(Executable):
         self.dtype = dtype
         self.state = remember_initial(module)  # what a sequence keeps: runs change it in place
         self.initial: dict[str, torch.Tensor] = module.meta.get(INITIAL, {})
-        self.slots: dict[int, dict[str, torch.Tensor]] = {}
-        self._slot = 0  # the sequence slot of the next run (0: a fresh state)
+        # the module's own buffers, put back after each run: a module is shared (a split's
+        # part is cached per model, its buckets' executables run it) and reset by builds
+        self.home = {n: _attr(module, n) for n in self.state}
+        self._next = ("", 0)  # the sequence (scope, slot) of the next run (slot 0: none)
 
-    def use(self, slot: int) -> None:
-        """Run the next call on sequence `slot`'s state (made from the initial values at its
-        first step); without it, or with slot 0, a run is on a fresh copy of them."""
-        self._slot = slot
-
-    def drop(self, slot: int) -> None:
-        """Sequence `slot` ended: its state goes."""
-        self.slots.pop(slot, None)
+    def use(self, slot: int, scope: str = "") -> None:
+        """Run the next call on sequence `slot` of model `scope` (its state made from the
+        initial values at its first step); without it, or with slot 0, on a fresh copy."""
+        self._next = (scope, slot)
 
     def _install(self) -> None:
-        slot, self._slot = self._slot, 0
-        kept = self.slots.get(slot) if slot else None
-        if kept is None:
-            kept = {n: t.clone() for n, t in self.initial.items()}
-            if slot:
-                self.slots[slot] = kept
-        for name, tensor in kept.items():
+        (scope, slot), self._next = self._next, ("", 0)
+        kept = _SEQUENCES.setdefault((scope, slot), {}) if slot else {}
+        for name, value in self.initial.items():
+            tensor = kept.get(name)
+            if tensor is None:
+                tensor = kept[name] = value.clone()
             _set_attr(self.module, name, tensor)
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if self.state:
-            self._install()
+        if not self.state:
+            return self._run(inputs)
+        self._install()
+        try:
+            return self._run(inputs)
+        finally:
+            for name, tensor in self.home.items():
+                _set_attr(self.module, name, tensor)
+
+    def _run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.inference_mode():
             if self.dtype is None:
                 return list(self.module(*inputs))

@@ -100,8 +100,11 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
                           "(on the torch runtime: the one that keeps them)")
     if model.family:  # its buckets are planned and built at their shapes (buckets.py)
         model.policy = policy
-        model.family.program = ep if planned else None  # (else: one plan)
-        model.family.replans, model.family.record_at = planned, record_at
+        # one plan for every bucket where none was given, or the model keeps state (its
+        # buckets, a prefill chunk and a decode step, must run where its state is)
+        replans = planned and model.state is None
+        model.family.program = ep if replans else None
+        model.family.replans, model.family.record_at = replans, record_at
         if batching is not None and batching.max_batch > 1:
             say("checking that its rows can be batched")
             batcher_for(model, ep, batching, builder.runner)

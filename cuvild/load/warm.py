@@ -177,7 +177,8 @@ def write_dynamic(where: Path, model: LoadedModel) -> None:
               "routes": [{"id": r.id, "device": r.device, "precision": r.precision,
                           "inputs": r.inputs, "outputs": r.outputs} for r in model.routes],
               # whether its rows can be batched: "" yes, else why not; None: never asked
-              "rows": model.unbatched if model.batcher or model.unbatched else None}
+              "rows": model.unbatched if model.batcher or model.unbatched else None,
+              "state": asdict(model.state) if model.state else None}
     try:
         write_atomic(where / RECORD, json.dumps(record, indent=1).encode())
     except OSError as e:
@@ -204,6 +205,7 @@ def restore(builder: Builder, where: Path, record: dict[str, Any], key_: str, na
                 input_table(input_specs, dynamic), {}, 0, 0, archive, input_specs,
                 objective=objective, family=Family(dynamic, replans=bool(record["replans"])))
             rows = record["rows"]
+            model.state = State(**record["state"]) if record.get("state") else None
         else:
             slots = {n: Slot(d, tuple(s), o) for n, (d, s, o) in record["slots"].items()}
             model = LoadedModel(key_, name, version, plan, [_route(r) for r in record["routes"]],

@@ -8,9 +8,10 @@ then picks each next token from the last logits (`pick`: greedy, or sampled with
 temperature, top-k and top-p from a seeded generator, as transformers' `generate` does)
 until max_tokens, a stop token id or the end of the context.
 
-Simple version: the prefill runs token by token (the exported `n` is 1), so a prompt of p
-tokens costs p decode steps; a prefill of the whole prompt in one run (a bucket of its own,
-its own plan) is still to come.
+The prefill runs in chunks: a model exported with a dynamic length `n` (its buckets, built
+once each: cuvild/load/buckets.py) takes the prompt CHUNKS tokens at a time, the largest that
+fit first (128 tokens: two runs of 64), and decodes one token a run; a model exported for
+n = 1 takes the prompt token by token.
 
 Plain numpy: the daemon needs no torch to generate.
 """
@@ -25,6 +26,7 @@ import numpy as np
 from cuvild.core.layout import BadInput
 
 INPUTS = ("input_ids", "cache_position")
+CHUNKS = (64, 8, 1)  # prefill chunk lengths, the largest that fits first (1: decode)
 
 
 @dataclass
@@ -75,14 +77,15 @@ def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> in
     return int(rng.choice(probs.size, p=probs))
 
 
-Step = Callable[[int, int], np.ndarray]  # (token id, position) -> logits [1, vocab]
+Step = Callable[[list[int], int], np.ndarray]  # (token ids, first position) -> last logits
 
 
-def generate(step: Step, prompt: Sequence[int], sampling: Sampling,
-             context: int) -> Iterator[int]:
-    """The generated token ids, one at a time. `step(token, position)` runs the model on one
-    token at `position` on the sequence's state and returns its logits; `context`: the
-    longest sequence the model's cache holds."""
+def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int,
+             chunks: Sequence[int] = (1,)) -> Iterator[int]:
+    """The generated token ids, one at a time. `step(ids, position)` runs the model on `ids`
+    at positions from `position` on the sequence's state and returns the logits of the last
+    one [vocab]; `chunks`: the lengths a step may take, largest first, 1 among them;
+    `context`: the longest sequence the model's cache holds."""
     sampling.check()
     if not prompt:
         raise BadInput("the prompt is empty: generation starts from at least one token")
@@ -90,9 +93,11 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling,
         raise BadInput(f"the prompt is {len(prompt)} tokens; the model's context is {context} "
                        "(its cache's length), and at least one must be left to generate")
     rng = np.random.default_rng(sampling.seed)
-    logits = np.empty(0)
-    for position, token in enumerate(prompt):
-        logits = step(token, position)
+    logits, at = np.empty(0), 0
+    while at < len(prompt):
+        size = next(c for c in chunks if c <= len(prompt) - at)
+        logits = step(list(prompt[at:at + size]), at)
+        at += size
     position = len(prompt)
     for _ in range(sampling.max_tokens):
         token = pick(np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1])[-1],
@@ -100,5 +105,5 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling,
         yield token
         if token in sampling.stop or position >= context:
             return
-        logits = step(token, position)
+        logits = step([token], position)
         position += 1

@@ -27,6 +27,9 @@ from cuvild.core.errors import InferError
 from cuvild.core.layout import BadInput
 
 REMEMBERED = 1024  # ended sequences whose reason a late step is told
+# Slots are unique in this process, whatever Runner gives them: a thread worker's state is
+# kept by slot in the process (runtimes/torch_eager.py), beside other engines' (the tests').
+_SLOTS = itertools.count(1)
 
 
 class SequenceError(BadInput):
@@ -61,7 +64,6 @@ class Sequences:
         self.cap, self.idle_s = cap, idle_s
         self._live: dict[tuple[str, str], Live] = {}
         self._gone: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._slots = itertools.count(1)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -76,7 +78,7 @@ class Sequences:
                 raise TooManySequences(f"model {key}: {self.cap} sequences are live, the most "
                                        "this daemon keeps (engine.sequences.max_live); end "
                                        "one first")
-            live = Live(key, seq_id, next(self._slots) & 0xFFFFFFFF or 1,
+            live = Live(key, seq_id, next(_SLOTS) & 0xFFFFFFFF or 1,
                         {d: self.generation(d) for d in devices})
             self._live[(key, seq_id)] = live
             self._gone.pop((key, seq_id), None)

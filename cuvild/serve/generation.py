@@ -26,7 +26,7 @@ import numpy as np
 from cuvild.core.layout import BadInput
 from cuvild.core.loaded import LoadedModel, Out
 from cuvild.load.models import ModelManager
-from cuvild.run.generate import INPUTS, Sampling, generate
+from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate
 from cuvild.run.runner import Runner
 from cuvild.serve.errors import Refused, find
 from protos.orders import RawTensor
@@ -47,6 +47,7 @@ class Generation:
     prompt: list[int]
     sampling: Sampling
     tokenizer: Any = None
+    chunks: tuple[int, ...] = (1,)  # the lengths a step takes (cuvild/run/generate.py)
     ids: list[int] = field(default_factory=list)  # generated so far
     _text: str = ""
 
@@ -56,20 +57,24 @@ class Generation:
         assert model.state is not None
         live = runner.sequences.begin(model.key, f"generate-{next(_ids)}",
                                       sorted(model.parts_by_device))
-        logits = model.outputs[0]
-        vocab = model.slots[logits].shape[-1]
         order = [model.inputs.index(n) for n in INPUTS]
 
-        def step(token: int, position: int) -> np.ndarray:
-            values = (np.array([[token]], np.int64), np.array([position], np.int64))
+        def step(ids: list[int], position: int) -> np.ndarray:
+            values = (np.array([ids], np.int64),
+                      np.arange(position, position + len(ids), dtype=np.int64))
             inputs: list[Any] = [None, None]
+            given: list[Any] = [None, None]
             for value, at in zip(values, order, strict=True):
                 inputs[at] = RawTensor(value.tobytes(), "int64", value.shape)
-            raw = runner.step(model, live, inputs, Out({}, raw=True))[0]
+                given[at] = ("int64", value.shape)
+            target = runner.resolve(model, given)  # a dynamic model's bucket for this length
+            vocab = target.slots[target.outputs[0]].shape[-1]
+            raw = runner.step(target, live, inputs, Out({}, raw=True))[0]
             return np.frombuffer(raw, np.float32).reshape(-1, vocab)[-1]
 
         try:
-            for token in generate(step, self.prompt, self.sampling, model.state.context):
+            for token in generate(step, self.prompt, self.sampling, model.state.context,
+                                  self.chunks):
                 self.ids.append(token)
                 yield token, self._piece()
         finally:
@@ -124,11 +129,12 @@ class Generator:
                 or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             raise BadInput("the prompt must be a non-empty list of token ids (integers), or "
                            "text for a model with a tokenizer")
-        vocab = model.slots[model.outputs[0]].shape[-1]
+        vocab = int(served.record.outputs[0]["shape"][-1])
         if any(not 0 <= t < vocab for t in prompt):
             raise BadInput(f"a prompt token id is outside the vocabulary [0, {vocab})")
         return Generation(self.runner, model, served.record.name, served.record.version,
-                          list(prompt), sampling(options or {}), tokenizer)
+                          list(prompt), sampling(options or {}), tokenizer,
+                          chunks_of(model, served.key))
 
     def tokenizer(self, name: str, version: str) -> Any:
         """The entry's tokenizer (read again when its file changes), None without one."""
@@ -158,6 +164,23 @@ class Generator:
                     self._tokenizers[real] = kept
             return kept[1]
         return None
+
+
+def chunks_of(model: LoadedModel, key: str) -> tuple[int, ...]:
+    """The step lengths a model takes: CHUNKS within its dynamic length's range, else its
+    one static length, which must be 1 (a decode step takes one token)."""
+    at = model.inputs.index(INPUTS[0])
+    ranges = [(lo, hi) for i, dim, lo, hi in model.dynamic if i == at and dim == 1]
+    if ranges:
+        lo, hi = ranges[0]
+        sizes = tuple(c for c in CHUNKS if lo <= c <= hi)
+    else:
+        sizes = tuple(model.table[at].shape[1:2])
+    if 1 not in sizes:
+        raise Refused("invalid", f"model {key} cannot take one token a step ({INPUTS[0]} "
+                      f"lengths {sizes or 'none of'} {CHUNKS}): export it with a length of 1, "
+                      "or a dynamic one from 1")
+    return sizes
 
 
 def sampling(options: Mapping[str, Any]) -> Sampling:

@@ -202,7 +202,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         timeline = [] if span is not None and span.is_recording() else None
         t_run = time.perf_counter()
         refs = {graph_names[n]: ref for n, ref in output_refs.items()}
-        sequence = self._sequence(model, request)
+        sequence = self._sequence(served.loaded, request)  # (the model's, not its bucket's)
         if sequence is None:
             results = runner.run_raw(model, inputs, refs, timeline=timeline, deadline=deadline)
         else:  # a step of a stateful model's sequence (Triton's sequence parameters)

@@ -86,13 +86,14 @@ def count_time(stats: mmap.mmap, seconds: float) -> None:
     _COUNT.pack_into(stats, at, n + 1)
 
 
-def run_into(exe: Any, inputs: list[Any], outputs: list[Any], slot: int = 0) -> float:
+def run_into(exe: Any, inputs: list[Any], outputs: list[Any], slot: int = 0,
+             scope: str = "") -> float:
     """Run a part on `inputs` and put its outputs into `outputs` (views of shared memory, of
-    the planned shapes); the run's seconds. A stateful part runs on sequence `slot`'s state
-    (0: a fresh one)."""
+    the planned shapes); the run's seconds. A stateful part runs on sequence `slot` of model
+    `scope` (0: a fresh state)."""
     use = getattr(exe, "use", None)
     if use is not None:
-        use(slot)
+        use(slot, scope)
     t0 = time.perf_counter()
     into = getattr(exe, "run_into", None)  # a runtime that writes into the places itself
     got = into(inputs, outputs) if into is not None else exe.run(inputs)
@@ -276,7 +277,8 @@ class Session:
                 else:
                     outputs[index] = views.wrap(None, dtype, shape, numpy)
                     through.append((index, ref))
-        seconds = run_into(exe, inputs, outputs, slot)
+        # a bucket's key is its model's and "@shapes": a sequence's state is the model's
+        seconds = run_into(exe, inputs, outputs, slot, self.model.partition("@")[0])
         for index, ref in through:
             self.worker.write(outputs[index], ref)
         if self.worker.clients.closing:

@@ -225,15 +225,19 @@ class Worker:
 
     def end_sequence(self, order: EndSequence) -> None:
         """The sequence's state goes from every part of its model here."""
-        for key, exe in list(self.parts.items()):
-            drop = getattr(exe, "drop", None)
-            if key[0] == order.model and drop is not None:
-                drop(order.slot)
+        if "runtimes.torch_eager" in sys.modules:  # (the runtime that keeps state)
+            from runtimes.torch_eager import drop_sequence
+
+            drop_sequence(order.model, order.slot)
 
     def unload(self, order: Unload) -> None:
         from cuvild.workers.build import forget
 
         forget(order.model)
+        if "runtimes.torch_eager" in sys.modules:
+            from runtimes.torch_eager import drop_scope
+
+            drop_scope(order.model)
         for key in [k for k in list(self.parts) if k[0] == order.model]:
             self.parts.pop(key, None)
             self.variants.pop(key, None)

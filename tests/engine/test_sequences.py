@@ -33,23 +33,26 @@ CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1],
 PROMPT = [5, 17, 42, 99]
 
 
-def served(tmp_path: Path, family: str, workers: str = "thread",
+def served(tmp_path: Path, family: str, workers: str = "thread", dynamic: bool = False,
            **options: object) -> tuple[Engine, Arena, LoadedModel, object]:
     hf = lm_models.lm(family)
-    ep = lm_models.export(hf)
+    ep = lm_models.export(hf, dynamic=dynamic)
     archive = tmp_path / f"{family}.pt2"
     torch.export.save(ep, archive)
     arena = Arena(f"{os.getpid()}-seq-{family}")
     engine = Engine([CPU], tmp_path / "cache", arena, workers=workers, **options)
-    model = engine.prepare(family, family, "1", archive, summarize(ep)["inputs"])
+    key = f"{family}-dyn" if dynamic else family  # (thread workers cache splits by key)
+    model = engine.prepare(key, key, "1", archive, summarize(ep)["inputs"])
     return engine, arena, model, hf
 
 
 def stepper(engine: Engine, model: LoadedModel, live: Live):  # noqa: ANN201
-    def step(token: int, position: int) -> np.ndarray:
-        (logits,) = engine.runner.step(model, live, [torch.tensor([[token]]),
-                                                     torch.tensor([position])], Out({}))
-        return logits.numpy()[0]
+    def step(ids: list[int], position: int) -> np.ndarray:
+        inputs = [torch.tensor([ids]), torch.arange(position, position + len(ids))]
+        given = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in inputs]
+        target = engine.runner.resolve(model, given)  # a dynamic model's bucket
+        (logits,) = engine.runner.step(target, live, inputs, Out({}))
+        return logits.numpy()[0, -1]
     return step
 
 
@@ -66,6 +69,29 @@ def test_greedy_generation_equals_transformers_token_for_token(tmp_path: Path,
                             model.state.context))
         engine.runner.sequences.end(live)
         assert got == lm_models.reference(hf, PROMPT, 10)
+        assert arena.in_use() == 0
+    finally:
+        engine.close()
+        arena.close()
+
+
+def test_a_dynamic_length_takes_the_prompt_in_chunks_that_share_the_cache(
+        tmp_path: Path) -> None:
+    """Exported with a dynamic length: the prompt goes in chunks (8 + 1 + 1 for 10 tokens)
+    through buckets of their own, and the decode steps through a third; all on one cache
+    per sequence, the output still transformers' token for token."""
+    engine, arena, model, hf = served(tmp_path, "llama", dynamic=True)
+    try:
+        assert model.family is not None and model.state is not None
+        assert not model.family.replans  # one plan: its buckets run where its state is
+        prompt = [5, 17, 42, 99, 3, 8, 13, 21, 34, 55]
+        live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
+        got = list(generate(stepper(engine, model, live), prompt, Sampling(max_tokens=8), 64,
+                            chunks=(8, 1)))
+        engine.runner.sequences.end(live)
+        assert got == lm_models.reference(hf, prompt, 8)
+        built = sorted(s[0][1] for s in model.family.buckets)
+        assert built == [1, 8], built  # input_ids [1, 8] and [1, 1]
         assert arena.in_use() == 0
     finally:
         engine.close()
@@ -118,10 +144,10 @@ def test_a_worker_killed_mid_generation_ends_its_sequence_clearly(tmp_path: Path
     try:
         live = seqs.begin(model.key, "s", ["cpu0"])
         step = stepper(engine, model, live)
-        step(PROMPT[0], 0)
+        step([PROMPT[0]], 0)
         os.kill(engine.workers.of("cpu0").process.pid, signal.SIGKILL)
         with pytest.raises(Exception, match="state") as caught:  # this step, or the next
-            step(PROMPT[1], 1)
+            step([PROMPT[1]], 1)
             seqs.get(model.key, "s")
         assert "start" in str(caught.value), caught.value
         with pytest.raises(SequenceError, match="state was lost|unknown|ended"):

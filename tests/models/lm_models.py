@@ -40,10 +40,18 @@ def lm(family: str) -> Any:
     return model
 
 
-def export(model: Any, context: int = CONTEXT) -> torch.export.ExportedProgram:
+def export(model: Any, context: int = CONTEXT,
+           dynamic: bool = False) -> torch.export.ExportedProgram:
+    """Exported for one token a step, or (`dynamic`) for any length from 1 to context - 1:
+    then a prompt is taken in chunks (cuvild/run/generate.py)."""
     wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=context)
-    return wrapper.export(input_ids=torch.tensor([[1]], dtype=torch.long),
-                          cache_position=torch.tensor([0], dtype=torch.long))
+    if not dynamic:
+        return wrapper.export(input_ids=torch.tensor([[1]], dtype=torch.long),
+                              cache_position=torch.tensor([0], dtype=torch.long))
+    seq = torch.export.Dim("seq", min=1, max=context - 1)
+    return wrapper.export(input_ids=torch.tensor([[1, 2]], dtype=torch.long),
+                          cache_position=torch.tensor([0, 1], dtype=torch.long),
+                          dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}})
 
 
 def reference(model: Any, prompt: list[int], new: int) -> list[int]:

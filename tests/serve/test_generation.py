@@ -62,6 +62,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         torch.export.save(lm_models.export(hf), root / family / "1" / "model.pt2")
         refs[family] = hf
     (root / "llama" / "tokenizer.json").write_text(tokenizer_json())
+    (root / "chunked" / "1").mkdir(parents=True)  # a dynamic length: the prompt in chunks
+    torch.export.save(lm_models.export(refs["llama"], dynamic=True),
+                      root / "chunked" / "1" / "model.pt2")
     return {"root": root, "hf": refs}
 
 
@@ -74,8 +77,8 @@ def daemon(make_daemon, served):  # noqa: ANN001, ANN201
     d.http = http
     with Client(d.target) as client:
         deadline = time.monotonic() + 300
-        while {m["name"]: m["state"] for m in client.models()}.get("gpt2") != "ready" or \
-                {m["name"]: m["state"] for m in client.models()}.get("llama") != "ready":
+        while any({m["name"]: m["state"] for m in client.models()}.get(n) != "ready"
+                  for n in ("gpt2", "llama", "chunked")):
             assert time.monotonic() < deadline, client.models()
             time.sleep(0.1)
     return d
@@ -93,6 +96,9 @@ def test_every_surface_generates_as_transformers(daemon, served) -> None:  # noq
         assert "".join(t["text"] for t in out).split() == [WORDS[t] for t in want["llama"]]
         with pytest.raises(CuvildError, match="has no tokenizer"):
             list(client.generate("gpt2", text=text))
+        long = [5, 17, 42, 99, 3, 8, 13, 21, 34, 55, 89]  # 8 + 1 + 1 + 1 in three buckets
+        got = [t["token_id"] for t in client.generate("chunked", long, max_tokens=6)]
+        assert got == lm_models.reference(served["hf"]["llama"], long, 6)
     status, body = post(daemon.http, "/v2/models/gpt2/generate_stream",
                         {"input_ids": PROMPT, "max_tokens": 8})
     assert status == 200
