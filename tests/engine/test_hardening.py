@@ -115,11 +115,11 @@ def test_a_thread_worker_stuck_in_a_part_is_replaced(make_engine, tmp_path, monk
     gate, stuck = threading.Event(), threading.Event()
     run_into = sessions.run_into
 
-    def hang_once(exe, inputs, outputs, slot=0):  # noqa: ANN001, ANN202
+    def hang_once(exe, inputs, outputs, *sequence):  # noqa: ANN001, ANN002, ANN202
         if not stuck.is_set():
             stuck.set()
             gate.wait(60)
-        return run_into(exe, inputs, outputs, slot)
+        return run_into(exe, inputs, outputs, *sequence)
 
     monkeypatch.setattr(sessions, "run_into", hang_once)
     old = engine.workers["cpu0"].process
