@@ -24,16 +24,22 @@ from partitioner.profile import DeviceProfile
 from runtimes.base import CompileSpec, Executable, Runtime
 
 
+def updated(node: fx.Node) -> fx.Node | None:
+    """The value an aten op updates in place (its first argument), None for any other node."""
+    target, args = node.target, node.args
+    if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)  # noqa: SLF001 - aten's op type
+            and target._schema.is_mutable and args and isinstance(args[0], fx.Node)):  # noqa: SLF001 - its schema
+        return args[0]
+    return None
+
+
 def state_of(module: fx.GraphModule) -> list[str]:
     """The module's attributes (buffers) its graph updates in place, in graph order."""
     found: list[str] = []
     for node in module.graph.nodes:
-        target, args = node.target, node.args
-        if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)  # noqa: SLF001 - aten's op type
-                and target._schema.is_mutable and args  # noqa: SLF001 - its schema
-                and isinstance(args[0], fx.Node) and args[0].op == "get_attr"
-                and args[0].target not in found):
-            found.append(str(args[0].target))
+        value = updated(node)
+        if value is not None and value.op == "get_attr" and value.target not in found:
+            found.append(str(value.target))
     return found
 
 

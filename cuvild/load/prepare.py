@@ -182,18 +182,15 @@ GUARD = "never worse than one device"
 def state_of(ep: Any) -> State | None:
     """What a stateful program keeps per sequence: the buffers its graph updates in place
     (transformers' static-cache export writes its KV cache with index_copy_), None if none."""
-    import torch
+    from runtimes.torch_eager import updated
 
     buffers = {s.arg.name: s.target for s in ep.graph_signature.input_specs
                if s.kind.name == "BUFFER"}
     mutated: list[str] = []
     for node in ep.graph.nodes:
-        target, args = node.target, node.args
-        if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)  # noqa: SLF001 - aten's op type
-                and target._schema.is_mutable and args  # noqa: SLF001 - its schema
-                and getattr(args[0], "name", None) in buffers
-                and buffers[args[0].name] not in mutated):
-            mutated.append(buffers[args[0].name])
+        value = updated(node)
+        if value is not None and value.name in buffers and buffers[value.name] not in mutated:
+            mutated.append(buffers[value.name])
     if not mutated:
         return None
     tensors = dict(ep.named_buffers())

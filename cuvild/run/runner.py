@@ -133,13 +133,11 @@ class Runner:
         at a time. Its worker dying under it ends the sequence (the state was there)."""
         with live.lock:
             try:
-                outputs = self.execute(model, inputs, out, timeline, deadline, live.slot)
+                return self.execute(model, inputs, out, timeline, deadline, live.slot)
             except WorkerUnavailable:
                 self.sequences.end(live, "its state was lost: its worker died during a step "
                                          "(start it again)")
                 raise
-            live.steps += 1
-            return outputs
 
     def _end_slot(self, key: str, slot: int, devices: list[str]) -> None:
         for device in devices:

@@ -49,7 +49,6 @@ class Live:
     slot: int
     workers: dict[str, int]  # device -> the worker's generation when it began
     last: float = field(default_factory=time.monotonic)
-    steps: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
