@@ -13,12 +13,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lm_models
 import pytest
 import torch
-from daemons import free_port
+from daemons import DaemonProcess, free_port, suite_config
 
 from cuvild.client import Client
 from cuvild.client.errors import CuvildError
@@ -68,20 +70,29 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "hf": refs}
 
 
-@pytest.fixture
-def daemon(make_daemon, served):  # noqa: ANN001, ANN201
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir: Path,
+           shared_cache: Path, served: dict[str, Any]) -> Iterator[DaemonProcess]:
+    """One daemon for the file's tests (each starts its own sequences; none changes what is
+    served): its three models build once."""
     http = f"127.0.0.1:{free_port()}"
     torch_too = {"cpu": ["openvino", "torch"], "npu": ["openvino", "torch"]}
-    d = make_daemon(model_repository=str(served["root"]), engine={"runtimes": torch_too},
-                    listen={"http": http, "insecure_loopback": True})
+    workdir = tmp_path_factory.mktemp("generation")
+    config = suite_config(workdir, workdir / "state", sock_dir, cache_dir=str(shared_cache),
+                          model_repository=str(served["root"]), engine={"runtimes": torch_too},
+                          listen={"http": http, "insecure_loopback": True})
+    d = DaemonProcess(workdir, config, profiles=state_root).start()
     d.http = http
-    with Client(d.target) as client:
-        deadline = time.monotonic() + 300
-        while any({m["name"]: m["state"] for m in client.models()}.get(n) != "ready"
-                  for n in ("gpt2", "llama", "chunked")):
-            assert time.monotonic() < deadline, client.models()
-            time.sleep(0.1)
-    return d
+    try:
+        with Client(d.target) as client:
+            deadline = time.monotonic() + 300
+            while any({m["name"]: m["state"] for m in client.models()}.get(n) != "ready"
+                      for n in ("gpt2", "llama", "chunked")):
+                assert time.monotonic() < deadline, client.models()
+                time.sleep(0.1)
+        yield d
+    finally:
+        d.close()
 
 
 def test_every_surface_generates_as_transformers(daemon, served) -> None:  # noqa: ANN001
