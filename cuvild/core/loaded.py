@@ -222,7 +222,7 @@ def part_stats(model: LoadedModel) -> dict[str, Any]:
     out = {}
     for r in model.routes:
         ms = sorted(r.measured_ms)
-        out[r.id] = {"device": r.device, "runtime": r.runtime,
+        out[r.id] = {"device": r.device, "runtime": r.runtime, "precision": r.precision,
                      "predicted_ms": predicted.get(r.id, 0.0),
                      "measured_ms": ms[len(ms) // 2] if ms else None,
                      "candidates": r.built.candidates if r.built else []}
@@ -231,9 +231,11 @@ def part_stats(model: LoadedModel) -> dict[str, Any]:
 
 def bucket_stats(model: LoadedModel) -> list[dict[str, Any]]:
     """A dynamic-shape model's buckets, most recently used last: the input shapes, and where
-    each part runs for them (the runtime is chosen per bucket, by timing it at its shapes)."""
+    each part runs for them (the runtime is chosen per bucket, by timing it at its shapes;
+    under a budget its precision too, and `precision` says why)."""
     kept = list(model.family.buckets.items()) if model.family else []
     kept.sort(key=lambda item: item[1].bucket.used if item[1].bucket else 0.0)
     return [{"shapes": [list(s) for s in shapes], "key": bucket.key,
-             "parts": [{**stats, "id": part} for part, stats in part_stats(bucket).items()]}
+             "parts": [{**stats, "id": part} for part, stats in part_stats(bucket).items()],
+             "precision": bucket.accuracy.notes if bucket.accuracy else []}
             for shapes, bucket in kept]

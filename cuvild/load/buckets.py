@@ -143,30 +143,66 @@ def cold(builder: Builder, model: LoadedModel, shapes: Shapes) -> LoadedModel:
                           footprint, total, model.archive, given,
                           parts_by_device=by_device,
                           bucket=Bucket(model.key, shapes, own_split=own))
-    bucket.policy = model.policy
+    bucket.policy, bucket.state = model.policy, model.state
     bucket.cut_bytes = cut_bytes(bucket)
     bucket.part_input_shapes = {
         p.id: [list(values[n].shape) for n in p.inputs] for p in split.parts}
     log.info("building %s for input shapes %s%s", model.key, [list(s) for s in shapes],
              ": " + ", ".join(f"{r.id}@{r.device}" for r in routes) if own else "")
+    budgets = precision.arm(bucket, builder.devices, bucket.policy or PrecisionPolicy())
     builder.build(bucket)
+    if budgets:
+        searched(builder, bucket, split, budgets)
     if family(model).record_at is not None:
         write_record(builder, model, bucket, inputs, [values[n] for n in model.outputs])
     bucket.batcher = model.batcher
     return bucket
 
 
+def searched(builder: Builder, bucket: LoadedModel, split: Any,
+             budgets: dict[str, float]) -> None:
+    """A bucket under a budget runs each part at its fastest precision that keeps the bucket
+    within it, as a static model does (cuvild/load/precision.py), on random inputs of its
+    shapes against torch eager, each from the program's initial state: the prefill chunks
+    and the decode step of a language model each choose their own (a 64-token chunk's
+    matrix products and a one-token step's matrix-vector products are fastest at different
+    precisions)."""
+    import torch
+
+    from cuvild.workers.build import SEARCH_SAMPLES, sample_inputs
+    from runtimes.torch_eager import remember_initial, reset
+
+    inputs = [sample_inputs(bucket.input_specs, seed) for seed in range(SEARCH_SAMPLES)]
+    expected = []
+    with torch.no_grad():
+        for x in inputs:
+            for part in split.parts:  # (a stateful part: each input on its initial state)
+                remember_initial(part.module)
+                reset(part.module)
+            values = split.trace(*x)
+            expected.append([values[n] for n in bucket.outputs])
+    first = precision.check(builder.runner.run, bucket, inputs, expected)
+    chosen, notes = precision.search(builder.runner.run, builder.choose, bucket, budgets,
+                                     inputs, expected, first)
+    precision.fix(builder.choose, bucket)
+    policy = bucket.policy or PrecisionPolicy()
+    bucket.accuracy = Accuracy(policy.mode, min(budgets.values()), len(inputs), False, 0.0,
+                               first, chosen, notes)
+    log.info("bucket %s: %s", bucket.key, "; ".join(notes))
+
+
 def write_record(builder: Builder, model: LoadedModel, bucket: LoadedModel,
                  inputs: list[Any], expected: list[Any]) -> None:
     """Write a bucket's load record, with its check: torch eager's outputs on one input and
-    how far the bucket's are from them now."""
+    how far the bucket's are from them now (and what its precision search found)."""
     try:
         check = precision.check(builder.runner.run, bucket, [inputs], [expected])
     except Exception as e:  # noqa: BLE001 - a record saves a restart's build, no more
         log.warning("bucket %s: not recorded, its check run failed: %s", bucket.key, e)
         return
     policy = bucket.policy or PrecisionPolicy()
-    bucket.accuracy = Accuracy(policy.mode, None, 1, False, 0.0, check, check)
+    if bucket.accuracy is None:  # (a searched bucket has its search's, over more inputs)
+        bucket.accuracy = Accuracy(policy.mode, None, 1, False, 0.0, check, check)
     assert bucket.bucket is not None
     kept = family(model).record_at / warm.BUCKETS
     try:

@@ -91,13 +91,17 @@ def runtime_key(runtime: str, precision: str) -> str:
     return runtime if precision == "fp32" else f"{runtime}@{precision}"
 
 
-def candidates(part: Part, device: DeviceProfile,
-               policy: PrecisionPolicy) -> tuple[list[str], float | None]:
-    """[the part's own precision, then the lower ones a search may try], and its budget."""
+def candidates(part: Part, device: DeviceProfile, policy: PrecisionPolicy,
+               stateful: bool = False) -> tuple[list[str], float | None]:
+    """[the part's own precision, then the lower ones a search may try], and its budget.
+    A stateful model's part (a language model's step) also tries fp16 on a CPU with F16C
+    whose matrix units lack it: a decode step reads every weight once a token, and halving
+    their bytes is what makes it faster (runtimes/torch_eager.py)."""
     auto = part.policy == "auto" or (part.policy == "" and policy.mode == "auto")
     if not auto or part.precision != "fp32":
         return [part.precision], None
-    lower = [p for p in LOWER if p in device.peak_gflops and p != "int8"]
+    lower = [p for p in LOWER if (p in device.peak_gflops or (
+        p == "fp16" and stateful and "f16c" in device.features)) and p != "int8"]
     # and the first of them with the fewest groups kept fp32 (runtimes/mixed.py): what a part
     # runs when one sensitive layer would send all of it back to fp32
     lower += [f"{p}{MIXED}" for p in lower[:1]]
@@ -105,6 +109,35 @@ def candidates(part: Part, device: DeviceProfile,
     if policy.calibration:  # int8, then int8 but for the ops that cost the most error
         lower += ["int8"] + ([INT8_MIXED] if budget >= INT8_MIXED_FLOOR else [])
     return ["fp32", *lower], budget
+
+
+def arm(model: LoadedModel, devices: dict[str, DeviceProfile], policy: PrecisionPolicy,
+        decided: dict[str, str] | None = None) -> dict[str, float]:
+    """Give each route the precisions to build (its own, then those a search may lower it
+    to; only the `decided` one where a search chose before) and the bound a lower one's own
+    error must keep; returns the budgets of the parts that are searched, by part id."""
+    parts = {p.id: p for p in model.plan.parts}
+    budgets: dict[str, float] = {}
+    for route in model.routes:
+        route.precisions, budget = candidates(parts[route.id], devices[route.device], policy,
+                                              stateful=model.state is not None)
+        route.search = list(route.precisions)
+        if budget is not None:
+            budgets[route.id], route.tolerance = budget, part_bound(budget)
+            route.budget = budget
+            if decided and route.id in decided:  # a restart builds only what was chosen
+                route.precisions = [decided[route.id]]
+    return budgets
+
+
+def fix(choose: Choose, model: LoadedModel) -> None:
+    """Each part at the precision it will run: the other variants' executables go from the
+    workers, and a revived worker rebuilds only the chosen one."""
+    for route in model.routes:
+        if len(route.variants) > 1:
+            choose(model, route, route.precision, True)
+            route.variants = {route.precision: route.variants[route.precision]}
+        route.precisions = [route.precision]
 
 
 def check_inputs(model: LoadedModel, policy: PrecisionPolicy,
@@ -138,7 +171,7 @@ def reference(ep: Any, inputs: list[list[torch.Tensor]]) -> tuple[list[list[torc
 
 
 Run = Callable[["LoadedModel", list[Any]], list[Any]]  # the runner's run: outputs of inputs
-Choose = Callable[["LoadedModel", "Route", str], None]  # the builder's choose: a part's precision
+Choose = Callable[..., None]  # the builder's choose: (model, route, precision[, final])
 
 
 def check(run: Run, model: LoadedModel, inputs: list[list[torch.Tensor]],

@@ -111,19 +111,9 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         builder.publish(model)
         warm.write_dynamic(record_at, model)
         return model
-    parts = {p.id: p for p in plan.parts}
-    budgets: dict[str, float] = {}
     decision = precision.decision_path(builder.cache_dir, model, policy, builder.devices.values())
     decided, recorded = precision.read_decision(decision)
-    for route in model.routes:
-        route.precisions, budget = precision.candidates(
-            parts[route.id], builder.devices[route.device], policy)
-        route.search = list(route.precisions)
-        if budget is not None:
-            budgets[route.id], route.tolerance = budget, precision.part_bound(budget)
-            route.budget = budget
-            if decided and route.id in decided:  # a restart builds only what was chosen
-                route.precisions = [decided[route.id]]
+    budgets = precision.arm(model, builder.devices, policy, decided)
     inputs = precision.check_inputs(model, policy, searched=bool(budgets))
     expected, eager_ms = precision.reference(ep, inputs)
     del ep, split  # workers hold the parts; the daemon keeps only the wiring
@@ -262,11 +252,7 @@ def _settle(builder: Builder, model: LoadedModel, policy: PrecisionPolicy,
         accuracy.chosen, notes = precision.search(builder.runner.run, builder.choose,
                                                   model, budgets, inputs, expected, first)
         accuracy.notes += notes
-    for route in model.routes:
-        if len(route.variants) > 1:  # the losers' executables go from the workers
-            builder.choose(model, route, route.precision, final=True)
-            route.variants = {route.precision: route.variants[route.precision]}
-        route.precisions = [route.precision]  # what a revived worker rebuilds
+    precision.fix(builder.choose, model)
     if budgets and recorded is None:
         precision.write_decision(decision, model.routes, accuracy)
     return accuracy

@@ -86,9 +86,11 @@ def buckets_text(buckets: list[dict[str, Any]]) -> str:
         shapes = " ".join("x".join(map(str, s)) for s in b["shapes"])
         parts = ", ".join(
             f"{p['id']} {p['device']}/{p['runtime']}"
+            + (f" {p['precision']}" if p.get("precision", "fp32") != "fp32" else "")
             + (f" {p['measured_ms']:.2f} ms" if p["measured_ms"] is not None else "")
             for p in b["parts"])
         lines.append(f"  {shapes}: {parts}")
+        lines += [f"    {note}" for note in b.get("precision", [])]
     return "\n".join(lines if buckets else [*lines, "  none built yet"]) + "\n"
 
 

@@ -1,0 +1,62 @@
+"""A language model under a precision budget (issue 52, 5): each bucket of a dynamic-length
+model (a prefill chunk, the decode step) searches its own precision, as a static model's
+parts do, on random inputs of its shapes against torch eager, each from the initial state:
+the torch runtime's bf16 and, for a stateful model on a CPU with F16C, fp16 (a decode
+step's matrix-vector products are fastest there). Timing decides what runs, so the test
+holds what must: every bucket was searched, tried the lower precisions, stays within the
+budget, and generation through buckets at different precisions shares one cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lm_models
+import torch
+from engine_helpers import CORES
+from test_sequences import stepper
+
+from cuvild.core.arena import Arena
+from cuvild.core.precision import PrecisionPolicy
+from cuvild.engine.engine import Engine
+from cuvild.intake.summary import summarize
+from cuvild.run.generate import Sampling, generate
+from partitioner.profile import DeviceProfile
+
+# a CPU whose profile lists bf16 and F16C (the runtimes' own kernels run on any x86-64 CPU)
+CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["openvino", "torch"],
+                    peak_gflops={"fp32": 50.0, "bf16": 100.0}, mem_bw_gbs=10.0,
+                    link_bw_gbs=10.0, features=["avx2", "f16c", "avx512_bf16"])
+
+
+def test_each_bucket_searches_its_precision_within_the_budget(tmp_path: Path) -> None:
+    hf = lm_models.lm("llama")
+    ep = lm_models.export(hf, dynamic=True)
+    torch.export.save(ep, tmp_path / "lm.pt2")
+    arena = Arena(f"{os.getpid()}-lmp")
+    engine = Engine([CPU], tmp_path / "cache", arena, workers="thread")
+    try:
+        model = engine.prepare("lm-auto", "lm-auto", "1", tmp_path / "lm.pt2",
+                               summarize(ep)["inputs"], policy=PrecisionPolicy("auto", 1e-2))
+        live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
+        prompt = [5, 17, 42, 99, 3, 8, 13, 21, 34, 55]
+        got = list(generate(stepper(engine, model, live), prompt, Sampling(max_tokens=6), 64,
+                            chunks=(8, 1)))
+        engine.runner.sequences.end(live)
+        assert len(got) == 6
+        assert model.family is not None
+        served = engine.runner.served.buckets
+        buckets = [served[(model.key, ((1, n), (n,)))] for n in (8, 1)]
+        for bucket in buckets:
+            acc = bucket.accuracy
+            assert acc is not None and acc.policy == "auto" and acc.inputs == 16
+            assert acc.chosen is not None and acc.chosen.error <= 1e-2, acc
+            assert any(n.startswith("p0 ") for n in acc.notes), acc.notes
+            tried = {c["precision"]: c["status"] for c in bucket.routes[0].built.candidates}
+            assert {"fp32", "bf16", "fp16"} <= set(tried), tried
+            assert bucket.routes[0].precision in ("fp32", "bf16", "fp16")
+            assert list(bucket.routes[0].variants) == [bucket.routes[0].precision]
+        assert arena.in_use() == 0
+    finally:
+        engine.close()
+        arena.close()

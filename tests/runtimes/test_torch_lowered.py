@@ -1,0 +1,95 @@
+"""The torch runtime at bf16 and fp16 (runtimes/torch_eager.py `lowered`): the part's weights
+held in the lower dtype, cast once, the ops that read them computing at it and handing their
+results back as exported; a stateful part's state (a language model's KV cache) kept as
+exported, so buckets at different precisions share it. Host-independent: torch's bf16 and
+fp16 kernels run on any x86-64 CPU (slowly where it has no units for them); the runtime
+offers fp16 only where the profile lists F16C."""
+
+from __future__ import annotations
+
+import lm_models
+import pytest
+import torch
+
+from partitioner.profile import DeviceProfile
+from partitioner.split import split_program
+from runtimes.base import relative_error
+from runtimes.torch_eager import TorchExecutable, TorchRuntime, lowered, state_of
+
+TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 5e-3}
+
+
+def one_part(ep: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    nodes = [n.name for n in ep.graph.nodes if n.op == "call_function"]
+    return split_program(ep, [("p0", nodes)]).parts[0].module
+
+
+def tensors(module: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    return {str(n.target): getattr(module, str(n.target)) for n in module.graph.nodes
+            if n.op == "get_attr"}
+
+
+def greedy(exe: TorchExecutable, prompt: list[int], new: int, slot: int) -> list[int]:
+    """Token by token on sequence `slot` (the part's inputs: cache_position, input_ids)."""
+    out, ids = [], list(prompt)
+    for pos in range(len(prompt) + new - 1):
+        exe.use(slot, "lm")
+        (logits,) = exe.run([torch.tensor([pos]), torch.tensor([[ids[pos]]])])
+        if pos >= len(prompt) - 1:
+            ids.append(int(logits[0, -1].argmax()))
+            out.append(ids[-1])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_language_model_part_holds_its_weights_lower_and_its_cache_as_exported(
+        dtype: torch.dtype) -> None:
+    hf = lm_models.lm("llama")
+    part = one_part(lm_models.export(hf))
+    before = {k: (v.dtype, v.data_ptr()) for k, v in tensors(part).items()}
+    low = lowered(part, dtype)
+    state = set(state_of(low))
+    assert state and state == set(state_of(part))
+    for name, value in tensors(low).items():
+        weight = value.is_floating_point() and value.dim() >= 2 and name not in state
+        assert value.dtype == (dtype if weight else before[name][0]), name
+        if name in state:  # the one state, shared with the part (swapped per sequence)
+            assert value.data_ptr() == before[name][1], name
+    assert {k: (v.dtype, v.data_ptr()) for k, v in tensors(part).items()} == before
+    exe, ref = TorchExecutable(low, dtype), TorchExecutable(part, None)
+    (got,) = exe.run([torch.tensor([0]), torch.tensor([[5]])])
+    assert got.dtype == torch.float32
+    # step by step on a sequence of its own (its cache at fp32 as exported, written from
+    # fp16/bf16 results), each step near fp32's on the same tokens
+    for pos, token in enumerate([5, 17, 42, 99, 120, 121, 120]):
+        x = [torch.tensor([pos]), torch.tensor([[token]])]
+        exe.use(7, "lm")
+        ref.use(8, "lm")
+        (got,), (want,) = exe.run(x), ref.run(x)
+        assert relative_error(got, want) < TOLERANCE[dtype], pos
+    if dtype == torch.float16:  # close enough for the tiny model's greedy tokens (bf16's
+        # 1e-2 flips a step whose two best logits are 0.03 apart in 2.6)
+        prompt = [5, 17, 42, 99]
+        assert greedy(exe, prompt, 6, slot=9) == lm_models.reference(hf, prompt, 6)
+
+
+def test_a_stateless_part_at_bf16_matches_eager_within_its_tolerance() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 8)).eval()
+    x = torch.randn(4, 32)
+    ep = torch.export.export(model, (x,))
+    low = lowered(one_part(ep), torch.bfloat16)
+    assert {v.dtype for k, v in tensors(low).items() if v.dim() >= 2} == {torch.bfloat16}
+    assert {v.dtype for k, v in tensors(low).items() if v.dim() == 1} == {torch.float32}
+    (got,) = TorchExecutable(low, torch.bfloat16).run([x])
+    with torch.no_grad():
+        want = model(x)
+    assert got.dtype == torch.float32 and relative_error(got, want) < 2e-2
+
+
+def test_fp16_is_offered_where_the_cpu_has_f16c() -> None:
+    rt = TorchRuntime()
+    plain = DeviceProfile(id="cpu0", kind="cpu", features=["avx2"])
+    f16c = DeviceProfile(id="cpu0", kind="cpu", features=["avx2", "f16c"])
+    assert not rt.can_target(plain, "fp16") and rt.can_target(f16c, "fp16")
+    assert rt.can_target(plain, "bf16")
