@@ -40,6 +40,7 @@ from cuvild.serve import sdnotify
 from cuvild.serve.control import ControlService
 from cuvild.serve.front import Front
 from cuvild.serve.limits import Gate, Uploads, quiet_grpc_logs, raise_nofile
+from cuvild.workers.worker import OMP_WAIT_ENV, shares_cores
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 from runtimes.cache import KEY_ENV, cache_key_file
 from runtimes.profiling import measure as profiles_mod
@@ -383,6 +384,10 @@ class Daemon:
                                self.cfg.upload_max_s)
         sdnotify.notify("STATUS=profiling devices")
         self._load_profiles()
+        # OpenMP's waits in the workers (and the forkserver they fork from), by whether two
+        # devices share cores (cuvild/workers/worker.py); before any of them imports torch
+        os.environ[OMP_WAIT_ENV] = "passive" if shares_cores(self.current_profiles().devices) \
+            else "spin"
         self.registry = Registry(self.cfg.state_dir, self.cfg.max_model_bytes)
         self._start_engine()
         try:

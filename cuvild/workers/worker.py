@@ -343,16 +343,46 @@ class Control:
                 self.reply(envelope, answered)
 
 
-OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+# How OpenMP's threads wait between parallel regions (read when its library loads: set before
+# torch is imported, cuvild/workers/omp_env.py). Passive where two devices' workers share
+# cores: spinning pools of two runtimes on shared cores slow each other by up to 1.6x
+# (measured on the 2-core dev host). Else a short spin: a language model's decode step runs
+# ~600 small parallel ops a token, and waking sleeping threads for each cost the 200M
+# Llama's fp16 step 32.7 ms instead of 19.9 (2-core EPYC, torch 2.13).
+OMP_PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+OMP_SHORT_SPIN = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
+OMP_WAIT_ENV = "CUVILD_OMP_WAIT"  # "spin" (set by the daemon where no cores are shared)
+
+
+def omp_env() -> dict[str, str]:
+    """Set this process's OpenMP wait settings (as OMP_WAIT_ENV says); returns them."""
+    settings = OMP_SHORT_SPIN if os.environ.get(OMP_WAIT_ENV) == "spin" else OMP_PASSIVE
+    if "OMP_WAIT_POLICY" not in settings:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    os.environ.update(settings)
+    return settings
+
+
+def shares_cores(devices: list[DeviceProfile]) -> bool:
+    """Whether two devices computing on the host's cores (CPUs, emulated devices) have their
+    workers on a core in common (a device that names no cores has them all)."""
+    every = set(os.sched_getaffinity(0))
+    seen: set[int] = set()
+    for device in devices:
+        if device.kind == "cpu" or device.emulated:
+            cores = set(device.cores) or every
+            if cores & seen:
+                return True
+            seen |= cores
+    return False
 
 
 def _pin(device: DeviceProfile) -> None:
-    """Own the device's cores with passive waits: spinning pools of two runtimes on shared
-    cores slow each other by up to 1.6x (measured on the 2-core dev host)."""
+    """Own the device's cores, with OpenMP's waits as `omp_env` says."""
     cores = device.cores or sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores)
-    os.environ.update({"OMP_NUM_THREADS": str(len(cores)), **OMP_ENV})  # (torch reads them
-    # as it loads: a spawned worker imports it only to build; cuvild/workers/omp_env.py)
+    omp_env()  # (torch reads them as it loads: a spawned worker imports it only to build)
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
     if "torch" in sys.modules:  # imported already (forked from the daemon's forkserver, or
         # with the spawning program's main module):
         import torch  # its pool was sized for every core; this thread runs the parts
