@@ -39,6 +39,7 @@ sys.path.insert(2, str(ROOT / "tests" / "models"))
 
 PROMPT, NEW = 128, 128
 CONTEXT = 320
+BUDGET = 1e-2  # the auto rows' error budget (engine.max_error)
 
 
 def llama() -> Any:
@@ -134,10 +135,61 @@ def concurrent_row(target: str, name: str, prompt: list[int], new: int,
             "wall_s": round(wall, 1)}
 
 
+def served(home: Path, label: str, engine: dict[str, Any], prompt: list[int], new: int,
+           reference: list[int], concurrent: bool) -> dict[str, Any]:
+    """One daemon on one CPU device serving the repository's model under `engine`'s
+    precision policy: its load, first request (its buckets built: under a budget each
+    searches its precision), the client and HTTP rows, and (`concurrent`) 4 sequences vs 1."""
+    from daemons import DaemonProcess, daemon_config, free_port, one_cpu
+
+    from cuvild.client import Client
+
+    report: dict[str, Any] = {}
+    (home / label).mkdir()
+    http = f"127.0.0.1:{free_port()}"
+    config = daemon_config(home / label, home / label / "state", home,
+                           model_repository=str(home / "repo"),
+                           listen={"http": http, "insecure_loopback": True})
+    config["devices"] = one_cpu()
+    config["log_level"] = "info"
+    config.setdefault("engine", {}).update(engine)
+    daemon = DaemonProcess(home / label, config).start()
+    try:
+        t0 = time.perf_counter()
+        with Client(daemon.target, timeout=3600) as control:  # the repository's entry
+            while {m["name"]: m["state"] for m in control.models()}.get("llama") != "ready":
+                if time.perf_counter() - t0 > 3600:
+                    raise RuntimeError(f"llama not ready: {control.models()}")
+                time.sleep(0.2)
+        report["load_s"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()  # its buckets (prefill chunks of 64, decode steps of 1)
+        client_row(daemon.target, "llama", prompt, 2)
+        report["first_request_s"] = round(time.perf_counter() - t0, 1)
+        with Client(daemon.target, timeout=3600) as control:
+            buckets = control.plan("llama")["plan"].get("buckets", [])
+        report["buckets"] = {"x".join(map(str, b["shapes"][0])): {
+            "precision": b["parts"][0]["precision"], "why": b.get("precision", [])}
+            for b in buckets}
+        for row_label, row in (("client", lambda: client_row(
+                daemon.target, "llama", prompt, new)), ("http_stream", lambda: http_row(
+                http, "llama", prompt, new))):
+            got = row()
+            got["same_tokens_as_transformers"] = round(statistics.mean(
+                a == b for a, b in zip(got.pop("ids"), reference, strict=True)), 3)
+            report[row_label] = got
+        if concurrent:
+            one = concurrent_row(daemon.target, "llama", prompt, new // 4, 1)
+            four = concurrent_row(daemon.target, "llama", prompt, new // 4, 4)
+            report["concurrent"] = {"one": one, "four": four,
+                                    "ratio": round(four["tok_s"] / one["tok_s"], 2)}
+    finally:
+        daemon.stop()
+    return report
+
+
 def main() -> dict[str, Any]:
     import lm_models
     import torch
-    from daemons import DaemonProcess, daemon_config, free_port, one_cpu
 
     from runtimes.profiling import hardware
 
@@ -164,38 +216,10 @@ def main() -> dict[str, Any]:
                           home / "repo" / "llama" / "1" / "model.pt2")
         report["export_s"] = round(time.perf_counter() - t0, 1)
         del model
-        http = f"127.0.0.1:{free_port()}"
-        config = daemon_config(home, home / "state", home, model_repository=str(home / "repo"),
-                               listen={"http": http, "insecure_loopback": True})
-        config["devices"] = one_cpu()
-        config["log_level"] = "info"
-        daemon = DaemonProcess(home, config).start()
-        try:
-            from cuvild.client import Client
-
-            t0 = time.perf_counter()
-            with Client(daemon.target, timeout=3600) as control:  # the repository's entry
-                while {m["name"]: m["state"] for m in control.models()}.get("llama") != "ready":
-                    if time.perf_counter() - t0 > 3600:
-                        raise RuntimeError(f"llama not ready: {control.models()}")
-                    time.sleep(0.2)
-            report["load_s"] = round(time.perf_counter() - t0, 1)
-            t0 = time.perf_counter()  # its buckets (prefill chunks of 64, decode steps of 1)
-            client_row(daemon.target, "llama", prompt, 2)
-            report["first_request_s"] = round(time.perf_counter() - t0, 1)
-            for label, row in (("cuvild_client", lambda: client_row(
-                    daemon.target, "llama", prompt, new)), ("cuvild_http_stream", lambda: http_row(
-                    http, "llama", prompt, new))):
-                got = row()
-                got["same_tokens_as_transformers"] = round(statistics.mean(
-                    a == b for a, b in zip(got.pop("ids"), reference["ids"], strict=True)), 3)
-                report[label] = got
-            one = concurrent_row(daemon.target, "llama", prompt, new // 4, 1)
-            four = concurrent_row(daemon.target, "llama", prompt, new // 4, 4)
-            report["concurrent"] = {"one": one, "four": four,
-                                    "ratio": round(four["tok_s"] / one["tok_s"], 2)}
-        finally:
-            daemon.stop()
+        for label, engine in (("fp32", {}), ("auto", {"precision": "auto",
+                                                        "max_error": BUDGET})):
+            report[label] = served(home, label, engine, prompt, new, reference["ids"],
+                                   concurrent=label == "fp32")
     reference.pop("ids")
     return report
 
@@ -205,20 +229,26 @@ def show(r: dict[str, Any]) -> None:
           f"torch {r['host']['torch']}")
     m = r["model"]
     print(f"Llama-architecture, {m['parameters_m']}M parameters (random), context {m['context']},"
-          f" prompt {m['prompt']}, {m['new_tokens']} new tokens, greedy fp32; export "
-          f"{r['export_s']} s, daemon load {r['load_s']} s, first request (builds its buckets) "
-          f"{r['first_request_s']} s")
+          f" prompt {m['prompt']}, {m['new_tokens']} new tokens, greedy; export {r['export_s']} s")
     t = r["transformers_eager"]
-    print(f"  transformers generate (eager):  TTFT {t['ttft_s']:.3f} s, decode "
+    print(f"  transformers generate (eager fp32):  TTFT {t['ttft_s']:.3f} s, decode "
           f"{t['decode_tok_s']:.2f} tok/s")
-    for label in ("cuvild_client", "cuvild_http_stream"):
-        c = r[label]
-        print(f"  {label:<31} TTFT {c['ttft_s']:.3f} s ({c['ttft_s'] / t['ttft_s']:.2f}x), "
-              f"decode {c['decode_tok_s']:.2f} tok/s ({c['decode_tok_s'] / t['decode_tok_s']:.2f}x"
-              f"), tokens as transformers' {c['same_tokens_as_transformers']:.0%}")
+    for policy in ("fp32", "auto"):
+        p = r[policy]
+        print(f"  cuvild {policy}{f' (budget {BUDGET:.0e})' if policy == 'auto' else ''}: load "
+              f"{p['load_s']} s, first request (builds its buckets) {p['first_request_s']} s; "
+              "buckets " + ", ".join(f"{k}: {v['precision']}" for k, v in p["buckets"].items()))
+        for label in ("client", "http_stream"):
+            c = p[label]
+            decode = c["decode_tok_s"] / t["decode_tok_s"]
+            print(f"    {label:<12} TTFT {c['ttft_s']:.3f} s ({c['ttft_s'] / t['ttft_s']:.2f}x), "
+                  f"decode {c['decode_tok_s']:.2f} tok/s ({decode:.2f}x), tokens as "
+                  f"transformers' {c['same_tokens_as_transformers']:.0%}")
+        for why in (w for v in p["buckets"].values() for w in v["why"]):
+            print(f"    {why}")
     print(f"  OpenVINO GenAI: {r['openvino_genai']}")
-    c = r["concurrent"]
-    print(f"  4 sequences at once: {c['four']['tok_s']} generated tok/s vs 1: "
+    c = r["fp32"]["concurrent"]
+    print(f"  4 sequences at once (fp32): {c['four']['tok_s']} generated tok/s vs 1: "
           f"{c['one']['tok_s']} tok/s = {c['ratio']}x (each {r['model']['prompt']} prompt tokens "
           f"and {r['model']['new_tokens'] // 4} new; the prompt's time included)")
 
