@@ -10,8 +10,12 @@ until max_tokens, a stop token id or the end of the context.
 
 The prefill runs in chunks: a model exported with a dynamic length `n` (its buckets, built
 once each: cuvild/load/buckets.py) takes the prompt CHUNKS tokens at a time, the largest that
-fit first (128 tokens: two runs of 64), and decodes one token a run; a model exported for
-n = 1 takes the prompt token by token.
+fit first (128 tokens: one run; 100: 64 + 16 + 16 + 4), and decodes one token a run; a model
+exported for n = 1 takes the prompt token by token. A run reads every weight once, whatever
+its length, so fewer runs are faster: a 128-token prompt of the 200M Llama in one run, not
+two of 64. (Padding a chunk up to a longer one would save more runs, but transformers'
+static cache writes at its own running count of tokens, which padding would advance.) Each
+length is a bucket: five here, within the default `max_buckets` of 8.
 
 Plain numpy: the daemon needs no torch to generate.
 """
@@ -26,7 +30,7 @@ import numpy as np
 from cuvild.core.layout import BadInput
 
 INPUTS = ("input_ids", "cache_position")
-CHUNKS = (64, 8, 1)  # prefill chunk lengths, the largest that fits first (1: decode)
+CHUNKS = (128, 64, 16, 4, 1)  # prefill chunk lengths, the largest that fits first (1: decode)
 
 
 @dataclass

@@ -6,7 +6,7 @@ in turn on the same weights:
 
 - transformers' `generate` (torch eager, its static cache: the same cache the export holds);
 - cuvild, the model exported as a user would (transformers' TorchExportableModuleForDecoder
-  OnlyLM, with a dynamic length: the prompt goes in chunks of 64) and served by a daemon on
+  OnlyLM, with a dynamic length: the prompt goes in chunks, 128 tokens in one) and served by a daemon on
   one CPU device, once warmed (its first request builds its buckets): through the Python
   client (gRPC streaming) and HTTP generate_stream (server-sent events);
 - cuvild with 4 sequences at once (4 clients) against 1.
@@ -162,7 +162,7 @@ def served(home: Path, label: str, engine: dict[str, Any], prompt: list[int], ne
                     raise RuntimeError(f"llama not ready: {control.models()}")
                 time.sleep(0.2)
         report["load_s"] = round(time.perf_counter() - t0, 1)
-        t0 = time.perf_counter()  # its buckets (prefill chunks of 64, decode steps of 1)
+        t0 = time.perf_counter()  # its buckets (the prompt's chunk, decode steps of 1)
         client_row(daemon.target, "llama", prompt, 2)
         report["first_request_s"] = round(time.perf_counter() - t0, 1)
         with Client(daemon.target, timeout=3600) as control:
