@@ -9,7 +9,7 @@ CONFIG ?= configs/cuvild.yaml
 # The image (configs/kserve/Dockerfile) installs without the dev tools: EXTRAS=
 EXTRAS ?= [dev]
 
-.PHONY: setup run demo test lint bench proto clean
+.PHONY: setup run demo test lint bench genai-env proto clean
 
 setup: $(STAMP) $(PROTO_OUT)
 	@$(PY) -m compileall -q -j 0 cuvild partitioner runtimes protos > /dev/null
@@ -57,9 +57,19 @@ lint: setup
 
 # SECTION=serving (or "serving models"): only those sections (tests/bench/run.py)
 SECTION ?=
-bench: setup
+bench: setup genai-env
 	$(PY) tests/bench/run.py $(SECTION)
 
+# OpenVINO GenAI's environment for the generation bench (pinned in pyproject.toml's
+# genai-bench extras; optimum-intel needs an older transformers than the project's).
+GENAI_VENV := .venv-genai
+genai-env: $(GENAI_VENV)/.installed
+$(GENAI_VENV)/.installed: pyproject.toml
+	test -x $(GENAI_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_VENV)
+	$(GENAI_VENV)/bin/pip install -q $$($(PYTHON) -c "import tomllib; x = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(' '.join(x['genai-bench']))")
+	$(GENAI_VENV)/bin/pip install -q --no-deps $$($(PYTHON) -c "import tomllib; x = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(' '.join(x['genai-bench-nodeps']))")
+	touch $@
+
 clean:
-	rm -rf $(VENV) protos/*_pb2.py protos/*_pb2.pyi protos/*_pb2_grpc.py .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(GENAI_VENV) protos/*_pb2.py protos/*_pb2.pyi protos/*_pb2_grpc.py .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -203,6 +203,9 @@ def write_record(builder: Builder, model: LoadedModel, bucket: LoadedModel,
     policy = bucket.policy or PrecisionPolicy()
     if bucket.accuracy is None:  # (a searched bucket has its search's, over more inputs)
         bucket.accuracy = Accuracy(policy.mode, None, 1, False, 0.0, check, check)
+    if not warm.recordable(bucket):  # (a part on the torch runtime has no cached build)
+        log.info("bucket %s: no load record (a part has no cached build)", bucket.key)
+        return
     assert bucket.bucket is not None
     kept = family(model).record_at / warm.BUCKETS
     try:

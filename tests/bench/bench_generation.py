@@ -6,15 +6,16 @@ in turn on the same weights:
 
 - transformers' `generate` (torch eager, its static cache: the same cache the export holds);
 - cuvild, the model exported as a user would (transformers' TorchExportableModuleForDecoder
-  OnlyLM, with a dynamic length: the prompt goes in chunks, 128 tokens in one) and served by a daemon on
-  one CPU device, once warmed (its first request builds its buckets): through the Python
+  OnlyLM, with a dynamic length: the prompt goes in chunks, 128 tokens in one) and served by
+  a daemon on one CPU device, once warmed (its first request builds its buckets): through the Python
   client (gRPC streaming) and HTTP generate_stream (server-sent events);
 - cuvild with 4 sequences at once (4 clients) against 1.
 
 Each figure: time to first token (TTFT: request sent to first token back), decode tokens/s
 (tokens after the first over their time), and the generated tokens' agreement with
-transformers' (greedy at fp32: identical is expected). OpenVINO GenAI's LLMPipeline is not
-installed here (optimum-intel + openvino-genai): its row says so. `--quick`: 32 + 32 tokens.
+transformers' (greedy at fp32: identical is expected); OpenVINO GenAI's LLMPipeline on the
+same weights at its defaults and held to fp32, where `make genai-env` made its environment
+(tests/bench/genai_row.py; else its row says so). `--quick`: 32 + 32 tokens.
 """
 
 from __future__ import annotations
@@ -135,6 +136,30 @@ def concurrent_row(target: str, name: str, prompt: list[int], new: int,
             "wall_s": round(wall, 1)}
 
 
+GENAI_PYTHON = ROOT / ".venv-genai" / "bin" / "python"
+
+
+def genai_rows(home: Path, prompt: list[int], new: int, reference: list[int]) -> dict[str, Any]:
+    """OpenVINO GenAI's LLMPipeline on the same weights (tests/bench/genai_row.py, in its
+    own environment: `make genai-env`), at its defaults and held to fp32."""
+    import subprocess
+
+    if not GENAI_PYTHON.exists():
+        return {"skipped": f"{GENAI_PYTHON.parent.parent.name} is not there: `make genai-env` "
+                           "makes it (optimum-intel needs an older transformers)"}
+    (home / "genai").mkdir()
+    done = subprocess.run([str(GENAI_PYTHON), str(Path(__file__).with_name("genai_row.py")),
+                           str(home / "hf"), str(home / "genai"), json.dumps(prompt), str(new)],
+                          capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        return {"skipped": f"genai_row.py failed: {done.stderr.strip()[-800:]}"}
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("default", "f32"):
+        rows[name]["same_tokens_as_transformers"] = round(statistics.mean(
+            a == b for a, b in zip(rows[name].pop("ids"), reference, strict=True)), 3)
+    return rows
+
+
 def served(home: Path, label: str, engine: dict[str, Any], prompt: list[int], new: int,
            reference: list[int], concurrent: bool) -> dict[str, Any]:
     """One daemon on one CPU device serving the repository's model under `engine`'s
@@ -206,8 +231,6 @@ def main() -> dict[str, Any]:
     prompt = torch.randint(0, 32000, (prompt_len,), generator=torch.Generator().manual_seed(2)
                            ).tolist()
     report["transformers_eager"] = reference = transformers_row(model, prompt, new)
-    report["openvino_genai"] = ("not measured: openvino-genai and optimum-intel are not "
-                                "installed here (their pinned dev dependencies are to come)")
     with tempfile.TemporaryDirectory(prefix="cuvil-bench-gen-") as tmp:
         home = Path(tmp)
         (home / "repo" / "llama" / "1").mkdir(parents=True)
@@ -215,7 +238,9 @@ def main() -> dict[str, Any]:
         torch.export.save(lm_models.export(model, CONTEXT, dynamic=True),
                           home / "repo" / "llama" / "1" / "model.pt2")
         report["export_s"] = round(time.perf_counter() - t0, 1)
+        model.save_pretrained(home / "hf")  # (OpenVINO GenAI's row exports it its own way)
         del model
+        report["openvino_genai"] = genai_rows(home, prompt, new, reference["ids"])
         for label, engine in (("fp32", {}), ("auto", {"precision": "auto",
                                                         "max_error": BUDGET})):
             report[label] = served(home, label, engine, prompt, new, reference["ids"],
@@ -246,7 +271,27 @@ def show(r: dict[str, Any]) -> None:
                   f"transformers' {c['same_tokens_as_transformers']:.0%}")
         for why in (w for v in p["buckets"].values() for w in v["why"]):
             print(f"    {why}")
-    print(f"  OpenVINO GenAI: {r['openvino_genai']}")
+    g = r["openvino_genai"]
+    if "skipped" in g:
+        print(f"  OpenVINO GenAI: not measured: {g['skipped']}")
+    else:
+        print(f"  OpenVINO GenAI {g['versions']['openvino_genai'].split('-')[0]} LLMPipeline "
+              f"(optimum-intel export at its defaults, {g['weights_mb']} MB of weights; "
+              f"export {g['export_s']} s):")
+        for name in ("default", "f32"):
+            v = g[name]
+            print(f"    {name:<8} TTFT {v['ttft_s']:.3f} s, decode {v['decode_tok_s']:.2f} tok/s, "
+                  f"logits error {v['logits_error']:.1e}, tokens as transformers' "
+                  f"{v['same_tokens_as_transformers']:.0%} ({v['properties']})")
+        auto, ov = r["auto"]["client"], g["default"]
+        within = min((g[n] for n in ("default", "f32") if g[n]["logits_error"] <= BUDGET),
+                     key=lambda v: -v["decode_tok_s"], default=None)
+        print(f"  cuvild under {BUDGET:.0e} vs OpenVINO GenAI at its defaults: decode "
+              f"{auto['decode_tok_s'] / ov['decode_tok_s']:.2f}x, TTFT "
+              f"{auto['ttft_s'] / ov['ttft_s']:.2f}x"
+              + (f"; vs its fastest within {BUDGET:.0e} ({within['properties']}): decode "
+                 f"{auto['decode_tok_s'] / within['decode_tok_s']:.2f}x, TTFT "
+                 f"{auto['ttft_s'] / within['ttft_s']:.2f}x" if within else ""))
     c = r["fp32"]["concurrent"]
     print(f"  4 sequences at once (fp32): {c['four']['tok_s']} generated tok/s vs 1: "
           f"{c['one']['tok_s']} tok/s = {c['ratio']}x (each {r['model']['prompt']} prompt tokens "
