@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from cuvild.core.errors import InferError
@@ -149,24 +150,58 @@ def cold(builder: Builder, model: LoadedModel, shapes: Shapes) -> LoadedModel:
         p.id: [list(values[n].shape) for n in p.inputs] for p in split.parts}
     log.info("building %s for input shapes %s%s", model.key, [list(s) for s in shapes],
              ": " + ", ".join(f"{r.id}@{r.device}" for r in routes) if own else "")
-    budgets = precision.arm(bucket, builder.devices, bucket.policy or PrecisionPolicy())
+    policy = bucket.policy or PrecisionPolicy()
+    decision = precision.decision_path(builder.cache_dir, bucket, policy,
+                                       builder.devices.values())
+    decided, recorded = precision.read_decision(decision)
+    budgets = precision.arm(bucket, builder.devices, policy, decided)
     builder.build(bucket)
     if budgets:
-        searched(builder, bucket, split, budgets)
+        searched(builder, bucket, split, budgets, decision, recorded)
     if family(model).record_at is not None:
         write_record(builder, model, bucket, inputs, [values[n] for n in model.outputs])
     bucket.batcher = model.batcher
     return bucket
 
 
-def searched(builder: Builder, bucket: LoadedModel, split: Any,
-             budgets: dict[str, float]) -> None:
+def searched(builder: Builder, bucket: LoadedModel, split: Any, budgets: dict[str, float],
+             decision: Path, recorded: dict[str, Any] | None) -> None:
     """A bucket under a budget runs each part at its fastest precision that keeps the bucket
     within it, as a static model does (cuvild/load/precision.py), on random inputs of its
     shapes against torch eager, each from the program's initial state: the prefill chunks
     and the decode step of a language model each choose their own (a 64-token chunk's
     matrix products and a one-token step's matrix-vector products are fastest at different
-    precisions)."""
+    precisions). The choice is kept in the compile cache (`decision`): built again (a
+    restart, an evicted bucket), only the chosen precision is built and checked, and the
+    search runs again only if that check fails."""
+    inputs, expected = _check_inputs(bucket, split)
+    first = precision.check(builder.runner.run, bucket, inputs, expected)
+    policy = bucket.policy or PrecisionPolicy()
+    budget = min(budgets.values())
+    if recorded is not None and first.error <= budget:
+        bucket.accuracy = Accuracy.from_dict(recorded)
+        bucket.accuracy.chosen = first
+        precision.fix(builder.choose, bucket)
+        return
+    if recorded is not None:  # the recorded choice no longer holds: search from everything
+        log.warning("bucket %s: the recorded precisions measure %.1e > %.0e now; searching "
+                    "again", bucket.key, first.error, budget)
+        for route in bucket.routes:
+            route.precisions = route.search
+        builder.build(bucket)
+        first = precision.check(builder.runner.run, bucket, inputs, expected)
+    chosen, notes = precision.search(builder.runner.run, builder.choose, bucket, budgets,
+                                     inputs, expected, first)
+    precision.fix(builder.choose, bucket)
+    bucket.accuracy = Accuracy(policy.mode, budget, len(inputs), False, 0.0, first, chosen,
+                               notes)
+    precision.write_decision(decision, bucket.routes, bucket.accuracy)
+    log.info("bucket %s: %s", bucket.key, "; ".join(notes))
+
+
+def _check_inputs(bucket: LoadedModel, split: Any) -> tuple[list[Any], list[Any]]:
+    """Random inputs of the bucket's shapes and torch eager's outputs on each, from the
+    program's initial state (a stateful part's)."""
     import torch
 
     from cuvild.workers.build import SEARCH_SAMPLES, sample_inputs
@@ -176,19 +211,12 @@ def searched(builder: Builder, bucket: LoadedModel, split: Any,
     expected = []
     with torch.no_grad():
         for x in inputs:
-            for part in split.parts:  # (a stateful part: each input on its initial state)
+            for part in split.parts:
                 remember_initial(part.module)
                 reset(part.module)
             values = split.trace(*x)
             expected.append([values[n] for n in bucket.outputs])
-    first = precision.check(builder.runner.run, bucket, inputs, expected)
-    chosen, notes = precision.search(builder.runner.run, builder.choose, bucket, budgets,
-                                     inputs, expected, first)
-    precision.fix(builder.choose, bucket)
-    policy = bucket.policy or PrecisionPolicy()
-    bucket.accuracy = Accuracy(policy.mode, min(budgets.values()), len(inputs), False, 0.0,
-                               first, chosen, notes)
-    log.info("bucket %s: %s", bucket.key, "; ".join(notes))
+    return inputs, expected
 
 
 def write_record(builder: Builder, model: LoadedModel, bucket: LoadedModel,

@@ -275,11 +275,14 @@ def _why_not(route: Route) -> str:
 
 def decision_path(cache_dir: Path, model: LoadedModel, policy: PrecisionPolicy,
                   devices: Sequence[DeviceProfile]) -> Path:
-    """Where the precision search of this model, plan, policy and devices is recorded."""
+    """Where the precision search of this model (or bucket), plan, policy and devices is
+    recorded."""
     what = {"archive": Path(model.archive).name, "parts": [(p.id, p.device, p.nodes) for p in
                                                            model.plan.parts],
             "policy": asdict(policy) | {"calibration": ""},
             "devices": sorted((d.id, d.name, tuple(sorted(d.features))) for d in devices)}
+    if model.bucket is not None:  # a dynamic model's bucket searches at its own shapes
+        what["shapes"] = [list(shape) for shape in model.bucket.shapes]
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
     return cache_dir / "choices" / f"precision-{key}.json"
 

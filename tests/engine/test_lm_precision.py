@@ -4,7 +4,8 @@ parts do, on random inputs of its shapes against torch eager, each from the init
 the torch runtime's bf16 and, for a stateful model on a CPU with F16C, fp16 (a decode
 step's matrix-vector products are fastest there). Timing decides what runs, so the test
 holds what must: every bucket was searched, tried the lower precisions, stays within the
-budget, and generation through buckets at different precisions shares one cache."""
+budget, and generation through buckets at different precisions shares one cache; built again, each
+bucket builds only what its search chose."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from engine_helpers import CORES
 from test_sequences import stepper
 
 from cuvild.core.arena import Arena
+from cuvild.core.loaded import LoadedModel
 from cuvild.core.precision import PrecisionPolicy
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
@@ -29,25 +31,30 @@ CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["openvino"
                     link_bw_gbs=10.0, features=["avx2", "f16c", "avx512_bf16"])
 
 
+def generated(engine: Engine, model: LoadedModel) -> list[LoadedModel]:
+    """Generate 6 tokens from a 10-token prompt (chunks of 8 and 1): the two buckets."""
+    live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
+    got = list(generate(stepper(engine, model, live), [5, 17, 42, 99, 3, 8, 13, 21, 34, 55],
+                        Sampling(max_tokens=6), 64, chunks=(8, 1)))
+    engine.runner.sequences.end(live)
+    assert len(got) == 6
+    served = engine.runner.served.buckets
+    return [served[(model.key, ((1, n), (n,)))] for n in (8, 1)]
+
+
 def test_each_bucket_searches_its_precision_within_the_budget(tmp_path: Path) -> None:
     hf = lm_models.lm("llama")
     ep = lm_models.export(hf, dynamic=True)
     torch.export.save(ep, tmp_path / "lm.pt2")
+    specs = summarize(ep)["inputs"]
+    policy = PrecisionPolicy("auto", 1e-2)
     arena = Arena(f"{os.getpid()}-lmp")
     engine = Engine([CPU], tmp_path / "cache", arena, workers="thread")
     try:
-        model = engine.prepare("lm-auto", "lm-auto", "1", tmp_path / "lm.pt2",
-                               summarize(ep)["inputs"], policy=PrecisionPolicy("auto", 1e-2))
-        live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
-        prompt = [5, 17, 42, 99, 3, 8, 13, 21, 34, 55]
-        got = list(generate(stepper(engine, model, live), prompt, Sampling(max_tokens=6), 64,
-                            chunks=(8, 1)))
-        engine.runner.sequences.end(live)
-        assert len(got) == 6
-        assert model.family is not None
-        served = engine.runner.served.buckets
-        buckets = [served[(model.key, ((1, n), (n,)))] for n in (8, 1)]
-        for bucket in buckets:
+        model = engine.prepare("lm-auto", "lm-auto", "1", tmp_path / "lm.pt2", specs,
+                               policy=policy)
+        searched = generated(engine, model)
+        for bucket in searched:
             acc = bucket.accuracy
             assert acc is not None and acc.policy == "auto" and acc.inputs == 16
             assert acc.chosen is not None and acc.chosen.error <= 1e-2, acc
@@ -57,6 +64,22 @@ def test_each_bucket_searches_its_precision_within_the_budget(tmp_path: Path) ->
             assert bucket.routes[0].precision in ("fp32", "bf16", "fp16")
             assert list(bucket.routes[0].variants) == [bucket.routes[0].precision]
         assert arena.in_use() == 0
+    finally:
+        engine.close()
+        arena.close()
+    # built again (a restart): each bucket builds only what its search chose, checks it,
+    # and keeps it with the search's notes
+    arena = Arena(f"{os.getpid()}-lmp2")
+    engine = Engine([CPU], tmp_path / "cache", arena, workers="thread")
+    try:
+        model = engine.prepare("lm-auto-2", "lm-auto-2", "1", tmp_path / "lm.pt2", specs,
+                               policy=policy)
+        for before, bucket in zip(searched, generated(engine, model), strict=True):
+            assert bucket.routes[0].precision == before.routes[0].precision
+            built = {c["precision"] for c in bucket.routes[0].built.candidates}
+            assert built == {before.routes[0].precision}, built
+            assert bucket.accuracy is not None and bucket.accuracy.notes == before.accuracy.notes
+            assert bucket.accuracy.chosen is not None and bucket.accuracy.chosen.error <= 1e-2
     finally:
         engine.close()
         arena.close()
