@@ -147,6 +147,10 @@ class Config:  # a key per field; `path` alone is not one (the file it was read 
                                        reload=True, positive=True)
     workers: str = setting("engine.workers", "process", "device workers as processes or "
                            "threads of the daemon", choices=("process", "thread"))
+    omp_wait: str = setting("engine.omp_wait", "auto", "how the workers' OpenMP threads wait "
+                            "between parallel regions: auto spins briefly unless two devices "
+                            "share cores, then passive (also for hosts shared with other work)",
+                            choices=("auto", "spin", "passive"))
     precision: str = setting("engine.precision", "fp32", "the policy of a model loaded "
                              "without one", reload=True, choices=("fp32", "auto"))
     max_error: float = setting("engine.max_error", 0.01, "the error budget of auto, in (0, 1)",

@@ -185,8 +185,10 @@ def daemon_config(workdir: Path, state_dir: Path, sock_dir: Path,
 
 def suite_config(workdir: Path, state_dir: Path, sock_dir: Path, **extra: Any) -> dict[str, Any]:
     """daemon_config for a test's daemon: `auto` builds with TEST_RUNTIMES unless the test
-    names engine.runtimes itself (the benchmarks keep every runtime, as users do)."""
-    engine = {"runtimes": TEST_RUNTIMES, **extra.pop("engine", {})}
+    names engine.runtimes itself (the benchmarks keep every runtime, as users do), OpenMP
+    waits passive."""
+    engine = {"runtimes": TEST_RUNTIMES, "omp_wait": "passive", **extra.pop("engine", {})}
+    # (passive: two pytest workers share the 2 cores; spinning pools slow the other's daemons)
     return daemon_config(workdir, state_dir, sock_dir, engine=engine, **extra)
 
 

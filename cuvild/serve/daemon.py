@@ -384,10 +384,12 @@ class Daemon:
                                self.cfg.upload_max_s)
         sdnotify.notify("STATUS=profiling devices")
         self._load_profiles()
-        # OpenMP's waits in the workers (and the forkserver they fork from), by whether two
+        # OpenMP's waits in the workers (and the forkserver they fork from): by whether two
         # devices share cores (cuvild/workers/worker.py); before any of them imports torch
-        os.environ[OMP_WAIT_ENV] = "passive" if shares_cores(self.current_profiles().devices) \
-            else "spin"
+        wait = self.cfg.omp_wait
+        if wait == "auto":
+            wait = "passive" if shares_cores(self.current_profiles().devices) else "spin"
+        os.environ[OMP_WAIT_ENV] = wait
         self.registry = Registry(self.cfg.state_dir, self.cfg.max_model_bytes)
         self._start_engine()
         try:
