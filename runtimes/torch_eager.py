@@ -26,7 +26,8 @@ prefill at fp16: 539 ms vs 196 ms fp32), so the search keeps it only where it me
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx
@@ -108,9 +109,75 @@ _VIEWS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.de
           aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.alias.default}
 
 
+_LINEAR = aten.linear.default
+_PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise.default  # noqa: SLF001 - oneDNN's linear
+_REORDER = torch.ops.mkldnn._reorder_linear_weight  # noqa: SLF001 - oneDNN's weight packing
+PACK_ROWS = 128  # the rows oneDNN lays a packed weight out for (any count runs on it)
+# weights derived from a part's own (lowered, packed), by (id of the part's tensor, what):
+# the buckets built from one part share them (a language model's five buckets would hold five
+# copies of its weights otherwise); each goes with its part's tensor
+_DERIVED: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _derived(weight: torch.Tensor, what: str, make: Callable[[torch.Tensor], torch.Tensor]
+             ) -> torch.Tensor:
+    key = (id(weight), what)
+    found = _DERIVED.get(key)
+    if found is None:
+        found = _DERIVED[key] = make(weight.detach())
+        weakref.finalize(weight, _DERIVED.pop, key, None)
+    return found
+
+
+def packs(dtype: torch.dtype | None) -> bool:
+    """Whether linears at `dtype` (None: as exported) run on oneDNN's packed weights here:
+    fp32 and bf16 where oneDNN has them (its fp16 is slower than torch's fp16 matrix-vector
+    product on CPUs without fp16 units)."""
+    if not torch.backends.mkldnn.is_available() or dtype == torch.float16:
+        return False
+    return dtype is None or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # noqa: SLF001
+
+
 def _is_float(arg: object) -> bool:
     val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
     return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def prepared(module: fx.GraphModule, dtype: torch.dtype | None) -> fx.GraphModule:
+    """The part as the runtime runs it at `dtype` (None: as exported): its weights lowered
+    (`lowered`), then its linears on oneDNN's packed weights where `packs` (one packing per
+    weight, shared by the part's buckets): a 2816x1024 fp32 linear on the 2-core EPYC, 686 ->
+    494 us for 1 row, 1375 -> 644 for 16, 4650 -> 3490 for 128 (bf16: 414 -> 243 for 1 row),
+    the results within 1e-6 of torch's."""
+    module = module if dtype is None else lowered(module, dtype)
+    if not packs(dtype) or not any(n.target is _LINEAR for n in module.graph.nodes):
+        return module
+    graph = copy.deepcopy(module.graph)
+    attrs = {str(n.target): _attr(module, str(n.target)) for n in graph.nodes
+             if n.op == "get_attr"}
+    for node in list(graph.nodes):
+        weight = node.args[1] if node.target is _LINEAR and len(node.args) > 1 else None
+        value = attrs.get(str(weight.target)) if isinstance(weight, fx.Node) \
+            and weight.op == "get_attr" else None
+        if value is None or value.dim() != 2 or not value.is_floating_point():
+            continue
+        name = f"{weight.target}_packed".replace(".", "_")
+        attrs[name] = _derived(value, f"packed{PACK_ROWS}", lambda w: _REORDER(w, PACK_ROWS))
+        with graph.inserting_before(node):
+            packed = graph.get_attr(name)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            linear = graph.call_function(_PACKED_LINEAR, (node.args[0], packed, bias, "none",
+                                                          [], ""))
+        linear.meta = dict(node.meta)
+        node.replace_all_uses_with(linear)
+        graph.erase_node(node)
+    for node in list(graph.nodes):  # the weights only the packed linears read now
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    used = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
+    packed_module = fx.GraphModule({k: v for k, v in attrs.items() if k in used}, graph)
+    packed_module.meta.update(module.meta)
+    return packed_module
 
 
 def lowered(module: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -129,7 +196,7 @@ def lowered(module: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
             value = _attr(module, str(node.target))
             if (isinstance(value, torch.Tensor) and value.is_floating_point()
                     and value.dim() >= 2 and node.target not in state):
-                value = value.detach().to(dtype)
+                value = _derived(value, str(dtype), lambda w: w.to(dtype))
                 low.add(node)
             attrs[str(node.target)] = value
         elif node.op == "call_function" and node.target is _ASSERT:
@@ -239,4 +306,4 @@ class TorchRuntime(Runtime):
 
     def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
         dtype = DTYPES.get(spec.precision)
-        return TorchExecutable(part if dtype is None else lowered(part, dtype), dtype)
+        return TorchExecutable(prepared(part, dtype), dtype)

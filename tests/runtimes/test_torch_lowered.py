@@ -14,7 +14,7 @@ import torch
 from partitioner.profile import DeviceProfile
 from partitioner.split import split_program
 from runtimes.base import relative_error
-from runtimes.torch_eager import TorchExecutable, TorchRuntime, lowered, state_of
+from runtimes.torch_eager import TorchExecutable, TorchRuntime, lowered, packs, prepared, state_of
 
 TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 5e-3}
 
@@ -93,3 +93,29 @@ def test_fp16_is_offered_where_the_cpu_has_f16c() -> None:
     f16c = DeviceProfile(id="cpu0", kind="cpu", features=["avx2", "f16c"])
     assert not rt.can_target(plain, "fp16") and rt.can_target(f16c, "fp16")
     assert rt.can_target(plain, "bf16")
+
+
+@pytest.mark.skipif(not packs(None), reason="torch here has no oneDNN (mkldnn) CPU backend")
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_linears_run_on_packed_weights_shared_by_the_parts_buckets(
+        dtype: torch.dtype | None) -> None:
+    if dtype is not None and not packs(dtype):
+        pytest.skip("oneDNN here has no bf16 kernels (it needs avx512bw/vl/dq or AMX)")
+    hf = lm_models.lm("llama")
+    part = one_part(lm_models.export(hf))
+    one, two = prepared(part, dtype), prepared(part, dtype)  # (two buckets of one part)
+    linears = [n for n in one.graph.nodes if n.target is torch.ops.aten.linear.default]
+    packed = [n for n in one.graph.nodes
+              if n.target is torch.ops.mkldnn._linear_pointwise.default]  # noqa: SLF001
+    assert packed and not linears
+    assert all(tensors(one)[k] is tensors(two)[k] for k in tensors(one) if "packed" in k)
+    exe, ref = TorchExecutable(one, dtype), TorchExecutable(part, None)
+    for pos, token in enumerate([5, 17, 42, 99]):
+        x = [torch.tensor([pos]), torch.tensor([[token]])]
+        exe.use(3, "packed")
+        ref.use(4, "packed")
+        (got,), (want,) = exe.run(x), ref.run(x)
+        assert relative_error(got, want) < (1e-5 if dtype is None else TOLERANCE[dtype]), pos
+    if dtype is None:
+        prompt = [5, 17, 42, 99]
+        assert greedy(exe, prompt, 6, slot=5) == lm_models.reference(hf, prompt, 6)
