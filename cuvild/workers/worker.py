@@ -354,13 +354,12 @@ OMP_SHORT_SPIN = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
 OMP_WAIT_ENV = "CUVILD_OMP_WAIT"  # "spin" (set by the daemon where no cores are shared)
 
 
-def omp_env() -> dict[str, str]:
-    """Set this process's OpenMP wait settings (as OMP_WAIT_ENV says); returns them."""
+def omp_env() -> None:
+    """Set this process's OpenMP wait settings (as OMP_WAIT_ENV says)."""
     settings = OMP_SHORT_SPIN if os.environ.get(OMP_WAIT_ENV) == "spin" else OMP_PASSIVE
     if "OMP_WAIT_POLICY" not in settings:
         os.environ.pop("OMP_WAIT_POLICY", None)
     os.environ.update(settings)
-    return settings
 
 
 def shares_cores(devices: list[DeviceProfile]) -> bool:
