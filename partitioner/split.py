@@ -8,6 +8,8 @@ submitted graph, so the engine wires parts by name and users can read the wiring
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -149,3 +151,41 @@ def _dependency_order(parts: list[PartGraph]) -> list[PartGraph]:
             done.add(p.id)
             pending.remove(p)
     return order
+
+
+_LINEAR = torch.ops.aten.linear.default
+_END = 2**63 - 1  # a slice to the end, as aten writes it
+
+
+def last_rows(split: SplitProgram) -> SplitProgram | None:
+    """The split with its first output computed for the last position only: where that
+    output is a linear over [batch, n, features] (a language model's logits: its head, the
+    largest matrix of all, applied to every position of a prompt), the linear's input is cut
+    to [batch, 1, features] first, as optimum-intel's and vLLM's generation do: generation
+    reads the last position's logits alone. The part that makes it is a new module over the
+    same weights (nothing copied); the others are the split's own. None where the first
+    output is not such a linear."""
+    name = split.outputs[0]
+    owner = next((p for p in split.parts if name in p.outputs), None)
+    if owner is None:
+        return None
+    graph = copy.deepcopy(owner.module.graph)
+    out = next(n for n in graph.nodes if n.op == "output")
+    node = out.args[0][owner.outputs.index(name)]
+    rows = node.args[0] if node.target is _LINEAR else None
+    val = rows.meta.get("val") if isinstance(rows, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 3:
+        return None
+    with graph.inserting_before(node):
+        last = graph.call_function(torch.ops.aten.slice.Tensor, (rows, 1, -1, _END))
+    node.args = (last, *node.args[1:])
+    fake = getattr(val, "fake_mode", None)  # (the runtimes read each value's meta)
+    with fake if fake is not None else contextlib.nullcontext():
+        last.meta["val"] = torch.ops.aten.slice.Tensor(val, 1, -1, _END)
+        node.meta["val"] = _LINEAR(last.meta["val"], *(
+            a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args[1:]))
+    module = fx.GraphModule(owner.module, graph, class_name=type(owner.module).__name__)
+    module.meta.update(owner.module.meta)  # (a stateful part's initial state: the same)
+    part = PartGraph(owner.id, module, owner.inputs, owner.outputs)
+    return SplitProgram([part if p is owner else p for p in split.parts], split.inputs,
+                        split.outputs)

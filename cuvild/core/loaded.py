@@ -93,6 +93,13 @@ class Family:
     # its buckets, in the order they were built (recency: each one's Bucket.used)
     buckets: OrderedDict[Shapes, LoadedModel] = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by a bucket's build
+    # generation's twin of the model: its logits at the last position only (LAST; made by
+    # cuvild/load/buckets.py last_logits); in a twin's Family, the model it is the twin of
+    twin: LoadedModel | None = None
+    owner: LoadedModel | None = None
+
+
+LAST = "last"  # a model's key + "@" + LAST: its generation twin (its sequences the model's)
 
 
 @dataclass
@@ -233,9 +240,13 @@ def bucket_stats(model: LoadedModel) -> list[dict[str, Any]]:
     """A dynamic-shape model's buckets, most recently used last: the input shapes, and where
     each part runs for them (the runtime is chosen per bucket, by timing it at its shapes;
     under a budget its precision too, and `precision` says why)."""
-    kept = list(model.family.buckets.items()) if model.family else []
+    twin = model.family.twin if model.family else None
+    kept = [(s, b, False) for s, b in model.family.buckets.items()] if model.family else []
+    kept += [(s, b, True) for s, b in twin.family.buckets.items()] if twin and twin.family \
+        else []
     kept.sort(key=lambda item: item[1].bucket.used if item[1].bucket else 0.0)
     return [{"shapes": [list(s) for s in shapes], "key": bucket.key,
              "parts": [{**stats, "id": part} for part, stats in part_stats(bucket).items()],
-             "precision": bucket.accuracy.notes if bucket.accuracy else []}
-            for shapes, bucket in kept]
+             "precision": bucket.accuracy.notes if bucket.accuracy else [],
+             **({"logits": "last position (generation)"} if last else {})}
+            for shapes, bucket, last in kept]

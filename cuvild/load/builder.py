@@ -152,12 +152,13 @@ class Builder:
         model = self.withdraw(key)
         if model is None:
             return
-        if model.family:
-            for bucket in list(model.family.buckets.values()):
+        twin = model.family.twin if model.family else None
+        for kept in (model, twin) if twin else (model,):
+            for bucket in list(kept.family.buckets.values()) if kept.family else []:
                 assert bucket.bucket is not None
                 bucket.bucket.evicted = True
                 self.unload(bucket.key, wait_s)
-        self.drop(model, wait_s)
+            self.drop(kept, wait_s)
 
     def drop(self, model: LoadedModel, wait_s: float = 0.0) -> None:
         """Have the workers of a model no longer served let its parts go."""

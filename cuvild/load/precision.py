@@ -283,6 +283,8 @@ def decision_path(cache_dir: Path, model: LoadedModel, policy: PrecisionPolicy,
             "devices": sorted((d.id, d.name, tuple(sorted(d.features))) for d in devices)}
     if model.bucket is not None:  # a dynamic model's bucket searches at its own shapes
         what["shapes"] = [list(shape) for shape in model.bucket.shapes]
+        if "@" in model.bucket.of:  # a twin's (its program computes less)
+            what["of"] = model.bucket.of.partition("@")[2]
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
     return cache_dir / "choices" / f"precision-{key}.json"
 

@@ -89,7 +89,8 @@ def buckets_text(buckets: list[dict[str, Any]]) -> str:
             + (f" {p['precision']}" if p.get("precision", "fp32") != "fp32" else "")
             + (f" {p['measured_ms']:.2f} ms" if p["measured_ms"] is not None else "")
             for p in b["parts"])
-        lines.append(f"  {shapes}: {parts}")
+        last = " (generation: logits of the last position)" if b.get("logits") else ""
+        lines.append(f"  {shapes}{last}: {parts}")
         lines += [f"    {note}" for note in b.get("precision", [])]
     return "\n".join(lines if buckets else [*lines, "  none built yet"]) + "\n"
 

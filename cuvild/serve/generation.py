@@ -25,6 +25,7 @@ import numpy as np
 
 from cuvild.core.layout import BadInput
 from cuvild.core.loaded import LoadedModel, Out
+from cuvild.load.buckets import last_logits
 from cuvild.load.models import ModelManager
 from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate
 from cuvild.run.runner import Runner
@@ -58,6 +59,9 @@ class Generation:
         live = runner.sequences.begin(model.key, f"generate-{next(_ids)}",
                                       sorted(model.parts_by_device))
         order = [model.inputs.index(n) for n in INPUTS]
+        # a prompt's chunks on the model's twin that computes the last position's logits
+        # alone (cuvild/load/buckets.py last_logits); decode steps (one position) on its own
+        chunked = last_logits(model) if model.family is not None else model
 
         def step(ids: list[int], position: int) -> np.ndarray:
             values = (np.array([ids], np.int64),
@@ -67,7 +71,7 @@ class Generation:
             for value, at in zip(values, order, strict=True):
                 inputs[at] = RawTensor(value.tobytes(), "int64", value.shape)
                 given[at] = ("int64", value.shape)
-            target = runner.resolve(model, given)  # a dynamic model's bucket for this length
+            target = runner.resolve(chunked if len(ids) > 1 else model, given)  # its bucket
             vocab = target.slots[target.outputs[0]].shape[-1]
             raw = runner.step(target, live, inputs, Out({}, raw=True))[0]
             return np.frombuffer(raw, np.float32).reshape(-1, vocab)[-1]

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from cuvild.core.loaded import LAST
 from partitioner.profile import DeviceProfile
-from partitioner.split import SplitProgram, split_program
+from partitioner.split import SplitProgram, last_rows, split_program
 from protos.orders import Build, Variant
 from runtimes.base import INT8_MIXED, MIXED, CompileError
 from runtimes.cache import CompileCache
@@ -72,7 +73,11 @@ def calibration_inputs(path: str, specs: list[dict[str, Any]]) -> list[list[torc
 
 def load_split(model: str, archive: str, parts: list[tuple[str, list[str]]]) -> SplitProgram:
     split = _splits.get(model)
-    if split is None:
+    base, _, variant = model.partition("@")
+    if split is None and variant == LAST:  # a generation twin: logits at the last position
+        whole = load_split(base, archive, parts)
+        split = _splits[model] = last_rows(whole) or whole
+    elif split is None:
         from cuvild.intake.safe_load import load_exported_program
 
         ep = load_exported_program(archive)

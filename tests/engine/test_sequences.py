@@ -20,9 +20,10 @@ from engine_helpers import CORES
 
 from cuvild.core.arena import Arena
 from cuvild.core.layout import BadInput
-from cuvild.core.loaded import LoadedModel, Out
+from cuvild.core.loaded import LoadedModel, Out, bucket_stats
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
+from cuvild.load.buckets import last_logits
 from cuvild.run.generate import Sampling, generate
 from cuvild.run.sequences import Live, SequenceError, TooManySequences
 from partitioner.profile import DeviceProfile
@@ -46,11 +47,14 @@ def served(tmp_path: Path, family: str, workers: str = "thread", dynamic: bool =
     return engine, arena, model, hf
 
 
-def stepper(engine: Engine, model: LoadedModel, live: Live):  # noqa: ANN201
+def stepper(engine: Engine, model: LoadedModel, live: Live,  # noqa: ANN201
+            chunked: LoadedModel | None = None):
+    """A step of `model` (`chunked`: a prompt's chunks of more than one token on it)."""
     def step(ids: list[int], position: int) -> np.ndarray:
         inputs = [torch.tensor([ids]), torch.arange(position, position + len(ids))]
         given = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in inputs]
-        target = engine.runner.resolve(model, given)  # a dynamic model's bucket
+        on = chunked if chunked is not None and len(ids) > 1 else model
+        target = engine.runner.resolve(on, given)  # a dynamic model's bucket
         (logits,) = engine.runner.step(target, live, inputs, Out({}))
         return logits.numpy()[0, -1]
     return step
@@ -92,6 +96,19 @@ def test_a_dynamic_length_takes_the_prompt_in_chunks_that_share_the_cache(
         assert got == lm_models.reference(hf, prompt, 8)
         built = sorted(s[0][1] for s in model.family.buckets)
         assert built == [1, 8], built  # input_ids [1, 8] and [1, 1]
+        # generation's chunks on the model's twin: logits of the last position alone
+        twin = last_logits(model)
+        live = engine.runner.sequences.begin(model.key, "t", ["cpu0"])
+        got = list(generate(stepper(engine, model, live, twin), prompt,
+                            Sampling(max_tokens=8), 64, chunks=(8, 1)))
+        engine.runner.sequences.end(live)
+        assert got == lm_models.reference(hf, prompt, 8)
+        assert twin.family is not None and list(twin.family.buckets) == [((1, 8), (8,))]
+        chunk = twin.family.buckets[((1, 8), (8,))]
+        assert chunk.slots[chunk.outputs[0]].shape == (1, 1, lm_models.VOCAB)
+        assert [b.get("logits") is not None for b in bucket_stats(model)].count(True) == 1
+        engine.builder.unload(model.key)  # the twin's buckets go with the model
+        assert not [k for k in engine.runner.served.models if k.startswith(model.key)]
         assert arena.in_use() == 0
     finally:
         engine.close()
