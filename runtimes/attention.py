@@ -1,0 +1,102 @@
+"""Attention over the keys it attends: a static KV cache's unwritten tail left out.
+
+A language model exported with a static cache (transformers' export) attends over the whole
+cache at every step, `context` positions, its mask removing those past the last written one:
+a 128-token prompt at context 320 computes 320 keys a query, a decode step at position 10
+computes 320 where 11 count, and each grouped-query layer first copies the whole cache to
+repeat its heads. `attended` rewrites a part so that each attention with a boolean mask works
+on the keys some query attends (`_attended`: the mask read once a run, up to its last True
+key), the cache sliced before its heads are repeated. Exact: a key that no query attends adds
+nothing to any query's softmax. A mask that attends nothing, and any attention this does not
+recognise (no boolean mask, a key or value that is not the cache's view), run as exported.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+_SDPA = aten.scaled_dot_product_attention.default
+# what lies between the cache and the attention's key or value (grouped-query heads repeated)
+_CHAIN = {aten.unsqueeze.default, aten.expand.default, aten.reshape.default,
+          aten.view.default, aten._unsafe_view.default, aten.alias.default}  # noqa: SLF001
+_SIZED = {aten.expand.default, aten.reshape.default, aten.view.default,
+          aten._unsafe_view.default}  # noqa: SLF001 - ops whose second argument is a size
+
+
+def _attended(mask: torch.Tensor) -> int:
+    """One past the last key that some query attends (the whole length where none does)."""
+    keys = mask.reshape(-1, mask.shape[-1]).any(0).nonzero()
+    return int(keys[-1]) + 1 if keys.numel() else mask.shape[-1]
+
+
+def _shape(node: object) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _chain(node: fx.Node, length: int) -> list[fx.Node] | None:
+    """The view ops from the cache to `node` (the attention's key or value), the cache's
+    node first; None where they are not all views that keep `length` at dim -2."""
+    chain = [node]
+    while chain[-1].op == "call_function" and chain[-1].target in _CHAIN:
+        chain.append(chain[-1].args[0])  # type: ignore[arg-type]
+        if not isinstance(chain[-1], fx.Node):
+            return None
+    shapes = [_shape(n) for n in chain]
+    if any(s is None or len(s) < 2 or s[-2] != length or any(not isinstance(d, int) for d in s)
+           for s in shapes):
+        return None
+    return chain[::-1]
+
+
+def attended(module: fx.GraphModule) -> fx.GraphModule:
+    """The part with its attentions on the keys they attend (the module itself where none
+    is recognised; else a new module on the same tensors)."""
+    graph = copy.deepcopy(module.graph)
+    ends: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.target is not _SDPA:
+            continue
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        mask_val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+        if not isinstance(mask_val, torch.Tensor) or mask_val.dtype != torch.bool:
+            continue
+        length = mask_val.shape[-1]
+        chains = [_chain(a, length) if isinstance(a, fx.Node) else None for a in node.args[1:3]]
+        if not isinstance(length, int) or any(c is None for c in chains):
+            continue
+        if mask not in ends:
+            with graph.inserting_after(mask):
+                ends[mask] = graph.call_function(_attended, (mask,))
+        end = ends[mask]
+        with graph.inserting_before(node):
+            key, value = (_sliced(graph, c, end, length) for c in chains)  # type: ignore[arg-type]
+            short = graph.call_function(aten.slice.Tensor, (mask, -1, 0, end))
+        node.args = (node.args[0], key, value, *((short,) if len(node.args) > 3 else ()),
+                     *node.args[4:])
+        if "attn_mask" in node.kwargs:
+            node.kwargs = {**node.kwargs, "attn_mask": short}
+    if not ends:
+        return module
+    graph.eliminate_dead_code()  # the whole cache's repeated heads (in-place writes stay)
+    out = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    out.meta.update(module.meta)
+    return out
+
+
+def _sliced(graph: fx.Graph, chain: list[fx.Node], end: fx.Node, length: int) -> fx.Node:
+    """The chain again from the cache sliced to `end` keys: the attention's new key/value
+    (a size that named the cache's `length` at dim -2 names `end`)."""
+    at = graph.call_function(aten.slice.Tensor, (chain[0], -2, 0, end))
+    for node in chain[1:]:
+        args = list(node.args)
+        args[0] = at
+        size = args[1] if node.target in _SIZED else None
+        if isinstance(size, (list, tuple)) and len(size) >= 2 and size[-2] == length:
+            args[1] = [*size[:-2], end, size[-1]]
+        at = graph.call_function(node.target, tuple(args), dict(node.kwargs))
+    return at

@@ -1,0 +1,70 @@
+"""runtimes/attention.py: a language model's attention over the keys some query attends (a
+static cache's unwritten tail left out, and not copied to repeat its heads), the same
+logits as the program as exported, step after step; attentions it does not recognise run
+as exported."""
+
+from __future__ import annotations
+
+import lm_models
+import pytest
+import torch
+from test_torch_lowered import one_part
+
+from runtimes.attention import _attended, attended
+from runtimes.torch_eager import TorchExecutable, drop_scope
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def keys_seen(module: torch.fx.GraphModule, ids: list[int], position: int) -> list[int]:
+    """The key lengths its attentions get on one run."""
+    seen: list[int] = []
+    hook = torch.fx.Interpreter(module)
+    run_node = hook.run_node
+
+    def watch(node: torch.fx.Node) -> object:
+        out = run_node(node)
+        if node.target is SDPA:
+            seen.append(hook.env[node.args[1]].shape[-2])
+        return out
+
+    hook.run_node = watch  # type: ignore[method-assign]
+    with torch.no_grad():
+        hook.run(torch.tensor([position]), torch.tensor([ids]))
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma"])
+def test_attention_over_the_written_keys_gives_the_exported_logits(family: str) -> None:
+    part = one_part(lm_models.export(lm_models.lm(family)))
+    short = attended(part)
+    assert short is not part
+    assert set(keys_seen(short, [5], 6)) == {7}  # position 6: keys 0..6 of the 64
+    assert set(keys_seen(part, [5], 6)) == {lm_models.CONTEXT}
+    exe, ref = TorchExecutable(short, None), TorchExecutable(part, None)
+    for position, token in enumerate([5, 17, 42, 99, 3, 8, 13]):
+        inputs = [torch.tensor([position]), torch.tensor([[token]])]
+        exe.use(1, f"attended-{family}")
+        ref.use(1, f"exported-{family}")
+        (got,), (want,) = exe.run(inputs), ref.run(inputs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    drop_scope(f"attended-{family}")
+    drop_scope(f"exported-{family}")
+
+
+def test_a_mask_that_attends_nothing_keeps_every_key() -> None:
+    mask = torch.zeros(1, 1, 3, 8, dtype=torch.bool)
+    assert _attended(mask) == 8
+    mask[0, 0, 1, 4] = True
+    assert _attended(mask) == 5
+
+
+def test_attention_without_a_boolean_mask_runs_as_exported() -> None:
+    class Net(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+
+    x = torch.randn(1, 2, 4, 8)
+    ep = torch.export.export(Net(), (x, x))
+    part = one_part(ep)
+    assert attended(part) is part
