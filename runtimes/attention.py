@@ -28,7 +28,11 @@ _SIZED = {aten.expand.default, aten.reshape.default, aten.view.default,
 
 
 def _attended(mask: torch.Tensor) -> int:
-    """One past the last key that some query attends (the whole length where none does)."""
+    """One past the last key that some query attends (the whole length where none does).
+    Under vmap (sequences batched at their own positions: runtimes/torch_eager.py
+    `run_batch`), of all the batch's sequences: the last that any of them attends."""
+    while torch._C._functorch.is_batchedtensor(mask):  # noqa: SLF001 - functorch's own
+        mask = torch._C._functorch.get_unwrapped(mask)  # noqa: SLF001
     keys = mask.reshape(-1, mask.shape[-1]).any(0).nonzero()
     return int(keys[-1]) + 1 if keys.numel() else mask.shape[-1]
 

@@ -30,8 +30,10 @@ from __future__ import annotations
 import copy
 import logging
 import platform
+import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -39,6 +41,9 @@ from torch import fx
 from partitioner.profile import DeviceProfile
 from runtimes.attention import attended
 from runtimes.base import CompileSpec, Executable, Runtime
+from runtimes.state import drop_scope, drop_sequence, holds, pool, runs
+
+__all__ = ["drop_scope", "drop_sequence"]  # (the worker's, with the state: runtimes/state.py)
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +81,7 @@ def _set_attr(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 INITIAL = "cuvild_initial"  # a stateful module's meta: its state before any run
-# this process's sequences' state: (scope, slot) -> buffer name -> tensor
-_SEQUENCES: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-
-
-def drop_sequence(scope: str, slot: int) -> None:
-    """Sequence `slot` of model `scope` ended: its state goes."""
-    _SEQUENCES.pop((scope, slot), None)
-
-
-def drop_scope(scope: str) -> None:
-    """Model `scope` was unloaded: every sequence's state of it goes."""
-    for key in [k for k in list(_SEQUENCES) if k[0] == scope]:
-        _SEQUENCES.pop(key, None)
+RECENT_S = 0.25  # a sequence that stepped on a part this recently is waited for by a batch
 
 
 def remember_initial(module: fx.GraphModule) -> list[str]:
@@ -134,6 +127,37 @@ def _derived(weight: torch.Tensor, what: str, make: Callable[[torch.Tensor], tor
         found = _DERIVED[key] = make(weight.detach())
         weakref.finalize(weight, _DERIVED.pop, key, None)
     return found
+
+
+# oneDNN's packed linear as an op torch's vmap batches (its own has no batching rule: vmap
+# would run it once per sequence): the sequences' rows go to one product
+_linear_in_batch = torch.library.custom_op(
+    "cuvild::packed_linear", mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")(
+        lambda x, weight, bias: _PACKED_LINEAR(x, weight, bias, "none", [], ""))
+
+
+@_linear_in_batch.register_vmap
+def _(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, weight: torch.Tensor,
+      bias: torch.Tensor | None) -> tuple[torch.Tensor, int | None]:
+    if in_dims[1] is not None or in_dims[2] is not None:
+        raise NotImplementedError("a packed weight is the same for every sequence")
+    if in_dims[0] is None:
+        return _linear_in_batch(x, weight, bias), None
+    return _linear_in_batch(x.movedim(in_dims[0], 0), weight, bias), 0
+
+
+def batchable(module: fx.GraphModule) -> fx.GraphModule:
+    """The module with its packed linears as `_linear_in_batch` (the same weights)."""
+    if not any(n.target is _PACKED_LINEAR for n in module.graph.nodes):
+        return module
+    graph = copy.deepcopy(module.graph)
+    for node in graph.nodes:
+        if node.target is _PACKED_LINEAR:
+            node.target, node.args = torch.ops.cuvild.packed_linear.default, node.args[:3]
+    out = fx.GraphModule(module, graph)
+    out.meta.update(module.meta)
+    return out
 
 
 def packs(dtype: torch.dtype | None) -> bool:
@@ -274,6 +298,29 @@ class TorchExecutable(Executable):
         # part is cached per model, its buckets' executables run it) and reset by builds
         self.home = {n: _attr(module, n) for n in self.state}
         self._next = ("", 0)  # the sequence (scope, slot) of the next run (slot 0: none)
+        self._batched: Callable[..., Any] | None = None
+        # sequences share a run at fp32 only, where a product of several rows gives what one
+        # row's does (7e-6 apart on the 200M Llama's logits): at bf16 oneDNN's kernel for
+        # several rows gave logits 3e-2 apart from one row's, at fp16 torch's (5e-3) another
+        # kernel than its one-row GEMV, and neither was what the precision search checked
+        self.batches = bool(self.state) and dtype is None
+        self._stepped: dict[int, float] = {}  # slot -> when it last stepped here
+        self.together = [0, 0]  # runs of several sequences, and their steps
+        self._scope = ""
+
+    def expected(self) -> int:
+        """How many sequences stepped on this part in the last RECENT_S and hold their state
+        still: the steps a batch of them waits for (cuvild/workers/sessions.py)."""
+        now = time.monotonic()
+        for slot, when in list(self._stepped.items()):
+            if now - when > RECENT_S or not holds(self._scope, slot):
+                del self._stepped[slot]
+        return len(self._stepped)
+
+    def _step(self, scope: str, slots: Sequence[int]) -> None:
+        now = time.monotonic()
+        self._scope = scope
+        self._stepped.update((slot, now) for slot in slots)
 
     def use(self, slot: int, scope: str = "") -> None:
         """Run the next call on sequence `slot` of model `scope` (its state made from the
@@ -282,12 +329,57 @@ class TorchExecutable(Executable):
 
     def _install(self) -> None:
         (scope, slot), self._next = self._next, ("", 0)
-        kept = _SEQUENCES.setdefault((scope, slot), {}) if slot else {}
-        for name, value in self.initial.items():
-            tensor = kept.get(name)
-            if tensor is None:
-                tensor = kept[name] = value.clone()
+        if slot:
+            if self.batches:
+                self._step(scope, [slot])
+            held = pool(scope, self.initial)
+            kept = held.views(held.row(slot))
+        else:
+            kept = {name: value.clone() for name, value in self.initial.items()}
+        for name, tensor in kept.items():
             _set_attr(self.module, name, tensor)
+
+    def run_batch(self, slots: Sequence[int], inputs: Sequence[Sequence[torch.Tensor]],
+                  scope: str) -> list[list[torch.Tensor]]:
+        """One step of each sequence `slots[i]` of model `scope` on `inputs[i]`: those
+        whose rows of the pool are consecutive in one run (runtimes/state.py), torch's vmap
+        over the pool's slice, each sequence at its own position; the outputs per sequence."""
+        held = pool(scope, self.initial)
+        rows = [held.row(slot) for slot in slots]
+        self._step(scope, slots)
+        at = {row: i for i, row in enumerate(rows)}
+        out: list[list[torch.Tensor]] = [[] for _ in slots]
+        for first, count in runs(rows):
+            members = [at[row] for row in range(first, first + count)]
+            if count == 1:
+                self.use(slots[members[0]], scope)
+                out[members[0]] = self.run(inputs[members[0]])
+                continue
+            stacked = [torch.stack([inputs[i][k] for i in members])
+                       for k in range(len(inputs[members[0]]))]
+            with torch.inference_mode():
+                got = self._vmapped()(held.views(first, count), *stacked)
+            self.together[0] += 1
+            self.together[1] += count
+            for j, i in enumerate(members):
+                out[i] = [self._back(o[j]) for o in got]
+        return out
+
+    def _vmapped(self) -> Callable[..., Any]:
+        if self._batched is None:
+            batch = batchable(self.module)
+
+            def one(state: dict[str, torch.Tensor], *inputs: torch.Tensor) -> Any:
+                return tuple(torch.func.functional_call(batch, state, inputs))
+
+            torch._C._functorch._set_vmap_fallback_warning_enabled(False)  # noqa: SLF001 - the
+            # cache's writes and attention run per sequence (no batching rule): said once here
+            self._batched = torch.func.vmap(one)
+        return self._batched
+
+    def _back(self, out: torch.Tensor) -> torch.Tensor:
+        return out.float() if self.dtype is not None and out.dtype in (
+            torch.bfloat16, torch.float16) else out
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if not self.state:
@@ -302,9 +394,7 @@ class TorchExecutable(Executable):
     def _run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.inference_mode():
             outs = list(self.module(*inputs))
-        if self.dtype is None:
-            return outs
-        return [o.float() if o.dtype in (torch.bfloat16, torch.float16) else o for o in outs]
+        return [self._back(o) for o in outs]
 
 
 class TorchRuntime(Runtime):

@@ -24,6 +24,7 @@ import socket
 import struct
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cuvild.core import views
@@ -47,6 +48,10 @@ if TYPE_CHECKING:
     from cuvild.core.loaded import LoadedModel
 
 MAX_BLOCKS = 64  # a session's views of the places it was rung for, kept (they recur)
+# how long a part that batches sequences' steps (a language model's decode step) waits for
+# the steps of the other sequences that stepped on it lately (its `expected`), to share a run
+GATHER_S = 0.002
+Rung = tuple[int, Any, float]  # a doorbell: its request's seq, the part it rang for, when
 
 
 def slot_layout(model: LoadedModel, inputs: list[str], outputs: list[str],
@@ -103,6 +108,38 @@ def run_into(exe: Any, inputs: list[Any], outputs: list[Any], slot: int = 0,
             raise ValueError(f"output shape {tuple(out.shape)} != planned {tuple(place.shape)}")
         views.copy_into(place, out)
     return seconds
+
+
+def run_together(exe: Any, steps: list[tuple[int, int, list[Any], list[Any]]],
+                 scope: str) -> float:
+    """One step of several sequences of model `scope` (each (k, slot, inputs, outputs)) in
+    one run of a part that batches them (runtimes/torch_eager.py `run_batch`), each output
+    put in its place; the seconds per step."""
+    t0 = time.perf_counter()
+    got = exe.run_batch([slot for _, slot, _, _ in steps], [ins for _, _, ins, _ in steps],
+                        scope)
+    for outs, (_, _, _, places) in zip(got, steps, strict=True):
+        for out, place in zip(outs, places, strict=True):
+            if tuple(out.shape) != tuple(place.shape):
+                raise ValueError(f"output shape {tuple(out.shape)} != planned "
+                                 f"{tuple(place.shape)}")
+            views.copy_into(place, out)
+    return (time.perf_counter() - t0) / len(steps)
+
+
+def batches(rung: list[tuple[int, Rung]]) -> list[tuple[list[int], list[Rung]]]:
+    """The doorbells rung, in order, those for one part that batches sequences together."""
+    groups: dict[int, tuple[list[int], list[Rung]]] = {}
+    out: list[tuple[list[int], list[Rung]]] = []
+    for fd, r in rung:
+        if getattr(r[1], "batches", False) and id(r[1]) in groups:
+            groups[id(r[1])][0].append(fd)
+            groups[id(r[1])][1].append(r)
+            continue
+        out.append(([fd], [r]))
+        if getattr(r[1], "batches", False):
+            groups[id(r[1])] = out[-1]
+    return out
 
 
 def fail(mm: mmap.mmap, layout: dict[str, Any], at: int, index: int, seq: int, slot: int,
@@ -207,20 +244,39 @@ class Session:
         """Serve one doorbell: the request rung for is run on its views, its outcome written
         where its caller reads it (and counted), and the doorbell sent back. False when the
         session is over."""
+        rung = self.receive(parts)
+        return rung is not None and self.ring_alone(rung)
+
+    def ring_alone(self, rung: Rung) -> bool:
+        """Serve a doorbell received: its request run alone."""
+        try:
+            place = self.record.where(rung[0])
+        except Exception as e:  # noqa: BLE001 - the request's failure, told to its caller
+            return self.answer(rung, e, refused=True)
+        return self.answer(rung, lambda: self._run(rung[1], *place))
+
+    def receive(self, parts: dict[tuple[str, str], Any]) -> Rung | None:
+        """The doorbell rung: (request seq, the part, when); None when the session is over."""
         try:
             bell = self.sock.recv(wire.DOORBELL.size, socket.MSG_WAITALL)
         except OSError:
-            return False
+            return None
         exe = parts.get((self.model, self.part))
         if len(bell) != wire.DOORBELL.size or not self._serves(exe):
-            return False
-        seq, rung = wire.DOORBELL.unpack(bell)[0], time.perf_counter()
+            return None
+        return wire.DOORBELL.unpack(bell)[0], exe, time.perf_counter()
+
+    def answer(self, rung: Rung, outcome: Callable[[], float] | float | Exception,
+               refused: bool = False) -> bool:
+        """Run the request (`outcome` a callable: the run, its seconds) or take how it went
+        (its seconds, or its failure), write that where its caller reads it (and count it),
+        and send the doorbell back. False when the caller is gone."""
+        seq, _, when = rung
         done, failed, busy = STATS.unpack_from(self.stats)
-        refused = True  # until the record names a request
         try:
-            place = self.record.where(seq)
-            refused = False
-            seconds = self._run(exe, *place)
+            if isinstance(outcome, Exception):
+                raise outcome
+            seconds = outcome() if callable(outcome) else outcome
         except Exception as e:  # noqa: BLE001 - the request's failure, told to its caller
             self.record.failed(seq, e, refused)
             STATS.pack_into(self.stats, 0, done, failed + 1, busy)
@@ -228,9 +284,9 @@ class Session:
             self.record.done(seq)
             STATS.pack_into(self.stats, 0, done + 1, failed, busy + seconds)
             if isinstance(self.record, Slots):  # (the engine times its own requests)
-                count_time(self.stats, time.perf_counter() - rung)
+                count_time(self.stats, time.perf_counter() - when)
         try:
-            self.sock.sendall(bell)
+            self.sock.sendall(wire.DOORBELL.pack(seq))
             return True
         except OSError:
             return False  # the caller died mid-request
@@ -249,17 +305,8 @@ class Session:
              slot: int) -> float:
         """The part on the request's views (a stateful part on its sequence `slot`'s state:
         runtimes/torch_eager.py); its run's seconds."""
-        if exe is None:
-            raise KeyError(f"part {self.part} of model {self.model} is not built here")
         numpy = getattr(exe, "runtime", "") in views.NUMPY_RUNTIMES
-        block = self.blocks.get((segment, start, numpy))
-        if block is None:
-            if len(self.blocks) >= MAX_BLOCKS:
-                self.blocks.clear()
-            block = self.blocks[(segment, start, numpy)] = tuple(  # type: ignore[assignment]
-                [self._view(segment, start + at, dtype, shape, numpy)
-                 for at, dtype, shape in self.places[kind]] for kind in ("inputs", "outputs"))
-        inputs, outputs = block
+        inputs, outputs = self.views(exe, segment, start)
         through: list[tuple[int, TensorRef]] = []  # outputs a worker thread writes with pwrite
         if elsewhere:  # in clients' regions: checked on every use
             inputs, outputs = list(inputs), list(outputs)
@@ -284,6 +331,20 @@ class Session:
         if self.worker.clients.closing:
             self.worker.clients.close_pending()
         return seconds
+
+    def views(self, exe: Any, segment: str | None, start: int) -> tuple[list[Any], list[Any]]:
+        """The part's inputs and outputs at a request's place (made once per place, kept)."""
+        if exe is None:
+            raise KeyError(f"part {self.part} of model {self.model} is not built here")
+        numpy = getattr(exe, "runtime", "") in views.NUMPY_RUNTIMES
+        block = self.blocks.get((segment, start, numpy))
+        if block is None:
+            if len(self.blocks) >= MAX_BLOCKS:
+                self.blocks.clear()
+            block = self.blocks[(segment, start, numpy)] = tuple(  # type: ignore[assignment]
+                [self._view(segment, start + at, dtype, shape, numpy)
+                 for at, dtype, shape in self.places[kind]] for kind in ("inputs", "outputs"))
+        return block
 
     def _view(self, segment: str | None, at: int, dtype: str, shape: tuple[int, ...],
               numpy: bool) -> Any:
@@ -350,16 +411,78 @@ class Sessions:
             if not ready:
                 ready = self.poll.poll()
                 self.spin.slept()
-            for fd, _ in ready:
-                if fd == self.pipe_fd:
-                    pipe = True
-                elif fd in self.by_fd:
-                    with lock:
-                        alive = self.by_fd[fd][1].ring(parts)
-                    if not alive:
-                        ended.append(self.end(fd))
+            rung: list[tuple[int, Rung]] = []
+            pipe = self._receive(ready, parts, lock, rung, ended)
+            if any(getattr(r[1], "batches", False) for _, r in rung):
+                pipe |= self._gather(parts, lock, rung, ended)
+            for fds, rungs in batches(rung):
+                with lock:
+                    alive = self._serve(fds, rungs)
+                ended += [self.end(fd) for fd, ok in zip(fds, alive, strict=True) if not ok]
             if pipe or ended:
                 return ended, pipe
+
+    def _receive(self, ready: list[tuple[int, int]], parts: dict[tuple[str, str], Any],
+                 lock: Any, rung: list[tuple[int, Rung]], ended: list[int]) -> bool:
+        """Take the doorbells of the ready sessions into `rung` (those over into `ended`);
+        whether the pipe is ready."""
+        pipe = False
+        for fd, _ in ready:
+            if fd == self.pipe_fd:
+                pipe = True
+            elif fd in self.by_fd and all(fd != f for f, _ in rung):
+                with lock:
+                    got = self.by_fd[fd][1].receive(parts)
+                if got is None:
+                    ended.append(self.end(fd))
+                else:
+                    rung.append((fd, got))
+        return pipe
+
+    def _gather(self, parts: dict[tuple[str, str], Any], lock: Any,
+                rung: list[tuple[int, Rung]], ended: list[int]) -> bool:
+        """Wait up to GATHER_S for the steps of the other sequences that stepped on a part that
+        batches them (its `expected`) to ring too, so that they share its run; whether the pipe
+        became ready meanwhile."""
+        pipe, until = False, time.monotonic() + GATHER_S
+        while not pipe:
+            wanted = {id(r[1]): r[1] for _, r in rung if getattr(r[1], "batches", False)}
+            if all(exe.expected() <= sum(r[1] is exe for _, r in rung)
+                   for exe in wanted.values()):
+                break
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            more = self.poll.poll(max(1, int(left * 1000)) if self.worker.threaded else 0)
+            pipe = self._receive(more, parts, lock, rung, ended)
+        return pipe
+
+    def _serve(self, fds: list[int], rungs: list[Rung]) -> list[bool]:
+        """Serve doorbells of one part: alone, or (several sequences' steps of a part that
+        batches them) in one run; whether each session is still there."""
+        sessions = [self.by_fd[fd][1] for fd in fds]
+        if len(fds) == 1:
+            return [sessions[0].ring_alone(rungs[0])]
+        exe, alive = rungs[0][1], [True] * len(fds)
+        steps: list[tuple[int, int, list[Any], list[Any]]] = []  # (k, slot, inputs, outputs)
+        for k, (session, rung) in enumerate(zip(sessions, rungs, strict=True)):
+            try:
+                segment, start, elsewhere, slot = session.record.where(rung[0])
+                if elsewhere or not slot:
+                    raise ValueError("not a sequence's step in the arena")
+                steps.append((k, slot, *session.views(exe, segment, start)))
+            except Exception:  # noqa: BLE001 - served alone, as ever
+                alive[k] = session.ring_alone(rung)
+        if steps:
+            try:
+                seconds = run_together(exe, steps, sessions[0].model.partition("@")[0])
+            except Exception:  # noqa: BLE001 - each alone: a failure is its own request's
+                for k, *_ in steps:
+                    alive[k] = sessions[k].ring_alone(rungs[k])
+            else:
+                for k, *_ in steps:
+                    alive[k] = sessions[k].answer(rungs[k], seconds)
+        return alive
 
     def _ready(self) -> list[tuple[int, int]]:
         return self.poll.poll(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -120,6 +121,25 @@ def test_interleaved_sequences_keep_their_own_state_and_errors_are_clear(
     engine, arena, model, hf = served(tmp_path, "llama")
     seqs = engine.runner.sequences
     try:
+        # three generations at once: their decode steps may share runs (the worker batches
+        # the steps of a part's sequences that ring together), each its own tokens
+        prompts, got = [PROMPT, [7, 3], [1, 2, 3, 4, 5, 6]], {}
+
+        def run(k: int) -> None:
+            live = seqs.begin(model.key, f"c{k}", ["cpu0"])
+            got[k] = list(generate(stepper(engine, model, live), prompts[k],
+                                   Sampling(max_tokens=12), 64))
+            seqs.end(live)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for k, prompt in enumerate(prompts):
+            assert got.get(k) == lm_models.reference(hf, prompt, 12), k
+        exe = engine.workers.of("cpu0").worker.parts[(model.key, "p0")]
+        print(f"runs of several sequences: {exe.together[0]} ({exe.together[1]} steps)")
         other = [7, 3]
         a, b = seqs.begin(model.key, "a", ["cpu0"]), seqs.begin(model.key, "b", ["cpu0"])
         ga = generate(stepper(engine, model, a), PROMPT, Sampling(max_tokens=6), 64)

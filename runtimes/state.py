@@ -1,0 +1,97 @@
+"""Where a stateful part's sequences keep their state in a worker: one pool per model.
+
+A language model's parts update buffers in place (its KV cache). Every sequence of a model
+(its `scope`: the model's key) has a row of the model's pool: each buffer is held once for
+all of them, [rows, *shape], and a run of one sequence installs its row's views (nothing
+copied). Several sequences whose rows are consecutive run as one batch on a slice of the
+pool (runtimes/torch_eager.py `run_batch`): the decode steps of concurrent generations read
+the weights once for all. A new sequence takes the lowest free row, from the initial state;
+the pool doubles when full (its rows copied once) and goes when its last sequence does.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_POOLS: dict[str, Pool] = {}
+_LOCK = threading.Lock()  # (thread workers of several engines share this process)
+
+
+class Pool:
+    def __init__(self, initial: dict[str, torch.Tensor]) -> None:
+        self.initial = initial
+        self.tensors = {n: torch.empty((0, *v.shape), dtype=v.dtype) for n, v in initial.items()}
+        self.rows: dict[int, int] = {}  # slot -> row
+
+    def row(self, slot: int) -> int:
+        """Sequence `slot`'s row (a new one from the initial state on its first run)."""
+        at = self.rows.get(slot)
+        if at is not None:
+            return at
+        used = set(self.rows.values())
+        at = next(r for r in range(len(used) + 1) if r not in used)
+        size = next(iter(self.tensors.values())).shape[0]
+        if at >= size:
+            grown = max(1, 2 * size)
+            for name, held in self.tensors.items():
+                bigger = torch.empty((grown, *held.shape[1:]), dtype=held.dtype)
+                bigger[:size] = held
+                self.tensors[name] = bigger
+        for name, held in self.tensors.items():
+            held[at].copy_(self.initial[name])
+        self.rows[slot] = at
+        return at
+
+    def views(self, first: int, count: int = 1) -> dict[str, torch.Tensor]:
+        """Each buffer's rows first .. first + count - 1 (count 1: the row itself)."""
+        if count == 1:
+            return {n: t[first] for n, t in self.tensors.items()}
+        return {n: t[first:first + count] for n, t in self.tensors.items()}
+
+
+def pool(scope: str, initial: dict[str, torch.Tensor]) -> Pool:
+    with _LOCK:
+        found = _POOLS.get(scope)
+        if found is None or _layout(found.initial) != _layout(initial):
+            found = _POOLS[scope] = Pool(initial)
+        return found
+
+
+def _layout(state: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return sorted((n, tuple(t.shape), t.dtype) for n, t in state.items())
+
+
+def drop_sequence(scope: str, slot: int) -> None:
+    """Sequence `slot` of model `scope` ended: its row is free (the pool goes with the last)."""
+    with _LOCK:
+        found = _POOLS.get(scope)
+        if found is not None:
+            found.rows.pop(slot, None)
+            if not found.rows:
+                del _POOLS[scope]
+
+
+def drop_scope(scope: str) -> None:
+    """Model `scope` was unloaded: every sequence's state of it goes."""
+    with _LOCK:
+        _POOLS.pop(scope, None)
+
+
+def holds(scope: str, slot: int) -> bool:
+    """Whether sequence `slot` of model `scope` holds a row here."""
+    found = _POOLS.get(scope)
+    return found is not None and slot in found.rows
+
+
+def runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted rows as (first, count) runs of consecutive rows: [3, 0, 1, 5] -> (0, 2), (3, 1),
+    (5, 1)."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(rows):
+        if out and out[-1][0] + out[-1][1] == r:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((r, 1))
+    return out

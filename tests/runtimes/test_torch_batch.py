@@ -1,0 +1,97 @@
+"""Several sequences' steps in one run (runtimes/torch_eager.py `run_batch`, the pool of
+runtimes/state.py): a language model's decode steps of sequences at different positions
+give what each gives alone, whichever rows they hold; rows are reused and the pool goes with
+its last sequence; only fp32 parts batch (what the precision search checked is one row's
+kernel at bf16 and fp16); the worker groups doorbells of one such part
+(cuvild/workers/sessions.py `batches`)."""
+
+from __future__ import annotations
+
+import lm_models
+import pytest
+import torch
+from test_torch_lowered import one_part
+
+from cuvild.workers.sessions import batches
+from runtimes import state
+from runtimes.torch_eager import TorchExecutable, prepared
+
+TOKENS = [[5, 9, 17, 3, 8], [42, 7, 1, 99, 13], [11, 12, 13, 14, 15], [60, 50, 40, 30, 20]]
+
+
+@pytest.fixture(scope="module")
+def part() -> torch.fx.GraphModule:
+    return one_part(lm_models.export(lm_models.lm("llama")))
+
+
+def step(position: int, token: int) -> list[torch.Tensor]:
+    return [torch.tensor([position]), torch.tensor([[token]])]
+
+
+def test_sequences_stepping_together_get_what_each_gets_alone(part: torch.fx.GraphModule) -> None:
+    together, alone = TorchExecutable(prepared(part, None), None), TorchExecutable(part, None)
+    assert together.batches
+    slots = [11, 12, 13, 14]
+    try:
+        # sequence 14 starts two steps late: the batch holds sequences at different positions
+        for t in range(len(TOKENS[0])):
+            stepping = [k for k in range(4) if k < 3 or t >= 2]
+            got = together.run_batch([slots[k] for k in stepping],
+                                     [step(t - 2 * (k == 3), TOKENS[k][t - 2 * (k == 3)])
+                                      for k in stepping], "together")
+            for k, outs in zip(stepping, got, strict=True):
+                alone.use(slots[k], "alone")
+                (want,) = alone.run(step(t - 2 * (k == 3), TOKENS[k][t - 2 * (k == 3)]))
+                torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5)
+        assert together.together[0] >= len(TOKENS[0])  # (one run a step: rows 0..3)
+        # a sequence in the middle ends: the others' rows are 0, 2, 3 (runs 0 and 2..3)
+        state.drop_sequence("together", 12)
+        state.drop_sequence("alone", 12)
+        runs_before = together.together[0]
+        kept = [11, 13, 14]
+        got = together.run_batch(kept, [step(5, 1), step(5, 2), step(3, 3)], "together")
+        assert together.together[0] == runs_before + 1  # rows 2..3 shared a run
+        for slot, ins, outs in zip(kept, [step(5, 1), step(5, 2), step(3, 3)], got,
+                                   strict=True):
+            alone.use(slot, "alone")
+            torch.testing.assert_close(outs[0], alone.run(ins)[0], rtol=1e-5, atol=1e-5)
+        # a new sequence takes the free row, from the initial state
+        (new,) = together.run_batch([15], [step(0, 5)], "together")
+        alone.use(16, "alone")
+        torch.testing.assert_close(new[0], alone.run(step(0, 5))[0], rtol=1e-5, atol=1e-5)
+        assert state.holds("together", 15) and together.expected() == 4
+    finally:
+        state.drop_scope("together")
+        state.drop_scope("alone")
+    assert not state.holds("together", 11) and together.expected() == 0
+
+
+def test_the_pool_grows_keeps_its_rows_and_goes_with_its_last_sequence() -> None:
+    initial = {"cache": torch.zeros(2, 3)}
+    held = state.pool("grows", initial)
+    rows = [held.row(slot) for slot in (1, 2, 3)]
+    assert rows == [0, 1, 2] and held.tensors["cache"].shape[0] == 4
+    held.views(1)["cache"].fill_(7.0)
+    held.row(4), held.row(5)  # grown again: rows kept
+    assert bool((held.views(1)["cache"] == 7).all()) and held.tensors["cache"].shape[0] == 8
+    for slot in (1, 2, 3, 4, 5):
+        state.drop_sequence("grows", slot)
+    assert state.pool("grows", initial) is not held  # (a new one: the last went)
+    state.drop_scope("grows")
+    assert state.runs([5, 0, 3, 1]) == [(0, 2), (3, 1), (5, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lower_precisions_run_each_sequence_alone(part: torch.fx.GraphModule,
+                                                  dtype: torch.dtype) -> None:
+    assert not TorchExecutable(prepared(part, dtype), dtype).batches
+
+
+def test_the_worker_groups_the_doorbells_of_a_part_that_batches() -> None:
+    class Part:
+        def __init__(self, batches: bool) -> None:
+            self.batches = batches
+
+    lm, other = Part(True), Part(False)
+    rung = [(3, (1, lm, 0.0)), (4, (2, other, 0.0)), (5, (3, lm, 0.0)), (6, (4, other, 0.0))]
+    assert [fds for fds, _ in batches(rung)] == [[3, 5], [4], [6]]
