@@ -147,14 +147,20 @@ def _(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, weight: torch
     return _linear_in_batch(x.movedim(in_dims[0], 0), weight, bias), 0
 
 
+def _size(value: torch.Tensor, dim: int) -> int:
+    return value.shape[dim]  # (under vmap: the size one sequence's step sees)
+
+
 def batchable(module: fx.GraphModule) -> fx.GraphModule:
-    """The module with its packed linears as `_linear_in_batch` (the same weights)."""
-    if not any(n.target is _PACKED_LINEAR for n in module.graph.nodes):
-        return module
+    """The module as vmap runs it: its packed linears as `_linear_in_batch` (the same
+    weights), a dynamic-shape bucket's size reads as plain Python (aten's `sym_size` has no
+    batching rule)."""
     graph = copy.deepcopy(module.graph)
     for node in graph.nodes:
         if node.target is _PACKED_LINEAR:
             node.target, node.args = torch.ops.cuvild.packed_linear.default, node.args[:3]
+        elif node.target is aten.sym_size.int:
+            node.target = _size
     out = fx.GraphModule(module, graph)
     out.meta.update(module.meta)
     return out

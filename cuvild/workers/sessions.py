@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import mmap
 import os
 import select
@@ -47,6 +48,7 @@ from protos.shared import (
 if TYPE_CHECKING:
     from cuvild.core.loaded import LoadedModel
 
+log = logging.getLogger(__name__)
 MAX_BLOCKS = 64  # a session's views of the places it was rung for, kept (they recur)
 # how long a part that batches sequences' steps (a language model's decode step) waits for
 # the steps of the other sequences that stepped on it lately (its `expected`), to share a run
@@ -476,7 +478,10 @@ class Sessions:
         if steps:
             try:
                 seconds = run_together(exe, steps, sessions[0].model.partition("@")[0])
-            except Exception:  # noqa: BLE001 - each alone: a failure is its own request's
+            except Exception as e:  # noqa: BLE001 - each alone: a failure is its own request's
+                log.warning("part %s of %s: its sequences run alone from now on (%s: %s)",
+                            sessions[0].part, sessions[0].model, type(e).__name__, e)
+                exe.batches = False
                 for k, *_ in steps:
                     alive[k] = sessions[k].ring_alone(rungs[k])
             else:

@@ -207,8 +207,8 @@ def served(home: Path, label: str, engine: dict[str, Any], prompt: list[int], ne
                 a == b for a, b in zip(got.pop("ids"), reference, strict=True)), 3)
             report[row_label] = got
         if concurrent:
-            one = concurrent_row(daemon.target, "llama", prompt, new // 4, 1)
-            four = concurrent_row(daemon.target, "llama", prompt, new // 4, 4)
+            one = concurrent_row(daemon.target, "llama", prompt, new, 1)
+            four = concurrent_row(daemon.target, "llama", prompt, new, 4)
             report["concurrent"] = {"one": one, "four": four,
                                     "ratio": round(four["tok_s"] / one["tok_s"], 2)}
     finally:

@@ -81,6 +81,25 @@ def test_the_pool_grows_keeps_its_rows_and_goes_with_its_last_sequence() -> None
     assert state.runs([5, 0, 3, 1]) == [(0, 2), (3, 1), (5, 1)]
 
 
+def test_a_dynamic_length_part_batches_its_decode_steps() -> None:
+    """A part exported with a dynamic length (a bucket of it runs one token a step) reads its
+    sizes under vmap as one sequence's step sees them."""
+    dynamic = one_part(lm_models.export(lm_models.lm("llama"), dynamic=True))
+    together, alone = TorchExecutable(prepared(dynamic, None), None), TorchExecutable(dynamic, None)
+    try:
+        for t in range(3):
+            steps = [[torch.tensor([[TOKENS[k][t]]]), torch.tensor([t])] for k in range(2)]
+            got = together.run_batch([1, 2], steps, "dynamic-together")
+            for k in range(2):
+                alone.use(k + 1, "dynamic-alone")
+                torch.testing.assert_close(got[k][0], alone.run(steps[k])[0], rtol=1e-5,
+                                           atol=1e-5)
+        assert together.together[0] == 3
+    finally:
+        state.drop_scope("dynamic-together")
+        state.drop_scope("dynamic-alone")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lower_precisions_run_each_sequence_alone(part: torch.fx.GraphModule,
                                                   dtype: torch.dtype) -> None:
