@@ -15,8 +15,9 @@ import threading
 
 import torch
 
-_POOLS: dict[str, Pool] = {}
-_LOCK = threading.Lock()  # (thread workers of several engines share this process)
+# by model key and the state's layout (thread workers of several engines share this process)
+_POOLS: dict[tuple[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]], Pool] = {}
+_LOCK = threading.Lock()
 
 
 class Pool:
@@ -52,37 +53,34 @@ class Pool:
 
 
 def pool(scope: str, initial: dict[str, torch.Tensor]) -> Pool:
+    """Model `scope`'s pool for state laid out as `initial`."""
+    key = (scope, tuple(sorted((n, tuple(t.shape), t.dtype) for n, t in initial.items())))
     with _LOCK:
-        found = _POOLS.get(scope)
-        if found is None or _layout(found.initial) != _layout(initial):
-            found = _POOLS[scope] = Pool(initial)
+        found = _POOLS.get(key)
+        if found is None:
+            found = _POOLS[key] = Pool(initial)
         return found
-
-
-def _layout(state: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    return sorted((n, tuple(t.shape), t.dtype) for n, t in state.items())
 
 
 def drop_sequence(scope: str, slot: int) -> None:
     """Sequence `slot` of model `scope` ended: its row is free (the pool goes with the last)."""
     with _LOCK:
-        found = _POOLS.get(scope)
-        if found is not None:
+        for key, found in [(k, p) for k, p in _POOLS.items() if k[0] == scope]:
             found.rows.pop(slot, None)
             if not found.rows:
-                del _POOLS[scope]
+                del _POOLS[key]
 
 
 def drop_scope(scope: str) -> None:
     """Model `scope` was unloaded: every sequence's state of it goes."""
     with _LOCK:
-        _POOLS.pop(scope, None)
+        for key in [k for k in _POOLS if k[0] == scope]:
+            del _POOLS[key]
 
 
 def holds(scope: str, slot: int) -> bool:
     """Whether sequence `slot` of model `scope` holds a row here."""
-    found = _POOLS.get(scope)
-    return found is not None and slot in found.rows
+    return any(slot in p.rows for k, p in list(_POOLS.items()) if k[0] == scope)
 
 
 def runs(rows: list[int]) -> list[tuple[int, int]]:

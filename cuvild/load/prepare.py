@@ -105,7 +105,10 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         replans = planned and model.state is None
         model.family.program = ep if replans else None
         model.family.replans, model.family.record_at = replans, record_at
-        if batching is not None and batching.max_batch > 1:
+        if model.state is not None:  # (its sequences' steps share runs in its worker)
+            model.unbatched = ("it keeps state per sequence: its sequences' steps share runs "
+                               "in its worker instead (docs/GENERATION.md)")
+        elif batching is not None and batching.max_batch > 1:
             say("checking that its rows can be batched")
             batcher_for(model, ep, batching, builder.runner)
         builder.publish(model)
