@@ -13,7 +13,7 @@ import torch
 from test_torch_lowered import one_part
 
 from cuvild.workers.sessions import batches
-from runtimes import state
+from runtimes import state, torch_eager
 from runtimes.torch_eager import TorchExecutable, prepared
 
 TOKENS = [[5, 9, 17, 3, 8], [42, 7, 1, 99, 13], [11, 12, 13, 14, 15], [60, 50, 40, 30, 20]]
@@ -28,7 +28,9 @@ def step(position: int, token: int) -> list[torch.Tensor]:
     return [torch.tensor([position]), torch.tensor([[token]])]
 
 
-def test_sequences_stepping_together_get_what_each_gets_alone(part: torch.fx.GraphModule) -> None:
+def test_sequences_stepping_together_get_what_each_gets_alone(
+        part: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_eager, "RECENT_S", 3600.0)  # (every step counts as recent)
     together, alone = TorchExecutable(prepared(part, None), None), TorchExecutable(part, None)
     assert together.batches
     slots = [11, 12, 13, 14]
