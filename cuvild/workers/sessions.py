@@ -53,6 +53,7 @@ MAX_BLOCKS = 64  # a session's views of the places it was rung for, kept (they r
 # how long a part that batches sequences' steps (a language model's decode step) waits for
 # the steps of the other sequences that stepped on it lately (its `expected`), to share a run
 GATHER_S = 0.002
+MISSES = 8
 Rung = tuple[int, Any, float]  # a doorbell: its request's seq, the part it rang for, when
 
 
@@ -381,6 +382,7 @@ class Sessions:
         # a worker process spins a little before it sleeps (spin.py); one in the daemon's
         # threads never: it would hold the GIL the gRPC threads need
         self.spin = Spin(0.0 if worker.threaded else MOST_S)
+        self._misses: dict[int, int] = {}  # by id of a part that batches: waits in vain
 
     def take(self, envelope: Any, conn: Any) -> bool:
         """An Attach order: its three descriptors (the client's socket, the session's memfd,
@@ -445,18 +447,30 @@ class Sessions:
                 rung: list[tuple[int, Rung]], ended: list[int]) -> bool:
         """Wait up to GATHER_S for the steps of the other sequences that stepped on a part that
         batches them (its `expected`) to ring too, so that they share its run; whether the pipe
-        became ready meanwhile."""
-        pipe, until = False, time.monotonic() + GATHER_S
+        became ready meanwhile. A part whose last MISSES waits gained nothing (one caller
+        stepping its sequences in turn) waits only every MISSES-th time."""
+        pipe, until, before = False, time.monotonic() + GATHER_S, len(rung)
+        wanted = {id(r[1]): r[1] for _, r in rung if getattr(r[1], "batches", False)}
+        missed = {k: self._misses.get(k, 0) for k in wanted}
+        if all(m >= MISSES and m % MISSES for m in missed.values()):
+            for k in wanted:
+                self._misses[k] = missed[k] + 1
+            return False
+        waited = False
         while not pipe:
-            wanted = {id(r[1]): r[1] for _, r in rung if getattr(r[1], "batches", False)}
             if all(exe.expected() <= sum(r[1] is exe for _, r in rung)
                    for exe in wanted.values()):
                 break
             left = until - time.monotonic()
             if left <= 0:
                 break
+            waited = True
             more = self.poll.poll(max(1, int(left * 1000)) if self.worker.threaded else 0)
             pipe = self._receive(more, parts, lock, rung, ended)
+        if len(self._misses) > 1024:  # (parts long unloaded)
+            self._misses.clear()
+        for k in wanted:
+            self._misses[k] = missed[k] + 1 if waited and len(rung) == before else 0
         return pipe
 
     def _serve(self, fds: list[int], rungs: list[Rung]) -> list[bool]:
