@@ -7,9 +7,13 @@
                                                       event (`data: {...}`) as it comes
   POST /v1/completions                                OpenAI's: {"model", "prompt" (text or
                                                       token ids), "max_tokens", "temperature",
-                                                      "top_p", "seed", "stream"}
+                                                      "top_p", "seed", "stop", "stream"}
+  POST /v1/chat/completions                           OpenAI's chat: {"model", "messages",
+                                                      ...}: the prompt by the entry's chat
+                                                      template (cuvild/serve/chat.py)
 
-Options: max_tokens, temperature (0: greedy), top_k, top_p, seed, stop (token ids). A stream
+Options: max_tokens, temperature (0: greedy), top_k, top_p, seed, stop (token ids, or strings
+with a tokenizer: the text ends before the first, which is not sent). A stream
 that fails after its first token ends with an event `{"error": ...}` (the status is sent);
 a caller that goes away ends its generation, and its sequence, at the next token.
 """
@@ -37,6 +41,7 @@ RestServer = Any
 FIELDS = {"input_ids", "text_input", "parameters", "stream", *OPTIONS}
 OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream", "n",
           "stop", "user"}
+CHAT = OPENAI - {"prompt"} | {"messages", "max_completion_tokens"}
 _DONE = object()
 
 
@@ -46,6 +51,7 @@ def register(app: web.Application, server: RestServer) -> None:
         app.router.add_post(base + "/generate", lambda r: triton(server, r, stream=False))
         app.router.add_post(base + "/generate_stream", lambda r: triton(server, r, stream=True))
     app.router.add_post("/v1/completions", lambda r: openai(server, r))
+    app.router.add_post("/v1/chat/completions", lambda r: openai(server, r, chat=True))
 
 
 def refused(e: Exception) -> Refused:
@@ -90,45 +96,75 @@ async def triton(server: RestServer, request: web.Request, stream: bool) -> web.
         **head, "output_ids": [token], **({"text_output": piece} if gen.tokenizer else {})})
 
 
-async def openai(server: RestServer, request: web.Request) -> web.StreamResponse:
-    """OpenAI's /v1/completions (the API vLLM, llama.cpp's server and Ollama serve)."""
-    def parse(doc: Any) -> tuple[Generation, bool]:
-        if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
-            raise BadInput("expected a JSON object with \"model\" and \"prompt\"")
-        unknown = set(doc) - OPENAI
-        if unknown:
-            raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(OPENAI)}")
-        if doc.get("n", 1) != 1:
-            raise BadInput("n must be 1 (one completion per request)")
-        options = {k: doc[k] for k in ("max_tokens", "temperature", "top_p", "seed")
-                   if doc.get(k) is not None}
-        name, _, version = doc["model"].partition(":")
-        prompt = doc.get("prompt")
-        text = prompt if isinstance(prompt, str) else None
-        gen = server.generator.open(name, version, prompt=None if text else prompt, text=text,
-                                    options=options)
-        return gen, bool(doc.get("stream"))
-
-    gen, stream = await _open(server, request, parse)
-    created, ident = int(time.time()), f"cmpl-{id(gen):x}"
-
-    def choice(text: str, ids: list[int], finish: str | None) -> dict[str, Any]:
-        return {"id": ident, "object": "text_completion", "created": created,
-                "model": gen.name, "choices": [{"index": 0, "text": text, "token_ids": ids,
-                                                "logprobs": None, "finish_reason": finish}]}
-
+async def openai(server: RestServer, request: web.Request,
+                 chat: bool = False) -> web.StreamResponse:
+    """OpenAI's /v1/completions and (`chat`) /v1/chat/completions: the API vLLM, llama.cpp's
+    server and Ollama serve."""
+    gen, stream = await _open(server, request, lambda doc: _openai_open(server, doc, chat))
+    answer = _Answer(gen, chat)
     if not stream:
         ids = await _all(server, gen)
-        body = choice(gen.text, ids, _finish(gen))
+        body = answer.choice(gen.text, ids, _finish(gen), streamed=False)
         body["usage"] = {"prompt_tokens": len(gen.prompt), "completion_tokens": len(ids),
                          "total_tokens": len(gen.prompt) + len(ids)}
         return _json(body)
-    return await _events(server, request, gen, lambda token, piece: choice(piece, [token], None),
-                         done=lambda: choice("", [], _finish(gen)), openai=True)
+    return await _events(server, request, gen, lambda token, piece: answer.choice(
+        piece, [token], None, first=len(gen.ids) == 1), done=lambda: answer.choice(
+        "", [], _finish(gen)), openai=True)
+
+
+def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[Generation, bool]:
+    """An OpenAI request checked and opened; whether it streams."""
+    what = "messages" if chat else "prompt"
+    if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
+        raise BadInput(f"expected a JSON object with \"model\" and \"{what}\"")
+    known = CHAT if chat else OPENAI
+    unknown = set(doc) - known
+    if unknown:
+        raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(known)}")
+    if doc.get("n", 1) != 1:
+        raise BadInput("n must be 1 (one completion per request)")
+    options = {k: doc[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")
+               if doc.get(k) is not None}
+    if doc.get("max_completion_tokens") is not None:
+        options["max_tokens"] = doc["max_completion_tokens"]
+    name, _, version = doc["model"].partition(":")
+    if chat:
+        return server.generator.open(name, version, messages=doc.get("messages"),
+                                     options=options), bool(doc.get("stream"))
+    prompt = doc.get("prompt")
+    text = prompt if isinstance(prompt, str) else None
+    return server.generator.open(name, version, prompt=None if text else prompt, text=text,
+                                 options=options), bool(doc.get("stream"))
+
+
+class _Answer:
+    """OpenAI's answer objects for one request: a completion's choices (text), a chat's
+    (a message, or in a stream each chunk's delta, the role in the first)."""
+
+    def __init__(self, gen: Generation, chat: bool) -> None:
+        self.gen, self.chat, self.created = gen, chat, int(time.time())
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{id(gen):x}"
+
+    def choice(self, text: str, ids: list[int], finish: str | None, first: bool = False,
+               streamed: bool = True) -> dict[str, Any]:
+        one: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if not self.chat:
+            one.update(text=text, token_ids=ids)
+            kind = "text_completion"
+        elif streamed:
+            one["delta"] = {**({"role": "assistant"} if first else {}),
+                            **({"content": text} if text or first else {})}
+            kind = "chat.completion.chunk"
+        else:
+            one["message"] = {"role": "assistant", "content": text}
+            kind = "chat.completion"
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.gen.name, "choices": [one]}
 
 
 def _finish(gen: Generation) -> str:
-    return "stop" if gen.ids and gen.ids[-1] in gen.sampling.stop else "length"
+    return "stop" if gen.stopped else "length"
 
 
 def _json(doc: Any) -> web.Response:

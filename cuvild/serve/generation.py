@@ -29,6 +29,7 @@ from cuvild.load.buckets import last_logits
 from cuvild.load.models import ModelManager
 from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate
 from cuvild.run.runner import Runner
+from cuvild.serve import chat
 from cuvild.serve.errors import Refused, find
 from protos.orders import RawTensor
 
@@ -49,7 +50,9 @@ class Generation:
     sampling: Sampling
     tokenizer: Any = None
     chunks: tuple[int, ...] = (1,)  # the lengths a step takes (cuvild/run/generate.py)
+    stop_text: tuple[str, ...] = ()  # strings that end it (not sent)
     ids: list[int] = field(default_factory=list)  # generated so far
+    stopped: bool = False  # ended by a stop token or string
     _text: str = ""
 
     def tokens(self) -> Iterator[tuple[int, str]]:
@@ -80,7 +83,16 @@ class Generation:
             for token in generate(step, self.prompt, self.sampling, model.state.context,
                                   self.chunks):
                 self.ids.append(token)
-                yield token, self._piece()
+                self.stopped = token in self.sampling.stop
+                before = len(self._text)
+                piece = self._piece()
+                at = min((i for i in (self._text.find(s, max(0, before - len(s) + 1))
+                                      for s in self.stop_text) if i >= 0), default=-1)
+                if at >= 0:  # a stop string: the text up to it, and the end
+                    piece, self._text, self.stopped = self._text[before:at], self._text[:at], True
+                    yield token, piece
+                    return
+                yield token, piece
         finally:
             runner.sequences.end(live, "ended (its generation ended)")
 
@@ -107,12 +119,15 @@ class Generator:
         self.models, self.runner = models, runner
         self.repository = Path(repository).resolve() if repository else None
         self._tokenizers: dict[Path, tuple[float, Any]] = {}
+        self._chats: dict[Any, chat.Chat | None] = {}
         self._lock = threading.Lock()
 
     def open(self, name: str, version: str = "", prompt: Any = None, text: str | None = None,
-             options: Mapping[str, Any] | None = None) -> Generation:
-        """A checked generation: `prompt` token ids, or `text` with the model's tokenizer;
-        `options`: max_tokens, temperature, top_k, top_p, seed, stop (token ids)."""
+             options: Mapping[str, Any] | None = None,
+             messages: Any = None) -> Generation:
+        """A checked generation: `prompt` token ids, `text` or a chat's `messages` (OpenAI's)
+        with the model's tokenizer (and chat template); `options`: max_tokens, temperature,
+        top_k, top_p, seed, stop (token ids, or strings with a tokenizer)."""
         served = find(self.models, name, version)
         model = served.loaded
         assert model is not None
@@ -122,13 +137,22 @@ class Generator:
                           f"{' and '.join(INPUTS)} (transformers' "
                           "TorchExportableModuleForDecoderOnlyLM); docs/GENERATION.md")
         tokenizer = self.tokenizer(served.record.name, served.record.version)
+        options, stop_text = split_stops(options or {})
+        if stop_text and tokenizer is None:
+            raise Refused("invalid", f"model {served.key} has no tokenizer: stop strings need "
+                          "one (stop token ids do not)")
+        special = True
+        if messages is not None:
+            text, eos = self._chat(served, messages, tokenizer)
+            options["stop"] = [*options.get("stop", ()), *eos]
+            special = False  # (the template writes them)
         if text is not None:
             if tokenizer is None:
                 raise Refused("invalid", f"model {served.key} has no tokenizer ({TOKENIZER} "
                               "in its model repository entry): send token ids")
             if not isinstance(text, str):
                 raise BadInput(f"the prompt text must be a string, got {type(text).__name__}")
-            prompt = tokenizer.encode(text).ids
+            prompt = tokenizer.encode(text, add_special_tokens=special).ids
         if (not isinstance(prompt, (list, tuple)) or not prompt
                 or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             raise BadInput("the prompt must be a non-empty list of token ids (integers), or "
@@ -137,37 +161,77 @@ class Generator:
         if any(not 0 <= t < vocab for t in prompt):
             raise BadInput(f"a prompt token id is outside the vocabulary [0, {vocab})")
         return Generation(self.runner, model, served.record.name, served.record.version,
-                          list(prompt), sampling(options or {}), tokenizer,
-                          chunks_of(model, served.key))
+                          list(prompt), sampling(options), tokenizer,
+                          chunks_of(model, served.key), stop_text)
 
-    def tokenizer(self, name: str, version: str) -> Any:
-        """The entry's tokenizer (read again when its file changes), None without one."""
+    def _chat(self, served: Any, messages: Any, tokenizer: Any) -> tuple[str, list[int]]:
+        """A chat's prompt text, by the entry's chat template, and the ids that end an
+        answer (its eos token's)."""
+        checked = chat.messages_of(messages)
+        template = self.chat_template(served.record.name, served.record.version)
+        if tokenizer is None or template is None:
+            raise Refused("invalid", f"model {served.key} has no chat template "
+                          f"({chat.TEMPLATE_FILE}, or chat_template in {chat.CONFIG_FILE}, "
+                          f"beside {TOKENIZER} in its model repository entry): use "
+                          "/v1/completions with a prompt")
+        eos = template.special.get("eos_token")
+        found = tokenizer.token_to_id(eos) if eos else None
+        return template.render(checked), [found] if found is not None else []
+
+    def chat_template(self, name: str, version: str) -> chat.Chat | None:
+        """The entry's chat template (read again when its files change), None without one."""
+        files = [self._entry_file(name, version, f, chat.MAX_TEMPLATE_BYTES)
+                 for f in (chat.TEMPLATE_FILE, chat.CONFIG_FILE)]
+        if not any(files):
+            return None
+        key = tuple((f, f.stat().st_mtime) if f else None for f in files)
+        with self._lock:
+            kept = self._chats.get(key)
+        if kept is None:
+            try:
+                kept = chat.load(*(f.read_text() if f else None for f in files))
+            except Exception as e:  # noqa: BLE001 - a bad file is the request's error
+                raise Refused("invalid", f"model {name}: its chat template does not read "
+                              f"({str(e)[:200]})") from None
+            with self._lock:
+                self._chats[key] = kept
+        return kept
+
+    def _entry_file(self, name: str, version: str, file: str, most: int) -> Path | None:
+        """The entry's `file` (its version's folder first), resolved; None without one. A
+        link out of the repository or a file over `most` bytes is refused."""
         if self.repository is None:
             return None
-        for where in (self.repository / name / version / TOKENIZER,
-                      self.repository / name / TOKENIZER):
+        for where in (self.repository / name / version / file, self.repository / name / file):
             if not where.is_file():
                 continue
             real = where.resolve()
             if not real.is_relative_to(self.repository):
                 raise Refused("invalid", f"{where}: a link out of the model repository")
-            stat = real.stat()
-            if stat.st_size > MAX_TOKENIZER_BYTES:
-                raise Refused("invalid", f"{where}: {stat.st_size} bytes, over "
-                              f"{MAX_TOKENIZER_BYTES}")
-            with self._lock:
-                kept = self._tokenizers.get(real)
-                if kept is None or kept[0] != stat.st_mtime:
-                    from tokenizers import Tokenizer
-
-                    try:
-                        kept = (stat.st_mtime, Tokenizer.from_str(real.read_text()))
-                    except Exception as e:  # noqa: BLE001 - a bad file is the request's error
-                        raise Refused("invalid", f"{where}: not a tokenizer the tokenizers "
-                                      f"library reads ({str(e)[:200]})") from None
-                    self._tokenizers[real] = kept
-            return kept[1]
+            size = real.stat().st_size
+            if size > most:
+                raise Refused("invalid", f"{where}: {size} bytes, over {most}")
+            return real
         return None
+
+    def tokenizer(self, name: str, version: str) -> Any:
+        """The entry's tokenizer (read again when its file changes), None without one."""
+        real = self._entry_file(name, version, TOKENIZER, MAX_TOKENIZER_BYTES)
+        if real is None:
+            return None
+        mtime = real.stat().st_mtime
+        with self._lock:
+            kept = self._tokenizers.get(real)
+            if kept is None or kept[0] != mtime:
+                from tokenizers import Tokenizer
+
+                try:
+                    kept = (mtime, Tokenizer.from_str(real.read_text()))
+                except Exception as e:  # noqa: BLE001 - a bad file is the request's error
+                    raise Refused("invalid", f"{real}: not a tokenizer the tokenizers "
+                                  f"library reads ({str(e)[:200]})") from None
+                self._tokenizers[real] = kept
+        return kept[1]
 
 
 def chunks_of(model: LoadedModel, key: str) -> tuple[int, ...]:
@@ -185,6 +249,21 @@ def chunks_of(model: LoadedModel, key: str) -> tuple[int, ...]:
                       f"lengths {sizes or 'none of'} {CHUNKS}): export it with a length of 1, "
                       "or a dynamic one from 1")
     return sizes
+
+
+def split_stops(options: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The options with `stop` as token ids, and the stop strings apart (OpenAI's `stop`: a
+    string or a list of up to 4)."""
+    out = dict(options)
+    stop = out.get("stop", ())
+    stop = [stop] if isinstance(stop, (str, int)) and not isinstance(stop, bool) else stop
+    if not isinstance(stop, (list, tuple)):
+        raise BadInput(f"stop must be token ids or strings, got {stop!r}")
+    strings = tuple(s for s in stop if isinstance(s, str))
+    if any(not s for s in strings) or len(strings) > 4:
+        raise BadInput("stop strings: at most 4, none empty")
+    out["stop"] = [s for s in stop if not isinstance(s, str)]
+    return out, strings
 
 
 def sampling(options: Mapping[str, Any]) -> Sampling:

@@ -2,8 +2,8 @@
 Llama from the model repository, with a tokenizer.json beside it, and a GPT-2 without one,
 generate token for token as transformers' own `generate` through the Python client (gRPC
 streaming), Triton's generate_stream (server-sent events), OpenAI's /v1/completions and
-`cuvilctl generate`; a model that does not generate, a bad option and a prompt over the
-context are refused with clear errors."""
+/v1/chat/completions (the entry's chat template) and `cuvilctl generate`; a model that does
+not generate, a bad option and a prompt over the context are refused with clear errors."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ from cuvild.client import Client
 from cuvild.client.errors import CuvildError
 
 PROMPT = [5, 17, 42, 99]
+# a chat template over the tiny vocabulary: "w4 w1 <user's words> w2" for one user message
+CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'user' %}w1 "
+                 "{% else %}w3 {% endif %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w2{% endif %}")
 WORDS = [f"w{i}" for i in range(lm_models.VOCAB)]
 
 
@@ -64,6 +68,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         torch.export.save(lm_models.export(hf), root / family / "1" / "model.pt2")
         refs[family] = hf
     (root / "llama" / "tokenizer.json").write_text(tokenizer_json())
+    (root / "llama" / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "w4"}, "eos_token": "w6", "chat_template": CHAT_TEMPLATE}))
     (root / "chunked" / "1").mkdir(parents=True)  # a dynamic length: the prompt in chunks
     torch.export.save(lm_models.export(refs["llama"], dynamic=True),
                       root / "chunked" / "1" / "model.pt2")
@@ -208,3 +214,51 @@ def test_triton_sequence_parameters_step_the_model_on_its_state(daemon, served) 
             step(triton, 1, 0, sequence_id=42)
         with pytest.raises(Exception, match="unknown"):
             step(triton, 1, 0, sequence_id=7)
+
+
+def test_chat_completions_render_the_entrys_template_and_stop_strings_end_text(
+        daemon, served) -> None:  # noqa: ANN001
+    """/v1/chat/completions: the prompt by the entry's chat template (its bos token, the
+    turn markers), the answer until its eos token; stop strings end a completion's text
+    before them; a model without a template, and bad messages, are refused."""
+    hf = served["hf"]["llama"]
+    words = " ".join(WORDS[t] for t in PROMPT)
+    ids = [4, 1, *PROMPT, 2]  # "w4 w1 w5 w17 w42 w99 w2"
+    want = lm_models.reference(hf, ids, 8)
+    want = want[:want.index(6) + 1] if 6 in want else want  # the eos token ends it
+    doc = {"model": "llama", "messages": [{"role": "user", "content": words}],
+           "max_completion_tokens": 8}
+    status, body = post(daemon.http, "/v1/chat/completions", doc)
+    assert status == 200, body
+    answer = json.loads(body)
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    assert answer["choices"][0]["message"]["content"].split() == [WORDS[t] for t in want]
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    status, body = post(daemon.http, "/v1/chat/completions", {**doc, "stream": True})
+    chunks = events(body)
+    assert status == 200 and chunks[-1] == "[DONE]"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    assert text.split() == [WORDS[t] for t in want]
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    # a stop string: the text ends before it, finish_reason "stop"
+    plain = lm_models.reference(hf, PROMPT, 8)
+    cut = plain.index(plain[2])
+    status, body = post(daemon.http, "/v1/completions", {
+        "model": "llama", "prompt": words, "max_tokens": 8, "stop": [WORDS[plain[2]]]})
+    assert status == 200, body
+    answer = json.loads(body)["choices"][0]
+    assert answer["text"].split() == [WORDS[t] for t in plain[:cut]]
+    assert answer["finish_reason"] == "stop"
+    status, body = post(daemon.http, "/v1/chat/completions", {**doc, "model": "gpt2"})
+    assert status == 400 and b"gpt2:1 has no chat template" in body
+    status, body = post(daemon.http, "/v1/chat/completions", {**doc, "messages": []})
+    assert status == 400 and b"messages must be a non-empty list" in body
+    status, body = post(daemon.http, "/v1/chat/completions",
+                        {**doc, "messages": [{"role": "wizard", "content": "w5"}]})
+    assert status == 400 and b"messages[0]" in body
+    status, body = post(daemon.http, "/v1/completions",
+                        {"model": "gpt2", "prompt": PROMPT, "stop": ["w5"]})
+    assert status == 400 and b"stop strings need one" in body

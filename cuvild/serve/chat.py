@@ -1,0 +1,111 @@
+"""Chat: a conversation rendered into a prompt by the model's own chat template, as
+transformers' `apply_chat_template` renders it, for OpenAI's `/v1/chat/completions`.
+
+The template is the model repository entry's: `chat_template.jinja` (as transformers 4.43+
+saves it) or the `chat_template` of its `tokenizer_config.json` (a string, or named templates:
+"default" is used), beside its `tokenizer.json`. It is Jinja, rendered in jinja2's immutable
+sandbox (no attribute of a Python object outside the template's own values is reachable, no
+value is changed), with what transformers gives it: `messages`, `add_generation_prompt`
+(true: the prompt ends where the assistant's answer begins), the special tokens of the
+config (`bos_token`, `eos_token`, ...), `raise_exception` and `strftime_now`. The rendered
+text is tokenized without adding special tokens again (the template writes them), and the
+config's `eos_token` ends the answer (a stop token, not sent as text).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cuvild.core.layout import BadInput
+
+TEMPLATE_FILE = "chat_template.jinja"
+CONFIG_FILE = "tokenizer_config.json"
+MAX_TEMPLATE_BYTES = 1 << 20
+MAX_MESSAGES = 1024
+ROLES = ("system", "developer", "user", "assistant", "tool")
+SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclass
+class Chat:
+    template: Any  # a compiled jinja2 Template
+    special: dict[str, str]  # bos_token, eos_token, ... as the config names them
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for `messages`, ending where the assistant's answer begins."""
+        from jinja2 import TemplateError
+
+        try:
+            return str(self.template.render(messages=messages, add_generation_prompt=True,
+                                            **self.special))
+        except TemplateError as e:  # (the template's own raise_exception too)
+            raise BadInput(f"the model's chat template refused the messages: {e}") from None
+
+
+def load(template_text: str | None, config_text: str | None) -> Chat | None:
+    """The chat of an entry from its chat_template.jinja and tokenizer_config.json texts
+    (None for a file it does not have); None where neither gives a template. ValueError
+    saying what is wrong with one that does not read."""
+    config = json.loads(config_text) if config_text else {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{CONFIG_FILE} is not a JSON object")
+    source = template_text if template_text is not None else config.get("chat_template")
+    if isinstance(source, list):  # named templates
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise ValueError("its chat_template is not a string")
+    special = {}
+    for key in SPECIAL:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value  # (AddedToken)
+        if isinstance(value, str):
+            special[key] = value
+    return Chat(_environment().from_string(source), special)
+
+
+def _environment() -> Any:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        from jinja2 import TemplateError
+
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: time.strftime(fmt))
+    return env
+
+
+def messages_of(given: Any) -> list[dict[str, str]]:
+    """OpenAI's `messages` checked: a non-empty list of {"role", "content"} where content is
+    text or a list of text parts ({"type": "text", "text": ...})."""
+    if not isinstance(given, list) or not given:
+        raise BadInput("messages must be a non-empty list of {\"role\", \"content\"}")
+    if len(given) > MAX_MESSAGES:
+        raise BadInput(f"{len(given)} messages, over {MAX_MESSAGES}")
+    out = []
+    for i, message in enumerate(given):
+        if not isinstance(message, Mapping) or message.get("role") not in ROLES:
+            raise BadInput(f"messages[{i}]: expected {{\"role\": one of {list(ROLES)}, "
+                           "\"content\": ...}")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, Mapping) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise BadInput(f"messages[{i}].content: only text parts "
+                               "({\"type\": \"text\", \"text\": ...}) are read")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadInput(f"messages[{i}].content must be text")
+        out.append({"role": str(message["role"]), "content": content})
+    return out
