@@ -191,7 +191,7 @@ class Daemon:
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceService(self.models, self.engine.runner, self.regions, shm_enabled=shm,
                              peer_uid=peer_uid, metrics=self.metrics, tracer=self.tracer,
-                             gate=gate, cuda=self.cuda_regions),
+                             gate=gate, cuda=self.cuda_regions, generator=self.generator),
             server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -29,6 +29,7 @@ from cuvild.serve import modelinfo
 from cuvild.serve.cuda_regions import CudaRegions
 from cuvild.serve.errors import Refused, abort, find, status
 from cuvild.serve.limits import Gate
+from cuvild.serve.oip_stream import StreamInfer
 from cuvild.serve.regions import RegionError, Regions
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
@@ -71,12 +72,14 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
     return None if remaining is None or remaining > 1e6 else time.monotonic() + remaining
 
 
-class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
+class InferenceService(StreamInfer, inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, models: ModelManager, runner: Runner | None, regions: Regions,
                  shm_enabled: bool = True,
                  peer_uid: Callable[[str], int | None] = lambda peer: None,
                  metrics: Metrics | None = None, tracer: Tracer | None = None,
-                 gate: Gate | None = None, cuda: CudaRegions | None = None) -> None:
+                 gate: Gate | None = None, cuda: CudaRegions | None = None,
+                 generator: Any = None) -> None:
+        self.generator = generator  # a language model's tokens (ModelStreamInfer)
         self.gate = gate or Gate(32)  # this listener's threads for calls that may wait
         self.cuda = cuda or CudaRegions()  # the cuda_shared_memory extension's regions
         self.models = models  # what is registered and whether it is READY

@@ -262,3 +262,47 @@ def test_chat_completions_render_the_entrys_template_and_stop_strings_end_text(
     status, body = post(daemon.http, "/v1/completions",
                         {"model": "gpt2", "prompt": PROMPT, "stop": ["w5"]})
     assert status == 400 and b"stop strings need one" in body
+
+
+def test_triton_stream_infer_streams_a_generations_tokens(daemon, served) -> None:  # noqa: ANN001
+    """ModelStreamInfer, as tritonclient's start_stream / async_stream_infer and Triton's LLM
+    backends use it: a prompt in, a response per token (the last final), transformers' tokens;
+    a plain step on the same stream gets its one response; a bad request its error, and the
+    stream goes on."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    want = lm_models.reference(served["hf"]["llama"], PROMPT, 6)
+    got: queue.Queue[Any] = queue.Queue()
+    with grpcclient.InferenceServerClient(url=daemon.target) as triton:
+        triton.start_stream(callback=lambda result, error: got.put((result, error)))
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([" ".join(WORDS[t] for t in PROMPT).encode()],
+                                          dtype=object))
+        triton.async_stream_infer("llama", [text], request_id="gen",
+                                  parameters={"max_tokens": 6},
+                                  enable_empty_final_response=True)
+        tokens, texts = [], []
+        while True:
+            result, error = got.get(timeout=120)
+            assert error is None, error
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            if result.as_numpy("output_ids") is not None:
+                tokens.append(int(result.as_numpy("output_ids")[0]))
+                texts.append(result.as_numpy("text_output")[0].decode())
+            if final:
+                break
+        assert tokens == want and "".join(texts).split() == [WORDS[t] for t in want]
+        ids = grpcclient.InferInput("input_ids", [1, 1], "INT64")
+        ids.set_data_from_numpy(np.array([[PROMPT[0]]], np.int64))
+        pos = grpcclient.InferInput("cache_position", [1], "INT64")
+        pos.set_data_from_numpy(np.array([0], np.int64))
+        triton.async_stream_infer("gpt2", [ids, pos], request_id="step")
+        result, error = got.get(timeout=120)
+        assert error is None and result.as_numpy("output0").shape[-1] == lm_models.VOCAB
+        triton.async_stream_infer("nope", [ids, pos], request_id="bad")
+        result, error = got.get(timeout=120)
+        assert error is not None and "nope" in str(error)
+        triton.stop_stream()
