@@ -63,6 +63,9 @@ def place(
     assign, notes = merge_fragments(model, assign)
     assign, fitted = fit_memory(model, assign)
     notes += fitted
+    if fitted:  # memory bound the plan: beside the rule the peers use, the faster kept
+        assign, said = against_memory_rule(model, assign)
+        notes += said
     schedule = simulate(model, assign)
     notes += explain_moves(model, assign, schedule)
     return Placement(assign, schedule, method, proven and assign == searched, notes)
@@ -85,7 +88,10 @@ def scalable(model: CostModel) -> list[int]:
 def fit_memory(
     model: CostModel, assign: list[int], rounds: int = 20
 ) -> tuple[list[int], list[str]]:
-    """Move nodes off devices whose peak memory exceeds memory_gb, weights first."""
+    """Move nodes off devices whose peak memory exceeds memory_gb, by speed: first those
+    that lose the least time per byte they free (a memory-bound layer, whose weights the
+    other device reads nearly as fast, before a compute-bound one of the same size), each
+    to its cheapest other device."""
     assign = list(assign)
     notes = []
     for _ in range(rounds):
@@ -100,7 +106,7 @@ def fit_memory(
                 f"device {model.devices[d].id!r}: the plan needs {peak / 1e9:.2f} GB there but "
                 f"memory_gb is {model.devices[d].memory_gb}, and no node on it may move"
             )
-        movable.sort(key=lambda v: -_resident_bytes(model, v))
+        movable.sort(key=lambda v: _loss_per_byte(model, v, d))
         freed, moved = 0, []
         for v in movable:
             others = [e for e in model.allowed[v] if e != d and e not in over]
@@ -119,6 +125,61 @@ def fit_memory(
             f"{model.devices[d].memory_gb} GB fit"
         )
     raise PlacementError("could not fit the plan in device memory after moving nodes")
+
+
+def _loss_per_byte(model: CostModel, v: int, d: int) -> float:
+    """What moving node v off device d costs (ms, on its cheapest other device) per byte it
+    frees there; a node that frees nothing last."""
+    others = [model.node_ms[v][e] for e in model.allowed[v] if e != d]
+    freed = _resident_bytes(model, v)
+    if not others or freed <= 0:
+        return math.inf
+    return (min(others) - model.node_ms[v][d]) / freed
+
+
+def memory_rule(model: CostModel) -> tuple[list[int], int] | None:
+    """The placement the peers make of a model larger than their fastest device
+    (accelerate's device_map="auto"; llama.cpp's layer offload counts layers the same way):
+    nodes in graph order on the fastest device (the least time for the whole model alone)
+    while their weights fit its memory_gb, every node from the first that does not on the
+    CPU; and that device. None where there is no CPU, no device with a memory size, or a
+    node that must run elsewhere."""
+    cpu = next((d for d, dev in enumerate(model.devices) if dev.kind == "cpu"), None)
+    sized = [d for d, dev in enumerate(model.devices) if dev.memory_gb > 0 and d != cpu]
+    if cpu is None or not sized:
+        return None
+    fastest = min(sized, key=lambda d: sum(ms[d] for ms in model.node_ms))
+    cap, held, used, full = model.devices[fastest].memory_gb * 1e9, set(), 0, False
+    assign = []
+    for v, node in enumerate(model.graph.nodes):
+        new = {p for p in node.params if p not in held}
+        weight = sum(model.graph.param_bytes.get(p, 0) for p in new)
+        full = full or used + weight > cap
+        on = cpu if full or fastest not in model.allowed[v] else fastest
+        if on not in model.allowed[v]:
+            return None
+        if on == fastest:
+            held, used = held | new, used + weight
+        assign.append(on)
+    return assign, fastest
+
+
+def against_memory_rule(model: CostModel, assign: list[int]) -> tuple[list[int], list[str]]:
+    """The plan beside the peers' memory rule (`memory_rule`), both priced: the rule's where
+    it is predicted faster and fits, and a note with both figures."""
+    found = memory_rule(model)
+    if found is None:
+        return assign, []
+    rule, fastest = found
+    ours, theirs = objective(model, assign), objective(model, rule)
+    on = sum(1 for d in rule if d == fastest)
+    said = (f"memory-only rule (the peers': nodes in order on {model.devices[fastest].id} "
+            f"while its weights fit, the rest on the CPU; {on} of {len(rule)} nodes there): "
+            f"predicted {theirs:.3g} ms")
+    if theirs < ours and not model.memory_over(rule):
+        return rule, [f"{said}, faster than placing by speed ({ours:.3g} ms): used"]
+    return assign, [f"{said}; this plan, by speed, {ours:.3g} ms "
+                    f"({theirs / max(ours, 1e-12):.2f}x faster)"]
 
 
 def _resident_bytes(model: CostModel, v: int) -> int:
@@ -177,7 +238,10 @@ def explain_moves(model: CostModel, assign: list[int], schedule: Schedule) -> li
             trial[v] = target
         moved = simulate(model, trial)
         delta = moved.value - moved.penalty_ms - base
-        if delta > 0:
+        if target in model.memory_over(trial):
+            notes.append(f"{prefix}: {ids[target]}'s memory ({model.devices[target].memory_gb:g}"
+                         " GB) holds no more; they lose the least time there per byte")
+        elif delta > 0:
             notes.append(f"{prefix}: moving them to {ids[target]} makes the plan "
                          f"{delta:.4f} ms slower")
         else:

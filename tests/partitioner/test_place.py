@@ -11,7 +11,7 @@ from partitioner.cost import CostModel, PlacementError
 from partitioner.costgraph import Annotation, CostGraph, CostNode, Edge
 from partitioner.exact import branch_and_bound, chain_dp, exhaustive, is_chain
 from partitioner.fragments import fragments
-from partitioner.place import place, scalable
+from partitioner.place import memory_rule, place, scalable
 from partitioner.profile import DeviceProfile
 from partitioner.schedule import HOST, objective, simulate
 from partitioner.synthetic import random_chain, random_dag, sample_devices
@@ -250,3 +250,40 @@ def test_scalable_terminates_when_almost_everything_is_pinned() -> None:
     annotate(graph, {v: Annotation("npu", None, True) for v in range(40) if v not in (5, 30)})
     placement = place(CostModel(graph, DEVICES), method="scalable")
     assert all(placement.assign[v] == 2 for v in range(40) if v not in (5, 30))
+
+
+def layers(heavy: list[bool]) -> CostGraph:
+    """A chain of layers of 100 MB of weights each: compute-bound ones (2e11 FLOPs: the GPU
+    is 20x faster) and memory-bound ones (1e8 FLOPs: it reads the weights 10x faster)."""
+    nodes, edges = [], []
+    for v, big in enumerate(heavy):
+        nodes.append(CostNode(f"layer{v}", category="matmul", flops=2e11 if big else 1e8,
+                              bytes_read=100_000_000, bytes_written=1_000_000,
+                              out_bytes=1_000_000, params=(f"w{v}",),
+                              inputs=("x",) if v == 0 else ()))
+        if v:
+            edges.append(Edge(v - 1, v, 1_000_000))
+    nodes[-1].output_bytes = 1_000_000
+    return CostGraph(nodes, edges, param_bytes={f"w{v}": 100_000_000 for v in range(len(heavy))},
+                     input_bytes={"x": 1_000_000})
+
+
+def test_a_model_larger_than_the_gpu_keeps_its_compute_bound_layers_there() -> None:
+    """Weights for 4 of 8 layers fit the GPU: placed by speed, the compute-bound layers stay
+    on it and the memory-bound ones go to the CPU (whose time for them is close), where the
+    peers' memory-only rule fills the GPU with the first layers in order; the plan says
+    both predicted times, and is the faster."""
+    heavy = [True, False] * 4
+    small_gpu = [DeviceProfile(**{**d.to_dict(), "memory_gb": 0.45}) if d.kind == "gpu" else d
+                 for d in sample_devices("cpu,gpu")]
+    model = CostModel(layers(heavy), small_gpu)
+    placement = place(model)
+    assert not model.memory_over(placement.assign)
+    on_gpu = [v for v, d in enumerate(placement.assign) if model.devices[d].kind == "gpu"]
+    assert on_gpu == [v for v, big in enumerate(heavy) if big], placement.assign
+    (note,) = [n for n in placement.notes if n.startswith("memory-only rule")]
+    assert "4 of 8 nodes there" in note and "this plan, by speed" in note, note
+    assert sum("gpu0's memory (0.45 GB) holds no more" in n for n in placement.notes) == 4
+    rule, _ = memory_rule(model)  # type: ignore[misc]
+    assert rule[:4] == [1, 1, 1, 1] and rule[4:] == [0, 0, 0, 0]  # the first four, in order
+    assert objective(model, placement.assign) < objective(model, rule) / 1.5
