@@ -88,10 +88,11 @@ def scalable(model: CostModel) -> list[int]:
 def fit_memory(
     model: CostModel, assign: list[int], rounds: int = 20
 ) -> tuple[list[int], list[str]]:
-    """Move nodes off devices whose peak memory exceeds memory_gb, by speed: first those
-    that lose the least time per byte they free (a memory-bound layer, whose weights the
-    other device reads nearly as fast, before a compute-bound one of the same size), each
-    to its cheapest other device."""
+    """Move nodes off devices whose peak memory exceeds memory_gb, by speed: of the nodes
+    that hold weights (else of any), first those that lose the least time per byte they
+    free (an embedding lookup, or a memory-bound layer whose weights the other device reads
+    nearly as fast, before a compute-bound one of the same size), each to its cheapest other
+    device."""
     assign = list(assign)
     notes = []
     for _ in range(rounds):
@@ -106,7 +107,11 @@ def fit_memory(
                 f"device {model.devices[d].id!r}: the plan needs {peak / 1e9:.2f} GB there but "
                 f"memory_gb is {model.devices[d].memory_gb}, and no node on it may move"
             )
-        movable.sort(key=lambda v: _loss_per_byte(model, v, d))
+        # weights are what stays resident: nodes that hold some go first (moving a weightless
+        # op frees a transient activation and adds a cut each side)
+        weighted = [v for v in movable if model.graph.nodes[v].params]
+        movable = (weighted or movable)
+        movable.sort(key=lambda v: _loss_per_byte(model, assign, v, d))
         freed, moved = 0, []
         for v in movable:
             others = [e for e in model.allowed[v] if e != d and e not in over]
@@ -127,14 +132,20 @@ def fit_memory(
     raise PlacementError("could not fit the plan in device memory after moving nodes")
 
 
-def _loss_per_byte(model: CostModel, v: int, d: int) -> float:
-    """What moving node v off device d costs (ms, on its cheapest other device) per byte it
-    frees there; a node that frees nothing last."""
-    others = [model.node_ms[v][e] for e in model.allowed[v] if e != d]
+def _loss_per_byte(model: CostModel, assign: list[int], v: int, d: int) -> float:
+    """What moving node v off device d costs per byte it frees there: its time on its
+    cheapest other device less its time on d, and the copies of its inputs and outputs that
+    would cross between them; a node that frees nothing last."""
+    others = [e for e in model.allowed[v] if e != d]
     freed = _resident_bytes(model, v)
     if not others or freed <= 0:
         return math.inf
-    return (min(others) - model.node_ms[v][d]) / freed
+    e = min(others, key=model.node_ms[v].__getitem__)
+    copies = sum(model.cut_ms(model.graph.edge_bytes[(u, v)], d, e)
+                 for u in model.graph.preds[v] if assign[u] == d)
+    copies += sum(model.cut_ms(model.graph.edge_bytes[(v, w)], e, d)
+                  for w in model.graph.succs[v] if assign[w] == d)
+    return (model.node_ms[v][e] - model.node_ms[v][d] + copies) / freed
 
 
 def memory_rule(model: CostModel) -> tuple[list[int], int] | None:

@@ -199,7 +199,7 @@ def cmd_unload(client: Client, args: argparse.Namespace) -> int:
 
 
 def _plan_offline(args: argparse.Namespace, client: Client) -> dict[str, Any]:
-    from cuvild.intake.safe_load import load_exported_program
+    from cuvild.intake.safe_load import DEFAULT_MAX_BYTES, load_exported_program
     from partitioner import report
     from partitioner.plan import plan_model
     from partitioner.profile import DeviceProfile, load_profiles
@@ -208,7 +208,10 @@ def _plan_offline(args: argparse.Namespace, client: Client) -> dict[str, Any]:
         devices = load_profiles(args.profile)
     else:  # the host's measured devices, from the daemon
         devices = [DeviceProfile.from_dict(d) for d in client.profile()["devices"]]
-    plan = plan_model(load_exported_program(args.model), devices, objective=args.objective)
+    # (the caller's own file, read here: the safe loader still, its size the only bound)
+    most = max(DEFAULT_MAX_BYTES, 2 * Path(args.model).stat().st_size)
+    plan = plan_model(load_exported_program(args.model, max_bytes=most), devices,
+                      objective=args.objective)
     return {"plan": plan.to_dict(), "explain": report.explain(plan), "measured": {},
             "dot": report.to_dot(plan)}
 
