@@ -15,8 +15,9 @@ import threading
 
 import torch
 
+Layout = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (name, shape, dtype) each
 # by model key and the state's layout (thread workers of several engines share this process)
-_POOLS: dict[tuple[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]], Pool] = {}
+_POOLS: dict[tuple[str, Layout], Pool] = {}
 _LOCK = threading.Lock()
 
 
@@ -52,9 +53,15 @@ class Pool:
         return {n: t[first:first + count] for n, t in self.tensors.items()}
 
 
-def pool(scope: str, initial: dict[str, torch.Tensor]) -> Pool:
-    """Model `scope`'s pool for state laid out as `initial`."""
-    key = (scope, tuple(sorted((n, tuple(t.shape), t.dtype) for n, t in initial.items())))
+def layout_of(initial: dict[str, torch.Tensor]) -> Layout:
+    """What a pool is for besides its model: its buffers' names, shapes and dtypes."""
+    return tuple(sorted((n, tuple(t.shape), t.dtype) for n, t in initial.items()))
+
+
+def pool(scope: str, initial: dict[str, torch.Tensor], layout: Layout | None = None) -> Pool:
+    """Model `scope`'s pool for state laid out as `initial` (`layout`: its `layout_of`, where
+    the caller keeps it)."""
+    key = (scope, layout if layout is not None else layout_of(initial))
     with _LOCK:
         found = _POOLS.get(key)
         if found is None:

@@ -41,7 +41,7 @@ from torch import fx
 from partitioner.profile import DeviceProfile
 from runtimes.attention import attended
 from runtimes.base import CompileSpec, Executable, Runtime
-from runtimes.state import drop_scope, drop_sequence, holds, pool, runs
+from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, runs
 
 __all__ = ["drop_scope", "drop_sequence"]  # (the worker's, with the state: runtimes/state.py)
 
@@ -300,6 +300,7 @@ class TorchExecutable(Executable):
         self.dtype = dtype
         self.state = remember_initial(module)  # what a sequence keeps: runs change it in place
         self.initial: dict[str, torch.Tensor] = module.meta.get(INITIAL, {})
+        self._layout = layout_of(self.initial)  # (its sequences' pool's, computed once)
         # the module's own buffers, put back after each run: a module is shared (a split's
         # part is cached per model, its buckets' executables run it) and reset by builds
         self.home = {n: _attr(module, n) for n in self.state}
@@ -338,7 +339,7 @@ class TorchExecutable(Executable):
         if slot:
             if self.batches:
                 self._step(scope, [slot])
-            held = pool(scope, self.initial)
+            held = pool(scope, self.initial, self._layout)
             kept = held.views(held.row(slot))
         else:
             kept = {name: value.clone() for name, value in self.initial.items()}
@@ -350,7 +351,7 @@ class TorchExecutable(Executable):
         """One step of each sequence `slots[i]` of model `scope` on `inputs[i]`: those
         whose rows of the pool are consecutive in one run (runtimes/state.py), torch's vmap
         over the pool's slice, each sequence at its own position; the outputs per sequence."""
-        held = pool(scope, self.initial)
+        held = pool(scope, self.initial, self._layout)
         rows = [held.row(slot) for slot in slots]
         self._step(scope, slots)
         at = {row: i for i, row in enumerate(rows)}
