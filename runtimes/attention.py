@@ -23,6 +23,8 @@ _SDPA = aten.scaled_dot_product_attention.default
 # what lies between the cache and the attention's key or value (grouped-query heads repeated)
 _CHAIN = {aten.unsqueeze.default, aten.expand.default, aten.reshape.default,
           aten.view.default, aten._unsafe_view.default, aten.alias.default}  # noqa: SLF001
+# the attention op takes grouped-query heads itself (torch >= 2.5)
+_GQA = "enable_gqa" in str(_SDPA._schema)  # noqa: SLF001 - the op's schema
 _SIZED = {aten.expand.default, aten.reshape.default, aten.view.default,
           aten._unsafe_view.default}  # noqa: SLF001 - ops whose second argument is a size
 
@@ -57,6 +59,21 @@ def _chain(node: fx.Node, length: int) -> list[fx.Node] | None:
     return chain[::-1]
 
 
+def _grouped(chain: list[fx.Node]) -> bool:
+    """Whether `chain` (from `_chain`) repeats a [batch, heads, keys, dim] cache's heads
+    for grouped-query attention: unsqueeze at 2, expand that dim, merge it into the heads
+    (kv head h serves query heads h * groups .. h * groups + groups - 1)."""
+    shapes = [_shape(n) for n in chain]
+    if len(chain) != 4 or len(shapes[0] or ()) != 4:
+        return False
+    (b, h, s, d), targets = shapes[0], [n.target for n in chain[1:]]  # type: ignore[misc]
+    return (targets[0] is aten.unsqueeze.default and chain[1].args[1] == 2
+            and targets[1] is aten.expand.default and targets[2] in _SIZED - {aten.expand.default}
+            and shapes[1] == (b, h, 1, s, d) and len(shapes[2] or ()) == 5
+            and shapes[2][:2] == (b, h) and shapes[2][3:] == (s, d)  # type: ignore[index]
+            and shapes[3] == (b, h * shapes[2][2], s, d))  # type: ignore[index]
+
+
 def attended(module: fx.GraphModule) -> fx.GraphModule:
     """The part with its attentions on the keys they attend (the module itself where none
     is recognised; else a new module on the same tensors)."""
@@ -77,13 +94,17 @@ def attended(module: fx.GraphModule) -> fx.GraphModule:
             with graph.inserting_after(mask):
                 ends[mask] = graph.call_function(_attended, (mask,))
         end = ends[mask]
+        grouped = _GQA and all(_grouped(c) for c in chains)  # type: ignore[arg-type]
         with graph.inserting_before(node):
-            key, value = (_sliced(graph, c, end, length) for c in chains)  # type: ignore[arg-type]
+            key, value = (_sliced(graph, c[:1] if grouped else c, end, length)  # type: ignore[index]
+                          for c in chains)
             short = graph.call_function(aten.slice.Tensor, (mask, -1, 0, end))
         node.args = (node.args[0], key, value, *((short,) if len(node.args) > 3 else ()),
                      *node.args[4:])
         if "attn_mask" in node.kwargs:
             node.kwargs = {**node.kwargs, "attn_mask": short}
+        if grouped:
+            node.kwargs = {**node.kwargs, "enable_gqa": True}
     if not ends:
         return module
     graph.eliminate_dead_code()  # the whole cache's repeated heads (in-place writes stay)

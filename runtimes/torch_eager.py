@@ -152,16 +152,28 @@ def _size(value: torch.Tensor, dim: int) -> int:
 
 
 def batchable(module: fx.GraphModule) -> fx.GraphModule:
-    """The module as vmap runs it: its packed linears as `_linear_in_batch` (the same
-    weights), a dynamic-shape bucket's size reads as plain Python (aten's `sym_size` has no
-    batching rule)."""
+    """The module as vmap runs it: its packed linears as `_linear_in_batch` (a weight packed
+    for one row packed again for several: `_packed`), a dynamic-shape bucket's size reads as
+    plain Python (aten's `sym_size` has no batching rule)."""
     graph = copy.deepcopy(module.graph)
-    for node in graph.nodes:
+    attrs = {str(n.target): _attr(module, str(n.target)) for n in graph.nodes
+             if n.op == "get_attr"}
+    for node in list(graph.nodes):
         if node.target is _PACKED_LINEAR:
             node.target, node.args = torch.ops.cuvild.packed_linear.default, node.args[:3]
+            weight = node.args[1]
+            source = module.meta.get(ONE_ROW, {}).get(str(weight.target))
+            if source is not None:  # the weight again, packed for PACK_ROWS
+                name = f"{weight.target}_rows"
+                attrs[name] = _derived(source, f"packed{PACK_ROWS}",
+                                       lambda w: _REORDER(w, PACK_ROWS))
+                with graph.inserting_before(node):
+                    node.args = (node.args[0], graph.get_attr(name), node.args[2])
         elif node.target is aten.sym_size.int:
             node.target = _size
-    out = fx.GraphModule(module, graph)
+    graph.eliminate_dead_code()
+    used = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
+    out = fx.GraphModule({k: v for k, v in attrs.items() if k in used}, graph)
     out.meta.update(module.meta)
     return out
 
@@ -181,36 +193,76 @@ def _is_float(arg: object) -> bool:
     return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
-def prepared(module: fx.GraphModule, dtype: torch.dtype | None) -> fx.GraphModule:
-    """The part as the runtime runs it at `dtype` (None: as exported): its weights lowered
-    (`lowered`), then its linears on oneDNN's packed weights where `packs` (one packing per
-    weight, shared by the part's buckets): a 2816x1024 fp32 linear on the 2-core EPYC, 686 ->
-    494 us for 1 row, 1375 -> 644 for 16, 4650 -> 3490 for 128 (bf16: 414 -> 243 for 1 row),
-    the results within 1e-6 of torch's. Its attentions first work on the keys they attend
+def prepared(module: fx.GraphModule, dtype: torch.dtype | None,
+             inputs: Sequence[torch.Tensor] = ()) -> fx.GraphModule:
+    """The part as the runtime runs it at `dtype` (None: as exported) on inputs shaped as
+    `inputs` (none: any): its weights lowered (`lowered`), then its linears on oneDNN's
+    packed weights where `packs` (one packing per weight and row count, shared by the
+    part's buckets): a 2816x1024 fp32 linear on the 2-core EPYC, 686 -> 494 us for 1 row,
+    1375 -> 644 for 16, 4650 -> 3490 for 128 (bf16: 414 -> 243 for 1 row), the results
+    within 1e-6 of torch's. At fp32 a linear of one row (a decode step's) gets a weight
+    packed for one row: 24 such weights read from memory, 515 -> 386 us each, the 200M
+    Llama's decode step 39.1 -> 31.4 ms (packed for 128 rows it is faster from 4 rows up,
+    and bf16 gains nothing). Its attentions first work on the keys they attend
     (runtimes/attention.py: a static cache's unwritten tail left out)."""
     module = attended(module)
     module = module if dtype is None else lowered(module, dtype)
     if not packs(dtype) or not any(n.target is _LINEAR for n in module.graph.nodes):
         return module
     try:
-        return _packed(module)
+        return _packed(module, _rows(module, inputs) if dtype is None else {})
     except RuntimeError as e:  # oneDNN refused a weight: the linears as torch runs them
         log.info("linears left unpacked: %s", e)
         return module
 
 
-def _packed(module: fx.GraphModule) -> fx.GraphModule:
+def _rows(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> dict[str, int]:
+    """The rows each linear of `module` computes on `inputs` (its input's size but the
+    last), by node name, where `inputs` tell them (a dynamic-shape part's sizes bound from
+    its placeholders' symbols)."""
+    bound: dict[Any, int] = {}
+    places = [n for n in module.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(places, inputs, strict=False):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() == value.dim():
+            bound.update((d.node.expr, int(v)) for d, v in zip(val.shape, value.shape,
+                                                                strict=True)
+                         if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol)
+    rows: dict[str, int] = {}
+    for node in module.graph.nodes:
+        val = node.args[0].meta.get("val") if node.target is _LINEAR else None
+        if not isinstance(val, torch.Tensor) or not inputs:
+            continue
+        count = 1
+        for d in val.shape[:-1]:
+            size = d.node.expr.subs(bound) if isinstance(d, torch.SymInt) else d
+            if not getattr(size, "is_number", True):
+                break
+            count *= int(size)
+        else:
+            rows[node.name] = count
+    return rows
+
+
+ONE_ROW = "cuvild_one_row"  # a packed module's meta: weights packed for 1 row -> their source
+
+
+def _packed(module: fx.GraphModule, rows: dict[str, int]) -> fx.GraphModule:
     graph = copy.deepcopy(module.graph)
     attrs = {str(n.target): _attr(module, str(n.target)) for n in graph.nodes
              if n.op == "get_attr"}
+    one_row: dict[str, torch.Tensor] = {}
     for node in list(graph.nodes):
         weight = node.args[1] if node.target is _LINEAR and len(node.args) > 1 else None
         value = attrs.get(str(weight.target)) if isinstance(weight, fx.Node) \
             and weight.op == "get_attr" else None
         if value is None or value.dim() != 2 or not value.is_floating_point():
             continue
-        name = f"{weight.target}_packed".replace(".", "_")
-        attrs[name] = _derived(value, f"packed{PACK_ROWS}", lambda w: _REORDER(w, PACK_ROWS))
+        at = 1 if rows.get(node.name) == 1 else PACK_ROWS
+        name = f"{weight.target}_packed{at}".replace(".", "_")
+        attrs[name] = _derived(value, f"packed{at}", lambda w, at=at: _REORDER(w, at))
+        if at == 1:
+            one_row[name] = value
         with graph.inserting_before(node):
             packed = graph.get_attr(name)
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -225,6 +277,8 @@ def _packed(module: fx.GraphModule) -> fx.GraphModule:
     used = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
     packed_module = fx.GraphModule({k: v for k, v in attrs.items() if k in used}, graph)
     packed_module.meta.update(module.meta)
+    if one_row:
+        packed_module.meta[ONE_ROW] = one_row
     return packed_module
 
 
@@ -421,4 +475,4 @@ class TorchRuntime(Runtime):
 
     def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
         dtype = DTYPES.get(spec.precision)
-        return TorchExecutable(prepared(part, dtype), dtype)
+        return TorchExecutable(prepared(part, dtype, spec.example_inputs), dtype)

@@ -41,6 +41,13 @@ def test_attention_over_the_written_keys_gives_the_exported_logits(family: str) 
     assert short is not part
     assert set(keys_seen(short, [5], 6)) == {7}  # position 6: keys 0..6 of the 64
     assert set(keys_seen(part, [5], 6)) == {lm_models.CONTEXT}
+    # grouped-query heads (llama: 4 query heads, 2 key heads) are not copied to repeat them
+    attentions = [n for n in short.graph.nodes if n.target is SDPA]
+    assert all(n.kwargs.get("enable_gqa", False) == (family == "llama") for n in attentions)
+    repeats = [n for n in short.graph.nodes
+               if n.target is torch.ops.aten.expand.default and len(n.args[1]) == 5]
+    if family == "llama":
+        assert not repeats
     exe, ref = TorchExecutable(short, None), TorchExecutable(part, None)
     for position, token in enumerate([5, 17, 42, 99, 3, 8, 13]):
         inputs = [torch.tensor([position]), torch.tensor([[token]])]

@@ -1,9 +1,9 @@
 """Several sequences' steps in one run (runtimes/torch_eager.py `run_batch`, the pool of
 runtimes/state.py): a language model's decode steps of sequences at different positions
-give what each gives alone, whichever rows they hold; rows are reused and the pool goes with
-its last sequence; only fp32 parts batch (what the precision search checked is one row's
-kernel at bf16 and fp16); the worker groups doorbells of one such part
-(cuvild/workers/sessions.py `batches`)."""
+give what each gives alone (a step's weights packed for one row, the batch's for several),
+whichever rows they hold; rows are reused and the pool goes with its last sequence; only
+fp32 parts batch (what the precision search checked is one row's kernel at bf16 and fp16);
+the worker groups doorbells of one such part (cuvild/workers/sessions.py `batches`)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,11 @@ def step(position: int, token: int) -> list[torch.Tensor]:
 def test_sequences_stepping_together_get_what_each_gets_alone(
         part: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch_eager, "RECENT_S", 3600.0)  # (every step counts as recent)
-    together, alone = TorchExecutable(prepared(part, None), None), TorchExecutable(part, None)
-    assert together.batches
+    # built for a decode step's inputs: its linears' weights packed for one row, packed
+    # again for several where steps run together
+    together = TorchExecutable(prepared(part, None, step(0, 1)), None)
+    alone = TorchExecutable(part, None)
+    assert together.batches and together.module.meta[torch_eager.ONE_ROW]
     slots = [11, 12, 13, 14]
     try:
         # sequence 14 starts two steps late: the batch holds sequences at different positions
