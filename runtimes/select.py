@@ -81,6 +81,11 @@ NEAR_FLOOR = 1.25  # an accurate candidate this close to the roofline floor ends
 STATEFUL_RUNTIMES = ("torch",)  # those that keep a part's in-place state per sequence
 CLOSE = 1.5  # accurate candidates timed within this of the fastest are timed again, in turn
 BLOCK_RUNS, BLOCK_S = 20, 0.02  # ...in blocks of runs back to back: at most so many, so long
+# a lower precision's build whose second run takes this much longer than a higher precision
+# already built is not measured further (its error on every sample would be time lost: fp16
+# on a CPU without fp16 units, a 128-token prompt of the 200M Llama, 1014 ms a run vs 232 at
+# fp32, 20 s of the first request's 56 s under a budget)
+SLOWER = 1.25
 
 
 @dataclass
@@ -224,7 +229,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
                tolerance: float | None = None, cache_tag: str = "",
                allowed: list[str] | None = None, floor_ms: float | None = None,
                progress: Callable[[str], None] | None = None,
-               mix_target: float | None = None) -> BuiltPart:
+               mix_target: float | None = None,
+               slower_than: tuple[str, float] | None = None) -> BuiltPart:
     """Compile (or load from cache) `part` for `device`; raise CompileError if nothing works.
 
     `samples()` returns real inputs for the part and torch eager's outputs for them, one
@@ -235,7 +241,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
     every one that can target the device); `floor_ms`, the part's roofline time here, ends
     the search early (see the module docstring); `progress` is told each runtime as it is
     tried. `mix_target`: the error a mixed precision's part aims at (runtimes/mixed.py; by
-    default half of `tolerance`).
+    default half of `tolerance`). `slower_than`: (a precision, its ms) of the part already
+    built: a build that runs SLOWER than it is skipped before its error is measured.
     """
     tolerance = TOLERANCE[precision] if tolerance is None else tolerance
     spec = CompileSpec(device=device, precision=compiled_as(precision),
@@ -271,7 +278,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
                 continue
         if progress:
             progress(name)
-        cand, exe = _try(name, part, spec, inputs, expected, cache, part_key, timeout_s)
+        cand, exe = _try(name, part, spec, inputs, expected, cache, part_key, timeout_s,
+                         slower_than)
         cand.precision = precision
         if exe is not None and cand.status == "ok" and (chosen is not None or exe.note):
             # which groups stayed fp32, and why (a mix); which ops the quantizer kept fp32
@@ -426,11 +434,29 @@ def _load_entry(rt: Any, cache: CompileCache, key: str, entry: Any,
         return None
 
 
+def _slower(exe: Executable, spec: CompileSpec, than: tuple[str, float] | None,
+            ) -> tuple[str, float] | None:
+    """(why, its ms) where `exe` runs SLOWER than `than`'s (precision, ms): its second run
+    timed, the first warming it."""
+    if than is None:
+        return None
+    exe.run(spec.example_inputs)
+    t0 = time.perf_counter()
+    exe.run(spec.example_inputs)
+    ms = (time.perf_counter() - t0) * 1e3
+    if ms <= than[1] * SLOWER:
+        return None
+    return (f"{ms:.1f} ms a run against {than[1]:.1f} ms at {than[0]}: slower, its error not "
+            f"measured"), ms
+
+
 def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[torch.Tensor]],  # noqa: C901 - one candidate: load or compile, check, time, store
          expected: list[list[torch.Tensor]], cache: CompileCache, part_key: str,
-         timeout_s: float) -> tuple[Candidate, Executable | None]:
+         timeout_s: float, slower_than: tuple[str, float] | None = None,
+         ) -> tuple[Candidate, Executable | None]:
     """Compile (or load) one runtime's build, measure its error on every sample and its time.
-    Status "ok" here means it runs; `_judge` then holds its error against the tolerance."""
+    Status "ok" here means it runs; `_judge` then holds its error against the tolerance.
+    "skipped" where it runs SLOWER than `slower_than` (build_part)."""
     try:
         rt = registry.get(name)
     except RuntimeUnavailable as e:
@@ -459,6 +485,9 @@ def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[t
                          time.perf_counter() - t0), None
     compile_s = time.perf_counter() - t0
     try:
+        slower = _slower(exe, spec, slower_than)
+        if slower:
+            return Candidate(name, "skipped", slower[0], compile_s, median_ms=slower[1]), None
         outputs = [exe.run(x) for x in inputs]
         error = set_error(outputs, expected)
         if error == float("inf"):  # never usable, whatever the budget: say where

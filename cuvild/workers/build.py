@@ -137,13 +137,23 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
                 mix_target=order.budget * (INT8_MIX_SHARE if precision == INT8_MIXED
                                            else MIX_SHARE) if order.budget else None,
                 allowed=order.allowed, floor_ms=(order.floor_ms or {}).get(precision),
-                progress=told and (lambda name, p=precision: told(f"trying {name} at {p}")))
+                progress=told and (lambda name, p=precision: told(f"trying {name} at {p}")),
+                slower_than=_own_time(built, order.precisions[0]) if order.budget else None)
             tried += [asdict(c) for c in b.candidates]
         except CompileError as e:
             if i == 0:
                 raise
             tried += [asdict(c) for c in getattr(e, "candidates", [])]
     return built, tried
+
+
+def _own_time(built: dict[str, BuiltPart], own: str) -> tuple[str, float] | None:
+    """(the part's own precision, its ms) once built: a lower precision's build slower than
+    it could never be chosen, and is not measured further (runtimes/select.py SLOWER)."""
+    b = built.get(own)
+    ms = next((c.median_ms for c in b.candidates if c.runtime == b.runtime and c.median_ms > 0),
+              0.0) if b is not None else 0.0
+    return (own, ms) if ms > 0 else None
 
 
 def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build) -> str:

@@ -304,3 +304,21 @@ def test_a_cache_entry_is_signed_and_one_that_fails_is_rebuilt(tmp_path):
     (cache.entries / "e4" / "manifest.json").unlink()  # an entry from before signing
     assert cache.lookup("e4") is None
     assert cache.rejected == 3
+
+
+def test_a_lower_precision_slower_than_the_part_built_is_not_measured(tmp_path, quick_timing,
+                                                                     monkeypatch):
+    """Under a budget a lower precision competes with the part's own, built first: a build
+    that runs slower than it could never be chosen, so its error on every sample is not
+    measured (fp16 on a CPU without fp16 units, a 128-token prompt: 4.4x fp32)."""
+    module, samples, _ = part_and_samples()
+    checked = []
+    monkeypatch.setattr(select, "set_error", lambda got, want: checked.append(1) or 0.0)
+    with pytest.raises(CompileError, match="slower, its error not measured") as refused:
+        build_part(module, CPU, "bf16", samples, CompileCache(tmp_path), allowed=["torch"],
+                   slower_than=("fp32", 1e-6))
+    (cand,) = refused.value.candidates
+    assert cand.status == "skipped" and cand.median_ms > 0 and not checked
+    built = build_part(module, CPU, "bf16", samples, CompileCache(tmp_path / "again"),
+                       allowed=["torch"], slower_than=("fp32", 1e6))
+    assert built.runtime == "torch" and checked
