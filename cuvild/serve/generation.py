@@ -54,6 +54,7 @@ class Generation:
     ids: list[int] = field(default_factory=list)  # generated so far
     stopped: bool = False  # ended by a stop token or string
     _text: str = ""
+    _sent: int = 0  # how much of _text was given out
 
     def tokens(self) -> Iterator[tuple[int, str]]:
         """(token id, the text it adds: "" without a tokenizer), one at a time."""
@@ -80,30 +81,38 @@ class Generation:
             return np.frombuffer(raw, np.float32).reshape(-1, vocab)[-1]
 
         try:
-            for token in generate(step, self.prompt, self.sampling, model.state.context,
-                                  self.chunks):
-                self.ids.append(token)
-                self.stopped = token in self.sampling.stop
-                before = len(self._text)
-                piece = self._piece()
-                at = min((i for i in (self._text.find(s, max(0, before - len(s) + 1))
-                                      for s in self.stop_text) if i >= 0), default=-1)
-                if at >= 0:  # a stop string: the text up to it, and the end
-                    piece, self._text, self.stopped = self._text[before:at], self._text[:at], True
-                    yield token, piece
-                    return
-                yield token, piece
+            yield from self._released(generate(step, self.prompt, self.sampling,
+                                               model.state.context, self.chunks))
         finally:
             runner.sequences.end(live, "ended (its generation ended)")
 
-    def _piece(self) -> str:
-        """The text the last token added (decoding the whole output: a token may complete a
-        character another began)."""
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        piece, self._text = text[len(self._text):], text
-        return piece
+    def _released(self, tokens: Iterator[int]) -> Iterator[tuple[int, str]]:
+        """Each token with the text it lets go: text that may begin a stop string is held
+        until a later token shows it does not (a stop string's start is never sent), the
+        token that held it sent then; what is held when the generation ends goes with its
+        last token."""
+        held: tuple[int, str] | None = None
+        for token in tokens:
+            self.ids.append(token)
+            self.stopped = token in self.sampling.stop
+            if self.tokenizer is not None:  # the whole output decoded: a token may complete
+                # a character another began
+                self._text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            piece, self._sent, hit = release(self._text, self._sent, self.stop_text)
+            if held is not None:
+                yield held
+                held = None
+            if hit:  # a stop string: the text up to it, and the end
+                self._text, self.stopped = self._text[:self._sent], True
+                yield token, piece
+                return
+            if self._sent < len(self._text):
+                held = (token, piece)
+            else:
+                yield token, piece
+        if held is not None:
+            yield held[0], held[1] + self._text[self._sent:]
+            self._sent = len(self._text)
 
     @property
     def text(self) -> str:
@@ -249,6 +258,20 @@ def chunks_of(model: LoadedModel, key: str) -> tuple[int, ...]:
                       f"lengths {sizes or 'none of'} {CHUNKS}): export it with a length of 1, "
                       "or a dynamic one from 1")
     return sizes
+
+
+def release(text: str, sent: int, stops: tuple[str, ...]) -> tuple[str, int, bool]:
+    """(the text after `sent` that can go out now, how much has gone then, whether a stop
+    string ends it there): all of it but a tail that could begin a stop string; up to the
+    first stop string found."""
+    at = min((i for i in (text.find(s, max(0, sent - len(s) + 1)) for s in stops) if i >= 0),
+             default=-1)
+    if at >= 0:
+        return text[sent:at], max(sent, at), True
+    tail = max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])),
+               default=0)
+    end = max(sent, len(text) - tail)
+    return text[sent:end], end, False
 
 
 def split_stops(options: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:

@@ -24,6 +24,7 @@ from daemons import DaemonProcess, free_port, suite_config
 
 from cuvild.client import Client
 from cuvild.client.errors import CuvildError
+from cuvild.serve.generation import release
 
 PROMPT = [5, 17, 42, 99]
 # a chat template over the tiny vocabulary: "w4 w1 <user's words> w2" for one user message
@@ -252,6 +253,15 @@ def test_chat_completions_render_the_entrys_template_and_stop_strings_end_text(
     answer = json.loads(body)["choices"][0]
     assert answer["text"].split() == [WORDS[t] for t in plain[:cut]]
     assert answer["finish_reason"] == "stop"
+    # streamed, a stop string of two tokens: its first is held back, never sent
+    first = plain.index(plain[1])
+    status, body = post(daemon.http, "/v1/completions", {
+        "model": "llama", "prompt": words, "max_tokens": 8, "stream": True,
+        "stop": [f"{WORDS[plain[1]]} {WORDS[plain[2]]}"]})
+    chunks = events(body)
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    assert status == 200 and text.split() == [WORDS[t] for t in plain[:first]], chunks
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     status, body = post(daemon.http, "/v1/chat/completions", {**doc, "model": "gpt2"})
     assert status == 400 and b"gpt2:1 has no chat template" in body
     status, body = post(daemon.http, "/v1/chat/completions", {**doc, "messages": []})
@@ -306,3 +316,11 @@ def test_triton_stream_infer_streams_a_generations_tokens(daemon, served) -> Non
         result, error = got.get(timeout=120)
         assert error is not None and "nope" in str(error)
         triton.stop_stream()
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back() -> None:
+    assert release("a w1", 0, ("w1 w2",)) == ("a ", 2, False)  # "w1" may begin it
+    assert release("a w1 w3", 2, ("w1 w2",)) == ("w1 w3", 7, False)  # it did not
+    assert release("a w1 w2 w9", 2, ("w1 w2",)) == ("", 2, True)  # it did: the text ends
+    assert release("hello", 0, ()) == ("hello", 5, False)
+    assert release("x END y", 0, ("END", "y")) == ("x ", 2, True)  # the first found
