@@ -166,6 +166,9 @@ class Config:  # a key per field; `path` alone is not one (the file it was read 
                                  positive=True)
     sequence_idle_s: float = setting("engine.sequences.idle_timeout_s", 300.0, "a sequence "
                                      "idle this long ends", positive=True)
+    compile_steps: bool = setting("engine.sequences.compile_steps", True, "compile a "
+                                  "language model's decode step at its first use (inductor), "
+                                  "served where it measures faster")
     runtimes: dict[str, list[str]] = setting(
         "engine.runtimes", {}, "device id or kind -> the runtimes auto may try ({}: all)",
         reload=True, read=lambda v, key: _runtimes(v))

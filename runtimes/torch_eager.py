@@ -39,6 +39,7 @@ import torch
 from torch import fx
 
 from partitioner.profile import DeviceProfile
+from runtimes import compiled_step
 from runtimes.attention import attended
 from runtimes.base import CompileSpec, Executable, Runtime
 from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, runs
@@ -137,6 +138,11 @@ _linear_in_batch = torch.library.custom_op(
         lambda x, weight, bias: _PACKED_LINEAR(x, weight, bias, "none", [], ""))
 
 
+@_linear_in_batch.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))  # (a packed weight keeps [out, in])
+
+
 @_linear_in_batch.register_vmap
 def _(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, weight: torch.Tensor,
       bias: torch.Tensor | None) -> tuple[torch.Tensor, int | None]:
@@ -151,10 +157,11 @@ def _size(value: torch.Tensor, dim: int) -> int:
     return value.shape[dim]  # (under vmap: the size one sequence's step sees)
 
 
-def batchable(module: fx.GraphModule) -> fx.GraphModule:
-    """The module as vmap runs it: its packed linears as `_linear_in_batch` (a weight packed
-    for one row packed again for several: `_packed`), a dynamic-shape bucket's size reads as
-    plain Python (aten's `sym_size` has no batching rule)."""
+def batchable(module: fx.GraphModule, repack: bool = True) -> fx.GraphModule:
+    """The module as vmap runs it: its packed linears as `_linear_in_batch` (with `repack`, a
+    weight packed for one row packed again for several: `_packed`), a dynamic-shape bucket's
+    size reads as plain Python (aten's `sym_size` has no batching rule). Also what inductor
+    compiles (runtimes/compiled_step.py): the custom op is opaque to it, oneDNN's op is not."""
     graph = copy.deepcopy(module.graph)
     attrs = {str(n.target): _attr(module, str(n.target)) for n in graph.nodes
              if n.op == "get_attr"}
@@ -162,7 +169,7 @@ def batchable(module: fx.GraphModule) -> fx.GraphModule:
         if node.target is _PACKED_LINEAR:
             node.target, node.args = torch.ops.cuvild.packed_linear.default, node.args[:3]
             weight = node.args[1]
-            source = module.meta.get(ONE_ROW, {}).get(str(weight.target))
+            source = module.meta.get(ONE_ROW, {}).get(str(weight.target)) if repack else None
             if source is not None:  # the weight again, packed for PACK_ROWS
                 name = f"{weight.target}_rows"
                 attrs[name] = _derived(source, f"packed{PACK_ROWS}",
@@ -194,7 +201,7 @@ def _is_float(arg: object) -> bool:
 
 
 def prepared(module: fx.GraphModule, dtype: torch.dtype | None,
-             inputs: Sequence[torch.Tensor] = ()) -> fx.GraphModule:
+             inputs: Sequence[torch.Tensor] = (), attend: bool = True) -> fx.GraphModule:
     """The part as the runtime runs it at `dtype` (None: as exported) on inputs shaped as
     `inputs` (none: any): its weights lowered (`lowered`), then its linears on oneDNN's
     packed weights where `packs` (one packing per weight and row count, shared by the
@@ -204,8 +211,9 @@ def prepared(module: fx.GraphModule, dtype: torch.dtype | None,
     packed for one row: 24 such weights read from memory, 515 -> 386 us each, the 200M
     Llama's decode step 39.1 -> 31.4 ms (packed for 128 rows it is faster from 4 rows up,
     and bf16 gains nothing). Its attentions first work on the keys they attend
-    (runtimes/attention.py: a static cache's unwritten tail left out)."""
-    module = attended(module)
+    (runtimes/attention.py: a static cache's unwritten tail left out; not with `attend`
+    False)."""
+    module = attended(module) if attend else module
     module = module if dtype is None else lowered(module, dtype)
     if not packs(dtype) or not any(n.target is _LINEAR for n in module.graph.nodes):
         return module
@@ -351,6 +359,10 @@ class TorchExecutable(Executable):
 
     def __init__(self, module: fx.GraphModule, dtype: torch.dtype | None) -> None:
         self.module = module
+        self._plain = module  # (what a batch of sequences runs: `_vmapped`)
+        self._call: Callable[..., Any] = module  # the module, or its compiled form
+        # (source, the part as exported): compiled at a sequence's first step (compiled_step)
+        self.tier_up: tuple[Callable[[], fx.GraphModule], fx.GraphModule] | None = None
         self.dtype = dtype
         self.state = remember_initial(module)  # what a sequence keeps: runs change it in place
         self.initial: dict[str, torch.Tensor] = module.meta.get(INITIAL, {})
@@ -428,7 +440,7 @@ class TorchExecutable(Executable):
 
     def _vmapped(self) -> Callable[..., Any]:
         if self._batched is None:
-            batch = batchable(self.module)
+            batch = batchable(self._plain)
 
             def one(state: dict[str, torch.Tensor], *inputs: torch.Tensor) -> Any:
                 return tuple(torch.func.functional_call(batch, state, inputs))
@@ -442,9 +454,34 @@ class TorchExecutable(Executable):
         return out.float() if self.dtype is not None and out.dtype in (
             torch.bfloat16, torch.float16) else out
 
+    def run_on(self, module: fx.GraphModule, call: Callable[..., Any],
+               inputs: Sequence[torch.Tensor], state: dict[str, torch.Tensor],
+               ) -> list[torch.Tensor]:
+        """One run of `call` (`module`, or its compiled form) on a copy of `state`."""
+        home = {n: _attr(module, n) for n in self.state}
+        for name, value in state.items():
+            _set_attr(module, name, value.clone())
+        try:
+            with torch.inference_mode():
+                return [self._back(o) for o in call(*inputs)]
+        finally:
+            for name, value in home.items():
+                _set_attr(module, name, value)
+
+    def serve_compiled(self, module: fx.GraphModule, compiled: Callable[..., Any]) -> None:
+        """Run single steps as `compiled` (`module`'s compiled form) from now on."""
+        self.module, self._call = module, compiled
+        self.home = {n: _attr(module, n) for n in self.state}
+
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if not self.state:
             return self._run(inputs)
+        if self.tier_up is not None and self._next[1]:  # a sequence's first step here
+            (source, reference), self.tier_up = self.tier_up, None
+            scope, slot = self._next
+            held = pool(scope, self.initial, self._layout)
+            log.info("a decode step: %s", compiled_step.tier_up(
+                self, source, reference, inputs, held.views(held.row(slot))))
         self._install()
         try:
             return self._run(inputs)
@@ -454,7 +491,7 @@ class TorchExecutable(Executable):
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.inference_mode():
-            outs = list(self.module(*inputs))
+            outs = list(self._call(*inputs))
         return [self._back(o) for o in outs]
 
 
@@ -475,4 +512,9 @@ class TorchRuntime(Runtime):
 
     def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
         dtype = DTYPES.get(spec.precision)
-        return TorchExecutable(prepared(part, dtype, spec.example_inputs), dtype)
+        exe = TorchExecutable(prepared(part, dtype, spec.example_inputs), dtype)
+        inputs = list(spec.example_inputs)
+        if compiled_step.wanted(exe.state, _rows(part, inputs)):
+            exe.tier_up = (lambda: batchable(prepared(part, dtype, inputs, attend=False),
+                                             repack=False), part)
+        return exe

@@ -3,6 +3,7 @@ marker put on every test that starts one, so `pytest -m "not daemon"` runs the f
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -11,6 +12,10 @@ from typing import Any
 
 import pytest
 from daemons import DaemonProcess, suite_config
+
+# A language model's decode step is not compiled at its first use in the tests' own engines
+# and workers (inductor, ~10 s a model): tests/runtimes/test_compiled_step.py turns it on.
+os.environ["CUVILD_COMPILE_STEPS"] = "0"
 
 # Fixtures that start a cuvild and serve it to a test (the `env` of tests/serve/ included).
 DAEMON_FIXTURES = {"daemon", "make_daemon", "env"}

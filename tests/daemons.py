@@ -186,8 +186,11 @@ def daemon_config(workdir: Path, state_dir: Path, sock_dir: Path,
 def suite_config(workdir: Path, state_dir: Path, sock_dir: Path, **extra: Any) -> dict[str, Any]:
     """daemon_config for a test's daemon: `auto` builds with TEST_RUNTIMES unless the test
     names engine.runtimes itself (the benchmarks keep every runtime, as users do), OpenMP
-    waits passive."""
-    engine = {"runtimes": TEST_RUNTIMES, "omp_wait": "passive", **extra.pop("engine", {})}
+    waits passive, decode steps are not compiled."""
+    engine = {"runtimes": TEST_RUNTIMES, "omp_wait": "passive",
+              # (a language model's decode step compiled at its first use: ~10 s a model,
+              # tested by tests/runtimes/test_compiled_step.py)
+              "sequences": {"compile_steps": False}, **extra.pop("engine", {})}
     # (passive: two pytest workers share the 2 cores; spinning pools slow the other's daemons)
     return daemon_config(workdir, state_dir, sock_dir, engine=engine, **extra)
 

@@ -377,6 +377,8 @@ class Daemon:
         os.environ.setdefault(KEY_ENV, str(self.cfg.state_dir / "cache.key"))
         # the workers' CUDA graphs (runtimes/graphs.py), inherited by every worker
         os.environ["CUVILD_CUDA_GRAPHS"] = "1" if self.cfg.cuda_graphs else "0"
+        # and their language models' compiled decode steps (runtimes/compiled_step.py)
+        os.environ["CUVILD_COMPILE_STEPS"] = "1" if self.cfg.compile_steps else "0"
         cache_key_file()  # made now (0600), not by two workers at once
         quiet_grpc_logs()
         log.debug("open-file limit %d", soft)

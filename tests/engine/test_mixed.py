@@ -195,8 +195,11 @@ def test_a_sensitive_layer_stays_fp32_and_the_rest_runs_bf16(engine, net, archiv
     assert mix and mix[0]["runtime"] == "openvino", variants
     assert "1 of 8 groups kept fp32: gate" in mix[0]["reason"], mix
     assert mix[0]["rel_error"] <= 1e-2
-    # the whole part at bf16 is over the budget (tried and refused, or slower than the mix)
-    assert min(c["rel_error"] for c in variants if c["precision"] == "bf16") > 1e-2, variants
+    # the whole part at bf16 is over the budget (tried and refused, or slower than the mix;
+    # or, where it ran slower than fp32, its error not measured)
+    bf16 = [c["rel_error"] for c in variants if c["precision"] == "bf16"
+            and "its error not measured" not in c["reason"]]
+    assert not bf16 or min(bf16) > 1e-2, variants
     assert part.precision in ("bf16+fp32", "fp32"), notes  # never bf16 alone
     if part.precision == "bf16+fp32":
         said = [n for n in notes if n.startswith("p0 runs bf16+fp32")]

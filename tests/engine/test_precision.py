@@ -107,6 +107,8 @@ def test_a_budget_of_1e_2_serves_within_it_on_held_out_inputs(engine, model):
     loaded = load(engine, model, "tight", PrecisionPolicy("auto", 1e-2, calibration, "t1"))
     tried = {c["precision"]: c for c in loaded.routes[0].built.candidates
              if c["runtime"] == "openvino"}
+    if "not faster" in tried["int8"]["reason"]:  # (its error not measured: nothing to back off)
+        pytest.skip(f"int8 runs no faster than fp32 on this CPU: {tried['int8']['reason']}")
     assert tried["int8"]["rel_error"] > 1e-2, tried["int8"]  # (else nothing to back off)
     assert tried["int8+fp32"]["status"] == "ok", tried["int8+fp32"]
     assert tried["int8+fp32"]["rel_error"] <= 1e-2  # (it aims at half, on half of them)

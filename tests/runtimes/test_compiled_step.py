@@ -1,0 +1,90 @@
+"""runtimes/compiled_step.py: a language model's decode step compiled by inductor at the first
+step of a sequence, serving only where it holds the eager step's error and is faster; what it
+serves gives the eager step's logits step after step, in two sequences; a prompt's chunk, a
+part without state, or the setting off compile nothing; a failed compile leaves it eager."""
+
+from __future__ import annotations
+
+import logging
+
+import lm_models
+import pytest
+import torch
+from test_torch_lowered import one_part
+
+from partitioner.profile import DeviceProfile
+from runtimes import compiled_step
+from runtimes.base import CompileSpec
+from runtimes.torch_eager import TorchRuntime, drop_scope, remember_initial
+
+CPU = DeviceProfile(id="cpu0", kind="cpu", cores=[0])
+TOKENS = [[5, 9, 17, 3], [42, 7, 1, 99]]
+
+
+@pytest.fixture(scope="module")
+def part() -> torch.fx.GraphModule:
+    module = one_part(lm_models.export(lm_models.lm("llama")))
+    remember_initial(module)
+    return module
+
+
+def step(position: int, token: int) -> list[torch.Tensor]:
+    return [torch.tensor([position]), torch.tensor([[token]])]
+
+
+def build(part: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch, on: str = "1"):  # noqa: ANN201
+    monkeypatch.setenv(compiled_step.ENV, on)
+    return TorchRuntime().compile(part, CompileSpec(CPU, "fp32", step(0, 1)))
+
+
+def test_the_decode_step_compiles_at_a_sequences_first_step_and_matches_eager(
+        part: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(compiled_step, "FASTER", 1e9)  # (served whatever the timing here)
+    tiered, eager = build(part, monkeypatch), build(part, monkeypatch, on="0")
+    assert tiered.tier_up is not None and eager.tier_up is None
+    eager.run(step(0, 1))  # (no sequence: runs eagerly, compiles nothing)
+    assert tiered.run(step(0, 1)) and tiered.tier_up is not None
+    with caplog.at_level(logging.INFO, logger="runtimes.torch_eager"):
+        try:
+            for t in range(len(TOKENS[0])):
+                for k, tokens in enumerate(TOKENS):
+                    tiered.use(k + 1, "tiered")
+                    eager.use(k + 1, "eager")
+                    (got,), (want,) = tiered.run(step(t, tokens[t])), eager.run(step(t, tokens[t]))
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        finally:
+            drop_scope("tiered")
+            drop_scope("eager")
+    assert tiered.tier_up is None
+    assert any("serves compiled" in r.getMessage() for r in caplog.records), caplog.text
+    assert tiered._call is not tiered.module  # noqa: SLF001 - what single steps run now
+
+
+def test_only_a_stateful_one_row_step_with_the_setting_on_is_compiled(
+        part: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiled_step.ENV, "1")
+    assert compiled_step.wanted(["cache"], {"linear": 1})
+    assert not compiled_step.wanted(["cache"], {"linear": 1, "linear_1": 8})  # a prompt chunk
+    assert not compiled_step.wanted([], {"linear": 1})  # no state: no sequence
+    monkeypatch.setenv(compiled_step.ENV, "0")
+    assert not compiled_step.wanted(["cache"], {"linear": 1})
+    chunk = TorchRuntime().compile(part, CompileSpec(CPU, "fp32", [torch.arange(3),
+                                                                   torch.tensor([[1, 2, 3]])]))
+    assert chunk.tier_up is None
+
+
+def test_a_failed_compile_leaves_the_step_eager(
+        part: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    exe = build(part, monkeypatch)
+    monkeypatch.setattr(torch, "compile", refuse)
+    with caplog.at_level(logging.INFO, logger="runtimes.torch_eager"):
+        exe.use(1, "refused")
+        (got,) = exe.run(step(0, 5))
+    drop_scope("refused")
+    assert exe._call is exe.module and torch.isfinite(got).all()  # noqa: SLF001
+    assert "stays eager: inductor failed: RuntimeError: no C++ compiler" in caplog.text
