@@ -7,15 +7,17 @@ dispatch. Inductor fuses the small ops into a few C++ loops and calls the produc
 as vLLM compiles its model before serving. The 200M Llama's decode step on the 2-core EPYC:
 15.4 -> 12.6 ms at fp16; at fp32 (its products ~3/4 of the step) no faster, so it stays eager.
 
-Tiered as a JIT is: a stateful part built for one row (`wanted`) runs eagerly until its first
-step of a sequence, which compiles it (`tier_up`; ~15 s for that model here, inductor's cache
-under the compile cache directory making a restart's shorter). That step, on copies of its
-sequence's state (a prompt's cache), checks the compiled step against the part as exported
-(fp32) beside the eager step, and times both, alternating; the compiled step serves only if
-its error is within 1.25x of the eager step's and it runs within FASTER of its time, else
-the part stays eager (the reason logged, as any failure to compile: no C++ compiler, a
-graph inductor refuses). A precision search's variants never run a sequence, so only the
-variant chosen is compiled.
+Tiered as a JIT is: a stateful part built for one row (`wanted`) runs eagerly, and its first
+step of a sequence starts a thread that compiles it (`start`, `tier_up`; ~11 s for that model
+here, cold; inductor's cache under the compile cache directory makes a restart's shorter),
+the steps running eagerly meanwhile: a compile that outlasted a request's deadline would have
+the worker taken as hung. The thread, on copies of that step (its inputs, its sequence's
+state: a prompt's cache) and on modules of its own, checks the compiled step against the part
+as exported (fp32) beside the eager step; the next run, in the serving thread, times both,
+alternating (~0.3 s once). The compiled step serves from then on only if its error is within
+1.25x of the eager step's and it runs within FASTER of its time, else the part stays eager
+(the reason logged, as any failure to compile: no C++ compiler, a graph inductor refuses). A precision search's variants never
+run a sequence, so only the variant chosen is compiled.
 
 What it compiles is the part without runtimes/attention.py's slicing (a key length read
 from the mask each step would compile again at every length): the compiled step attends the
@@ -29,9 +31,10 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -43,17 +46,23 @@ FASTER = 0.95  # the compiled step serves where it takes at most this share of t
 RUNS = 5  # timed runs of each, alternating
 
 
+class Sources(NamedTuple):
+    """What a tier-up builds, each a new module on the part's tensors (the serving thread's
+    modules are never touched from the compiling one)."""
+
+    compiled: Callable[[], torch.fx.GraphModule]  # what inductor compiles
+    eager: Callable[[], torch.fx.GraphModule]  # the eager step, timed beside it
+    exported: Callable[[], torch.fx.GraphModule]  # the part as exported (fp32): the reference
+
+
 class Step(Protocol):
     """What `tier_up` needs of the torch runtime's executable."""
-
-    module: torch.fx.GraphModule
 
     def run_on(self, module: torch.fx.GraphModule, call: Callable[..., Any],
                inputs: Sequence[torch.Tensor], state: dict[str, torch.Tensor],
                ) -> list[torch.Tensor]: ...
 
-    def serve_compiled(self, module: torch.fx.GraphModule,
-                       compiled: Callable[..., Any]) -> None: ...
+    def offer(self, offer: Offer) -> None: ...
 
 
 def enabled() -> bool:
@@ -66,41 +75,76 @@ def wanted(state: Sequence[str], rows: dict[str, int]) -> bool:
     return bool(state) and bool(rows) and set(rows.values()) == {1} and enabled()
 
 
-def tier_up(exe: Step, source: Callable[[], torch.fx.GraphModule],
-            reference: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
-            state: dict[str, torch.Tensor]) -> str:
-    """Compile `source()` (the part as `exe` runs it, for inductor), check it and time it
-    against `exe`'s own module on a sequence's step (`inputs` on copies of its `state`);
-    where it holds and is faster, `exe` runs it from now on. What was decided, for the log.
+class Offer(NamedTuple):
+    """A compiled step that held the check, for the serving thread to time (`faster`)."""
 
-    Held: its error against `reference` (the part as exported, fp32) within 1.25x of the
-    eager step's own (a step at fp16 rounds differently wherever anything moves, ~7e-4 on
-    the 200M Llama's logits, its eager error 2.5e-3), at least fp32's tolerance."""
+    module: torch.fx.GraphModule
+    compiled: Callable[..., Any]
+    eager: torch.fx.GraphModule
+    inputs: list[torch.Tensor]
+    state: dict[str, torch.Tensor]
+    said: str  # how it was compiled and checked
+
+
+def start(exe: Step, sources: Sources, inputs: Sequence[torch.Tensor],
+          state: dict[str, torch.Tensor]) -> threading.Thread:
+    """`tier_up` in a thread of its own, on copies of a sequence's step (`inputs`, `state`)
+    taken now: the step it was taken from, and those after it, run eagerly meanwhile (a
+    compile that outlasted a request's deadline would have the worker taken as hung)."""
+    inputs = [t.clone() for t in inputs]
+    state = {n: v.clone() for n, v in state.items()}
+
+    def run() -> None:
+        refused = tier_up(exe, sources, inputs, state)
+        if refused:
+            log.info("a decode step stays eager: %s", refused)
+
+    thread = threading.Thread(target=run, name="cuvild-compile-step", daemon=True)
+    thread.start()
+    return thread
+
+
+def tier_up(exe: Step, sources: Sources, inputs: list[torch.Tensor],
+            state: dict[str, torch.Tensor]) -> str:
+    """Compile `sources.compiled` and check it against the eager step on a sequence's step
+    (`inputs` on copies of its `state`); where it holds, offer it to `exe`, whose serving
+    thread times it (`faster`: timed here, beside the steps it serves, on two cores it
+    measured the serving, not the step). Why not, or "" where it was offered.
+
+    Held: its error against the part as exported (fp32) within 1.25x of the eager step's own
+    (a step at fp16 rounds differently wherever anything moves, ~7e-4 on the 200M Llama's
+    logits, its eager error 2.5e-3), at least fp32's tolerance."""
     try:
-        module = source()
+        module, eager, exported = sources.compiled(), sources.eager(), sources.exported()
         compiled = torch.compile(module, dynamic=False)
         t0 = time.perf_counter()
         got = exe.run_on(module, compiled, inputs, state)  # (compiles)
         compile_s = time.perf_counter() - t0
-        want = exe.run_on(exe.module, exe.module, inputs, state)
-        exact = exe.run_on(reference, reference, inputs, state)
+        want = exe.run_on(eager, eager, inputs, state)
+        exact = exe.run_on(exported, exported, inputs, state)
         error, own = set_error([got], [exact]), set_error([want], [exact])
-        if not error <= max(1.25 * own, TOLERANCE["fp32"]):
-            return f"stays eager: compiled {error:.1e} from fp32, eager {own:.1e}"
-        times: dict[str, list[float]] = {"eager": [], "compiled": []}
-        for _ in range(RUNS):
-            for name, (mod, call) in (("eager", (exe.module, exe.module)),
-                                      ("compiled", (module, compiled))):
-                t0 = time.perf_counter()
-                exe.run_on(mod, call, inputs, state)
-                times[name].append((time.perf_counter() - t0) * 1e3)
     except Exception as e:  # noqa: BLE001 - any compile failure leaves the step eager
-        return f"stays eager: inductor failed: {type(e).__name__}: {str(e)[:300]}"
-    eager, fast = statistics.median(times["eager"]), statistics.median(times["compiled"])
-    said = (f"compiled by inductor in {compile_s:.1f} s: {eager:.2f} -> {fast:.2f} ms a step, "
-            f"error {error:.1e} (eager {own:.1e})")
-    if fast > FASTER * eager:
-        return f"stays eager: {said}, not faster"
-    exe.serve_compiled(module, compiled)
-    return f"{said}, serves compiled"
+        return f"inductor failed: {type(e).__name__}: {str(e)[:300]}"
+    if not error <= max(1.25 * own, TOLERANCE["fp32"]):
+        return f"compiled {error:.1e} from fp32, eager {own:.1e}"
+    said = f"compiled by inductor in {compile_s:.1f} s, error {error:.1e} (eager {own:.1e})"
+    log.info("a decode step %s: timed at its next run", said)
+    exe.offer(Offer(module, compiled, eager, inputs, state, said))
+    return ""
 
+
+def faster(exe: Step, offer: Offer) -> bool:
+    """Whether `offer` runs within FASTER of the eager step's time (RUNS of each, alternating,
+    on copies of its step), said in the log."""
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for _ in range(RUNS):
+        for name, (mod, call) in (("eager", (offer.eager, offer.eager)),
+                                  ("compiled", (offer.module, offer.compiled))):
+            t0 = time.perf_counter()
+            exe.run_on(mod, call, offer.inputs, offer.state)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    eager, fast = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    kept = fast <= FASTER * eager
+    log.info("a decode step %s: %s, %.2f -> %.2f ms a step", "serves compiled" if kept
+             else "stays eager, not faster", offer.said, eager, fast)
+    return kept

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import logging
 import platform
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -361,8 +362,11 @@ class TorchExecutable(Executable):
         self.module = module
         self._plain = module  # (what a batch of sequences runs: `_vmapped`)
         self._call: Callable[..., Any] = module  # the module, or its compiled form
-        # (source, the part as exported): compiled at a sequence's first step (compiled_step)
-        self.tier_up: tuple[Callable[[], fx.GraphModule], fx.GraphModule] | None = None
+        # what compiled_step compiles at a sequence's first step here, in the background;
+        # the thread, and what it offers when done (module, compiled), taken before a run
+        self.tier_up: compiled_step.Sources | None = None
+        self.compiling: threading.Thread | None = None
+        self._offered: compiled_step.Offer | None = None
         self.dtype = dtype
         self.state = remember_initial(module)  # what a sequence keeps: runs change it in place
         self.initial: dict[str, torch.Tensor] = module.meta.get(INITIAL, {})
@@ -468,20 +472,25 @@ class TorchExecutable(Executable):
             for name, value in home.items():
                 _set_attr(module, name, value)
 
-    def serve_compiled(self, module: fx.GraphModule, compiled: Callable[..., Any]) -> None:
-        """Run single steps as `compiled` (`module`'s compiled form) from now on."""
-        self.module, self._call = module, compiled
-        self.home = {n: _attr(module, n) for n in self.state}
+    def offer(self, offer: compiled_step.Offer) -> None:
+        """A compiled step, timed before the next run and served from it on where faster
+        (called from compiled_step's thread: the run's thread swaps it in)."""
+        self._offered = offer
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if not self.state:
             return self._run(inputs)
+        if self._offered is not None:
+            offer, self._offered = self._offered, None
+            if compiled_step.faster(self, offer):
+                self.module, self._call = offer.module, offer.compiled
+                self.home = {n: _attr(self.module, n) for n in self.state}
         if self.tier_up is not None and self._next[1]:  # a sequence's first step here
-            (source, reference), self.tier_up = self.tier_up, None
+            sources, self.tier_up = self.tier_up, None
             scope, slot = self._next
             held = pool(scope, self.initial, self._layout)
-            log.info("a decode step: %s", compiled_step.tier_up(
-                self, source, reference, inputs, held.views(held.row(slot))))
+            self.compiling = compiled_step.start(self, sources, inputs,
+                                                 held.views(held.row(slot)))
         self._install()
         try:
             return self._run(inputs)
@@ -515,6 +524,8 @@ class TorchRuntime(Runtime):
         exe = TorchExecutable(prepared(part, dtype, spec.example_inputs), dtype)
         inputs = list(spec.example_inputs)
         if compiled_step.wanted(exe.state, _rows(part, inputs)):
-            exe.tier_up = (lambda: batchable(prepared(part, dtype, inputs, attend=False),
-                                             repack=False), part)
+            exe.tier_up = compiled_step.Sources(
+                lambda: batchable(prepared(part, dtype, inputs, attend=False), repack=False),
+                lambda: prepared(part, dtype, inputs),
+                lambda: fx.GraphModule(part, copy.deepcopy(part.graph)))
         return exe

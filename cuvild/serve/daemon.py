@@ -40,7 +40,7 @@ from cuvild.serve import sdnotify
 from cuvild.serve.control import ControlService
 from cuvild.serve.front import Front
 from cuvild.serve.limits import Gate, Uploads, quiet_grpc_logs, raise_nofile
-from cuvild.workers.worker import OMP_WAIT_ENV, shares_cores
+from cuvild.workers.worker import LOG_LEVEL_ENV, OMP_WAIT_ENV, shares_cores
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
 from runtimes.cache import KEY_ENV, cache_key_file
 from runtimes.profiling import measure as profiles_mod
@@ -377,6 +377,7 @@ class Daemon:
         os.environ.setdefault(KEY_ENV, str(self.cfg.state_dir / "cache.key"))
         # the workers' CUDA graphs (runtimes/graphs.py), inherited by every worker
         os.environ["CUVILD_CUDA_GRAPHS"] = "1" if self.cfg.cuda_graphs else "0"
+        os.environ[LOG_LEVEL_ENV] = self.cfg.log_level  # (the workers' log, from their start)
         # and their language models' compiled decode steps (runtimes/compiled_step.py)
         os.environ["CUVILD_COMPILE_STEPS"] = "1" if self.cfg.compile_steps else "0"
         cache_key_file()  # made now (0600), not by two workers at once

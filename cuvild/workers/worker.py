@@ -398,6 +398,9 @@ def _quiet() -> None:
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
+LOG_LEVEL_ENV = "CUVILD_LOG_LEVEL"  # the daemon's log_level at start: its workers' too
+
+
 def process_main(conn: Any, device_dict: dict[str, Any], cache_dir: str) -> None:
     """The worker process's entry point (a spawned process gets the profile as a dict). It
     leaves without the interpreter's teardown (~1 s with torch: cuvild/workers/quick_exit.py)."""
@@ -407,6 +410,11 @@ def process_main(conn: Any, device_dict: dict[str, Any], cache_dir: str) -> None
         # the forkserver's, a spawned one's python's)
         Path("/proc/self/comm").write_text(f"cuvil-{device_dict['id']}"[:15])
     thread_lock_for_tqdm()
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if level:  # its log lines beside the daemon's, naming the worker
+        logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s [%(processName)s]: "
+                                   "%(message)s")
     serve(conn, DeviceProfile.from_dict(device_dict), cache_dir)
     quick_exit(0)
 

@@ -190,6 +190,10 @@ def served(home: Path, label: str, engine: dict[str, Any], prompt: list[int], ne
         t0 = time.perf_counter()  # its buckets (the prompt's chunk, decode steps of 1)
         client_row(daemon.target, "llama", prompt, 2)
         report["first_request_s"] = round(time.perf_counter() - t0, 1)
+        # its decode step compiles in the background from that request on
+        # (runtimes/compiled_step.py): the rows are measured once it is compiled (and timed
+        # by the next request's first step)
+        decided(daemon.log_path)
         # a second one, not counted: the first request after a search measured ~0.1 s
         # slower to its first token (the losing variants' weights let go of meanwhile)
         report["second_request_ttft_s"] = client_row(daemon.target, "llama", prompt, 2)[
@@ -211,9 +215,22 @@ def served(home: Path, label: str, engine: dict[str, Any], prompt: list[int], ne
             four = concurrent_row(daemon.target, "llama", prompt, new, 4)
             report["concurrent"] = {"one": one, "four": four,
                                     "ratio": round(four["tok_s"] / one["tok_s"], 2)}
+        report["decode_step"] = decided(daemon.log_path, 0.0)
     finally:
         daemon.stop()
     return report
+
+
+def decided(log: Path, timeout_s: float = 600.0) -> list[str]:
+    """What the workers' log says of the compiled decode step, once it says anything (up
+    to `timeout_s`)."""
+    t0 = time.perf_counter()
+    while True:
+        said = [line.split("]: ", 1)[-1].strip() for line in log.read_text().splitlines()
+                if "a decode step" in line]
+        if said or time.perf_counter() - t0 >= timeout_s:
+            return said
+        time.sleep(0.5)
 
 
 def main() -> dict[str, Any]:
@@ -275,6 +292,8 @@ def show(r: dict[str, Any]) -> None:
                   f"transformers' {c['same_tokens_as_transformers']:.0%}")
         for why in (w for v in p["buckets"].values() for w in v["why"]):
             print(f"    {why}")
+        for said in p.get("decode_step", []):
+            print(f"    {said}")
     g = r["openvino_genai"]
     if "skipped" in g:
         print(f"  OpenVINO GenAI: not measured: {g['skipped']}")

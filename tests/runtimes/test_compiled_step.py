@@ -1,6 +1,7 @@
-"""runtimes/compiled_step.py: a language model's decode step compiled by inductor at the first
-step of a sequence, serving only where it holds the eager step's error and is faster; what it
-serves gives the eager step's logits step after step, in two sequences; a prompt's chunk, a
+"""runtimes/compiled_step.py: a language model's decode step compiled by inductor from the first
+step of a sequence on (in a thread, the steps eager meanwhile), serving only where it holds the
+eager step's error and is faster; what it serves gives the eager step's logits step after
+step, in two sequences; a prompt's chunk, a
 part without state, or the setting off compile nothing; a failed compile leaves it eager."""
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_the_decode_step_compiles_at_a_sequences_first_step_and_matches_eager(
     assert tiered.tier_up is not None and eager.tier_up is None
     eager.run(step(0, 1))  # (no sequence: runs eagerly, compiles nothing)
     assert tiered.run(step(0, 1)) and tiered.tier_up is not None
-    with caplog.at_level(logging.INFO, logger="runtimes.torch_eager"):
+    with caplog.at_level(logging.INFO, logger="runtimes.compiled_step"):
         try:
             for t in range(len(TOKENS[0])):
                 for k, tokens in enumerate(TOKENS):
@@ -53,12 +54,14 @@ def test_the_decode_step_compiles_at_a_sequences_first_step_and_matches_eager(
                     eager.use(k + 1, "eager")
                     (got,), (want,) = tiered.run(step(t, tokens[t])), eager.run(step(t, tokens[t]))
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                    if tiered.compiling is not None and t == 0:  # compiling since step 0
+                        tiered.compiling.join(300)
         finally:
             drop_scope("tiered")
             drop_scope("eager")
     assert tiered.tier_up is None
     assert any("serves compiled" in r.getMessage() for r in caplog.records), caplog.text
-    assert tiered._call is not tiered.module  # noqa: SLF001 - what single steps run now
+    assert tiered._call is not tiered._plain  # noqa: SLF001 - what single steps run now
 
 
 def test_only_a_stateful_one_row_step_with_the_setting_on_is_compiled(
@@ -82,9 +85,12 @@ def test_a_failed_compile_leaves_the_step_eager(
 
     exe = build(part, monkeypatch)
     monkeypatch.setattr(torch, "compile", refuse)
-    with caplog.at_level(logging.INFO, logger="runtimes.torch_eager"):
+    with caplog.at_level(logging.INFO, logger="runtimes.compiled_step"):
         exe.use(1, "refused")
         (got,) = exe.run(step(0, 5))
+        exe.compiling.join(60)
+        exe.use(1, "refused")
+        exe.run(step(1, 6))
     drop_scope("refused")
-    assert exe._call is exe.module and torch.isfinite(got).all()  # noqa: SLF001
+    assert exe._call is exe._plain and torch.isfinite(got).all()  # noqa: SLF001
     assert "stays eager: inductor failed: RuntimeError: no C++ compiler" in caplog.text
