@@ -4,6 +4,7 @@ them first. Every ```python block names its config, so a new one cannot go untri
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -43,17 +44,31 @@ def test_every_python_block_names_its_config() -> None:
 
 @pytest.mark.parametrize("config", sorted({c for _, c, _ in python_blocks() if c}))
 def test_python_blocks_run_as_written(make_daemon, tmp_path: Path, config: str) -> None:
-    """Each block in its own interpreter, in the order the docs give them, against one daemon
-    with the devices of the config named (the suite's runtimes, to keep builds short, unless
-    the config names its own engine)."""
+    """Each block in a namespace of its own (what it uses it imports), in the order the docs
+    give them, in one interpreter (torch and transformers imported once, not once a block),
+    against one daemon with the devices of the config named (the suite's runtimes, to keep
+    builds short, unless the config names its own engine; decode steps not compiled)."""
     named = yaml.safe_load((ROOT / config).read_text())
-    engine = {"engine": named["engine"]} if "engine" in named else {}  # (its runtimes too)
+    engine = {}
+    if "engine" in named:  # (its runtimes too)
+        sequences = {**named["engine"].get("sequences", {}), "compile_steps": False}
+        engine = {"engine": {**named["engine"], "sequences": sequences}}
     daemon = make_daemon(devices=named["devices"], cache_dir=str(tmp_path / "cache"), **engine)
     env = {**os.environ, "CUVIL_TARGET": daemon.target}
-    for where, named, code in python_blocks():
-        if named != config:
-            continue
-        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
-        print(f"--- {where}\n{done.stdout}")
-        assert done.returncode == 0, f"{where} failed:\n{done.stderr[-3000:]}"
+    blocks = [(where, code) for where, named, code in python_blocks() if named == config]
+    done = subprocess.run([sys.executable, "-c", RUN_BLOCKS, json.dumps(blocks)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    print(done.stdout)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+# each block as its own __main__ module's code, its failure naming it
+RUN_BLOCKS = """
+import json, sys, traceback
+for where, code in json.loads(sys.argv[1]):
+    print(f"--- {where}", flush=True)
+    try:
+        exec(compile(code, where, "exec"), {"__name__": "__main__"})
+    except BaseException:
+        sys.exit(f"{where} failed:\\n{traceback.format_exc()}")
+"""
