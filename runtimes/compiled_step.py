@@ -5,19 +5,19 @@ and ~1000 small ops run one by one from Python, each cast, norm, rotary and cach
 dispatch. Inductor fuses the small ops into a few C++ loops and calls the products as they are
 (the torch runtime's own: oneDNN's packed weights at fp32, torch's fp16 matrix-vector product),
 as vLLM compiles its model before serving. The 200M Llama's decode step on the 2-core EPYC:
-15.4 -> 12.6 ms at fp16; at fp32 (its products ~3/4 of the step) no faster, so it stays eager.
+15.4 -> 12.6 ms at fp16; at fp32 (its products ~3/4 of the step) the timing decides either way.
 
 Tiered as a JIT is: a stateful part built for one row (`wanted`) runs eagerly, and its first
-step of a sequence starts a thread that compiles it (`start`, `tier_up`; ~11 s for that model
-here, cold; inductor's cache under the compile cache directory makes a restart's shorter),
+step of a sequence starts a thread that compiles it (`start`, `tier_up`; 3-4 s for that model
+here, ~11 s the first time on a machine; inductor's cache is under the compile cache directory),
 the steps running eagerly meanwhile: a compile that outlasted a request's deadline would have
 the worker taken as hung. The thread, on copies of that step (its inputs, its sequence's
 state: a prompt's cache) and on modules of its own, checks the compiled step against the part
 as exported (fp32) beside the eager step; the next run, in the serving thread, times both,
 alternating (~0.3 s once). The compiled step serves from then on only if its error is within
 1.25x of the eager step's and it runs within FASTER of its time, else the part stays eager
-(the reason logged, as any failure to compile: no C++ compiler, a graph inductor refuses). A precision search's variants never
-run a sequence, so only the variant chosen is compiled.
+(the reason logged, as any failure to compile: no C++ compiler, a graph inductor refuses).
+A precision search's variants never run a sequence, so only the variant chosen is compiled.
 
 What it compiles is the part without runtimes/attention.py's slicing (a key length read
 from the mask each step would compile again at every length): the compiled step attends the
