@@ -258,7 +258,14 @@ def _why_not(route: Route) -> str:
             continue
         cands = [c for c in candidates if c["precision"] == p]
         inaccurate = [c for c in cands if c["status"] == "inaccurate"]
-        if inaccurate:
+        slower = [c for c in cands if c["status"] == "skipped"
+                  and "its error not measured" in (c.get("reason") or "")]
+        if slower and own is not None:  # (runtimes/select.py SLOWER)
+            c = min(slower, key=lambda c: c["median_ms"])
+            tried.append(f"{p} ran {c['median_ms']:.3g} ms on {c['runtime']} vs "
+                         f"{own.median_ms:.3g} ms at {route.precision} on {own.runtime}, not "
+                         "faster (a run at build; its error not measured)")
+        elif inaccurate:
             best = min(inaccurate, key=lambda c: c["rel_error"])
             tried.append(f"{p} error {best['rel_error']:.1e} on {best['runtime']}")
         elif all(c["status"] == "skipped" for c in cands):  # not tried, on purpose
