@@ -9,7 +9,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -415,12 +415,16 @@ class Client:
                  text: str | None = None, max_tokens: int = 16, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[int] = (), version: str | None = None,
-                 timeout: float | None = None) -> Iterator[dict[str, Any]]:
+                 timeout: float | None = None,
+                 messages: Sequence[Mapping[str, str]] | None = None,
+                 ) -> Iterator[dict[str, Any]]:
         """A language model's tokens as they come: {"token_id", "text", "index"} each (`text`
         is what the token adds, with the model's tokenizer; "" without one). `prompt`: token
         ids, or `text` for a model with a tokenizer; temperature 0 is greedy, `seed` makes
-        sampling repeatable, `stop` token ids end it (docs/GENERATION.md). Leaving the loop
-        early ends the generation in the daemon."""
+        sampling repeatable, `stop` token ids end it (docs/GENERATION.md). `messages` (a
+        chat: [{"role", "content"}, ...], as OpenAI's) instead of a prompt: put in the
+        prompt by the model's chat template, the answer ending at its eos token. Leaving the
+        loop early ends the generation in the daemon."""
         import grpc
 
         from cuvild.client.errors import from_rpc
@@ -428,7 +432,9 @@ class Client:
         request = cuvil_pb2.GenerateRequest(
             name=name, version=version or "", input_ids=list(prompt or ()), text=text or "",
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            stop=list(stop))
+            stop=list(stop), messages=[cuvil_pb2.ChatMessage(role=m["role"],
+                                                             content=m["content"])
+                                       for m in messages or ()])
         if seed is not None:
             request.seed = seed
         stream = self._control._stub.Generate(request, timeout=timeout)  # noqa: SLF001 - a server stream: its errors come as it is read

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cuvild.client import Client, LoadFailed, default_target
+from cuvild.client.cli_generate import add_generate
 from cuvild.client.errors import CuvildError
 
 DTYPE_COLUMNS = ("fp32", "bf16", "fp16", "int8")
@@ -405,38 +406,6 @@ def cmd_infer(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(client: Client, args: argparse.Namespace) -> int:
-    """Tokens as they come: the text they add (with the model's tokenizer) or their ids."""
-    ids = None
-    if args.ids is not None:
-        try:
-            ids = [int(t) for t in args.ids.replace(",", " ").split()]
-        except ValueError:
-            print(f"cuvilctl: --ids takes token ids (integers), got {args.ids!r}",
-                  file=sys.stderr)
-            return 1
-    if (ids is None) == (args.prompt is None):
-        print("cuvilctl: give the prompt as text (PROMPT, for a model with a tokenizer) or as "
-              "--ids, one of them", file=sys.stderr)
-        return 1
-    stop = [int(t) for t in args.stop.replace(",", " ").split()] if args.stop else []
-    tokens = []
-    for token in client.generate(args.name, ids, text=args.prompt, max_tokens=args.max_tokens,
-                                 temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, seed=args.seed, stop=stop,
-                                 version=args.version):
-        tokens.append(token)
-        if not args.json:
-            print(token["text"] if token["text"] or args.prompt is not None
-                  else f"{token['token_id']} ", end="", flush=True)
-    if args.json:
-        print(json.dumps({"output_ids": [t["token_id"] for t in tokens],
-                          "text_output": "".join(t["text"] for t in tokens)}))
-    else:
-        print()
-    return 0
-
-
 def cmd_reload(client: Client, args: argparse.Namespace) -> int:
     result = client.reload()
     if args.json:
@@ -561,20 +530,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a st
     infer.add_argument("--output", metavar="DIR", help="also save outputs as DIR/NAME.npy")
     infer.add_argument("--json", action="store_true", help="machine-readable output")
     infer.set_defaults(func=cmd_infer)
-    gen = sub.add_parser("generate", help="a language model's tokens as they come "
-                         "(docs/GENERATION.md)")
-    gen.add_argument("name")
-    gen.add_argument("prompt", nargs="?", help="text (the model's tokenizer encodes it)")
-    gen.add_argument("--ids", help="the prompt as token ids instead, e.g. 1,2,3")
-    gen.add_argument("--version", default=None)
-    gen.add_argument("--max-tokens", type=int, default=16)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None, help="repeatable sampling")
-    gen.add_argument("--stop", help="token ids that end it, e.g. 2")
-    gen.add_argument("--json", action="store_true", help="machine-readable output")
-    gen.set_defaults(func=cmd_generate)
+    add_generate(sub)
     return parser
 
 

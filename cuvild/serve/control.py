@@ -361,9 +361,12 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         if request.HasField("seed"):
             options["seed"] = request.seed
         try:
+            chat = [{"role": m.role, "content": m.content} for m in request.messages]
             gen = self._generator.open(request.name, request.version,
-                                       prompt=None if request.text else list(request.input_ids),
-                                       text=request.text or None, options=options)
+                                       prompt=None if request.text or chat
+                                       else list(request.input_ids),
+                                       text=request.text or None, options=options,
+                                       messages=chat or None)
             with contextlib.closing(gen.tokens()) as tokens:
                 for index, (token, piece) in enumerate(tokens):
                     if not context.is_active():

@@ -220,7 +220,8 @@ def test_triton_sequence_parameters_step_the_model_on_its_state(daemon, served) 
 def test_chat_completions_render_the_entrys_template_and_stop_strings_end_text(
         daemon, served) -> None:  # noqa: ANN001
     """/v1/chat/completions: the prompt by the entry's chat template (its bos token, the
-    turn markers), the answer until its eos token; stop strings end a completion's text
+    turn markers), the answer until its eos token (and so over gRPC and `cuvilctl generate
+    --chat`); stop strings end a completion's text
     before them; a model without a template, and bad messages, are refused."""
     hf = served["hf"]["llama"]
     words = " ".join(WORDS[t] for t in PROMPT)
@@ -244,6 +245,17 @@ def test_chat_completions_render_the_entrys_template_and_stop_strings_end_text(
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
     assert text.split() == [WORDS[t] for t in want]
     assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    # the same chat over gRPC (Client.generate(messages=...)) and `cuvilctl generate --chat`
+    with Client(daemon.target) as client:
+        got = [t["token_id"] for t in client.generate("llama", messages=doc["messages"],
+                                                      max_tokens=8)]
+    assert got == want
+    done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
+                           daemon.target, "generate", "llama", words, "--chat",
+                           "--max-tokens", "8", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["output_ids"] == want
     # a stop string: the text ends before it, finish_reason "stop"
     plain = lm_models.reference(hf, PROMPT, 8)
     cut = plain.index(plain[2])

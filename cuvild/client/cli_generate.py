@@ -1,0 +1,73 @@
+"""`cuvilctl generate`: a language model's tokens as they come (docs/GENERATION.md), from a
+prompt's text or token ids, or (`--chat`) from a chat's messages by the model's template."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from cuvild.client import Client
+
+
+def cmd_generate(client: Client, args: argparse.Namespace) -> int:
+    """Tokens as they come: the text they add (with the model's tokenizer) or their ids."""
+    ids = None
+    if args.ids is not None:
+        try:
+            ids = [int(t) for t in args.ids.replace(",", " ").split()]
+        except ValueError:
+            print(f"cuvilctl: --ids takes token ids (integers), got {args.ids!r}",
+                  file=sys.stderr)
+            return 1
+    if (ids is None) == (args.prompt is None):
+        print("cuvilctl: give the prompt as text (PROMPT, for a model with a tokenizer) or as "
+              "--ids, one of them", file=sys.stderr)
+        return 1
+    messages = None
+    if args.chat or args.system is not None:
+        if args.prompt is None:
+            print("cuvilctl: --chat takes the user's message as PROMPT (text), not --ids",
+                  file=sys.stderr)
+            return 1
+        messages = [*([{"role": "system", "content": args.system}] if args.system else []),
+                    {"role": "user", "content": args.prompt}]
+    stop = [int(t) for t in args.stop.replace(",", " ").split()] if args.stop else []
+    tokens: list[dict[str, Any]] = []
+    for token in client.generate(args.name, ids, text=None if messages else args.prompt,
+                                 messages=messages, max_tokens=args.max_tokens,
+                                 temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, seed=args.seed, stop=stop,
+                                 version=args.version):
+        tokens.append(token)
+        if not args.json:
+            print(token["text"] if token["text"] or args.prompt is not None
+                  else f"{token['token_id']} ", end="", flush=True)
+    if args.json:
+        print(json.dumps({"output_ids": [t["token_id"] for t in tokens],
+                          "text_output": "".join(t["text"] for t in tokens)}))
+    else:
+        print()
+    return 0
+
+
+def add_generate(sub: Any) -> None:
+    """The `generate` subcommand, on cuvilctl's subparsers."""
+    gen = sub.add_parser("generate", help="a language model's tokens as they come "
+                         "(docs/GENERATION.md)")
+    gen.add_argument("name")
+    gen.add_argument("prompt", nargs="?", help="text (the model's tokenizer encodes it)")
+    gen.add_argument("--ids", help="the prompt as token ids instead, e.g. 1,2,3")
+    gen.add_argument("--chat", action="store_true", help="PROMPT is a user's message, put in "
+                     "the model's chat template (its answer ends at the eos token)")
+    gen.add_argument("--system", help="a system message before it (implies --chat)")
+    gen.add_argument("--version", default=None)
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None, help="repeatable sampling")
+    gen.add_argument("--stop", help="token ids that end it, e.g. 2")
+    gen.add_argument("--json", action="store_true", help="machine-readable output")
+    gen.set_defaults(func=cmd_generate)
