@@ -55,6 +55,7 @@ from partitioner.profile import DeviceProfile
 from runtimes import registry
 from runtimes.base import (
     INT8_MIXED,
+    MIXED,
     TOLERANCE,
     CompileError,
     CompileSpec,
@@ -243,7 +244,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
     tried. `mix_target`: the error a mixed precision's part aims at (runtimes/mixed.py; by
     default half of `tolerance`). `slower_than`: (a precision, its ms) of the part already
     built: a build that runs SLOWER than it is skipped before its error is measured (not a
-    mixed precision's: its groups' search measured its error already).
+    mixed precision's: the search that made it measured its error already, runtimes/mixed.py
+    or NNCF's accuracy control).
     """
     tolerance = TOLERANCE[precision] if tolerance is None else tolerance
     spec = CompileSpec(device=device, precision=compiled_as(precision),
@@ -280,7 +282,7 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
         if progress:
             progress(name)
         cand, exe = _try(name, part, spec, inputs, expected, cache, part_key, timeout_s,
-                         None if chosen is not None else slower_than)
+                         None if precision.endswith(MIXED) else slower_than)
         cand.precision = precision
         if exe is not None and cand.status == "ok" and (chosen is not None or exe.note):
             # which groups stayed fp32, and why (a mix); which ops the quantizer kept fp32
