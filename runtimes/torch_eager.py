@@ -483,20 +483,39 @@ class TorchExecutable(Executable):
         if self._offered is not None:
             offer, self._offered = self._offered, None
             if compiled_step.faster(self, offer):
-                self.module, self._call = offer.module, offer.compiled
-                self.home = {n: _attr(self.module, n) for n in self.state}
+                self._serve(offer.module, offer.compiled)
         if self.tier_up is not None and self._next[1]:  # a sequence's first step here
             sources, self.tier_up = self.tier_up, None
             scope, slot = self._next
             held = pool(scope, self.initial, self._layout)
             self.compiling = compiled_step.start(self, sources, inputs,
                                                  held.views(held.row(slot)))
+        sequence = self._next
         self._install()
         try:
             return self._run(inputs)
+        except Exception:
+            if self._call is self._plain:
+                raise
+            # the compiled step failed (a case its check did not meet): eager from now on,
+            # this step again (a step's writes go to its own position: run twice, the same)
+            log.warning("a compiled decode step failed; the step runs eagerly from now on",
+                        exc_info=True)
+            self._put_home()
+            self._serve(self._plain, self._plain)
+            self._next = sequence
+            self._install()
+            return self._run(inputs)
         finally:
-            for name, tensor in self.home.items():
-                _set_attr(self.module, name, tensor)
+            self._put_home()
+
+    def _serve(self, module: fx.GraphModule, call: Callable[..., Any]) -> None:
+        self.module, self._call = module, call
+        self.home = {n: _attr(module, n) for n in self.state}
+
+    def _put_home(self) -> None:
+        for name, tensor in self.home.items():
+            _set_attr(self.module, name, tensor)
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.inference_mode():

@@ -62,6 +62,16 @@ def test_the_decode_step_compiles_at_a_sequences_first_step_and_matches_eager(
     assert tiered.tier_up is None
     assert any("serves compiled" in r.getMessage() for r in caplog.records), caplog.text
     assert tiered._call is not tiered._plain  # noqa: SLF001 - what single steps run now
+    # a compiled step that fails (a case its check did not meet): that step again eagerly,
+    # and eager from then on
+    monkeypatch.setattr(tiered, "_call", lambda *inputs: 1 / 0)
+    tiered.use(1, "again")
+    eager.use(1, "again-eager")
+    (got,), (want,) = tiered.run(step(0, 5)), eager.run(step(0, 5))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert tiered._call is tiered._plain  # noqa: SLF001
+    drop_scope("again")
+    drop_scope("again-eager")
 
 
 def test_only_a_stateful_one_row_step_with_the_setting_on_is_compiled(
