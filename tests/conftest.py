@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from daemons import DaemonProcess, suite_config
 
+from runtimes.cache import KEY_ENV
+
 # A language model's decode step is not compiled at its first use in the tests' own engines
 # and workers (inductor, ~10 s a model): tests/runtimes/test_compiled_step.py turns it on.
 os.environ["CUVILD_COMPILE_STEPS"] = "0"
@@ -80,7 +82,9 @@ def make_daemon(tmp_path: Path, state_root: Path, sock_dir: Path,
 
     Each daemon gets its own state dir (pass one back to restart on the same state), seeded
     with the session's cached device profiles so only the first start of a session measures.
-    Unless the test names a cache_dir, they share the session's compile cache: a model that
+    Unless the test names a cache_dir, they share the session's compile cache (and the key
+    that signs it, state_root's cache.key: with a key of its own a daemon refuses the others'
+    builds, and every load built again): a model that
     an earlier test built (the same archive, policy and devices) comes back from its load
     record, with no torch imported, nothing planned or compiled. A test about a cold build,
     or one that counts what a load did, names a cache_dir of its own.
@@ -92,9 +96,12 @@ def make_daemon(tmp_path: Path, state_root: Path, sock_dir: Path,
         workdir.mkdir()
         if state_dir is None:
             state_dir = workdir / "state"
+        shared = "cache_dir" not in extra
         extra.setdefault("cache_dir", str(shared_cache))
         daemon = DaemonProcess(workdir, suite_config(workdir, state_dir, sock_dir, **extra),
                                profiles=state_root)
+        if shared:  # the session's signing key: each daemon's own refused the others' builds
+            daemon.env[KEY_ENV] = str(state_root / "cache.key")
         daemon.state_dir = state_dir
         started.append(daemon)
         return daemon.start() if start else daemon

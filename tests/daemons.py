@@ -94,13 +94,16 @@ class DaemonProcess:
         self.ready_s: float | None = None
         self.state_dir = Path(config["state_dir"])
         self.wrap: list[str] = []  # a command the daemon runs under (unshare, ...)
+        self.env: dict[str, str] = {}  # more of its environment
 
     def start(self, wait: bool = True) -> DaemonProcess:
         mine = self.state_dir / "profiles"
         session = None if self.profiles is None else self.profiles / "profiles"
         if session is not None and session.exists() and not mine.exists():
             shutil.copytree(session, mine)
-        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path), "PYTHONUNBUFFERED": "1"}
+        had = set(mine.iterdir()) if mine.exists() else set()
+        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path), "PYTHONUNBUFFERED": "1",
+               **self.env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
@@ -110,8 +113,11 @@ class DaemonProcess:
         if wait:
             self.wait_for("READY=1")
             self.ready_s = time.perf_counter() - t0
-            if session is not None and not session.exists() and mine.exists():
-                shutil.copytree(mine, session, dirs_exist_ok=True)
+            if session is not None and mine.exists():  # what this start measured (devices
+                session.mkdir(parents=True, exist_ok=True)  # of another config: another file)
+                for path in set(mine.iterdir()) - had:
+                    if not (session / path.name).exists():
+                        shutil.copy2(path, session / path.name)
         return self
 
     def wait_for(self, needle: str, timeout: float = START_TIMEOUT_S) -> str:

@@ -69,11 +69,12 @@ def test_python_blocks_run_as_written(make_daemon, tmp_path: Path, config: str) 
 DOCS_RUNTIMES = {"cpu": ["openvino", "torch"], "npu": ["openvino", "torch"]}
 # each block as its own __main__ module's code, its failure naming it
 RUN_BLOCKS = """
-import json, sys, traceback
+import json, sys, time, traceback
 for where, code in json.loads(sys.argv[1]):
-    print(f"--- {where}", flush=True)
+    start = time.monotonic()
     try:
         exec(compile(code, where, "exec"), {"__name__": "__main__"})
     except BaseException:
         sys.exit(f"{where} failed:\\n{traceback.format_exc()}")
+    print(f"--- {where}: {time.monotonic() - start:.1f} s", flush=True)
 """
