@@ -57,8 +57,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def state_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One state dir for the session, so devices are measured once and then cached."""
-    return tmp_path_factory.mktemp("state")
+    """One state dir for the session, so devices are measured once and then cached; under
+    xdist its profiles are the run's, shared by the workers (daemons.py: their first starts
+    take turns, so one measures and the other reads)."""
+    root = tmp_path_factory.mktemp("state")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "profiles"
+        shared.mkdir(exist_ok=True)
+        (root / "profiles").symlink_to(shared)
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -116,6 +123,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
            sock_dir: Path) -> Iterator[DaemonProcess]:
     """A daemon shared by the read-only tests of a session."""
     workdir = tmp_path_factory.mktemp("shared")
-    proc = DaemonProcess(workdir, suite_config(workdir, state_root, sock_dir)).start()
+    proc = DaemonProcess(workdir, suite_config(workdir, state_root, sock_dir),
+                         profiles=state_root).start()
     yield proc
     proc.close()

@@ -3,6 +3,7 @@ tests, the OIP tests and the benchmarks start (the fixtures are in conftest.py).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -97,6 +98,17 @@ class DaemonProcess:
         self.env: dict[str, str] = {}  # more of its environment
 
     def start(self, wait: bool = True) -> DaemonProcess:
+        if self.profiles is None or not wait:
+            return self._start(wait)
+        # one start at a time across the run's pytest workers (whose session profiles are one
+        # folder: tests/conftest.py state_root), so that a new device layout is measured once
+        # and never by two daemons on the same cores at once
+        with open((self.profiles / "profiles").resolve().parent / "daemon-start.lock",
+                  "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._start(wait)
+
+    def _start(self, wait: bool) -> DaemonProcess:
         mine = self.state_dir / "profiles"
         session = None if self.profiles is None else self.profiles / "profiles"
         if session is not None and session.exists() and not mine.exists():
