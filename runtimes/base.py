@@ -108,6 +108,10 @@ class Runtime(ABC):
     def can_target(self, device: DeviceProfile, precision: str) -> bool:
         return device.kind in self.kinds and precision in self.precisions
 
+    def why_not(self, device: DeviceProfile, precision: str) -> str:
+        """Why `can_target` says no (the plan's notes)."""
+        return f"cannot target {device.kind} at {precision}"
+
     @abstractmethod
     def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
         """Compile `part` for `spec.device`; raise CompileError naming the cause."""

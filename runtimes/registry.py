@@ -24,6 +24,10 @@ RUNTIMES = {
 # Which runtimes may serve each device kind: the partitioner's table, so that planning and
 # building agree on it.
 BY_KIND = RUNTIMES_BY_KIND
+# ... and those that serve a kind for stateful parts alone: torch eager keeps a language
+# model's cache per sequence on a GPU (runtimes/torch_cuda.py), where a stateless part is
+# inductor's (compiled, run as a CUDA graph)
+STATEFUL_BY_KIND = {"gpu": ("torch",)}
 
 
 def runtime_class(name: str) -> type[Runtime]:
@@ -92,12 +96,17 @@ def support(devices: Iterable[DeviceProfile],
     return out
 
 
-def candidates_for(device: DeviceProfile, precision: str, wanted: str) -> list[str]:
+def candidates_for(device: DeviceProfile, precision: str, wanted: str,
+                   stateful: bool = False) -> list[str]:
+    """The runtimes that may build a part (`stateful`: one that updates its buffers in
+    place) for `device`: all its kind's that its profile lists, or `wanted` alone."""
     names = list(BY_KIND.get(device.kind, ()))
     if device.emulated and "torch" not in names:
         names.append("torch")  # an emulated device runs on the host: the reference works
     if device.runtimes:  # what the profile says can target this device
         names = [n for n in names if n in device.runtimes]
+    if stateful:  # (whether it can here, the runtime's can_target says: no profile lists it)
+        names += [n for n in STATEFUL_BY_KIND.get(device.kind, ()) if n not in names]
     if wanted != "auto":
         if wanted not in RUNTIMES:
             raise RuntimeUnavailable(f"unknown runtime {wanted!r}")

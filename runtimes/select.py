@@ -363,9 +363,10 @@ def _problem(part: fx.GraphModule, spec: CompileSpec, precision: str, cache: Com
         cache_tag = f"{cache_tag}:{mix_target:.1e}" if cache_tag else f"{mix_target:.1e}"
     key_precision = f"{precision}:{cache_tag}" if cache_tag else precision
     part_key = cache.part_key(graph_digest(part), spec.device, key_precision, spec.shapes())
-    names = [n for n in registry.candidates_for(spec.device, spec.precision, runtime)
+    stateful = bool(state_of(part))
+    names = [n for n in registry.candidates_for(spec.device, spec.precision, runtime, stateful)
              if (allowed is None or n in allowed) and (not mix or n in MIXED_RUNTIMES)]
-    if state_of(part):  # buffers updated in place (a KV cache): kept per sequence by torch
+    if stateful:  # buffers updated in place (a KV cache): kept per sequence by torch
         kept = [n for n in names if n in STATEFUL_RUNTIMES]
         if not kept:
             raise CompileError(
@@ -467,8 +468,7 @@ def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[t
     except RuntimeUnavailable as e:
         return Candidate(name, "unavailable", str(e)), None
     if not rt.can_target(spec.device, spec.precision):
-        return Candidate(name, "unavailable", f"cannot target {spec.device.kind} at "
-                                              f"{spec.precision}"), None
+        return Candidate(name, "unavailable", rt.why_not(spec.device, spec.precision)), None
     key = cache.entry_key(part_key, name, rt.version())
     entry = cache.lookup(key)
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-Layout = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (name, shape, dtype) each
+Layout = tuple[tuple[str, tuple[int, ...], torch.dtype, str], ...]  # (name, shape, dtype, device)
 # by model key and the state's layout (thread workers of several engines share this process)
 _POOLS: dict[tuple[str, Layout], Pool] = {}
 _LOCK = threading.Lock()
@@ -24,7 +24,8 @@ _LOCK = threading.Lock()
 class Pool:
     def __init__(self, initial: dict[str, torch.Tensor]) -> None:
         self.initial = initial
-        self.tensors = {n: torch.empty((0, *v.shape), dtype=v.dtype) for n, v in initial.items()}
+        self.tensors = {n: torch.empty((0, *v.shape), dtype=v.dtype, device=v.device)
+                        for n, v in initial.items()}  # (where the part runs: a GPU's memory)
         self.rows: dict[int, int] = {}  # slot -> row
 
     def row(self, slot: int) -> int:
@@ -38,7 +39,8 @@ class Pool:
         if at >= size:
             grown = max(1, 2 * size)
             for name, held in self.tensors.items():
-                bigger = torch.empty((grown, *held.shape[1:]), dtype=held.dtype)
+                bigger = torch.empty((grown, *held.shape[1:]), dtype=held.dtype,
+                                     device=held.device)
                 bigger[:size] = held
                 self.tensors[name] = bigger
         for name, held in self.tensors.items():
@@ -54,8 +56,9 @@ class Pool:
 
 
 def layout_of(initial: dict[str, torch.Tensor]) -> Layout:
-    """What a pool is for besides its model: its buffers' names, shapes and dtypes."""
-    return tuple(sorted((n, tuple(t.shape), t.dtype) for n, t in initial.items()))
+    """What a pool is for besides its model: its buffers' names, shapes, dtypes, devices."""
+    return tuple(sorted((n, tuple(t.shape), t.dtype, str(t.device))
+                        for n, t in initial.items()))
 
 
 def pool(scope: str, initial: dict[str, torch.Tensor], layout: Layout | None = None) -> Pool:

@@ -40,9 +40,9 @@ import torch
 from torch import fx
 
 from partitioner.profile import DeviceProfile
-from runtimes import compiled_step
+from runtimes import compiled_step, torch_cuda
 from runtimes.attention import attended
-from runtimes.base import CompileSpec, Executable, Runtime
+from runtimes.base import CompileError, CompileSpec, Executable, Runtime
 from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, runs
 
 __all__ = ["drop_scope", "drop_sequence"]  # (the worker's, with the state: runtimes/state.py)
@@ -202,7 +202,8 @@ def _is_float(arg: object) -> bool:
 
 
 def prepared(module: fx.GraphModule, dtype: torch.dtype | None,
-             inputs: Sequence[torch.Tensor] = (), attend: bool = True) -> fx.GraphModule:
+             inputs: Sequence[torch.Tensor] = (), attend: bool = True,
+             host: bool = True) -> fx.GraphModule:
     """The part as the runtime runs it at `dtype` (None: as exported) on inputs shaped as
     `inputs` (none: any): its weights lowered (`lowered`), then its linears on oneDNN's
     packed weights where `packs` (one packing per weight and row count, shared by the
@@ -213,10 +214,10 @@ def prepared(module: fx.GraphModule, dtype: torch.dtype | None,
     Llama's decode step 39.1 -> 31.4 ms (packed for 128 rows it is faster from 4 rows up,
     and bf16 gains nothing). Its attentions first work on the keys they attend
     (runtimes/attention.py: a static cache's unwritten tail left out; not with `attend`
-    False)."""
+    False). Nothing packed for a part that runs on a GPU (`host` False)."""
     module = attended(module) if attend else module
     module = module if dtype is None else lowered(module, dtype)
-    if not packs(dtype) or not any(n.target is _LINEAR for n in module.graph.nodes):
+    if not host or not packs(dtype) or not any(n.target is _LINEAR for n in module.graph.nodes):
         return module
     try:
         return _packed(module, _rows(module, inputs) if dtype is None else {})
@@ -358,8 +359,10 @@ def _write_as_kept(graph: fx.Graph, node: fx.Node, attrs: dict[str, torch.Tensor
 class TorchExecutable(Executable):
     runtime = "torch"
 
-    def __init__(self, module: fx.GraphModule, dtype: torch.dtype | None) -> None:
+    def __init__(self, module: fx.GraphModule, dtype: torch.dtype | None,
+                 device: torch.device | None = None) -> None:
         self.module = module
+        self.device = device  # a CUDA device it runs on (runtimes/torch_cuda.py); None: host
         self._plain = module  # (what a batch of sequences runs: `_vmapped`)
         self._call: Callable[..., Any] = module  # the module, or its compiled form
         # what compiled_step compiles at a sequence's first step here, in the background;
@@ -380,7 +383,7 @@ class TorchExecutable(Executable):
         # row's does (7e-6 apart on the 200M Llama's logits): at bf16 oneDNN's kernel for
         # several rows gave logits 3e-2 apart from one row's, at fp16 torch's (5e-3) another
         # kernel than its one-row GEMV, and neither was what the precision search checked
-        self.batches = bool(self.state) and dtype is None
+        self.batches = bool(self.state) and dtype is None and device is None
         self._stepped: dict[int, float] = {}  # slot -> when it last stepped here
         self.together = [0, 0]  # runs of several sequences, and their steps
         self._scope = ""
@@ -432,8 +435,9 @@ class TorchExecutable(Executable):
                 self.use(slots[members[0]], scope)
                 out[members[0]] = self.run(inputs[members[0]])
                 continue
-            stacked = [torch.stack([inputs[i][k] for i in members])
-                       for k in range(len(inputs[members[0]]))]
+            stacked = torch_cuda.inputs_on([torch.stack([inputs[i][k] for i in members])
+                                            for k in range(len(inputs[members[0]]))],
+                                           self.device)
             with torch.inference_mode():
                 got = self._vmapped()(held.views(first, count), *stacked)
             self.together[0] += 1
@@ -455,8 +459,10 @@ class TorchExecutable(Executable):
         return self._batched
 
     def _back(self, out: torch.Tensor) -> torch.Tensor:
-        return out.float() if self.dtype is not None and out.dtype in (
-            torch.bfloat16, torch.float16) else out
+        """An output as the part gives it: its exported dtype, on the host."""
+        if self.dtype is not None and out.dtype in (torch.bfloat16, torch.float16):
+            out = out.float()
+        return out if self.device is None else out.to("cpu")
 
     def run_on(self, module: fx.GraphModule, call: Callable[..., Any],
                inputs: Sequence[torch.Tensor], state: dict[str, torch.Tensor],
@@ -478,6 +484,7 @@ class TorchExecutable(Executable):
         self._offered = offer
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        inputs = torch_cuda.inputs_on(inputs, self.device)
         if not self.state:
             return self._run(inputs)
         if self._offered is not None:
@@ -525,7 +532,7 @@ class TorchExecutable(Executable):
 
 class TorchRuntime(Runtime):
     name = "torch"
-    kinds = ("cpu",)
+    kinds = ("cpu", "gpu")  # a GPU for stateful parts only (runtimes/registry.py)
     precisions = ("fp32", "bf16", "fp16")
 
     @classmethod
@@ -533,16 +540,30 @@ class TorchRuntime(Runtime):
         return torch.__version__
 
     def can_target(self, device: DeviceProfile, precision: str) -> bool:
+        if precision not in self.precisions:
+            return False
+        if device.kind == "gpu" and not device.emulated:  # a stateful part's GPU runtime
+            return torch_cuda.unavailable(device) is None  # (runtimes/registry.py)
         # Emulated devices run on the host CPU, so the reference can stand in for them.
         if precision == "fp16" and "f16c" not in device.features:
             return False
-        return (device.kind == "cpu" or device.emulated) and precision in self.precisions
+        return device.kind == "cpu" or device.emulated
+
+    def why_not(self, device: DeviceProfile, precision: str) -> str:
+        why = torch_cuda.unavailable(device) if device.kind == "gpu" and not device.emulated \
+            and precision in self.precisions else None
+        return f"cannot run on {device.id}: {why}" if why else super().why_not(device, precision)
 
     def compile(self, part: fx.GraphModule, spec: CompileSpec) -> Executable:
         dtype = DTYPES.get(spec.precision)
-        exe = TorchExecutable(prepared(part, dtype, spec.example_inputs), dtype)
+        device = torch_cuda.target(spec.device)
+        if device is not None and (why := torch_cuda.unavailable(spec.device)):
+            raise CompileError(f"torch: {why}")
+        remember_initial(part)  # (the state before any run, moved with the part's tensors)
+        module = prepared(part, dtype, spec.example_inputs, host=device is None)
+        exe = TorchExecutable(torch_cuda.on_device(module, device, INITIAL), dtype, device)
         inputs = list(spec.example_inputs)
-        if compiled_step.wanted(exe.state, _rows(part, inputs)):
+        if device is None and compiled_step.wanted(exe.state, _rows(part, inputs)):
             exe.tier_up = compiled_step.Sources(
                 lambda: batchable(prepared(part, dtype, inputs, attend=False), repack=False),
                 lambda: prepared(part, dtype, inputs),

@@ -20,7 +20,9 @@ order of what decides most:
 4. parts (tests/gpu/check_parts.py): resnet18 b1 fp32/bf16, bert4 b1, resnet18 b16 bf16, each
    kernel by kernel and as a CUDA graph, against a manual torch.cuda.graph replay of the same
    compiled function and torch.compile; torch.profiler per part, peak GPU memory, pinned vs
-   pageable inputs, the restart path (save, load, first run);
+   pageable inputs, the restart path (save, load, first run); then a language model's
+   stateful part on the GPU (tests/gpu/check_lm.py): greedy tokens vs the host's, its
+   logits error per precision, a decode step at context 64 and 512 vs torch eager;
 5. the daemon (tests/gpu/check_daemon.py): resnet18 end to end (fast path, tritonclient) vs
    its part, the bf16 ResNet-18 and the MLP loaded unpinned (where they go, predicted vs
    measured), batching at 1 vs 16 clients with its buckets warmed first, CUDA shared memory,
@@ -382,6 +384,10 @@ def child(options: argparse.Namespace) -> int:
         import check_parts
 
         check_parts.aoti_variants(left, keep)
+    elif options.child == "lm":
+        import check_lm
+
+        check_lm.check(keep, left)
     else:
         time_model(options.models, options.batch, deadline, keep)
     return 0
@@ -532,7 +538,7 @@ def main() -> int:
     parser.add_argument("--skip-daemon", action="store_true")
     parser.add_argument("--timing", action="store_true", help="the older per-model rows too")
     parser.add_argument("--pytest", action="store_true", help="pytest tests/gpu at the end")
-    parser.add_argument("--child", choices=("daemon", "timing", "parts", "aoti"),
+    parser.add_argument("--child", choices=("daemon", "timing", "parts", "aoti", "lm"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
@@ -558,6 +564,8 @@ def main() -> int:
         say(f"{AOTI_BROKEN} in the measured profile: {AOTI_ENV}=0")
     section("parts (tests/gpu/check_parts.py)",
             lambda: in_children("parts", ["parts"], 0.45 * budget))
+    section("a language model's step on the GPU (tests/gpu/check_lm.py)",
+            lambda: in_children("lm", ["lm"], 0.55 * budget))
     if options.skip_daemon:
         SUMMARY["daemon"] = {"skipped": "--skip-daemon"}
     else:
