@@ -247,7 +247,7 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
     mixed precision's: the search that made it measured its error already, runtimes/mixed.py
     or NNCF's accuracy control).
     """
-    tolerance = TOLERANCE[precision] if tolerance is None else tolerance
+    tolerance = own_tolerance(precision) if tolerance is None else tolerance
     spec = CompileSpec(device=device, precision=compiled_as(precision),
                        example_inputs=placeholder_tensors(part, input_shapes),
                        threads=threads or max(len(device.cores), 1))
@@ -375,6 +375,11 @@ def _problem(part: fx.GraphModule, spec: CompileSpec, precision: str, cache: Com
                 f"target {spec.device.id} at {precision} (tried for: {names})")
         names = kept
     return part_key, names
+
+
+def own_tolerance(precision: str) -> float:
+    """A precision's tolerance where no budget gives one (a mix, bf16+fp32: its low one's)."""
+    return TOLERANCE.get(precision) or TOLERANCE[mixed_low(precision) or "fp32"]
 
 
 def near_floor(best: Candidate, floor_ms: float | None) -> str:

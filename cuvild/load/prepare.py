@@ -9,6 +9,7 @@ build is planned off it again (fallback.py).
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -137,8 +138,11 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         other_plan, ours, theirs = alternative
         say(f"timing the plan {theirs} against the one {ours}")
         try:
+            # (a copy: its build writes the precisions it chose into the plan's parts, and
+            # the plan served must search them again, within the budget)
             other = prepare(builder, f"{key}~one", name, version, archive, input_specs,
-                            objective, plan=other_plan, policy=policy, keep_record=False)
+                            objective, plan=copy.deepcopy(other_plan), policy=policy,
+                            keep_record=False)
         except Exception as e:  # noqa: BLE001 - the plan stands, and says why
             builder.unload(f"{key}~one")
             other = None

@@ -387,7 +387,7 @@ def child(options: argparse.Namespace) -> int:
     elif options.child == "lm":
         import check_lm
 
-        check_lm.check(keep, left)
+        check_lm.check(keep, left, Path(options.state) if options.state else None)
     else:
         time_model(options.models, options.batch, deadline, keep)
     return 0
@@ -565,7 +565,8 @@ def main() -> int:
     section("parts (tests/gpu/check_parts.py)",
             lambda: in_children("parts", ["parts"], 0.45 * budget))
     section("a language model's step on the GPU (tests/gpu/check_lm.py)",
-            lambda: in_children("lm", ["lm"], 0.55 * budget))
+            lambda: in_children("lm", ["lm", "--state", str(DAEMON_DIR / "state")],
+                                0.55 * budget))
     if options.skip_daemon:
         SUMMARY["daemon"] = {"skipped": "--skip-daemon"}
     else:

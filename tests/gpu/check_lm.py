@@ -10,10 +10,14 @@ buffers written in place, exported as transformers' static-cache export is (inpu
 - a decode step's time at context 64 and 512 on the GPU (fp32, bf16) next to torch eager of
   the same module on the GPU (the floor of an eager step: ours should be within ~1.1x) and the
   part on the host's CPU;
-- the runtime's own view: the GPU is offered for the part (registry), the state pool is on it.
+- the runtime's own view: the GPU is offered for the part (registry), the state pool is on it;
+- the engine's (`engine_row`, where the lease's measured profile is given): the decoder
+  loaded as the daemon loads it, on the measured CPU and GPU, its plan (where it goes and
+  why), 16 greedy tokens through the engine's sequences equal the host's, a step's time.
 
-`python3 tests/gpu/check_lm.py` runs it alone; on a host without CUDA it runs the same steps
-through the device path on the host (a dry run of this script) and says so.
+`python3 tests/gpu/check_lm.py [STATE_DIR]` runs it alone (STATE_DIR: a daemon's state
+directory, whose measured profile the engine row uses); on a host without CUDA it runs the
+same steps through the device path on the host (a dry run of this script) and says so.
 """
 
 from __future__ import annotations
@@ -127,7 +131,8 @@ def step_ms(run: Callable[[], Any], sync: Callable[[], None]) -> float:
     return round(statistics.median(times) * 1e3, 3)
 
 
-def check(keep: Callable[[str, Any], None], left: Callable[[], float]) -> None:
+def check(keep: Callable[[str, Any], None], left: Callable[[], float],
+          state_dir: Path | None = None) -> None:
     cuda = torch.cuda.is_available()
     gpu = DeviceProfile(id="gpu0", kind="gpu", runtimes=["triton"])
     keep("device", torch.cuda.get_device_name(0) if cuda else
@@ -158,6 +163,56 @@ def check(keep: Callable[[str, Any], None], left: Callable[[], float]) -> None:
     if left() > 20:  # the part on the host's CPU (its cores), as the daemon would place it there
         keep("host_cpu_fp32", {**timed(host, names, lambda: None),
                                "threads": torch.get_num_threads()})
+    profiles = sorted((state_dir / "profiles").glob("*.json")) if state_dir else []
+    if profiles and left() > 60:
+        keep("engine", engine_row(model, profiles[-1], want))
+
+
+def engine_row(model: Decoder, profile: Path, want: list[int]) -> dict[str, Any]:
+    """The decoder through the engine (planned, built and stepped as the daemon does) on the
+    devices of the lease's measured profile."""
+    import os
+    import tempfile
+
+    from cuvild.core.arena import Arena
+    from cuvild.core.loaded import Out
+    from cuvild.engine.engine import Engine
+    from cuvild.intake.summary import summarize
+    from cuvild.run.generate import Sampling, generate
+
+    devices = [DeviceProfile.from_dict(d) for d in json.loads(profile.read_text())["devices"]]
+    work = Path(tempfile.mkdtemp(prefix="cuvild-lm-"))
+    ep = export(model, (torch.tensor([[1]]), torch.tensor([0])))
+    torch.export.save(ep, work / "decoder.pt2")
+    arena = Arena(f"{os.getpid()}-lm")
+    engine = Engine(devices, work / "cache", arena, workers="thread")
+    row: dict[str, Any] = {"devices": [d.id for d in devices]}
+    try:
+        t0 = time.perf_counter()
+        loaded = engine.prepare("decoder", "decoder", "1", work / "decoder.pt2",
+                                summarize(ep)["inputs"])
+        row["load_s"] = round(time.perf_counter() - t0, 2)
+        row["parts"] = [f"{p.id}@{p.device}/{p.runtime}/{p.precision}"
+                        for p in loaded.plan.parts]
+        row["notes"] = loaded.plan.notes[:12]
+        live = engine.runner.sequences.begin(loaded.key, "s", [p.device
+                                                               for p in loaded.plan.parts])
+        times: list[float] = []
+
+        def step(ids: list[int], position: int) -> Any:
+            inputs = [torch.tensor([ids]), torch.arange(position, position + len(ids))]
+            t = time.perf_counter()
+            (logits,) = engine.runner.step(loaded, live, inputs, Out({}))
+            times.append(time.perf_counter() - t)
+            return logits.numpy()[0, -1]
+
+        got = list(generate(step, [1], Sampling(max_tokens=STEPS), CONTEXT))
+        engine.runner.sequences.end(live)
+        row.update(greedy_equal=got == want, step_ms=round(statistics.median(times) * 1e3, 3))
+    finally:
+        engine.close()
+        arena.close()
+    return row
 
 
 def timed(exe: Any, names: list[str], sync: Callable[[], None]) -> dict[str, float]:
@@ -213,7 +268,7 @@ def main() -> int:
         found[key] = value
         print(f"{key}: {json.dumps(value, default=str)}", flush=True)
 
-    check(keep, lambda: deadline - time.monotonic())
+    check(keep, lambda: deadline - time.monotonic(), Path(sys.argv[1]) if sys.argv[1:] else None)
     return 0
 
 

@@ -322,3 +322,14 @@ def test_a_lower_precision_slower_than_the_part_built_is_not_measured(tmp_path, 
     built = build_part(module, CPU, "bf16", samples, CompileCache(tmp_path / "again"),
                        allowed=["torch"], slower_than=("fp32", 1e6))
     assert built.runtime == "torch" and checked
+
+
+def test_a_mixed_precision_built_without_a_budget_takes_its_low_precisions_tolerance() -> None:
+    """A restart (or the guard's plan, cuvild/load/guard.py) may build only the mix a search
+    chose, with no budget given: it was a KeyError ('bf16+fp32') that failed the load."""
+    from runtimes.base import TOLERANCE
+
+    assert select.own_tolerance("bf16+fp32") == TOLERANCE["bf16"]
+    assert select.own_tolerance("fp16+fp32") == TOLERANCE["fp16"]
+    assert select.own_tolerance("int8+fp32") == TOLERANCE["int8+fp32"]
+    assert select.own_tolerance("fp32") == TOLERANCE["fp32"]
