@@ -92,7 +92,3 @@ def inputs_on(inputs: Sequence[torch.Tensor], device: torch.device | None
     return [t.to(device, non_blocking=t.device.type == "cpu" and t.is_pinned())
             for t in inputs]
 
-
-def to_host(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Outputs back on the host (a blocking copy: the step is done when it returns)."""
-    return [o if o.device.type == "cpu" else o.to("cpu") for o in outputs]
