@@ -104,6 +104,20 @@ class EndSequence:
 
 
 @dataclass(frozen=True, slots=True)
+class Describe:
+    """How a built part runs now, in a line (`cuvilctl partition`): a language model's decode
+    step compiled by inductor or eager, and why; answered between runs."""
+
+    model: str
+    part: str
+
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    text: str  # "" where there is nothing more to say than the plan does
+
+
+@dataclass(frozen=True, slots=True)
 class Attach:
     """Serve a fast-path session of a one-part model here, or with layout "kind" "bell" an
     engine's bell for one part (cuvild/workers/sessions.py): the client's socket, the
@@ -114,7 +128,7 @@ class Attach:
     layout: dict[str, Any]  # as the session's open reply gave it to the client
 
 
-Order = Build | Unload | Forget | Choose | Restore | Attach | EndSequence
+Order = Build | Unload | Forget | Choose | Restore | Attach | EndSequence | Describe
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +172,7 @@ class Progress:
 @dataclass(frozen=True, slots=True)
 class Reply:
     id: int
-    result: Built | Progress | None = None
+    result: Built | Progress | Described | None = None
     error: str = ""  # "ExceptionType: message" when the order failed
 
     @property

@@ -56,7 +56,10 @@ class Sources(NamedTuple):
 
 
 class Step(Protocol):
-    """What `tier_up` needs of the torch runtime's executable."""
+    """What `tier_up` needs of the torch runtime's executable; `step` says where its decode
+    step stands, for `cuvilctl partition` (cuvild/serve/control.py `with_steps`)."""
+
+    step: str
 
     def run_on(self, module: torch.fx.GraphModule, call: Callable[..., Any],
                inputs: Sequence[torch.Tensor], state: dict[str, torch.Tensor],
@@ -69,10 +72,20 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+def decode_step(state: Sequence[str], rows: dict[str, int]) -> bool:
+    """Whether a part is a decode step: it keeps state and every linear computes one row."""
+    return bool(state) and bool(rows) and set(rows.values()) == {1}
+
+
 def wanted(state: Sequence[str], rows: dict[str, int]) -> bool:
-    """Whether a part is compiled at its first sequence step: it keeps state and every
-    linear computes one row (a decode step)."""
-    return bool(state) and bool(rows) and set(rows.values()) == {1} and enabled()
+    """Whether a part is compiled at its first sequence step: a decode step, where
+    engine.sequences.compile_steps is on."""
+    return decode_step(state, rows) and enabled()
+
+
+WAITING = "decode step eager; compiled by inductor from a sequence's first step here"
+OFF = "decode step eager (engine.sequences.compile_steps is off)"
+ON_GPU = "decode step eager, kernel by kernel (not compiled on a GPU yet)"
 
 
 class Offer(NamedTuple):
@@ -93,11 +106,13 @@ def start(exe: Step, sources: Sources, inputs: Sequence[torch.Tensor],
     compile that outlasted a request's deadline would have the worker taken as hung)."""
     inputs = [t.clone() for t in inputs]
     state = {n: v.clone() for n, v in state.items()}
+    exe.step = "decode step eager while inductor compiles it"
 
     def run() -> None:
         refused = tier_up(exe, sources, inputs, state)
         if refused:
             log.info("a decode step stays eager: %s", refused)
+            exe.step = f"decode step eager: {refused}"
 
     thread = threading.Thread(target=run, name="cuvild-compile-step", daemon=True)
     thread.start()
@@ -129,6 +144,7 @@ def tier_up(exe: Step, sources: Sources, inputs: list[torch.Tensor],
         return f"compiled {error:.1e} from fp32, eager {own:.1e}"
     said = f"compiled by inductor in {compile_s:.1f} s, error {error:.1e} (eager {own:.1e})"
     log.info("a decode step %s: timed at its next run", said)
+    exe.step = f"decode step eager until timed against its compiled form ({said})"
     exe.offer(Offer(module, compiled, eager, inputs, state, said))
     return ""
 
@@ -146,9 +162,13 @@ def faster(exe: Step, offer: Offer) -> bool:
                 times[name].append((time.perf_counter() - t0) * 1e3)
     except Exception as e:  # noqa: BLE001 - the step stays eager
         log.info("a decode step stays eager: its timing failed: %s: %s", type(e).__name__, e)
+        exe.step = f"decode step eager: its compiled form's timing failed ({type(e).__name__})"
         return False
     eager, fast = statistics.median(times["eager"]), statistics.median(times["compiled"])
     kept = fast <= FASTER * eager
     log.info("a decode step %s: %s, %.2f -> %.2f ms a step", "serves compiled" if kept
              else "stays eager, not faster", offer.said, eager, fast)
+    exe.step = (f"decode step {offer.said}: {eager:.2f} -> {fast:.2f} ms a step" if kept else
+                f"decode step eager: compiled it ran {fast:.2f} ms a step against {eager:.2f} "
+                f"ms eager, not {100 * (1 - FASTER):.0f}% faster")
     return kept

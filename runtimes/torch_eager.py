@@ -370,6 +370,7 @@ class TorchExecutable(Executable):
         self.tier_up: compiled_step.Sources | None = None
         self.compiling: threading.Thread | None = None
         self._offered: compiled_step.Offer | None = None
+        self.step = ""  # where its decode step stands (compiled_step), for cuvilctl partition
         self.dtype = dtype
         self.state = remember_initial(module)  # what a sequence keeps: runs change it in place
         self.initial: dict[str, torch.Tensor] = module.meta.get(INITIAL, {})
@@ -508,6 +509,7 @@ class TorchExecutable(Executable):
             # this step again (a step's writes go to its own position: run twice, the same)
             log.warning("a compiled decode step failed; the step runs eagerly from now on",
                         exc_info=True)
+            self.step = "decode step eager: its compiled form failed while serving (log)"
             self._put_home()
             self._serve(self._plain, self._plain)
             self._next = sequence
@@ -563,7 +565,11 @@ class TorchRuntime(Runtime):
         module = prepared(part, dtype, spec.example_inputs, host=device is None)
         exe = TorchExecutable(torch_cuda.on_device(module, device, INITIAL), dtype, device)
         inputs = list(spec.example_inputs)
-        if device is None and compiled_step.wanted(exe.state, _rows(part, inputs)):
+        rows = _rows(part, inputs)
+        if compiled_step.decode_step(exe.state, rows):  # (not yet compiled on a GPU)
+            exe.step = (compiled_step.ON_GPU if device is not None else
+                        compiled_step.WAITING if compiled_step.enabled() else compiled_step.OFF)
+        if device is None and compiled_step.wanted(exe.state, rows):
             exe.tier_up = compiled_step.Sources(
                 lambda: batchable(prepared(part, dtype, inputs, attend=False), repack=False),
                 lambda: prepared(part, dtype, inputs),

@@ -29,7 +29,7 @@ from cuvild.load.corrections import CorrectionStore, Lesson
 from cuvild.run.request import FEEDBACK_RUNS
 from cuvild.workers.handle import WorkerDied
 from partitioner.corrections import prior
-from protos.orders import Build, Built, Choose, Forget, Reply, Unload
+from protos.orders import Build, Built, Choose, Describe, Described, Forget, Reply, Unload
 from runtimes import registry
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from partitioner.split import SplitProgram
 
 log = logging.getLogger(__name__)
+DESCRIBE_S = 2.0
 
 
 class Builder:
@@ -144,6 +145,16 @@ class Builder:
         if not reply.ok:
             raise InferError(f"part {route.id} on {route.device}: {reply.error}")
         route.precision, route.runtime = at, route.variants[at].runtime
+
+    def describe(self, key: str, part: str, device: str) -> str:
+        """How built part `part` of model (or bucket) `key` runs now, as its worker says (a
+        decode step compiled or eager, and why); "" where it says nothing, or nothing in time
+        (a status query waits DESCRIBE_S at most, behind the run in progress)."""
+        try:
+            reply = self.workers.of(device).call(Describe(key, part)).result(timeout=DESCRIBE_S)
+        except Exception:  # noqa: BLE001 - a worker busy or gone has nothing to add
+            return ""
+        return reply.result.text if reply.ok and isinstance(reply.result, Described) else ""
 
     def unload(self, key: str, wait_s: float = 0.0) -> None:
         """Stop serving model `key` (a dynamic-shape model's buckets with it) and have its

@@ -92,7 +92,23 @@ def buckets_text(buckets: list[dict[str, Any]]) -> str:
         last = " (generation: logits of the last position)" if b.get("logits") else ""
         lines.append(f"  {shapes}{last}: {parts}")
         lines += [f"    {note}" for note in b.get("precision", [])]
+        lines += [f"    {p['id']}: {p['step']}" for p in b["parts"] if p.get("step")]
     return "\n".join(lines if buckets else [*lines, "  none built yet"]) + "\n"
+
+
+def with_steps(parts: list[dict[str, Any]], key: str,
+               describe: Callable[[str, str, str], str]) -> list[str]:
+    """Each torch part of model (or bucket) `key` with how its steps run now (`step`: a
+    language model's decode step compiled by inductor or eager, and why), as its worker says;
+    the lines for `cuvilctl partition`."""
+    lines = []
+    for part in parts:
+        if part.get("runtime") == "torch":
+            said = describe(key, part["id"], part["device"])
+            if said:
+                part["step"] = said
+                lines.append(f"{part['id']}: {said}")
+    return lines
 
 
 class ControlService(cuvil_pb2_grpc.ControlServicer):
@@ -291,10 +307,20 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             plan = served.loaded.plan
             measured = part_stats(served.loaded)
         shown, explain = plan.to_dict(), report.explain(plan)
+        describe = self._models.builder.describe if self._models else (lambda *_: "")
         if not request.replan and served.loaded is not None and served.loaded.dynamic:
             shown["buckets"] = bucket_stats(served.loaded)  # where each input shape runs
+            for bucket in shown["buckets"]:
+                with_steps(bucket["parts"], bucket["key"], describe)
             explain += buckets_text(shown["buckets"])
             measured = by_bucket(measured, shown["buckets"])
+        elif not request.replan and served.loaded is not None:
+            parts = [{**stats, "id": pid} for pid, stats in measured.items()]
+            said = with_steps(parts, served.loaded.key, describe)
+            for part in parts:
+                if part.get("step"):
+                    measured[part["id"]]["step"] = part["step"]
+            explain += "".join(f"{line}\n" for line in said)
         return cuvil_pb2.GetPlanResponse(plan_json=json.dumps(shown), explain=explain,
                                          measured_json=json.dumps(measured),
                                          dot=report.to_dot(plan))

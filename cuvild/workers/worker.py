@@ -37,6 +37,8 @@ from protos.orders import (
     Build,
     Built,
     Choose,
+    Describe,
+    Described,
     EndSequence,
     Envelope,
     Forget,
@@ -79,7 +81,7 @@ class Worker:
         self.abandoned = False
         self.told: Any = None  # while a Build runs: tells the daemon what it is doing
 
-    def handle(self, order: Order) -> Built | None:
+    def handle(self, order: Order) -> Built | Described | None:
         if isinstance(order, Build):
             return self.build(order)
         if isinstance(order, Restore):
@@ -92,6 +94,8 @@ class Worker:
             return self.unload(order)
         if isinstance(order, EndSequence):
             return self.end_sequence(order)
+        if isinstance(order, Describe):
+            return self.describe(order)
         raise TypeError(f"unknown order {type(order).__name__}")
 
     # -- shared memory -----------------------------------------------------------------
@@ -222,6 +226,10 @@ class Worker:
         self.parts[key] = self.variants[key][order.precision]
         if order.final:  # the losing precisions' executables go
             del self.variants[key]
+
+    def describe(self, order: Describe) -> Described:
+        """How the part runs now, as its executable says (`step`: a decode step's tier)."""
+        return Described(getattr(self.parts.get((order.model, order.part)), "step", ""))
 
     def end_sequence(self, order: EndSequence) -> None:
         """The sequence's state goes from every part of its model here."""

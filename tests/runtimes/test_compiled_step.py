@@ -44,6 +44,8 @@ def test_the_decode_step_compiles_at_a_sequences_first_step_and_matches_eager(
     monkeypatch.setattr(compiled_step, "FASTER", 1e9)  # (served whatever the timing here)
     tiered, eager = build(part, monkeypatch), build(part, monkeypatch, on="0")
     assert tiered.tier_up is not None and eager.tier_up is None
+    # where it stands, as `cuvilctl partition` says it (cuvild/serve/control.py with_steps)
+    assert tiered.step == compiled_step.WAITING and eager.step == compiled_step.OFF
     eager.run(step(0, 1))  # (no sequence: runs eagerly, compiles nothing)
     assert tiered.run(step(0, 1)) and tiered.tier_up is not None
     with caplog.at_level(logging.INFO, logger="runtimes.compiled_step"):
@@ -62,6 +64,8 @@ def test_the_decode_step_compiles_at_a_sequences_first_step_and_matches_eager(
     assert tiered.tier_up is None
     assert any("serves compiled" in r.getMessage() for r in caplog.records), caplog.text
     assert tiered._call is not tiered._plain  # noqa: SLF001 - what single steps run now
+    assert tiered.step.startswith("decode step compiled by inductor in ") and \
+        " ms a step" in tiered.step, tiered.step
     # a compiled step that fails (a case its check did not meet): that step again eagerly,
     # and eager from then on
     monkeypatch.setattr(tiered, "_call", lambda *inputs: 1 / 0)
@@ -70,6 +74,7 @@ def test_the_decode_step_compiles_at_a_sequences_first_step_and_matches_eager(
     (got,), (want,) = tiered.run(step(0, 5)), eager.run(step(0, 5))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert tiered._call is tiered._plain  # noqa: SLF001
+    assert tiered.step.startswith("decode step eager: its compiled form failed while serving")
     drop_scope("again")
     drop_scope("again-eager")
 

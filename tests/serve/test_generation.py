@@ -147,6 +147,25 @@ def test_every_surface_generates_as_transformers(daemon, served) -> None:  # noq
     assert json.loads(done.stdout)["output_ids"] == want["gpt2"]
 
 
+def test_the_plan_says_how_each_decode_step_runs(daemon) -> None:  # noqa: ANN001
+    """`cuvilctl partition` asks the part's worker how its decode step runs now (compiled by
+    inductor or eager, and why: runtimes/compiled_step.py); the suite's daemons compile none."""
+    off = "decode step eager (engine.sequences.compile_steps is off)"
+    with Client(daemon.target) as client:
+        list(client.generate("chunked", PROMPT, max_tokens=2))  # its decode bucket built
+        buckets = client.plan("chunked")["plan"]["buckets"]
+        static = client.plan("llama")
+    steps = {tuple(map(tuple, b["shapes"])): [p.get("step") for p in b["parts"]]
+             for b in buckets}
+    assert steps[((1, 1), (1,))] == [off], steps  # one token a step: the decode step
+    assert all(s == [None] for shapes, s in steps.items() if shapes[0] != (1, 1)), steps
+    assert static["measured"]["p0"]["step"] == off and f"p0: {off}" in static["explain"]
+    done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
+                           daemon.target, "partition", "chunked"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and f"p0: {off}" in done.stdout, done.stdout + done.stderr
+
+
 def test_sampling_is_repeatable_with_a_seed(daemon) -> None:  # noqa: ANN001
     with Client(daemon.target) as client:
         runs = [[t["token_id"] for t in client.generate(
