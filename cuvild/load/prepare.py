@@ -99,6 +99,8 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
                           f"({model.state.nbytes / 1e6:.1f} MB a sequence, context "
                           f"{model.state.context}) are kept per sequence where their part runs "
                           "(on the torch runtime: the one that keeps them)")
+        for part in plan.parts:  # (planned on the device's best runtime: said as it will run)
+            part.runtime = "torch"
     if model.family:  # its buckets are planned and built at their shapes (buckets.py)
         model.policy = policy
         # one plan for every bucket where none was given, or the model keeps state (its

@@ -181,8 +181,9 @@ class Generator:
         if tokenizer is None or template is None:
             raise Refused("invalid", f"model {served.key} has no chat template "
                           f"({chat.TEMPLATE_FILE}, or chat_template in {chat.CONFIG_FILE}, "
-                          f"beside {TOKENIZER} in its model repository entry): use "
-                          "/v1/completions with a prompt")
+                          f"beside {TOKENIZER} in its model repository entry): send a "
+                          "prompt instead of messages (/v1/completions over HTTP, "
+                          "`cuvilctl generate` without --chat)")
         eos = template.special.get("eos_token")
         found = tokenizer.token_to_id(eos) if eos else None
         return template.render(checked), [found] if found is not None else []
