@@ -34,7 +34,9 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
+
+import check_parts  # noqa: E402 - after the path
 
 from partitioner.annotate import export  # noqa: E402 - after the path
 from partitioner.profile import DeviceProfile  # noqa: E402
@@ -118,17 +120,10 @@ def greedy(exe: Any, names: list[str], scope: str) -> tuple[list[int], list[torc
     return ids[1:], logits
 
 
-def step_ms(run: Callable[[], Any], sync: Callable[[], None]) -> float:
-    for _ in range(3):
-        run()
-    sync()
-    times = []
-    for _ in range(RUNS):
-        t0 = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times) * 1e3, 3)
+def step_ms(run: Callable[[], Any]) -> float:
+    """Median ms of `run` (check_parts.py's timing: warm-up runs, then each synchronised)."""
+    check_parts.DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+    return check_parts.ms(run, RUNS)
 
 
 def check(keep: Callable[[str, Any], None], left: Callable[[], float],
@@ -161,7 +156,7 @@ def check(keep: Callable[[str, Any], None], left: Callable[[], float],
     if cuda and left() > 20:
         keep("torch_eager_gpu", eager_rows(model))
     if left() > 20:  # the part on the host's CPU (its cores), as the daemon would place it there
-        keep("host_cpu_fp32", {**timed(host, names, lambda: None),
+        keep("host_cpu_fp32", {**timed(host, names),
                                "threads": torch.get_num_threads()})
     profiles = sorted((state_dir / "profiles").glob("*.json")) if state_dir else []
     if profiles and left() > 60:
@@ -215,14 +210,14 @@ def engine_row(model: Decoder, profile: Path, want: list[int]) -> dict[str, Any]
     return row
 
 
-def timed(exe: Any, names: list[str], sync: Callable[[], None]) -> dict[str, float]:
+def timed(exe: Any, names: list[str]) -> dict[str, float]:
     """A decode step's time at each of POSITIONS (the keys it attends), on one sequence."""
     out = {}
     for pos in POSITIONS:
         def run(pos: int = pos) -> Any:
             exe.use(1, "timed")
             return exe.run(step_inputs(names, pos, 7))
-        out[f"step_ms_at_{pos}"] = step_ms(run, sync)
+        out[f"step_ms_at_{pos}"] = step_ms(run)
     state.drop_scope("timed")
     return out
 
@@ -237,11 +232,10 @@ def precision_row(exe: Any, names: list[str], want: list[int],
     pool = state.pool("where", exe.initial, exe._layout)  # noqa: SLF001 - where it is
     where = str(next(iter(pool.tensors.values())).device)
     state.drop_scope("where")
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     return {"greedy_equal": got == want,
             "same_tokens": sum(a == b for a, b in zip(got, want, strict=True)), "of": STEPS,
             "max_step_error": f"{error:.2e}", "pool_device": where,
-            **timed(exe, names, sync)}
+            **timed(exe, names)}
 
 
 def eager_rows(model: Decoder) -> dict[str, float]:
@@ -255,8 +249,7 @@ def eager_rows(model: Decoder) -> dict[str, float]:
             ids, at = torch.tensor([[7]]), torch.tensor([pos])
             with torch.inference_mode():
                 eager[f"{precision}_step_ms_at_{pos}"] = step_ms(
-                    lambda on=on, ids=ids, at=at: on(ids.cuda(), at.cuda()).float().cpu(),
-                    torch.cuda.synchronize)
+                    lambda on=on, ids=ids, at=at: on(ids.cuda(), at.cuda()).float().cpu())
     return eager
 
 
