@@ -279,7 +279,9 @@ def test_a_profile_marked_aoti_broken_compiles_without_aotinductor(
 def test_a_compiled_parts_call_and_kernel_cost_are_timed_through_run() -> None:
     """The cost model's GPU prior (runtimes/profiling/calls.py), exercised on the host: two
     parts of 1 and 4 layers compiled by inductor, timed through `run`; the call and
-    per-kernel cost come out as positive times (what they are is the host's business)."""
+    per-kernel cost come out as times, never negative (what they are is the host's business:
+    on a busy 2-core host the 4-layer part's extra time can exceed the 1-layer part's whole
+    call, which then reads 0); the arithmetic on given times is checked exactly."""
     from runtimes.profiling.benchmarks import median_call_us
     from runtimes.profiling.calls import compiled_call_us, probe_part
 
@@ -289,4 +291,13 @@ def test_a_compiled_parts_call_and_kernel_cost_are_timed_through_run() -> None:
                                                           aoti=False),
                            lambda run: median_call_us(run, calls=30), kernels=4)
     assert set(got) == {"call_us", "kernel_us"}
-    assert got["call_us"] > 0 and got["kernel_us"] >= 0, got
+    assert got["call_us"] >= 0 and got["kernel_us"] >= 0, got
+    # kernel = (t(4) - t(1)) / 3, call = t(1) - kernel, on times given in that order
+    given = iter([50.0, 80.0])
+
+    class Built:  # (what is timed does not matter here)
+        def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            return list(inputs)
+
+    assert compiled_call_us(lambda p, inputs: Built(), lambda run: next(given),
+                            kernels=4) == {"call_us": 40.0, "kernel_us": 10.0}
