@@ -89,7 +89,8 @@ class Decoder(nn.Module):
         return self.head(self.norm(x))
 
 
-def decoder_part() -> tuple[Decoder, torch.fx.GraphModule, list[str]]:
+def decoder_part() -> tuple[Decoder, Any, torch.fx.GraphModule, list[str]]:
+    """The decoder, its exported program, the program's one part and the part's inputs."""
     torch.manual_seed(0)
     model = Decoder().eval()
     with torch.no_grad():  # logits far apart: a greedy token is no near tie
@@ -101,7 +102,7 @@ def decoder_part() -> tuple[Decoder, torch.fx.GraphModule, list[str]]:
     program = split_program(ep, [("p0", nodes)])
     part = program.parts[0]
     remember_initial(part.module)
-    return model, part.module, list(part.inputs)
+    return model, ep, part.module, list(part.inputs)
 
 
 def step_inputs(names: list[str], pos: int, token: int) -> list[torch.Tensor]:
@@ -133,7 +134,7 @@ def check(keep: Callable[[str, Any], None], left: Callable[[], float],
     keep("device", torch.cuda.get_device_name(0) if cuda else
          "no CUDA device: a dry run, the device path on the host")
     t0 = time.perf_counter()
-    model, part, names = decoder_part()
+    model, ep, part, names = decoder_part()
     keep("export_s", round(time.perf_counter() - t0, 2))
     keep("offered", torch_cuda.target(gpu) is not None and TorchRuntime().can_target(gpu, "fp32"))
     host = TorchRuntime().compile(part, CompileSpec(device=DeviceProfile(id="cpu0", kind="cpu"),
@@ -160,12 +161,13 @@ def check(keep: Callable[[str, Any], None], left: Callable[[], float],
                                "threads": torch.get_num_threads()})
     profiles = sorted((state_dir / "profiles").glob("*.json")) if state_dir else []
     if profiles and left() > 60:
-        keep("engine", engine_row(model, profiles[-1], want))
+        keep("engine", engine_row(ep, profiles[-1], want))
 
 
-def engine_row(model: Decoder, profile: Path, want: list[int]) -> dict[str, Any]:
-    """The decoder through the engine (planned, built and stepped as the daemon does) on the
-    devices of the lease's measured profile."""
+def engine_row(ep: Any, profile: Path, want: list[int]) -> dict[str, Any]:
+    """The decoder's program through the engine (planned, built and stepped as the daemon
+    does) on the devices of the lease's measured profile (its state as exported: the runs
+    before step on copies, runtimes/state.py)."""
     import os
     import tempfile
 
@@ -177,7 +179,6 @@ def engine_row(model: Decoder, profile: Path, want: list[int]) -> dict[str, Any]
 
     devices = [DeviceProfile.from_dict(d) for d in json.loads(profile.read_text())["devices"]]
     work = Path(tempfile.mkdtemp(prefix="cuvild-lm-"))
-    ep = export(model, (torch.tensor([[1]]), torch.tensor([0])))
     torch.export.save(ep, work / "decoder.pt2")
     arena = Arena(f"{os.getpid()}-lm")
     engine = Engine(devices, work / "cache", arena, workers="thread")
