@@ -47,6 +47,40 @@ def build_costgraph(ep: Any, sizes: dict[str, int] | None = None) -> CostGraph:
         _SIZES.reset(token)
 
 
+def updated(node: Any) -> Any:
+    """The value an aten op updates in place (its first argument), None for any other node."""
+    target, args = node.target, node.args
+    if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)  # noqa: SLF001 - aten's op type
+            and target._schema.is_mutable and args and isinstance(args[0], torch.fx.Node)):  # noqa: SLF001 - its schema
+        return args[0]
+    return None
+
+
+def keeps_state(ep: Any) -> bool:
+    """The program updates buffers in place (transformers' static-cache export writes its
+    KV cache with index_copy_): it keeps state from one run to the next."""
+    buffers = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "BUFFER"}
+    return any(getattr(updated(n), "name", None) in buffers for n in ep.graph.nodes)
+
+
+def input_symbols(ep: Any) -> dict[str, tuple[int, int]]:
+    """Each symbol that is a size of the program's inputs ("s0"), with its range (an end
+    torch leaves open, its own infinity included, reads 2**62)."""
+    ranges = {str(sym): r for sym, r in ep.range_constraints.items()}
+    nodes = {n.name: n for n in ep.graph.nodes}
+    out = {}
+    for name in ep.graph_signature.user_inputs:
+        for size in getattr(nodes[name].meta.get("val"), "shape", ()):
+            expr = getattr(getattr(size, "node", None), "expr", None)
+            if expr is None or not expr.is_Symbol:
+                continue
+            r = ranges.get(str(expr))
+            low, high = (getattr(r, "lower", None), getattr(r, "upper", None))
+            out[str(expr)] = (int(low) if getattr(low, "is_Integer", False) else 0,
+                              int(high) if getattr(high, "is_Integer", False) else 2**62)
+    return out
+
+
 def _build(ep: Any) -> CostGraph:
     graph = ep.graph_module.graph
     params, user_inputs = _placeholder_kinds(ep)

@@ -13,10 +13,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partitioner import phases
 from partitioner.corrections import Corrections, kernel_count, prior
 from partitioner.cost import CostModel, Support
 from partitioner.costgraph import PRECISIONS, CostGraph
-from partitioner.place import place
+from partitioner.phases import Generation
+from partitioner.place import memory_rule, place
 from partitioner.profile import DeviceProfile, load_profiles, profiles_from_data
 from partitioner.schedule import HOST, simulate
 
@@ -69,6 +71,8 @@ class Plan:
     period_ms: float = 0.0
     method: str = ""
     proven_optimal: bool = False
+    # a stateful model's generation, priced (partitioner/phases.py `figures`); {} otherwise
+    phases: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form; `cuts` holds copies between parts and to/from the host."""
@@ -92,6 +96,7 @@ def plan_model(
     sizes: dict[str, int] | None = None,
     precision: str = "fp32",
     int8: bool = False,
+    generation: Generation | None = None,
 ) -> Plan:
     """Plan a model (ExportedProgram or CostGraph) on devices (profiles, dicts or a YAML path).
 
@@ -104,18 +109,41 @@ def plan_model(
     ("s0" -> 8) instead of its example's. `precision` is the model's policy ("fp32", "auto"):
     an `auto` node is priced at the precision its device would run it at (`int8`: the model
     has calibration inputs, so int8 may be tried); the plan's notes say which.
+    A program that keeps state (it updates buffers in place: a language model's cache) is
+    priced for a generation (partitioner/phases.py: `generation`, else a 128-token prompt and
+    128 tokens generated), its prefill and its decode steps apart; so is a pair of CostGraphs
+    (prefill, decode) with `generation` given. Its parts are priced per decode step and
+    `Plan.phases` holds each phase's figures.
     Raises PlacementError when a strict annotation cannot be honoured or no device can run
     a node, ValueError on bad profiles or arguments.
     """
-    graph = model if isinstance(model, CostGraph) else _costgraph(model, sizes)
     if isinstance(devices, (str, Path)):
         devices = load_profiles(devices)
     elif any(isinstance(d, dict) for d in devices):
         devices = profiles_from_data([d if isinstance(d, dict) else d.to_dict() for d in devices])
-    cost = CostModel(graph, devices, objective, support, corrections, precision, int8)
-    placement = place(cost, method)
-    plan = build_plan(cost, placement.assign, placement.notes, placement.method,
-                      placement.proven_optimal)
+
+    def costed(graph: CostGraph) -> CostModel:
+        return CostModel(graph, devices, objective, support, corrections, precision, int8)
+
+    phased = None if sizes else _phase_graphs(model, generation)
+    if phased is None:
+        cost = costed(model if isinstance(model, CostGraph) else _costgraph(model, sizes))
+        placement = place(cost, method)
+        plan = build_plan(cost, placement.assign, placement.notes, placement.method,
+                          placement.proven_optimal)
+    else:
+        gen, first, step = phased[0], costed(phased[1]), costed(phased[2])
+        whole = phases.combined(first, step, gen)
+        placement = place(whole, method)
+        said = (f"priced for a generation, {gen.describe()}: the parts' times are a decode "
+                "step's, the notes' the whole generation's")
+        plan = build_plan(step, placement.assign, [said, *placement.notes], placement.method,
+                          placement.proven_optimal)
+        rule = memory_rule(whole)
+        if rule is not None and all(d == rule[1] for d in rule[0]):
+            rule = None  # (all of it fits its fastest device: that device alone, below)
+        plan.phases = phases.figures(first, step, gen, placement.assign, rule)
+        cost = step
     priced = _priced_lower(cost, placement.assign)
     if priced:
         plan.notes.append("priced at the precision `auto` would run: " + ", ".join(priced))
@@ -221,6 +249,26 @@ def _dominant_dtype(graph: CostGraph, nodes: list[int]) -> str:
 
 
 _FLOATS = ("fp32", "bf16", "fp16", "int8")
+
+
+def _phase_graphs(model: Any, generation: Generation | None
+                  ) -> tuple[Generation, CostGraph, CostGraph] | None:
+    """A generation's (prefill, decode) graphs: of a program that keeps state, at a prefill
+    chunk's and a decode step's sizes; a given pair of graphs as they are; None for anything
+    else (a model without state is planned for one forward pass)."""
+    if isinstance(model, tuple):
+        if generation is None:
+            raise ValueError("a (prefill, decode) pair of graphs needs its generation")
+        return generation, model[0], model[1]
+    if isinstance(model, CostGraph):
+        return None
+    from partitioner.fxgraph import input_symbols, keeps_state  # (torch: a real model only)
+
+    if not keeps_state(model):
+        return None
+
+    gen, first, step = phases.shapes(input_symbols(model), generation or Generation())
+    return gen, _costgraph(model, first), _costgraph(model, step)
 
 
 def _costgraph(model: Any, sizes: dict[str, int] | None = None) -> CostGraph:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from partitioner.plan import Plan
@@ -34,11 +34,38 @@ def explain(plan: Plan) -> str:
                  f"{sum(p.gflops for p in plan.parts):.3f} GFLOPs; {moved:,} bytes copied")
     peak = ", ".join(f"{d} {b / 1e6:.1f} MB" for d, b in plan.peak_bytes.items())
     lines.append(f"peak memory: {peak}")
+    if plan.phases:
+        lines.append("")
+        lines += generation(plan.phases)
     if plan.notes:
         lines.append("")
         lines.append("why:")
         lines += [f"  - {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def generation(phases: dict[str, Any]) -> list[str]:
+    """A stateful model's plan priced for a generation (partitioner/phases.py): the prefill,
+    a decode step, tokens a second and the whole, for this plan, the peers' memory-only rule
+    and each device alone."""
+    from partitioner.phases import Generation
+
+    gen = Generation(phases["prompt"], phases["generated"], phases["chunk"])
+    rows = [("generation", "prefill ms", "decode ms a step", "tokens/s", "in all ms")]
+
+    def row(name: str, p: dict[str, float] | None) -> tuple[str, ...]:
+        if p is None:
+            return (name, "-", "-", "-", "cannot hold or run it")
+        rate = f"{1e3 / p['step_ms']:.1f}" if p["step_ms"] > 0 else "-"
+        return (name, f"{p['prefill_ms']:.2f}", f"{p['step_ms']:.3f}", rate,
+                f"{p['total_ms']:.1f}")
+
+    rows.append(row("this plan", phases["plan"]))
+    if "memory_rule" in phases:
+        rule = phases["memory_rule"]
+        rows.append(row(f"memory-only rule ({rule['device']} first)", rule))
+    rows += [row(f"{dev} alone", p) for dev, p in phases["alone"].items()]
+    return [f"priced for {gen.describe()} (parts above: a decode step):", *_table(rows)]
 
 
 def to_dot(plan: Plan, nodes: bool = False) -> str:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from partitioner.fxgraph import updated
 from partitioner.profile import DeviceProfile
 from runtimes import compiled_step, torch_cuda
 from runtimes.attention import attended
@@ -48,15 +49,6 @@ from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, ru
 __all__ = ["drop_scope", "drop_sequence"]  # (the worker's, with the state: runtimes/state.py)
 
 log = logging.getLogger(__name__)
-
-
-def updated(node: fx.Node) -> fx.Node | None:
-    """The value an aten op updates in place (its first argument), None for any other node."""
-    target, args = node.target, node.args
-    if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)  # noqa: SLF001 - aten's op type
-            and target._schema.is_mutable and args and isinstance(args[0], fx.Node)):  # noqa: SLF001 - its schema
-        return args[0]
-    return None
 
 
 def state_of(module: fx.GraphModule) -> list[str]:

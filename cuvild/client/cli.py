@@ -16,6 +16,7 @@ from typing import Any
 from cuvild.client import Client, LoadFailed, default_target
 from cuvild.client.cli_generate import add_generate
 from cuvild.client.errors import CuvildError
+from partitioner.phases import GENERATED, PROMPT
 
 DTYPE_COLUMNS = ("fp32", "bf16", "fp16", "int8")
 
@@ -199,9 +200,21 @@ def cmd_unload(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number above zero."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
+
+
 def _plan_offline(args: argparse.Namespace, client: Client) -> dict[str, Any]:
     from cuvild.intake.safe_load import DEFAULT_MAX_BYTES, load_exported_program
     from partitioner import report
+    from partitioner.phases import Generation
     from partitioner.plan import plan_model
     from partitioner.profile import DeviceProfile, load_profiles
 
@@ -212,7 +225,9 @@ def _plan_offline(args: argparse.Namespace, client: Client) -> dict[str, Any]:
     # (the caller's own file, read here: the safe loader still, its size the only bound)
     most = max(DEFAULT_MAX_BYTES, 2 * Path(args.model).stat().st_size)
     plan = plan_model(load_exported_program(args.model, max_bytes=most), devices,
-                      objective=args.objective)
+                      objective=args.objective,
+                      generation=Generation(args.prompt_tokens or PROMPT,
+                                            args.generated_tokens or GENERATED))
     return {"plan": plan.to_dict(), "explain": report.explain(plan), "measured": {},
             "dot": report.to_dot(plan)}
 
@@ -223,8 +238,9 @@ def cmd_partition(client: Client, args: argparse.Namespace) -> int:
     try:
         if Path(args.model).is_file():
             result = _plan_offline(args, client)
-        elif args.profile:
-            print(f"cuvilctl: {args.model}: no such file (--profile plans a .pt2 file)",
+        elif args.profile or args.prompt_tokens or args.generated_tokens:
+            given = "--profile" if args.profile else "--prompt-tokens/--generated-tokens"
+            print(f"cuvilctl: {args.model}: no such file ({given}: for a .pt2 file)",
                   file=sys.stderr)
             return 1
         else:  # a model the daemon serves
@@ -490,6 +506,11 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a st
     part.add_argument("model", help="a .pt2 file, or the name of a model cuvild serves")
     part.add_argument("--profile", help="device profiles YAML: plan offline for that machine")
     part.add_argument("--objective", choices=("latency", "throughput"), default="latency")
+    part.add_argument("--prompt-tokens", type=positive, metavar="N",
+                      help="a model that keeps state (a language model) is priced for a "
+                           f"generation: a prompt of this many tokens (default {PROMPT}) ...")
+    part.add_argument("--generated-tokens", type=positive, metavar="N",
+                      help=f"... then this many tokens generated (default {GENERATED})")
     part.add_argument("--replan", action="store_true",
                       help="for a served model: plan again now, with what its measured parts "
                            "taught the cost model, and show what moved")

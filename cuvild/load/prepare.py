@@ -181,7 +181,7 @@ GUARD = "never worse than one device"
 def state_of(ep: Any) -> State | None:
     """What a stateful program keeps per sequence: the buffers its graph updates in place
     (transformers' static-cache export writes its KV cache with index_copy_), None if none."""
-    from runtimes.torch_eager import updated
+    from partitioner.fxgraph import updated
 
     buffers = {s.arg.name: s.target for s in ep.graph_signature.input_specs
                if s.kind.name == "BUFFER"}

@@ -149,7 +149,8 @@ def test_every_surface_generates_as_transformers(daemon, served) -> None:  # noq
 
 def test_the_plan_says_how_each_decode_step_runs(daemon) -> None:  # noqa: ANN001
     """`cuvilctl partition` asks the part's worker how its decode step runs now (compiled by
-    inductor or eager, and why: runtimes/compiled_step.py); the suite's daemons compile none."""
+    inductor or eager, and why: runtimes/compiled_step.py; the suite's daemons compile none),
+    and gives the generation the plan was priced for."""
     off = "decode step eager (engine.sequences.compile_steps is off)"
     with Client(daemon.target) as client:
         list(client.generate("chunked", PROMPT, max_tokens=2))  # its decode bucket built
@@ -167,6 +168,10 @@ def test_the_plan_says_how_each_decode_step_runs(daemon) -> None:  # noqa: ANN00
                            daemon.target, "partition", "chunked"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and f": {off}" in done.stdout, done.stdout + done.stderr
+    # the plan was priced for a generation: a prompt in one run (the longest the program
+    # takes), then decode steps (partitioner/phases.py)
+    assert "priced for a 63-token prompt in one run, then 128 decode step(s)" in done.stdout
+    assert "priced for a 128-token prompt token by token" in static["explain"]
 
 
 def test_sampling_is_repeatable_with_a_seed(daemon) -> None:  # noqa: ANN001
