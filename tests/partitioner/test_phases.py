@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -123,7 +122,7 @@ def test_the_program_decides_the_chunk() -> None:
     assert gen.describe() == "a 128-token prompt token by token, then 16 decode step(s)"
 
 
-def test_a_tiny_llama_is_priced_for_a_generation(tmp_path: Path) -> None:
+def test_a_tiny_llama_is_priced_for_a_generation(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """A causal LM exported with its cache as buffers is seen to keep state and priced for a
     generation; `cuvilctl partition FILE --profile ... --prompt-tokens/--generated-tokens`
     shows both phases, and the plan's JSON keeps them."""
@@ -142,12 +141,13 @@ def test_a_tiny_llama_is_priced_for_a_generation(tmp_path: Path) -> None:
     assert plan.phases["generated"] == 128
     archive = tmp_path / "lm.pt2"
     torch.export.save(ep, archive)
-    ctl = [sys.executable, "-m", "cuvild.client.cli", "--target", f"unix://{tmp_path}/none",
-           "partition", str(archive), "--profile", str(laptop), "--prompt-tokens", "32",
-           "--generated-tokens", "16"]
-    done = subprocess.run(ctl, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert "priced for a 32-token prompt in one run, then 16 decode step(s)" in done.stdout
-    assert "cpu0 alone" in done.stdout and "gpu0 alone" in done.stdout
+    from cuvild.client import cli
+
+    assert cli.main(["--target", f"unix://{tmp_path}/none", "partition", str(archive),
+                     "--profile", str(laptop), "--prompt-tokens", "32",
+                     "--generated-tokens", "16"]) == 0
+    done = capsys.readouterr()
+    assert "priced for a 32-token prompt in one run, then 16 decode step(s)" in done.out
+    assert "cpu0 alone" in done.out and "gpu0 alone" in done.out
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))  # (what --json prints)
     assert again.phases == plan.phases and again.phases["plan"]["step_ms"] > 0
