@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from partitioner.corrections import KERNEL_CATEGORIES, Corrections, prior
 from partitioner.costgraph import PRECISIONS, CostGraph, CostNode
-from partitioner.profile import DeviceProfile
+from partitioner.profile import DeviceProfile, holds_state
 
 OBJECTIVES = ("latency", "throughput")
 # A non-strict annotation costs this much when not followed: a tie-break for cheap nodes,
@@ -161,18 +161,22 @@ class CostModel:
     # ---- constraints: support, annotations --------------------------------------------------
 
     def _support(self, support: dict[str, Support]) -> None:
+        """Ops a device's runtimes cannot run (`support`), and state a device cannot keep (a
+        node updating a buffer in place, where no runtime keeps one: an NPU), cost infinity
+        there."""
         ids = [d.id for d in self.devices]
         unknown = set(support) - set(ids)
         if unknown:
             raise ValueError(f"support: unknown device ids {sorted(unknown)}; have {ids}")
         self.unsupported: dict[int, list[int]] = {}
         for d, dev in enumerate(self.devices):
-            spec = support.get(dev.id)
-            if spec is None:
+            spec, stateless = support.get(dev.id), not holds_state(dev)
+            if spec is None and not stateless:
                 continue
             for v, node in enumerate(self.graph.nodes):
-                ok = spec(node) if callable(spec) else (node.target not in spec
-                                                        and node.op not in spec)
+                ok = not (stateless and node.updates_state) and (
+                    spec is None or (spec(node) if callable(spec) else (
+                        node.target not in spec and node.op not in spec)))
                 if not ok:
                     self.node_ms[v][d] = math.inf
                     self.unsupported.setdefault(d, []).append(v)

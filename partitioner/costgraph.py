@@ -73,6 +73,7 @@ class CostNode:
     output_names: tuple[str, ...] = ()  # which graph values those are (its own, or getitems)
     annotation: Annotation | None = None
     aliases: tuple[str, ...] = ()  # graph nodes folded into this one (getitem of a tuple result)
+    updates_state: bool = False  # it updates a buffer in place (a language model's cache)
     fx_node: Any = field(default=None, repr=False, compare=False)
 
     @property

@@ -190,6 +190,7 @@ def _cost_node(node: Any, params: set[str], user_inputs: set[str], aliases: list
         inputs=tuple(a for a in inputs if a in user_inputs),
         annotation=Annotation.from_meta(node.meta.get("custom", {}).get(ANNOTATION_KEY)),
         aliases=tuple(aliases),
+        updates_state=getattr(updated(node), "name", None) in params,
         fx_node=node,
     )
 

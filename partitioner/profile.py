@@ -21,7 +21,20 @@ RUNTIMES_BY_KIND: dict[str, tuple[str, ...]] = {
     "gpu": ("triton",),
     "npu": ("openvino",),
 }
+# ... and those that serve a kind for stateful parts alone (a language model's cache, kept
+# per sequence): torch eager on a GPU (runtimes/torch_cuda.py), where a stateless part is
+# inductor's. A CPU keeps state with torch, in its own table; an NPU keeps none.
+STATEFUL_BY_KIND: dict[str, tuple[str, ...]] = {"gpu": ("torch",)}
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "configs" / "profiles"
+
+
+def holds_state(device: DeviceProfile) -> bool:
+    """Whether a runtime can keep a model's state (buffers it updates in place) on `device`:
+    torch on a CPU, on a GPU, or on an emulated device (which runs on the host)."""
+    return (device.emulated or "torch" in RUNTIMES_BY_KIND.get(device.kind, ())
+            or bool(STATEFUL_BY_KIND.get(device.kind)))
+
+
 _NUMBER_KEYS = ("memory_gb", "mem_bw_gbs", "link_bw_gbs", "link_latency_us", "launch_us",
                 "call_us", "kernel_us")
 _LIST_KEYS = ("runtimes", "cores", "features")

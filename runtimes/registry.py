@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from partitioner.profile import RUNTIMES_BY_KIND, DeviceProfile
+from partitioner.profile import RUNTIMES_BY_KIND, STATEFUL_BY_KIND, DeviceProfile
 from runtimes.base import Runtime, RuntimeUnavailable
 
 RUNTIMES = {
@@ -21,13 +21,9 @@ RUNTIMES = {
     "triton": "runtimes.triton:TritonRuntime",  # CUDA GPUs, inductor -> Triton
 }
 
-# Which runtimes may serve each device kind: the partitioner's table, so that planning and
-# building agree on it.
+# Which runtimes may serve each device kind, and those that serve it for stateful parts
+# alone: the partitioner's tables, so that planning and building agree on them.
 BY_KIND = RUNTIMES_BY_KIND
-# ... and those that serve a kind for stateful parts alone: torch eager keeps a language
-# model's cache per sequence on a GPU (runtimes/torch_cuda.py), where a stateless part is
-# inductor's (compiled, run as a CUDA graph)
-STATEFUL_BY_KIND = {"gpu": ("torch",)}
 
 
 def runtime_class(name: str) -> type[Runtime]:

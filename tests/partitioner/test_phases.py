@@ -139,6 +139,9 @@ def test_a_tiny_llama_is_priced_for_a_generation(tmp_path: Path, capsys) -> None
     plan = plan_model(ep, laptop)
     assert plan.phases["prompt"] == lm_models.CONTEXT - 1 and plan.phases["runs"] == 1
     assert plan.phases["generated"] == 128
+    soc = plan_model(ep, ROOT / "configs" / "profiles" / "laptop-soc.yaml")  # an NPU beside
+    assert any(n.startswith("npu0 cannot run 6 node(s): aten.copy_.default, "
+                            "aten.index_copy_.default") for n in soc.notes), soc.notes
     archive = tmp_path / "lm.pt2"
     torch.export.save(ep, archive)
     from cuvild.client import cli
@@ -151,3 +154,20 @@ def test_a_tiny_llama_is_priced_for_a_generation(tmp_path: Path, capsys) -> None
     assert "cpu0 alone" in done.out and "gpu0 alone" in done.out
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))  # (what --json prints)
     assert again.phases == plan.phases and again.phases["plan"]["step_ms"] > 0
+
+
+def test_a_node_that_updates_state_stays_where_a_runtime_keeps_it() -> None:
+    """A cache write (a node updating a buffer in place) never goes to an NPU, where no
+    runtime keeps state, however fast it is there; an emulated NPU (on the host) may hold
+    it, and the plan says what the NPU cannot run."""
+    graph = layers(512)
+    graph.nodes[2].updates_state = True
+    plan = plan_model(graph, SOC)
+    where = {name: p.device for p in plan.parts for name in p.nodes}
+    assert where["layer2"] == "cpu0" and where["layer0"] == "npu0", where
+    assert any(n.startswith("npu0 cannot run 1 node(s)") for n in plan.notes), plan.notes
+    emulated = [SOC[0], DeviceProfile(**{**SOC[1].to_dict(), "emulated": True})]
+    assert {p.device for p in plan_model(layers(512), emulated).parts} == {"npu0"}
+    graph = layers(512)
+    graph.nodes[2].updates_state = True
+    assert {p.device for p in plan_model(graph, emulated).parts} == {"npu0"}
