@@ -41,6 +41,7 @@ from cuvild.core.loaded import LAST, Bucket, Family, LoadedModel, Shapes, cut_by
 from cuvild.core.precision import Accuracy, PrecisionPolicy
 from cuvild.load import precision, warm
 from cuvild.load.builder import Builder
+from cuvild.run.generate import CHUNKS, INPUTS
 
 log = logging.getLogger(__name__)
 RECORDS = 32  # bucket load records kept on disk per model, the last written
@@ -116,6 +117,39 @@ def last_logits(model: LoadedModel) -> LoadedModel:
                 model, key=f"{model.key}@{LAST}", accuracy=None, warm=False,
                 family=Family(kept.dims, replans=False, owner=model))
         return kept.twin
+
+
+def step_lengths(model: LoadedModel) -> tuple[int, ...]:
+    """The lengths a generation's step may take on a language model (inputs `input_ids`
+    [1, n] and `cache_position` [n]): CHUNKS within its dynamic length's range, largest
+    first, else its one static length."""
+    at = model.inputs.index(INPUTS[0])
+    ranges = [(lo, hi) for i, dim, lo, hi in model.dynamic if i == at and dim == 1]
+    if ranges:
+        return tuple(c for c in CHUNKS if ranges[0][0] <= c <= ranges[0][1])
+    return tuple(model.table[at].shape[1:2])
+
+
+def build_for_generation(model: LoadedModel, miss: Any, progress: Any) -> list[str]:
+    """A language model's buckets built while it loads (engine.sequences.build_at_load), so
+    that its first generation runs at speed, as Triton's model warmup and OpenVINO GenAI's
+    pipeline do: its decode step, and its twin's longest prompt chunk (`miss`: the
+    runner's, which builds a bucket or restores it from its load record). Other chunk
+    lengths are built at their first use. What was built, in words."""
+    if model.family is None or sorted(model.inputs) != sorted(INPUTS):
+        return []
+    lengths = step_lengths(model)
+    longest = max((n for n in lengths if n > 1), default=None)
+    wanted = [(model, 1, "its decode step")] if 1 in lengths else []
+    if longest is not None:
+        wanted.append((last_logits(model), longest, f"its {longest}-token prompt chunk"))
+    built = []
+    for target, n, what in wanted:
+        progress(f"building {what}")
+        shapes = tuple((1, n) if name == INPUTS[0] else (n,) for name in model.inputs)
+        miss(target, shapes).result()
+        built.append(what)
+    return built
 
 
 def family(model: LoadedModel) -> Family:

@@ -26,7 +26,7 @@ from cuvild.core.loaded import Batching, LoadedModel
 from cuvild.core.precision import PrecisionPolicy
 from cuvild.intake import repository
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
-from cuvild.load import prepare, warm
+from cuvild.load import buckets, prepare, warm
 from cuvild.load.builder import Builder
 
 log = logging.getLogger(__name__)
@@ -54,12 +54,15 @@ class ServedModel:
 class ModelManager:
     def __init__(self, registry: Registry, builder: Builder, objective: str = "latency",
                  precision: str = "fp32", max_error: float = 1e-2,
-                 batching: Batching | None = None) -> None:
+                 batching: Batching | None = None, build_at_load: bool = True) -> None:
+        """`build_at_load`: a language model's generation buckets are built before it is
+        READY (engine.sequences.build_at_load; cuvild/load/buckets.py)."""
         self.registry = registry
         self.builder = builder
         self.objective = objective
         self.default_policy = PrecisionPolicy(precision, max_error)  # engine.precision/max_error
         self.default_batching = batching or Batching(1)  # engine.batching (1: off)
+        self.build_at_load = build_at_load
         self._models: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
@@ -217,6 +220,8 @@ class ModelManager:
             served.phase = "queued to build"
             self._pool.submit(self._prepare, served, t0, True)
             return
+        if loaded.state is not None and self.build_at_load:
+            self._build_for_generation(served, loaded, t0)
         served.loaded, served.prepare_s = loaded, time.perf_counter() - t0
         served.warm = loaded.warm
         with self._lock:
@@ -228,6 +233,24 @@ class ModelManager:
                  " (from its load record)" if loaded.warm else "",
                  ", ".join(f"{r.id}@{r.device}/{r.runtime or 'runtime per input shape'}"
                            for r in loaded.routes))
+
+    def _build_for_generation(self, served: ServedModel, loaded: LoadedModel,
+                              t0: float) -> None:
+        """A language model's decode step and longest prompt chunk, built before it is READY;
+        one that fails is left to its first use, which says why (the model still serves)."""
+        miss = self.builder.runner.miss
+        if miss is None:
+            return
+        try:
+            built = buckets.build_for_generation(
+                loaded, miss, lambda phase: self._phase(served, phase, t0))
+        except Exception as e:  # noqa: BLE001 - built again at first use, which answers why
+            log.warning("model %s: its generation buckets were not built at load (%s: %s); "
+                        "they are built at first use", served.key, type(e).__name__, e)
+            return
+        if built:
+            log.info("model %s: built %s at load (%.2f s into it)", served.key,
+                     " and ".join(built), time.perf_counter() - t0)
 
     @staticmethod
     def _phase(served: ServedModel, phase: str, t0: float) -> None:

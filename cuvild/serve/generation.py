@@ -25,7 +25,7 @@ import numpy as np
 
 from cuvild.core.layout import BadInput
 from cuvild.core.loaded import LoadedModel, Out
-from cuvild.load.buckets import last_logits
+from cuvild.load.buckets import last_logits, step_lengths
 from cuvild.load.models import ModelManager
 from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate
 from cuvild.run.runner import Runner
@@ -245,15 +245,9 @@ class Generator:
 
 
 def chunks_of(model: LoadedModel, key: str) -> tuple[int, ...]:
-    """The step lengths a model takes: CHUNKS within its dynamic length's range, else its
-    one static length, which must be 1 (a decode step takes one token)."""
-    at = model.inputs.index(INPUTS[0])
-    ranges = [(lo, hi) for i, dim, lo, hi in model.dynamic if i == at and dim == 1]
-    if ranges:
-        lo, hi = ranges[0]
-        sizes = tuple(c for c in CHUNKS if lo <= c <= hi)
-    else:
-        sizes = tuple(model.table[at].shape[1:2])
+    """The step lengths a model takes (cuvild/load/buckets.py `step_lengths`), which must
+    include 1 (a decode step takes one token)."""
+    sizes = step_lengths(model)
     if 1 not in sizes:
         raise Refused("invalid", f"model {key} cannot take one token a step ({INPUTS[0]} "
                       f"lengths {sizes or 'none of'} {CHUNKS}): export it with a length of 1, "
