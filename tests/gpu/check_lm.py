@@ -191,6 +191,9 @@ def engine_row(ep: Any, profile: Path, want: list[int]) -> dict[str, Any]:
         row["parts"] = [f"{p.id}@{p.device}/{p.runtime}/{p.precision}"
                         for p in loaded.plan.parts]
         row["notes"] = loaded.plan.notes[:12]
+        # the plan priced for a generation (partitioner/phases.py): its predicted decode step
+        # here and on each device alone, beside the step measured below
+        row["predicted"] = {k: loaded.plan.phases.get(k) for k in ("plan", "alone")}
         live = engine.runner.sequences.begin(loaded.key, "s", [p.device
                                                                for p in loaded.plan.parts])
         times: list[float] = []
