@@ -130,28 +130,6 @@ def step_lengths(model: LoadedModel) -> tuple[int, ...]:
     return tuple(model.table[at].shape[1:2])
 
 
-def build_for_generation(model: LoadedModel, miss: Any, progress: Any) -> list[str]:
-    """A language model's buckets built while it loads (engine.sequences.build_at_load), so
-    that its first generation runs at speed, as Triton's model warmup and OpenVINO GenAI's
-    pipeline do: its decode step, and its twin's longest prompt chunk (`miss`: the
-    runner's, which builds a bucket or restores it from its load record). Other chunk
-    lengths are built at their first use. What was built, in words."""
-    if model.family is None or sorted(model.inputs) != sorted(INPUTS):
-        return []
-    lengths = step_lengths(model)
-    longest = max((n for n in lengths if n > 1), default=None)
-    wanted = [(model, 1, "its decode step")] if 1 in lengths else []
-    if longest is not None:
-        wanted.append((last_logits(model), longest, f"its {longest}-token prompt chunk"))
-    built = []
-    for target, n, what in wanted:
-        progress(f"building {what}")
-        shapes = tuple((1, n) if name == INPUTS[0] else (n,) for name in model.inputs)
-        miss(target, shapes).result()
-        built.append(what)
-    return built
-
-
 def family(model: LoadedModel) -> Family:
     """A dynamic-shape model's Family (every function here is handed one)."""
     assert model.family is not None, f"model {model.key} has fixed shapes"

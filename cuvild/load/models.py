@@ -26,7 +26,7 @@ from cuvild.core.loaded import Batching, LoadedModel
 from cuvild.core.precision import PrecisionPolicy
 from cuvild.intake import repository
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
-from cuvild.load import buckets, prepare, warm
+from cuvild.load import prepare, warm, warmup
 from cuvild.load.builder import Builder
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class ModelManager:
             self._pool.submit(self._prepare, served, t0, True)
             return
         if loaded.state is not None and self.build_at_load:
-            self._build_for_generation(served, loaded, t0)
+            self._warm(served, loaded, t0)
         served.loaded, served.prepare_s = loaded, time.perf_counter() - t0
         served.warm = loaded.warm
         with self._lock:
@@ -234,23 +234,22 @@ class ModelManager:
                  ", ".join(f"{r.id}@{r.device}/{r.runtime or 'runtime per input shape'}"
                            for r in loaded.routes))
 
-    def _build_for_generation(self, served: ServedModel, loaded: LoadedModel,
-                              t0: float) -> None:
-        """A language model's decode step and longest prompt chunk, built before it is READY;
-        one that fails is left to its first use, which says why (the model still serves)."""
-        miss = self.builder.runner.miss
-        if miss is None:
+    def _warm(self, served: ServedModel, loaded: LoadedModel, t0: float) -> None:
+        """A language model's warm-up before it is READY (cuvild/load/warmup.py); one that
+        fails leaves its buckets to their first use, which says why (the model still
+        serves)."""
+        if self.builder.runner.miss is None:
             return
         try:
-            built = buckets.build_for_generation(
-                loaded, miss, lambda phase: self._phase(served, phase, t0))
+            done = warmup.warm(self.builder.runner, self.builder.describe, loaded,
+                               lambda phase: self._phase(served, phase, t0))
         except Exception as e:  # noqa: BLE001 - built again at first use, which answers why
-            log.warning("model %s: its generation buckets were not built at load (%s: %s); "
-                        "they are built at first use", served.key, type(e).__name__, e)
+            log.warning("model %s: not warmed up at load (%s: %s); its buckets are built at "
+                        "first use", served.key, type(e).__name__, e)
             return
-        if built:
-            log.info("model %s: built %s at load (%.2f s into it)", served.key,
-                     " and ".join(built), time.perf_counter() - t0)
+        if done:
+            log.info("model %s: warmed up at load (%.2f s into it): %s", served.key,
+                     time.perf_counter() - t0, "; ".join(done))
 
     @staticmethod
     def _phase(served: ServedModel, phase: str, t0: float) -> None:
