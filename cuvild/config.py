@@ -169,9 +169,9 @@ class Config:  # a key per field; `path` alone is not one (the file it was read 
     compile_steps: bool = setting("engine.sequences.compile_steps", True, "compile a "
                                   "language model's decode step at its first use (inductor), "
                                   "served where it measures faster")
-    build_at_load: bool = setting("engine.sequences.build_at_load", True, "build a language "
-                                  "model's decode step and longest prompt chunk while it "
-                                  "loads (false: at their first use)")
+    warm_up: bool = setting("engine.sequences.warm_up", True, "warm a language model up "
+                            "before it is READY: its decode step and longest prompt chunk "
+                            "built, its decode step compiled (false: at their first use)")
     runtimes: dict[str, list[str]] = setting(
         "engine.runtimes", {}, "device id or kind -> the runtimes auto may try ({}: all)",
         reload=True, read=lambda v, key: _runtimes(v))

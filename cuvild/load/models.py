@@ -54,15 +54,15 @@ class ServedModel:
 class ModelManager:
     def __init__(self, registry: Registry, builder: Builder, objective: str = "latency",
                  precision: str = "fp32", max_error: float = 1e-2,
-                 batching: Batching | None = None, build_at_load: bool = True) -> None:
-        """`build_at_load`: a language model's generation buckets are built before it is
-        READY (engine.sequences.build_at_load; cuvild/load/buckets.py)."""
+                 batching: Batching | None = None, warm_up: bool = True) -> None:
+        """`warm_up`: a language model is warmed up before it is READY
+        (engine.sequences.warm_up; cuvild/load/warmup.py)."""
         self.registry = registry
         self.builder = builder
         self.objective = objective
         self.default_policy = PrecisionPolicy(precision, max_error)  # engine.precision/max_error
         self.default_batching = batching or Batching(1)  # engine.batching (1: off)
-        self.build_at_load = build_at_load
+        self.warm_up = warm_up
         self._models: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
@@ -220,7 +220,7 @@ class ModelManager:
             served.phase = "queued to build"
             self._pool.submit(self._prepare, served, t0, True)
             return
-        if loaded.state is not None and self.build_at_load:
+        if loaded.state is not None and self.warm_up:
             self._warm(served, loaded, t0)
         served.loaded, served.prepare_s = loaded, time.perf_counter() - t0
         served.warm = loaded.warm

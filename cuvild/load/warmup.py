@@ -1,11 +1,12 @@
 """A language model's warm-up: what its load does before it is READY, so that its first
-generation runs at speed (engine.sequences.build_at_load), as Triton's model warmup and
+generation runs at speed (engine.sequences.warm_up), as Triton's model warmup and
 OpenVINO GenAI's pipeline do.
 
 A dynamic-length model's buckets are built at their first use (cuvild/load/buckets.py); a
 generation needs two of them at once, its decode step and its twin's longest prompt chunk
 (the 200M Llama: 14.3 s of a first request at fp32, 43 s under a budget), so the load builds
-both. Its decode step is then compiled by inductor in its worker (runtimes/compiled_step.py)
+both (a model exported for one token a step has its one shape built by the load itself).
+Its decode step is then compiled by inductor in its worker (runtimes/compiled_step.py)
 at a sequence's first step, the steps running eagerly meanwhile, and timed at the next: the
 load runs those steps on a sequence of its own, waiting for the compile (up to SETTLE_S), so
 that no request shares the cores with it. Other chunk lengths are built at their first use.
@@ -31,17 +32,19 @@ COMPILING = "while inductor compiles"  # what a worker says of a step it compile
 
 def warm(runner: Any, describe: Callable[[str, str, str], str], model: LoadedModel,
          progress: Callable[[str], None]) -> list[str]:
-    """Build `model`'s decode step and its twin's longest prompt chunk (`runner.miss`: the
-    bucket built, or restored from its load record), then settle its decode step
-    (`settle`). What was done, in words; nothing for a model that is no language model of
-    a dynamic length."""
-    if model.family is None or sorted(model.inputs) != sorted(INPUTS):
+    """A language model's warm-up: of a dynamic length, its decode step and its twin's
+    longest prompt chunk built (`runner.miss`: each bucket built, or restored from its load
+    record); its decode step settled (`settle`). What was done, in words; nothing for a
+    model that is no language model."""
+    if model.state is None or sorted(model.inputs) != sorted(INPUTS):
         return []
     lengths = step_lengths(model)
     longest = max((n for n in lengths if n > 1), default=None)
-    wanted = [(model, 1, "its decode step")] if 1 in lengths else []
-    if longest is not None:
-        wanted.append((last_logits(model), longest, f"its {longest}-token prompt chunk"))
+    wanted = []
+    if model.family is not None:  # (of one shape, the load itself built it)
+        wanted += [(model, 1, "its decode step")] if 1 in lengths else []
+        if longest is not None:
+            wanted.append((last_logits(model), longest, f"its {longest}-token prompt chunk"))
     done = []
     for target, n, what in wanted:
         progress(f"building {what}")

@@ -268,7 +268,7 @@ class Daemon:
         self.models = ModelManager(self.registry, engine.builder, self.cfg.objective,
                                    self.cfg.precision, self.cfg.max_error,
                                    Batching(self.cfg.max_batch, self.cfg.max_delay_us),
-                                   build_at_load=self.cfg.build_at_load)
+                                   warm_up=self.cfg.warm_up)
         started = self.models.start_workers()
         if started:
             log.debug("workers for %s starting (named by load records)", ", ".join(started))

@@ -204,33 +204,28 @@ def test_a_worker_killed_mid_generation_ends_its_sequence_clearly(tmp_path: Path
 
 def test_the_load_warms_a_language_model_up(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """cuvild/load/warmup.py: a dynamic-length model's decode step and its twin's longest
-    prompt chunk are built, and its decode step compiled by inductor and timed on a sequence
-    of the warm-up's own, before the model is READY; the sequence is gone after, and
-    generation then builds nothing and gives transformers' tokens."""
+    """cuvild/load/warmup.py: a language model's decode step is compiled by inductor and
+    timed on a sequence of the warm-up's own before the model is READY (the sequence gone
+    after); generation then gives transformers' tokens. (A dynamic length's buckets built
+    by the warm-up: tests/serve/test_generation.py.)"""
     from cuvild.load import warmup
     from runtimes import compiled_step
 
     monkeypatch.setenv(compiled_step.ENV, "1")  # (thread workers: this process's setting)
-    engine, arena, model, hf = served(tmp_path, "llama", dynamic=True)
+    engine, arena, model, hf = served(tmp_path, "llama")
     try:
         phases: list[str] = []
-        done = warmup.warm(engine.runner, engine.builder.describe, model, phases.append)
-        assert phases == ["building its decode step", "building its 16-token prompt chunk",
-                          "compiling its decode step"], phases
-        assert done[:2] == ["built its decode step", "built its 16-token prompt chunk"]
+        (said,) = warmup.warm(engine.runner, engine.builder.describe, model, phases.append)
+        assert phases == ["compiling its decode step"], phases
         # compiled, then timed: served compiled, or eager with both times (timing decides)
-        assert done[2].startswith(("decode step compiled by inductor in ",
-                                   "decode step eager: compiled it ran ")), done
-        built = set(engine.runner.served.buckets)
-        assert {(model.key, ((1, 1), (1,))), (last_logits(model).key, ((1, 16), (16,)))} <= built
+        assert said.startswith(("decode step compiled by inductor in ",
+                                "decode step eager: compiled it ran ")), said
         assert len(engine.runner.sequences) == 0
         live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
-        got = list(generate(stepper(engine, model, live, last_logits(model)), PROMPT * 4,
-                            Sampling(max_tokens=6), lm_models.CONTEXT, chunks=(16, 1)))
+        got = list(generate(stepper(engine, model, live), PROMPT, Sampling(max_tokens=6),
+                            lm_models.CONTEXT))
         engine.runner.sequences.end(live)
-        assert got == lm_models.reference(hf, PROMPT * 4, 6)
-        assert set(engine.runner.served.buckets) == built  # (nothing built by it)
+        assert got == lm_models.reference(hf, PROMPT, 6)
     finally:
         engine.close()
         arena.close()

@@ -148,7 +148,7 @@ def test_every_surface_generates_as_transformers(daemon, served) -> None:  # noq
 
 
 def test_a_language_model_is_built_for_generation_before_it_is_ready(daemon) -> None:  # noqa: ANN001
-    """engine.sequences.build_at_load (on by default): a dynamic-length model's decode step
+    """engine.sequences.warm_up (on by default): a dynamic-length model's decode step
     and its twin's longest prompt chunk (16 tokens: the longest of 128, 64, 16, 4 within its
     63) are built while it loads, and its decode step run on a sequence of the load's own
     (compiled then, where steps are compiled: not in the suite), so its first generation
