@@ -333,3 +333,41 @@ def test_a_mixed_precision_built_without_a_budget_takes_its_low_precisions_toler
     assert select.own_tolerance("fp16+fp32") == TOLERANCE["fp16"]
     assert select.own_tolerance("int8+fp32") == TOLERANCE["int8+fp32"]
     assert select.own_tolerance("fp32") == TOLERANCE["fp32"]
+
+
+def test_a_parts_digest_names_its_code_and_every_weights_bytes() -> None:
+    """runtimes/cache.py graph_digest: the compile cache's key for a part. The same part
+    (and another module on the same weights: a model's buckets) digests alike, a weight
+    written in place or a different graph does not; a weight's hash is kept for its tensor
+    while its data is unchanged."""
+    from runtimes.cache import _WEIGHTS, graph_digest, weight_digest
+
+    class Layer(torch.nn.Module):
+        def __init__(self, linear: torch.nn.Linear, act: object) -> None:
+            super().__init__()
+            self.linear, self.act = linear, act
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.linear(x))  # type: ignore[operator]
+
+    model = Layer(torch.nn.Linear(8, 8), torch.relu).eval()
+    one = torch.fx.symbolic_trace(model)
+    first = graph_digest(one)
+    assert graph_digest(torch.fx.symbolic_trace(model)) == first  # (the same weights)
+    weight = model.linear.weight
+    assert _WEIGHTS[id(weight)][2] == weight_digest(weight)
+    was = weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] = was + 1.0  # (an in-place write: its version moves)
+    assert graph_digest(one) != first
+    with torch.no_grad():
+        weight[0, 0] = was
+    assert graph_digest(one) == first  # (the same bytes again)
+    other = torch.fx.symbolic_trace(Layer(model.linear, torch.tanh))
+    assert graph_digest(other) != first
+    key = id(weight)
+    del model, one, other, weight
+    import gc
+
+    gc.collect()
+    assert key not in _WEIGHTS  # (gone with its tensor)
