@@ -26,10 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from partitioner.cost import CostModel
-from partitioner.schedule import simulate
+from partitioner.schedule import objective, simulate
 
 PROMPT = 128  # tokens of a typical prompt: what a generation's plan is priced for
 GENERATED = 128  # tokens generated after it
+# A split must be predicted this much faster than the best device alone that holds the
+# model, or that device serves it alone: a stateful model's split is not timed against one
+# device before it serves (a static model's is, cuvild/load/guard.py), and a gain smaller
+# than this is within what the cost model mispredicts.
+SPLIT_GAIN = 1.1
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,32 @@ def combined(prefill: CostModel, decode: CostModel, gen: Generation) -> CostMode
     model.graph.edges = [dataclasses.replace(e, bytes=model.graph.edge_bytes[(e.src, e.dst)])
                          for e in prefill.graph.edges]
     return model
+
+
+def one_device(whole: CostModel, assign: list[int]) -> tuple[list[int], list[str]]:
+    """`assign`, or the best device alone that can run and hold the whole model where the
+    split is predicted less than SPLIT_GAIN faster than it (`whole`: the generation's cost
+    model), with a note saying so."""
+    used = sorted(set(assign))
+    if len(used) < 2:
+        return assign, []
+    alone = {}
+    for d in range(whole.k):
+        where = [d] * whole.n
+        if all(d in allowed for allowed in whole.allowed) and not whole.memory_over(where):
+            alone[d] = objective(whole, where)
+    if not alone:
+        return assign, []
+    best = min(alone, key=alone.__getitem__)
+    gain = alone[best] / max(objective(whole, assign), 1e-12)
+    if gain >= SPLIT_GAIN:
+        return assign, []
+    names = ", ".join(whole.devices[d].id for d in used)
+    return [best] * whole.n, [
+        f"one device: the split over {names} was predicted {gain:.2f}x as fast as "
+        f"{whole.devices[best].id} alone, under the {SPLIT_GAIN}x a split must gain (a "
+        f"stateful model's split is not timed against one device): {whole.devices[best].id} "
+        "alone"]
 
 
 def figures(prefill: CostModel, decode: CostModel, gen: Generation, assign: Sequence[int],

@@ -129,22 +129,24 @@ def plan_model(
     if phased is None:
         cost = costed(model if isinstance(model, CostGraph) else _costgraph(model, sizes))
         placement = place(cost, method)
-        plan = build_plan(cost, placement.assign, placement.notes, placement.method,
+        assign = placement.assign
+        plan = build_plan(cost, assign, placement.notes, placement.method,
                           placement.proven_optimal)
     else:
         gen, first, step = phased[0], costed(phased[1]), costed(phased[2])
         whole = phases.combined(first, step, gen)
         placement = place(whole, method)
+        assign, alone = phases.one_device(whole, placement.assign)
         said = (f"priced for a generation, {gen.describe()}: the parts' times are a decode "
                 "step's, the notes' the whole generation's")
-        plan = build_plan(step, placement.assign, [said, *placement.notes], placement.method,
-                          placement.proven_optimal)
+        plan = build_plan(step, assign, [said, *(alone or placement.notes)], placement.method,
+                          placement.proven_optimal and not alone)
         rule = memory_rule(whole)
         if rule is not None and all(d == rule[1] for d in rule[0]):
             rule = None  # (all of it fits its fastest device: that device alone, below)
-        plan.phases = phases.figures(first, step, gen, placement.assign, rule)
+        plan.phases = phases.figures(first, step, gen, assign, rule)
         cost = step
-    priced = _priced_lower(cost, placement.assign)
+    priced = _priced_lower(cost, assign)
     if priced:
         plan.notes.append("priced at the precision `auto` would run: " + ", ".join(priced))
     if corrections:

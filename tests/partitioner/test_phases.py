@@ -139,6 +139,8 @@ def test_a_tiny_llama_is_priced_for_a_generation(tmp_path: Path, capsys) -> None
     plan = plan_model(ep, laptop)
     assert plan.phases["prompt"] == lm_models.CONTEXT - 1 and plan.phases["runs"] == 1
     assert plan.phases["generated"] == 128
+    # its few shape ops alone were faster on the GPU: a split no faster than the CPU alone
+    assert [p.device for p in plan.parts] == ["cpu0"], plan.notes
     soc = plan_model(ep, ROOT / "configs" / "profiles" / "laptop-soc.yaml")  # an NPU beside
     assert any(n.startswith("npu0 cannot run 6 node(s): aten.copy_.default, "
                             "aten.index_copy_.default") for n in soc.notes), soc.notes
@@ -171,3 +173,27 @@ def test_a_node_that_updates_state_stays_where_a_runtime_keeps_it() -> None:
     graph = layers(512)
     graph.nodes[2].updates_state = True
     assert {p.device for p in plan_model(graph, emulated).parts} == {"npu0"}
+
+
+def test_a_split_that_gains_little_is_one_device() -> None:
+    """A split predicted under SPLIT_GAIN faster than the best device alone gives way to
+    that device (a stateful model's split is not timed against one device before it
+    serves); one that gains more stays split."""
+    def with_head(tokens: int, flops: float) -> CostGraph:
+        graph = layers(tokens)
+        act = graph.nodes[-1].out_bytes
+        graph.nodes[-1].output_bytes = 0
+        head = CostNode("head", category="matmul", flops=flops, bytes_read=act,
+                        bytes_written=4096, out_bytes=4096, output_bytes=4096)
+        return CostGraph([*graph.nodes, head], [*graph.edges, Edge(5, 6, act)],
+                         graph.param_bytes, graph.input_bytes)
+
+    gen = Generation(prompt=512, generated=128, chunk=512)
+    small = plan_model((with_head(512, 2e8), with_head(1, 2e8)), SOC, generation=gen)
+    assert {p.device for p in small.parts} == {"cpu0"}, small.notes
+    (note,) = [n for n in small.notes if n.startswith("one device: ")]
+    assert "the split over cpu0, npu0 was predicted 1.0" in note and note.endswith(
+        "cpu0 alone"), note
+    big = plan_model((with_head(512, 2e9), with_head(1, 2e9)), SOC, generation=gen)
+    assert {p.device for p in big.parts} == {"cpu0", "npu0"}, big.notes
+    assert not [n for n in big.notes if n.startswith("one device: ")]
