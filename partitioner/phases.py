@@ -13,7 +13,8 @@ parts are priced per decode step; `Plan.phases` holds each phase's predicted tim
 for the peers' memory-only rule and for each device alone (`figures`).
 
 The sum is exact for parts that run one after another (a decoder's layers do); where parts on
-two devices overlap, the predicted generation is a little optimistic.
+two devices overlap, the predicted generation is a little optimistic. A split predicted less
+than SPLIT_GAIN faster than the best device alone gives way to that device (`one_device`).
 """
 
 from __future__ import annotations
@@ -161,4 +162,3 @@ def figures(prefill: CostModel, decode: CostModel, gen: Generation, assign: Sequ
     if rule is not None:
         out["memory_rule"] = {**priced(rule[0]), "device": prefill.devices[rule[1]].id}
     return out
-

@@ -27,7 +27,9 @@ from protos.orders import RawTensor
 
 SETTLE_S = 120.0  # the longest a load waits for its decode step's compile (~11 s the first
 # time on a machine, inductor's headers built; 3-4 s after)
-COMPILING = "while inductor compiles"  # what a worker says of a step it compiles now
+# what a worker says of a step it compiles now (runtimes/compiled_step.py `start`'s words;
+# not imported from there: it imports torch, which the daemon loads only to build)
+COMPILING = "while inductor compiles"
 
 
 def warm(runner: Any, describe: Callable[[str, str, str], str], model: LoadedModel,
