@@ -113,6 +113,13 @@ class Describe:
 
 
 @dataclass(frozen=True, slots=True)
+class LogLevel:
+    """The worker's log level: the daemon's `log_level`, as a config reload changed it."""
+
+    level: str
+
+
+@dataclass(frozen=True, slots=True)
 class Described:
     text: str  # "" where there is nothing more to say than the plan does
 
@@ -128,7 +135,8 @@ class Attach:
     layout: dict[str, Any]  # as the session's open reply gave it to the client
 
 
-Order = Build | Unload | Forget | Choose | Restore | Attach | EndSequence | Describe
+Order = (Build | Unload | Forget | Choose | Restore | Attach | EndSequence | Describe
+         | LogLevel)
 
 
 @dataclass(frozen=True, slots=True)

@@ -348,6 +348,8 @@ class Daemon:
     def _apply(self, new: config_mod.Config) -> None:
         """The settings a reload changes (config.RELOADED), set where they are read."""
         logging.getLogger().setLevel(new.log_level.upper())
+        if self.engine is not None:  # (the workers' too)
+            self.engine.workers.set_log_level(new.log_level)
         if self.registry is not None:
             self.registry.max_model_bytes = new.max_model_bytes
         if self.uploads is not None:

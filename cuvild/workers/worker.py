@@ -42,6 +42,7 @@ from protos.orders import (
     EndSequence,
     Envelope,
     Forget,
+    LogLevel,
     Order,
     Progress,
     Reply,
@@ -50,6 +51,7 @@ from protos.orders import (
     Unload,
 )
 
+log = logging.getLogger(__name__)
 MAX_VIEWS = 4096  # tensor views kept per worker (arena blocks recur request after request)
 # torch.export keeps global state: in the daemon (thread workers), one build at a time.
 BUILDS_IN_THREADS = threading.Lock()
@@ -96,6 +98,10 @@ class Worker:
             return self.end_sequence(order)
         if isinstance(order, Describe):
             return self.describe(order)
+        if isinstance(order, LogLevel):  # (a thread worker's is the daemon's: the same)
+            logging.getLogger().setLevel(order.level.upper())
+            log.debug("log level %s, as the daemon's config reload set it", order.level)
+            return None
         raise TypeError(f"unknown order {type(order).__name__}")
 
     # -- shared memory -----------------------------------------------------------------

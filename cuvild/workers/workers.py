@@ -18,6 +18,7 @@ from pathlib import Path
 
 from cuvild.workers.handle import KINDS, WorkerHandle, stop_all
 from partitioner.profile import DeviceProfile
+from protos.orders import LogLevel
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ class Workers:
         self.run_timeout_s = run_timeout_s
         self.restore = restore
         self._handles: dict[str, WorkerHandle] = {}
+        # the log level a config reload set (None: the daemon's at start, which a worker
+        # reads from its environment); told to every worker started or revived after it
+        self.log_level: str | None = None
         self._usable: dict[str, threading.Event] = {}  # cleared while a worker is revived
         self._revive_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()  # making a worker (control path only)
@@ -49,6 +53,7 @@ class Workers:
                     self._revive_locks[device] = threading.Lock()
                     worker = self._handles[device] = self.kind(self.devices[device],
                                                                self.cache_dir)
+                    self._tell_level(worker)
         return worker
 
     def ready(self, device: str) -> WorkerHandle | None:
@@ -99,12 +104,23 @@ class Workers:
                 log.error("worker for %s died; restarting it", device)
                 t0 = time.perf_counter()
                 worker.restart()
+                self._tell_level(worker)
                 self.restore(device, worker)
                 log.info("worker for %s back in %.2f s", device, time.perf_counter() - t0)
             except Exception:
                 log.exception("restarting the worker for %s failed", device)
             finally:
                 self._usable[device].set()
+
+    def set_log_level(self, level: str) -> None:
+        """Every worker's log level from now on (a config reload's `log_level`)."""
+        self.log_level = level
+        for worker in self.values():
+            self._tell_level(worker)
+
+    def _tell_level(self, worker: WorkerHandle) -> None:
+        if self.log_level is not None and worker.alive():
+            worker.call(LogLevel(self.log_level))  # (its reply is not waited for)
 
     def close(self) -> None:
         stop_all(list(self._handles.values()))

@@ -147,7 +147,7 @@ def test_live_socket_is_refused(make_daemon, daemon):
 def test_sighup_reloads_and_survives_bad_config(make_daemon):
     d = make_daemon()
     config = yaml.safe_load(d.config_path.read_text())
-    config["log_level"] = "warning"
+    config["log_level"] = "debug"  # (the workers' too: said by the one the next load starts)
     config.setdefault("shm", {})["fast_path"] = False  # read at start only: said so
     config.setdefault("limits", {})["max_connections"] = 9
     config.setdefault("engine", {})["runtimes"] = {"cpu": ["torch"]}  # applied
@@ -161,6 +161,8 @@ def test_sighup_reloads_and_survives_bad_config(make_daemon):
         client.load("mlp", on_cpu, (torch.randn(2, 16),))
         parts = client.plan("mlp")["plan"]["parts"]
         assert {p["runtime"] for p in parts if p["device"].startswith("cpu")} == {"torch"}
+    assert "DEBUG cuvild.workers.worker [cuvil-cpu0]: log level debug, as the daemon's config " \
+           "reload set it" in d.log(), d.log()[-3000:]
     d.config_path.write_text("listen: {unix: 7}\n")
     d.signal(signal.SIGHUP)
     d.wait_for("reload failed", timeout=60)
