@@ -167,7 +167,7 @@ def test_the_plan_says_how_each_decode_step_runs(daemon) -> None:  # noqa: ANN00
     and gives the generation the plan was priced for."""
     off = "decode step eager (engine.sequences.compile_steps is off)"
     with Client(daemon.target) as client:
-        list(client.generate("chunked", PROMPT, max_tokens=2))  # its decode bucket built
+        list(client.generate("chunked", PROMPT, max_tokens=2))  # (its decode step has run)
         buckets = client.plan("chunked")["plan"]["buckets"]
         static = client.plan("llama")
     steps = {tuple(map(tuple, b["shapes"])): [p.get("step") for p in b["parts"]]
