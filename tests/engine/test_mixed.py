@@ -232,9 +232,16 @@ def test_a_budget_of_1e_6_falls_back_to_fp32_and_says_why(engine, archive):
 def test_no_mix_is_built_where_bf16_alone_holds(engine, archive):
     path, specs = archive
     loaded = engine.prepare("l", "l", "1", path, specs, policy=PrecisionPolicy("auto", 0.5))
+    tried = loaded.routes[0].built.candidates
+    if not any(c["precision"] == "bf16" and c["status"] == "ok" for c in tried):
+        # bf16 ran no faster than fp32 here (a timing: on a loaded 2-core host it once did),
+        # so it was not built, its error not measured, and the mix is tried as it should be
+        assert any(c["precision"] == "bf16" and c["status"] == "skipped"
+                   and "not faster" in c["reason"] for c in tried), tried
+        return
     # (bf16 runs where it measured faster than fp32: a timing, not asserted here)
     assert loaded.plan.parts[0].precision in ("bf16", "fp32"), loaded.accuracy.notes
-    mix = [c for c in loaded.routes[0].built.candidates if c["precision"] == "bf16+fp32"]
+    mix = [c for c in tried if c["precision"] == "bf16+fp32"]
     assert len(mix) == 1 and mix[0]["status"] == "skipped", mix
     assert mix[0]["reason"].startswith("not built: bf16 alone measures"), mix
 
