@@ -114,6 +114,12 @@ def combined(prefill: CostModel, decode: CostModel, gen: Generation) -> CostMode
     return model
 
 
+def holders(model: CostModel) -> list[int]:
+    """The devices that can run every node and hold the whole model alone."""
+    return [d for d in range(model.k) if all(d in allowed for allowed in model.allowed)
+            and not model.memory_over([d] * model.n)]
+
+
 def one_device(whole: CostModel, assign: list[int]) -> tuple[list[int], list[str]]:
     """`assign`, or the best device alone that can run and hold the whole model where the
     split is predicted less than SPLIT_GAIN faster than it (`whole`: the generation's cost
@@ -121,11 +127,7 @@ def one_device(whole: CostModel, assign: list[int]) -> tuple[list[int], list[str
     used = sorted(set(assign))
     if len(used) < 2:
         return assign, []
-    alone = {}
-    for d in range(whole.k):
-        where = [d] * whole.n
-        if all(d in allowed for allowed in whole.allowed) and not whole.memory_over(where):
-            alone[d] = objective(whole, where)
+    alone = {d: objective(whole, [d] * whole.n) for d in holders(whole)}
     if not alone:
         return assign, []
     best = min(alone, key=alone.__getitem__)
@@ -152,11 +154,9 @@ def figures(prefill: CostModel, decode: CostModel, gen: Generation, assign: Sequ
         return {"prefill_ms": first * gen.runs, "step_ms": step,
                 "total_ms": first * gen.runs + step * gen.generated}
 
-    alone: dict[str, dict[str, float] | None] = {}
-    for d, dev in enumerate(prefill.devices):
-        where = [d] * prefill.n
-        runnable = all(d in allowed for allowed in prefill.allowed)
-        alone[dev.id] = priced(where) if runnable and not prefill.memory_over(where) else None
+    held = holders(prefill)
+    alone = {dev.id: priced([d] * prefill.n) if d in held else None
+             for d, dev in enumerate(prefill.devices)}
     out: dict[str, Any] = {"prompt": gen.prompt, "chunk": gen.chunk, "runs": gen.runs,
                            "generated": gen.generated, "plan": priced(assign), "alone": alone}
     if rule is not None:
