@@ -41,7 +41,7 @@ from torch import fx
 
 from partitioner.fxgraph import updated
 from partitioner.profile import DeviceProfile
-from runtimes import compiled_step, torch_cuda
+from runtimes import compiled_step, packed_linear, torch_cuda
 from runtimes.attention import attended
 from runtimes.base import CompileError, CompileSpec, Executable, Runtime
 from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, runs
@@ -104,7 +104,7 @@ _VIEWS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.de
 
 
 _LINEAR = aten.linear.default
-_PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise.default  # noqa: SLF001 - oneDNN's linear
+_PACKED_LINEAR = packed_linear.PACKED  # oneDNN's linear
 _REORDER = torch.ops.mkldnn._reorder_linear_weight  # noqa: SLF001 - oneDNN's weight packing
 PACK_ROWS = 128  # the rows oneDNN lays a packed weight out for (any count runs on it)
 # weights derived from a part's own (lowered, packed), by (id of the part's tensor, what):
@@ -123,35 +123,12 @@ def _derived(weight: torch.Tensor, what: str, make: Callable[[torch.Tensor], tor
     return found
 
 
-# oneDNN's packed linear as an op torch's vmap batches (its own has no batching rule: vmap
-# would run it once per sequence): the sequences' rows go to one product
-_linear_in_batch = torch.library.custom_op(
-    "cuvild::packed_linear", mutates_args=(),
-    schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")(
-        lambda x, weight, bias: _PACKED_LINEAR(x, weight, bias, "none", [], ""))
-
-
-@_linear_in_batch.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))  # (a packed weight keeps [out, in])
-
-
-@_linear_in_batch.register_vmap
-def _(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, weight: torch.Tensor,
-      bias: torch.Tensor | None) -> tuple[torch.Tensor, int | None]:
-    if in_dims[1] is not None or in_dims[2] is not None:
-        raise NotImplementedError("a packed weight is the same for every sequence")
-    if in_dims[0] is None:
-        return _linear_in_batch(x, weight, bias), None
-    return _linear_in_batch(x.movedim(in_dims[0], 0), weight, bias), 0
-
-
 def _size(value: torch.Tensor, dim: int) -> int:
     return value.shape[dim]  # (under vmap: the size one sequence's step sees)
 
 
 def batchable(module: fx.GraphModule, repack: bool = True) -> fx.GraphModule:
-    """The module as vmap runs it: its packed linears as `_linear_in_batch` (with `repack`, a
+    """The module as vmap runs it: its packed linears as `cuvild::packed_linear` (with `repack`, a
     weight packed for one row packed again for several: `_packed`), a dynamic-shape bucket's
     size reads as plain Python (aten's `sym_size` has no batching rule). Also what inductor
     compiles (runtimes/compiled_step.py): the custom op is opaque to it, oneDNN's op is not."""
@@ -160,7 +137,7 @@ def batchable(module: fx.GraphModule, repack: bool = True) -> fx.GraphModule:
              if n.op == "get_attr"}
     for node in list(graph.nodes):
         if node.target is _PACKED_LINEAR:
-            node.target, node.args = torch.ops.cuvild.packed_linear.default, node.args[:3]
+            node.target, node.args = packed_linear.op(), node.args[:3]
             weight = node.args[1]
             source = module.meta.get(ONE_ROW, {}).get(str(weight.target)) if repack else None
             if source is not None:  # the weight again, packed for PACK_ROWS

@@ -119,3 +119,26 @@ def test_the_worker_groups_the_doorbells_of_a_part_that_batches() -> None:
     lm, other = Part(True), Part(False)
     rung = [(3, (1, lm, 0.0)), (4, (2, other, 0.0)), (5, (3, lm, 0.0)), (6, (4, other, 0.0))]
     assert [fds for fds, _ in batches(rung)] == [[3, 5], [4], [6]]
+
+
+@pytest.mark.skipif(not torch_eager.packs(None), reason="oneDNN's packed linear is not on this "
+                    "host (x86-64 with mkldnn only: runtimes/torch_eager.py packs)")
+def test_the_packed_linear_takes_every_sequences_rows_to_one_product() -> None:
+    """runtimes/packed_linear.py's batching rule: under vmap (its batch at any dimension), the rows
+    of each sequence give what one product of them gives; a weight that differs by sequence
+    is refused."""
+    from runtimes import packed_linear
+
+    op, gen = packed_linear.op(), torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    packed = torch_eager._REORDER(weight, torch_eager.PACK_ROWS)  # noqa: SLF001
+    rows = torch.randn(4, 1, 16, generator=gen)
+    want = torch.nn.functional.linear(rows, weight, bias)
+    with torch.inference_mode():
+        got = torch.func.vmap(lambda x: op(x, packed, bias))(rows)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the batch at another dimension than the first
+        got = torch.func.vmap(lambda x: op(x, packed, bias), in_dims=1)(rows.movedim(0, 1))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        with pytest.raises(NotImplementedError, match="same for every sequence"):
+            torch.func.vmap(lambda b: op(rows[0], packed, b))(bias.expand(2, 24))
