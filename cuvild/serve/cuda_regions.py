@@ -7,9 +7,15 @@ memory. The daemon opens each handle once (`cudaIpcOpenMemHandle`) through cuda-
 bindings tritonclient itself uses, and closes it at unregistration or when the caller's last
 connection closes.
 
-Simple version, named as such in docs/OPERATIONS.md: the bytes are staged through host
-memory. An input is copied device-to-host into the request, an output host-to-device after
-the run; a GPU part does not yet read the client's buffer in place.
+With process workers (`engine.workers: process`, the default) a request's tensor in a CUDA
+region goes to the workers as a reference (`ref`: TensorRef of cuvild/workers/cudamem.py's
+name for the handle), checked against the region here: each worker that reads or writes it
+opens the handle itself, a part on a GPU reads its input and writes its output there, device
+to device, and a part elsewhere copies it once (cuvild/workers/cudamem.py). Unregistering a
+region has the workers close it (`object_name`, their Forget). A model that batches requests
+(its batcher gathers the rows in the daemon), and thread workers (the daemon's process has
+the handle open already), stage through host memory instead: an input is copied
+device-to-host into the request, an output host-to-device after the run.
 
 Checks: a handle must be 64 bytes, the device one this daemon serves (its GPUs, checked
 before any CUDA call: a bogus handle makes no context on a device cuvild does not use), and
@@ -32,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cuvild.serve.regions import Caller, RegionError, check_room, keys
+from cuvild.workers import cudamem
+from protos.orders import TensorRef
 
 HANDLE_SIZE = 64  # CUDA_IPC_HANDLE_SIZE
 KIND = "CUDA shared-memory"  # in its messages
@@ -43,17 +51,20 @@ class CudaRegion:
     device_id: int
     byte_size: int
     pointer: int  # the device address in the daemon, from cudaIpcOpenMemHandle
+    object_name: str = ""  # what a worker opens it by (cuvild/workers/cudamem.py `name`)
     users: int = 0  # requests copying through it now (under CudaRegions._lock)
     gone: bool = False  # unregistered: closed when the last user is done
 
 
 class CudaRegions:
     def __init__(self, max_regions: int = 64, max_bytes: int = 16 << 30,
-                 devices: set[int] | None = None) -> None:
+                 devices: set[int] | None = None, direct: bool = False) -> None:
         """`devices`: the CUDA device indices the daemon serves (its GPUs); None: any the
-        host has (tests), an empty set: none (CUDA shared memory is then unavailable)."""
+        host has (tests), an empty set: none (CUDA shared memory is then unavailable).
+        `direct`: requests hand the workers references (process workers), not bytes."""
         self.max_regions, self.max_bytes = max_regions, max_bytes
         self.devices = devices
+        self.direct = direct
         self._regions: dict[tuple[Caller, str], CudaRegion] = {}
         self._lock = threading.Lock()
         self._rt: Any = None
@@ -136,7 +147,8 @@ class CudaRegions:
             self._close(pointer)
             raise RegionError("invalid", f"CUDA region {name!r}: byte_size {byte_size} is "
                                          f"larger than the {size} bytes the handle names")
-        region = CudaRegion(name, device_id, byte_size, pointer)
+        region = CudaRegion(name, device_id, byte_size, pointer,
+                            object_name=cudamem.name(device_id, raw_handle))
         with self._lock:
             try:
                 self._check_room(caller, name, byte_size)  # a concurrent register may win
@@ -202,6 +214,12 @@ class CudaRegions:
                 last = region.gone and not region.users
             if last:  # unregistered while in use: closed now
                 self._close(region.pointer)
+
+    def ref(self, caller: Caller, name: str, offset: int, dtype: str,
+            shape: tuple[int, ...], nbytes: int) -> TensorRef:
+        """A reference to `nbytes` of the caller's region at `offset`, for the workers."""
+        with self._using(caller, name, offset, nbytes) as region:
+            return TensorRef(region.object_name, offset, dtype, shape)
 
     def read(self, caller: Caller, name: str, offset: int, nbytes: int) -> bytearray:
         """`nbytes` from the region at `offset`, copied to host memory."""

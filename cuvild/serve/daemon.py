@@ -276,7 +276,8 @@ class Daemon:
                                self.cfg.shm_max_bytes)
         cuda = {int(d.id[3:]) for d in profiles.devices  # the CUDA GPUs served: gpu0 -> 0
                 if d.kind == "gpu" and not d.emulated and d.id[3:].isdecimal()}
-        self.cuda_regions = CudaRegions(self.cfg.shm_max_regions, self.cfg.shm_max_bytes, cuda)
+        self.cuda_regions = CudaRegions(self.cfg.shm_max_regions, self.cfg.shm_max_bytes, cuda,
+                                        direct=self.cfg.workers == "process")
         from cuvild.serve.generation import Generator
 
         self.generator = Generator(self.models, engine.runner, self.cfg.model_repository)
@@ -289,7 +290,9 @@ class Daemon:
     def _caller_gone(self, uid: int) -> None:
         """A uid's last unix connection closed: its regions go (and the workers' mappings)."""
         gone = self.regions.unregister(uid)
-        self.cuda_regions.unregister(uid)  # closes their IPC handles
+        # closes their IPC handles, and has the workers close theirs
+        self.engine.builder.forget_segments([(r.object_name, 0)
+                                             for r in self.cuda_regions.unregister(uid)])
         if gone:
             log.info("uid %d disconnected: dropped its %d shared-memory region(s)", uid,
                      len(gone))

@@ -195,13 +195,17 @@ class InferenceService(StreamInfer, inference_pb2_grpc.GRPCInferenceServiceServi
         # the request whole before a bucket is picked (or built: a compile), so that shapes
         # declared without their data build nothing and evict no one's bucket
         check_inputs(served.loaded.name, served.loaded.table, declared)
-        inputs = self._inputs(request, tensors, declared, caller)
+        # a CUDA region's tensors as references for the workers, unless the daemon gathers
+        # the rows of a batch (cuvild/serve/cuda_regions.py)
+        direct = self.cuda.direct and served.loaded.batcher is None
+        inputs = self._inputs(request, tensors, declared, caller, direct)
         model = runner.resolve(served.loaded, declared, deadline=deadline)  # its bucket
         # The runner names values as in the graph; the protocol by position ("output0").
         graph_names = dict(zip([t["name"] for t in served.record.outputs], model.outputs,
                                strict=True))
         shapes = {n: model.slots[g].shape for n, g in graph_names.items()}
-        wanted, output_refs, cuda_outputs = self._outputs(served, request, shapes, caller)
+        wanted, output_refs, cuda_outputs = self._outputs(served, request, shapes, caller,
+                                                          direct)
         timeline = [] if span is not None and span.is_recording() else None
         t_run = time.perf_counter()
         refs = {graph_names[n]: ref for n, ref in output_refs.items()}
@@ -299,7 +303,8 @@ class InferenceService(StreamInfer, inference_pb2_grpc.GRPCInferenceServiceServi
         return dtype.name
 
     def _inputs(self, request: Any, tensors: list[tuple[dict[str, Any], Any]],
-                declared: list[tuple[str, tuple[int, ...]]], caller: int | None) -> list[Any]:
+                declared: list[tuple[str, tuple[int, ...]]], caller: int | None,
+                direct: bool = False) -> list[Any]:
         """Each input's bytes, of the dtype and shape the engine accepted."""
         # Raw contents belong, in request order, to the inputs that are not in shared memory.
         raw = list(request.raw_input_contents)
@@ -309,11 +314,12 @@ class InferenceService(StreamInfer, inference_pb2_grpc.GRPCInferenceServiceServi
                           f"{len(raw)} raw_input_contents for {len(not_shm)} inputs not in "
                           "shared memory")
         data = dict(zip(not_shm, raw, strict=False))
-        return [self._input(spec["name"], tensor, dtype, shape, data.get(spec["name"]), caller)
+        return [self._input(spec["name"], tensor, dtype, shape, data.get(spec["name"]), caller,
+                            direct)
                 for (spec, tensor), (dtype, shape) in zip(tensors, declared, strict=True)]
 
     def _input(self, name: str, tensor: Any, dtype: str, shape: tuple[int, ...],
-               data: bytes | None, caller: int | None) -> Any:
+               data: bytes | None, caller: int | None, direct: bool = False) -> Any:
         size = nbytes(dtype, shape)
         where = f"input {name!r}"
         region = _param(tensor.parameters, "shared_memory_region", where)
@@ -327,7 +333,9 @@ class InferenceService(StreamInfer, inference_pb2_grpc.GRPCInferenceServiceServi
                               f"input {name!r}: shared_memory_byte_size {given} != {size} "
                               f"bytes of {tensor.datatype}{list(shape)}")
             offset = _param(tensor.parameters, "shared_memory_offset", where) or 0
-            if self.cuda.has(caller, region):  # staged through host memory
+            if self.cuda.has(caller, region):  # read by the workers, or staged here
+                if direct:
+                    return self.cuda.ref(caller, region, offset, dtype, shape, size)
                 return RawTensor(self.cuda.read(caller, region, offset, size), dtype,
                                  shape)
             reg, absolute = self.regions.locate(caller, region, offset, size)
@@ -352,8 +360,8 @@ class InferenceService(StreamInfer, inference_pb2_grpc.GRPCInferenceServiceServi
         return torch.tensor(list(values), dtype=getattr(torch, dtype)).view(shape)
 
     def _outputs(self, served: ServedModel, request: Any, shapes: dict[str, tuple[int, ...]],
-                 caller: int | None) -> tuple[dict[str, Any], dict[str, Any],
-                                              dict[str, tuple[str, int]]]:
+                 caller: int | None, direct: bool = False,
+                 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, int]]]:
         specs = {t["name"]: t for t in served.record.outputs}
         if not request.outputs:
             return {n: {} for n in specs}, {}, {}
@@ -382,8 +390,12 @@ class InferenceService(StreamInfer, inference_pb2_grpc.GRPCInferenceServiceServi
                               "bytes needed")
             offset = _param(out.parameters, "shared_memory_offset", where) or 0
             wanted[out.name] = dict(out.parameters)
-            if self.cuda.has(caller, region):  # written after the run, from host
-                cuda[out.name] = (region, offset)
+            if self.cuda.has(caller, region):  # by its worker, or after the run from host
+                if direct:
+                    refs[out.name] = self.cuda.ref(caller, region, offset, spec["dtype"],
+                                                   shapes[out.name], size)
+                else:
+                    cuda[out.name] = (region, offset)
                 continue
             reg, absolute = self.regions.locate(caller, region, offset, size)
             refs[out.name] = TensorRef(reg.object_name, absolute, spec["dtype"],
@@ -482,9 +494,10 @@ class InferenceService(StreamInfer, inference_pb2_grpc.GRPCInferenceServiceServi
     def CudaSharedMemoryUnregister(self, request, context):  # noqa: N802
         caller = self._caller(context)
         try:
-            self.cuda.unregister(caller, request.name)
+            gone = self.cuda.unregister(caller, request.name)
         except RegionError as e:
             abort(context, e)
+        self.models.builder.forget_segments([(r.object_name, 0) for r in gone])  # (theirs)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     def CudaSharedMemoryStatus(self, request, context):  # noqa: N802

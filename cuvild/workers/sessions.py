@@ -32,6 +32,7 @@ from cuvild.core import views
 from cuvild.core.arena import align
 from cuvild.core.dtypes import nbytes
 from cuvild.core.spin import MOST_S, Spin
+from cuvild.workers import cudamem
 from protos import fastpath as wire
 from protos.orders import Attach, TensorRef
 from protos.shared import (
@@ -311,6 +312,7 @@ class Session:
         numpy = getattr(exe, "runtime", "") in views.NUMPY_RUNTIMES
         inputs, outputs = self.views(exe, segment, start)
         through: list[tuple[int, TensorRef]] = []  # outputs a worker thread writes with pwrite
+        settle = False  # an output in a client's CUDA region, written by the part
         if elsewhere:  # in clients' regions: checked on every use
             inputs, outputs = list(inputs), list(outputs)
             at = BELL_ELSEWHERE
@@ -320,8 +322,11 @@ class Session:
                 at += TENSOR_AT.size + length
                 _, dtype, shape = self.places[("inputs", "outputs")[kind]][index]
                 ref = TensorRef(name.decode(), where, dtype, shape, inode)
-                if not (inode and self.worker.threaded):
+                # in place: a client's object in a worker process, its CUDA region on a GPU
+                cuda = cudamem.is_cuda(ref.segment)
+                if self.worker.on_gpu if cuda else not (inode and self.worker.threaded):
                     (inputs, outputs)[kind][index] = self.worker.tensor(ref, numpy)
+                    settle |= cuda and kind == 1
                 elif kind == 0:  # (a worker thread never maps a client's object)
                     inputs[index] = self.worker.read(ref, numpy)
                 else:
@@ -331,6 +336,9 @@ class Session:
         seconds = run_into(exe, inputs, outputs, slot, self.model.partition("@")[0])
         for index, ref in through:
             self.worker.write(outputs[index], ref)
+        if settle:  # outputs written on the device: finished before the client reads them
+            for out in outputs:
+                cudamem.CudaObjects.settle(out)
         if self.worker.clients.closing:
             self.worker.clients.close_pending()
         return seconds

@@ -29,6 +29,7 @@ from typing import Any
 
 from cuvild.core import views
 from cuvild.core.dtypes import NUMPY, nbytes
+from cuvild.workers import cudamem
 from cuvild.workers.clientmem import ClientObjects, Key
 from cuvild.workers.sessions import Sessions
 from partitioner.profile import DeviceProfile
@@ -75,6 +76,8 @@ class Worker:
         self.variants: dict[tuple[str, str], dict[str, Any]] = {}
         self.segments: dict[str, Any] = {}  # the daemon's arena segments, by name
         self.clients = ClientObjects(self._drop_views)
+        self.cuda = cudamem.CudaObjects()  # clients' CUDA regions (cuvild/workers/cudamem.py)
+        self.on_gpu = device.kind == "gpu" and not device.emulated
         self.views: dict[TensorRef, Any] = {}
         self.arrays: dict[TensorRef, Any] = {}  # numpy views, for the runtimes that take them
         self.numpy_views = False  # some views are numpy arrays (torch not imported then)
@@ -108,7 +111,10 @@ class Worker:
     def tensor(self, ref: TensorRef, numpy: bool = False) -> Any:
         """A tensor aliasing `ref`'s bytes; made once per place, then reused (`numpy`: a numpy
         array where numpy has the dtype, for the runtimes that take them). A client's object
-        is checked to still hold the bytes, on every use."""
+        is checked to still hold the bytes, on every use. A client's CUDA region: a tensor
+        over its device memory."""
+        if cudamem.is_cuda(ref.segment):
+            return self.cuda.tensor(ref.segment, ref.offset, ref.dtype, ref.shape)
         if ref.inode:
             self.clients.get(ref.segment, ref.inode).check(ref.offset,
                                                            nbytes(ref.dtype, ref.shape))
@@ -150,7 +156,11 @@ class Worker:
 
     def read(self, ref: TensorRef, numpy: bool = False) -> Any:
         """A worker thread's input in a client's object: a fresh copy read through the
-        descriptor (a shrunk object is a short read, not a SIGBUS in the daemon)."""
+        descriptor (a shrunk object is a short read, not a SIGBUS in the daemon); or one
+        copied to the host from a client's CUDA region."""
+        if cudamem.is_cuda(ref.segment):
+            host = self.cuda.read(ref.segment, ref.offset, ref.dtype, ref.shape)
+            return host.numpy() if numpy and ref.dtype in NUMPY else host
         size = nbytes(ref.dtype, ref.shape)
         if not size:
             return views.wrap(None, ref.dtype, ref.shape, numpy)
@@ -159,7 +169,11 @@ class Worker:
         return views.wrap(buf, ref.dtype, ref.shape, numpy)
 
     def write(self, value: Any, ref: TensorRef) -> None:
-        """A worker thread's output into a client's object, through the descriptor."""
+        """A worker thread's output into a client's object, through the descriptor (or
+        copied into a client's CUDA region)."""
+        if cudamem.is_cuda(ref.segment):
+            self.cuda.write(value, ref.segment, ref.offset, ref.dtype, ref.shape)
+            return
         data = views.as_bytes(value, ref.dtype)
         if data.nbytes:
             self.clients.get(ref.segment, ref.inode).write(ref.offset, data)
@@ -173,6 +187,7 @@ class Worker:
         """Unmap client objects whose regions were unregistered. A runtime may still hold
         its last input (OpenVINO's infer request does): those close after the next run."""
         self.clients.forget({(name, inode) for name, inode in order.segments})
+        self.cuda.forget({name for name, _ in order.segments if cudamem.is_cuda(name)})
 
     # -- parts -------------------------------------------------------------------------
     def build(self, order: Build) -> Built:

@@ -186,6 +186,29 @@ def test_cuda_regions_unix_callers_served_devices_and_counted_use(monkeypatch) -
     assert closed == [0xbeef]
 
 
+def test_cuda_regions_hand_the_workers_references_checked_against_the_region() -> None:
+    """With process workers a request's tensor in a CUDA region goes to the workers as a
+    reference (issue 50, 5: cuvild/workers/cudamem.py opens it there), within the bytes the
+    caller registered; unregistering it names what the workers close."""
+    from cuvild.serve.cuda_regions import CudaRegion, CudaRegions
+    from cuvild.serve.regions import RegionError
+    from cuvild.workers import cudamem
+
+    regions = CudaRegions(devices={0}, direct=True)
+    name = cudamem.name(0, b"\1" * 64)
+    regions._regions[(1000, "r")] = CudaRegion("r", 0, 64, 0xbeef,  # noqa: SLF001 - as
+                                               object_name=name)  # register() leaves it
+    ref = regions.ref(1000, "r", 16, "float32", (2, 4), 32)
+    assert (ref.segment, ref.offset, ref.dtype, ref.shape, ref.inode) == (
+        name, 16, "float32", (2, 4), 0)
+    with pytest.raises(RegionError, match="offset 48 \\+ 32 bytes is outside its 64 bytes"):
+        regions.ref(1000, "r", 48, "float32", (2, 4), 32)
+    with pytest.raises(RegionError, match="unknown CUDA shared-memory region"):
+        regions.ref(1001, "r", 0, "float32", (2, 4), 32)  # another caller's: not theirs
+    regions._close = lambda pointer: None  # noqa: SLF001 - (nothing opened here)
+    assert [r.object_name for r in regions.unregister(1000, "r")] == [name]
+
+
 def test_status_names_each_parts_signed_artifact_and_a_tampered_one_is_rebuilt(
         make_daemon, tmp_path) -> None:
     torch.manual_seed(0)
