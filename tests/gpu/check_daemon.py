@@ -14,7 +14,8 @@ The daemon starts from the profile check_gpu.py measured into its state director
   against eager, and end-to-end p50 next to the parts' measured times;
 - demo: that model split, all on the GPU, all on the CPU and as planned unannotated;
 - cuda_shm: tritonclient's cuda_shared_memory regions for input and output, registered,
-  used, unregistered; the answer against eager;
+  used, unregistered; the answer against eager; the GPU worker opens the regions itself and
+  its part reads and writes them in place (cuvild/workers/cudamem.py: first run on a GPU);
 - batching: an MLP with a dynamic batch, 1 client in turn vs 16 clients at once;
 - restart: cuvild stopped and started on the same state and cache: time to READY, and each
   model's own restore time.
