@@ -95,7 +95,7 @@ class DaemonProcess:
         self.ready_s: float | None = None
         self.state_dir = Path(config["state_dir"])
         self.wrap: list[str] = []  # a command the daemon runs under (unshare, ...)
-        self.env: dict[str, str] = {}  # more of its environment
+        self.env: dict[str, str | None] = {}  # more of its environment (None: unset)
 
     def start(self, wait: bool = True) -> DaemonProcess:
         if self.profiles is None or not wait:
@@ -114,8 +114,9 @@ class DaemonProcess:
         if session is not None and session.exists() and not mine.exists():
             shutil.copytree(session, mine)
         had = set(mine.iterdir()) if mine.exists() else set()
-        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path), "PYTHONUNBUFFERED": "1",
-               **self.env}
+        env = {k: v for k, v in {**os.environ, "NOTIFY_SOCKET": str(self.notify_path),
+                                 "PYTHONUNBUFFERED": "1", **self.env}.items()
+               if v is not None}  # (None in self.env: a variable this process has, unset)
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(

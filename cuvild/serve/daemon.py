@@ -386,6 +386,12 @@ class Daemon:
         os.environ[LOG_LEVEL_ENV] = self.cfg.log_level  # (the workers' log, from their start)
         # and their language models' compiled decode steps (runtimes/compiled_step.py)
         os.environ["CUVILD_COMPILE_STEPS"] = "1" if self.cfg.compile_steps else "0"
+        # inductor's and Triton's own caches under cuvild's (an operator's setting wins), set
+        # before torch is imported here: inductor fixes its directory in the environment at
+        # its first use, which the forkserver's preload makes (/tmp/torchinductor_<user>,
+        # that a systemd PrivateTmp empties at every restart), and its workers inherit it
+        for env, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+            os.environ.setdefault(env, str(Path(self.cfg.cache_dir) / sub))
         cache_key_file()  # made now (0600), not by two workers at once
         quiet_grpc_logs()
         log.debug("open-file limit %d", soft)

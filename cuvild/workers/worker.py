@@ -68,7 +68,8 @@ class Worker:
         self.device = device
         self.threaded = threaded  # a thread of the daemon: client objects are never mapped
         self.cache = CompileCache(Path(cache_dir))
-        # inductor's and Triton's own caches under cuvild's (where the caller named none)
+        # inductor's and Triton's own caches under cuvild's (where the caller named none; a
+        # daemon's workers inherit its setting, cuvild/serve/daemon.py)
         for env, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
             os.environ.setdefault(env, str(Path(cache_dir) / sub))
         self.parts: dict[tuple[str, str], Any] = {}  # (model, part) -> Executable run

@@ -145,7 +145,11 @@ def test_live_socket_is_refused(make_daemon, daemon):
 
 
 def test_sighup_reloads_and_survives_bad_config(make_daemon):
-    d = make_daemon()
+    d = make_daemon(start=False)
+    # (and, started as a user would, without the test process's inductor and Triton cache
+    # settings: its workers keep those caches under its cache_dir)
+    d.env.update({"TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": None})
+    d.start()
     config = yaml.safe_load(d.config_path.read_text())
     config["log_level"] = "debug"  # (the workers' too: said by the one the next load starts)
     config.setdefault("shm", {})["fast_path"] = False  # read at start only: said so
@@ -161,6 +165,14 @@ def test_sighup_reloads_and_survives_bad_config(make_daemon):
         client.load("mlp", on_cpu, (torch.randn(2, 16),))
         parts = client.plan("mlp")["plan"]["parts"]
         assert {p["runtime"] for p in parts if p["device"].startswith("cpu")} == {"torch"}
+    cache = Path(yaml.safe_load(d.config_path.read_text())["cache_dir"])
+    workers = worker_processes(d.proc.pid)
+    assert workers
+    for worker in workers:
+        env = dict(v.split(b"=", 1) for v in (worker / "environ").read_bytes().split(b"\0")
+                   if b"=" in v)
+        assert env.get(b"TORCHINDUCTOR_CACHE_DIR") == str(cache / "inductor").encode()
+        assert env.get(b"TRITON_CACHE_DIR") == str(cache / "triton").encode()
     assert "DEBUG cuvild.workers.worker [cuvil-cpu0]: log level debug, as the daemon's config " \
            "reload set it" in d.log(), d.log()[-3000:]
     d.config_path.write_text("listen: {unix: 7}\n")
