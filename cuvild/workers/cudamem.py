@@ -14,6 +14,8 @@ torch tensor over the client's memory (`__cuda_array_interface__`: no copy):
   memory twice (device -> request bytes -> arena, and back).
 
 A handle is closed when its region is unregistered (the daemon's Forget) or the worker ends.
+A handle that does not open, or bytes outside its allocation, fail the request as a bad
+region (RegionGone: INVALID_ARGUMENT), not as the worker's fault.
 The opener is a parameter (`open_handle`): tests give one over host memory.
 """
 
@@ -23,6 +25,8 @@ import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from cuvild.workers.clientmem import RegionGone
 
 PREFIX = "cuda-ipc:"  # a TensorRef's segment that names a client's CUDA allocation
 HANDLE_SIZE = 64  # CUDA_IPC_HANDLE_SIZE
@@ -104,10 +108,14 @@ class CudaObjects:
         with self._lock:
             found = self.open.get(segment)
             if found is None:
-                found = self.open[segment] = self.open_handle(*parse(segment))
+                try:
+                    found = self.open[segment] = self.open_handle(*parse(segment))
+                except Exception as e:  # noqa: BLE001 - the request's region, not the worker
+                    raise RegionGone(f"CUDA region: its IPC handle did not open here: "
+                                     f"{type(e).__name__}: {e}") from None
         memory, size = found[0], nbytes(dtype, shape)
         if offset < 0 or offset + size > memory.numel():
-            raise ValueError(f"CUDA region: offset {offset} + {size} bytes is outside its "
+            raise RegionGone(f"CUDA region: offset {offset} + {size} bytes is outside its "
                              f"{memory.numel()} bytes")
         return memory[offset:offset + size].view(getattr(torch, dtype)).view(shape)
 

@@ -10,6 +10,7 @@ unregistered. The CUDA calls themselves run in the lease script (tests/gpu/check
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from cuvild.client.samples import MLP
 from cuvild.core.arena import Arena
 from cuvild.engine.engine import Engine
 from cuvild.workers import cudamem
+from cuvild.workers.clientmem import RegionGone
 from protos.orders import TensorRef
 
 HANDLE = bytes(range(64))
@@ -44,6 +46,10 @@ class HostMemory:
         return self.memory[offset:offset + n].view(torch.float32).view(shape)
 
 
+def refuse(device_id: int, raw_handle: bytes):  # noqa: ANN201
+    raise OSError("no such handle")
+
+
 def test_a_regions_name_carries_its_device_and_handle() -> None:
     name = cudamem.name(3, HANDLE)
     assert cudamem.is_cuda(name) and not cudamem.is_cuda("cuvil-1-0")
@@ -64,8 +70,10 @@ def test_objects_open_once_check_bounds_and_close_when_forgotten() -> None:
     torch.testing.assert_close(got, torch.arange(4.0).view(2, 2))
     got += 1  # a copy: the region is untouched
     torch.testing.assert_close(host.at(16, (4,)), torch.arange(4.0))
-    with pytest.raises(ValueError, match="offset 56 \\+ 16 bytes is outside its 64 bytes"):
+    with pytest.raises(RegionGone, match="offset 56 \\+ 16 bytes is outside its 64 bytes"):
         objects.tensor(name, 56, "float32", (4,))
+    with pytest.raises(RegionGone, match="did not open here: OSError: no such handle"):
+        cudamem.CudaObjects(open_handle=refuse).tensor(name, 0, "float32", (4,))
     assert host.opened == [(0, HANDLE)]  # once, whatever the uses
     objects.forget({name, "cuvil-1-0"})
     assert host.closed == 1 and not objects.open
@@ -99,5 +107,8 @@ def test_a_request_in_a_cuda_region_is_read_and_answered_there(engine, tmp_path,
         host.at(512, dst.shape).zero_()
     assert host.opened == [(0, HANDLE)]
     assert engine.arena.in_use() == 0
-    engine.builder.forget_segments([(name, 0)])  # the region unregistered
+    engine.builder.forget_segments([(name, 0)])  # the region unregistered (no reply awaited)
+    deadline = time.monotonic() + 10
+    while host.closed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert host.closed == 1 and not worker.cuda.open
