@@ -88,6 +88,14 @@ class Unload:
 
 
 @dataclass(frozen=True, slots=True)
+class Preload:
+    """Read a model's archive now, for the Builds that follow (cuvild/workers/build.py
+    `preload`): a worker reads it while the daemon reads it too, not after."""
+
+    archive: str
+
+
+@dataclass(frozen=True, slots=True)
 class Forget:
     """Unmap client shared-memory objects (name, inode) whose regions were unregistered."""
 
@@ -135,7 +143,7 @@ class Attach:
     layout: dict[str, Any]  # as the session's open reply gave it to the client
 
 
-Order = (Build | Unload | Forget | Choose | Restore | Attach | EndSequence | Describe
+Order = (Build | Preload | Unload | Forget | Choose | Restore | Attach | EndSequence | Describe
          | LogLevel)
 
 

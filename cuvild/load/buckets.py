@@ -42,6 +42,7 @@ from cuvild.core.precision import Accuracy, PrecisionPolicy
 from cuvild.load import precision, warm
 from cuvild.load.builder import Builder
 from cuvild.run.generate import CHUNKS, INPUTS
+from protos.orders import Preload
 
 log = logging.getLogger(__name__)
 RECORDS = 32  # bucket load records kept on disk per model, the last written
@@ -304,6 +305,9 @@ def reread(builder: Builder, model: LoadedModel) -> None:
     from cuvild.intake.safe_load import load_exported_program
     from partitioner.split import split_program
 
+    if not kept.replans and not builder.workers.threaded:  # its workers, which will build
+        for device in model.parts_by_device:  # its buckets, read it meanwhile (processes)
+            builder.workers.of(device).call(Preload(model.archive))
     ep = load_exported_program(model.archive)
     builder.counters["archive_loads"] += 1
     kept.split = split_program(ep, [(p.id, p.nodes) for p in model.plan.parts])

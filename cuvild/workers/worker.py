@@ -45,6 +45,7 @@ from protos.orders import (
     Forget,
     LogLevel,
     Order,
+    Preload,
     Progress,
     Reply,
     Restore,
@@ -56,7 +57,8 @@ log = logging.getLogger(__name__)
 MAX_VIEWS = 4096  # tensor views kept per worker (arena blocks recur request after request)
 # torch.export keeps global state: in the daemon (thread workers), one build at a time.
 BUILDS_IN_THREADS = threading.Lock()
-CONTROL = (Build, Choose, Unload, Restore)  # answered by the worker's build thread, in order
+CONTROL = (Build, Preload, Choose, Unload, Restore)  # answered by the worker's build thread,
+# in order
 
 
 class Worker:
@@ -92,6 +94,11 @@ class Worker:
             return self.build(order)
         if isinstance(order, Restore):
             return self.restore(order)
+        if isinstance(order, Preload):
+            from cuvild.workers.build import preload
+
+            preload(order.archive)
+            return None
         if isinstance(order, Forget):
             return self.forget(order)
         if isinstance(order, Choose):
@@ -355,7 +362,7 @@ class Control:
                     self.running = False
                     return
                 envelope = self.orders.popleft()
-            if isinstance(envelope.order, Build):
+            if isinstance(envelope.order, (Build, Preload)):  # (beside the runs: minutes)
                 def told(text: str, envelope: Envelope = envelope) -> None:
                     if not self.worker.abandoned:
                         self.reply(envelope, Reply(envelope.id, Progress(text)))

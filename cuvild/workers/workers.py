@@ -31,6 +31,7 @@ class Workers:
         self.devices = devices
         self.cache_dir = cache_dir
         self.kind = KINDS[kind]
+        self.threaded = self.kind.threaded  # (each a thread of the daemon)
         self.run_timeout_s = run_timeout_s
         self.restore = restore
         self._handles: dict[str, WorkerHandle] = {}
