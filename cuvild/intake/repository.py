@@ -9,7 +9,8 @@ config.yaml holds the options an upload's header carries (`cuvilctl load` flags)
 An entry is registered as an upload of those bytes would be (the same safe inspection, the
 same registry), so nothing here trusts the directory more than a client. An entry whose
 archive and options are registered already is not inspected again: a restart serves it from
-its load record at once. A bad entry is reported with its reason and never stops the others:
+its load record at once (its files not even read where their stat says they are unchanged
+since the last scan: `Digests`). A bad entry is reported with its reason and never stops the others:
 whatever one model's directory holds (an unreadable folder, a config.yaml nested 3000 deep or
 an alias bomb, a version named "²") fails that model alone, with a reason of bounded length.
 
@@ -22,6 +23,7 @@ a byte of it is read.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from typing import Any
 import yaml
 
 from cuvild.intake.registry import NAME_RE, ModelRecord, Registry
+from runtimes.base import write_atomic
 
 log = logging.getLogger(__name__)
 ARCHIVE = "model.pt2"
@@ -174,15 +177,60 @@ def digest(path: Path) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
+class Digests:
+    """The repository's files' sha256 as last read, each with the file's stat (device, inode,
+    size, modification and change times in ns): a file that stat says is unchanged is not
+    read again at the next start (an 800 MB archive took 2.4 s to hash on the 2-core dev
+    host; a 14 GB one would take ~40 s of every restart). Any write to a file moves its
+    change time, which no one can set back (touching it back to an old mtime moves it too),
+    and a file replaced has another inode: either is read again, as git's index and make
+    decide. Kept in `path` (state_dir/repository-digests.json), for the files the last scan
+    read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            known = json.loads(path.read_text())
+            self.known = {k: v for k, v in known.items() if isinstance(v, dict)}
+        except (OSError, ValueError, AttributeError):
+            self.known = {}
+        self.seen: dict[str, dict[str, Any]] = {}
+
+    @staticmethod
+    def _stamp(file: Path) -> list[int]:
+        st = file.stat()
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+    def of(self, file: Path) -> tuple[str, int]:
+        """`digest(file)`, from the last scan where the file is unchanged since."""
+        key, stamp = str(file), self._stamp(file)
+        known = self.known.get(key)
+        if known is not None and known.get("stat") == stamp:
+            self.seen[key] = known
+            return str(known["sha256"]), int(known["size"])
+        sha, size = digest(file)
+        if self._stamp(file) == stamp:  # (not written to while read: else read next time)
+            self.seen[key] = {"stat": stamp, "sha256": sha, "size": size}
+        return sha, size
+
+    def save(self) -> None:
+        try:
+            write_atomic(self.path, json.dumps(self.seen).encode())
+        except OSError as e:  # (the next start reads the files again)
+            log.warning("model repository: its digests not kept (%s)", e)
+
+
 def register(entry: Entry, registry: Registry,
-             inspect: Callable[[Path], dict[str, Any]]) -> tuple[ModelRecord, bool]:
+             inspect: Callable[[Path], dict[str, Any]],
+             digests: Digests | None = None) -> tuple[ModelRecord, bool]:
     """Register `entry` as an upload of its files with its options would (replacing what
     that name and version held); True when it was registered already, as it is, in which
-    case nothing is read but the files' digests. Raises RegistryError, or ValueError when
-    the inspection refuses the archive."""
+    case nothing is read but the files' digests (none where `digests` has them, unchanged).
+    Raises RegistryError, or ValueError when the inspection refuses the archive."""
     assert entry.archive is not None and not entry.error
-    sha, size = digest(entry.archive)
-    calibration_sha, calibration_size = digest(entry.calibration) if entry.calibration else ("", 0)
+    read = digests.of if digests is not None else digest
+    sha, size = read(entry.archive)
+    calibration_sha, calibration_size = read(entry.calibration) if entry.calibration else ("", 0)
     header = {"name": entry.name, "version": entry.version, "sha256": sha, "size_bytes": size,
               "replace": True, "calibration_bytes": calibration_size,
               "calibration_sha256": calibration_sha,

@@ -165,11 +165,13 @@ class ModelManager:
             log.error("model repository %s: cannot list it: %s", root, e)
             return {str(root): f"cannot list the model repository: {e}"}
         self._forget_removed(root, {e.key for e in entries})
+        digests = repository.Digests(self.registry.models_dir.parent / "repository-digests.json")
         for entry in entries:
             why = entry.error
             if not why:
                 try:
-                    record, present = repository.register(entry, self.registry, inspect)
+                    record, present = repository.register(entry, self.registry, inspect,
+                                                          digests)
                 except ValueError as e:  # the safe loader's refusal, as an upload's
                     why = f"model archive refused: {e}"
                 except (RegistryError, OSError) as e:
@@ -182,6 +184,7 @@ class ModelManager:
             served += 1
             log.info("model repository: %s %s", entry.key,
                      "registered already" if present else "registered")
+        digests.save()
         log.info("model repository %s: %d model version(s) served, %d refused (%.2f s)",
                  root, served, len(refused), time.perf_counter() - t0)
         return refused

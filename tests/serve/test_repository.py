@@ -3,6 +3,7 @@ storage initializer leaves it under /mnt/models."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -225,3 +226,38 @@ def test_a_reload_unloads_what_left_the_repository(make_daemon, tmp_path):
         assert {m["name"] for m in client.models()} == {"a", "uploaded"}
         assert not triton.is_model_ready("b")
     assert "model repository: b:1 is gone from" in daemon.log()
+
+
+def test_a_files_digest_is_read_again_only_once_it_changed(tmp_path, monkeypatch):
+    """A restart does not hash an unchanged archive again (repository.Digests: the file's
+    stat as last read); a file written in place, even with its size and modification time
+    put back, is read again (its change time moved), as is one replaced."""
+    archive = tmp_path / "m" / "1" / "model.pt2"
+    archive.parent.mkdir(parents=True)
+    archive.write_bytes(b"a" * 4096)
+    read: list[Path] = []
+    real = repository.digest
+    monkeypatch.setattr(repository, "digest", lambda p: read.append(p) or real(p))
+    where = tmp_path / "state" / "repository-digests.json"
+    where.parent.mkdir()
+
+    def start() -> tuple[str, int]:  # a daemon's scan: read what is kept, keep what it read
+        digests = repository.Digests(where)
+        got = digests.of(archive)
+        digests.save()
+        return got
+
+    first = start()
+    assert first == (real(archive)[0], 4096) and len(read) == 1
+    assert start() == first and len(read) == 1  # unchanged: not read
+    before = archive.stat()
+    time.sleep(0.05)  # (a change time in another tick of the kernel's clock)
+    with open(archive, "r+b") as f:  # the same size, other bytes, the old mtime put back
+        f.write(b"b")
+    os.utime(archive, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert start() == (real(archive)[0], 4096) != first and len(read) == 2
+    archive.unlink()
+    archive.write_bytes(b"a" * 4096)  # replaced: a new file (its times; often its inode)
+    assert start() == first and len(read) == 3
+    where.write_text("[1, 2")  # a record that does not read: every file read again
+    assert start() == first and len(read) == 4
