@@ -358,6 +358,14 @@ class TorchExecutable(Executable):
         self.together = [0, 0]  # runs of several sequences, and their steps
         self._scope = ""
 
+    def describe(self) -> str:
+        """Where its decode step stands (`step`), and how its sequences' steps have shared
+        runs so far (`cuvilctl partition`)."""
+        runs, steps = self.together
+        shared = (f"{steps} steps of several sequences in {runs} runs ({steps / runs:.1f} a "
+                  "run)" if runs else "")
+        return "; ".join(t for t in (self.step, shared) if t)
+
     def expected(self) -> int:
         """How many sequences stepped on this part in the last RECENT_S and hold their state
         still: the steps a batch of them waits for (cuvild/workers/sessions.py)."""

@@ -257,8 +257,10 @@ class Worker:
             del self.variants[key]
 
     def describe(self, order: Describe) -> Described:
-        """How the part runs now, as its executable says (`step`: a decode step's tier)."""
-        return Described(getattr(self.parts.get((order.model, order.part)), "step", ""))
+        """How the part runs now, as its executable says (`describe`: a decode step's tier,
+        its sequences' shared runs)."""
+        said = getattr(self.parts.get((order.model, order.part)), "describe", None)
+        return Described(said() if callable(said) else "")
 
     def end_sequence(self, order: EndSequence) -> None:
         """The sequence's state goes from every part of its model here."""

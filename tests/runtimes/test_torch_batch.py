@@ -56,6 +56,8 @@ def test_sequences_stepping_together_get_what_each_gets_alone(
         kept = [11, 13, 14]
         got = together.run_batch(kept, [step(5, 1), step(5, 2), step(3, 3)], "together")
         assert together.together[0] == runs_before + 1  # rows 2..3 shared a run
+        runs, steps = together.together  # as `cuvilctl partition` says it
+        assert f"{steps} steps of several sequences in {runs} runs " in together.describe()
         for slot, ins, outs in zip(kept, [step(5, 1), step(5, 2), step(3, 3)], got,
                                    strict=True):
             alone.use(slot, "alone")
