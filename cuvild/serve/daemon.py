@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -415,6 +416,11 @@ class Daemon:
             self.engine.close()
             self.arena.close()
             raise StartupError(f"cannot make the private socket directory: {e}") from None
+        # multiprocessing's temporary directory (the forkserver's listening socket) inside
+        # the private one, before the forkserver starts: a killed daemon left /tmp/pymp-*
+        # behind, which nothing removed; this one goes with the private directory
+        multiprocessing.process.current_process()._config["tempdir"] = (  # noqa: SLF001
+            self.front.private_dir)
         try:
             self.servers = [self._build_server(tcp=False)]
             if self.cfg.tcp:

@@ -148,6 +148,12 @@ class Front:
         if self._thread is None:
             listener.close()
 
+    @property
+    def private_dir(self) -> str:
+        """The daemon's private directory (0700): removed at close, and by the next daemon's
+        start where this one was killed (`reclaim_stale`)."""
+        return self._dir
+
     def close(self) -> None:
         """Stop accepting, drop the open relays and remove the private directory."""
         self.stop_accepting()

@@ -69,6 +69,12 @@ def test_a_fresh_daemon_starts_the_upload_inspector_before_the_first_upload(daem
         assert time.monotonic() < deadline, daemon.log()[-3000:]
         time.sleep(0.2)
     assert worker_processes(daemon.proc.pid, "forkserver")
+    # its listening socket in the daemon's private directory (gone with it, even killed),
+    # not in a /tmp/pymp-* of its own
+    sockets = [line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+               if len(line.split()) > 7]
+    ours = [s for s in sockets if f"/cuvild-{daemon.proc.pid}-" in s and "/listener-" in s]
+    assert ours, [s for s in sockets if "listener-" in s]
 
 
 def test_health_and_reflection(daemon):
