@@ -41,7 +41,7 @@ from cuvild.serve.regions import Caller, RegionError, check_room, keys
 from cuvild.workers import cudamem
 from protos.orders import TensorRef
 
-HANDLE_SIZE = 64  # CUDA_IPC_HANDLE_SIZE
+HANDLE_SIZE = cudamem.HANDLE_SIZE  # CUDA_IPC_HANDLE_SIZE (the workers' too)
 KIND = "CUDA shared-memory"  # in its messages
 
 
