@@ -27,7 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from cuvild.core import views
+from cuvild.core import cuda_guard, views
 from cuvild.core.dtypes import NUMPY, nbytes
 from cuvild.workers import cudamem
 from cuvild.workers.clientmem import ClientObjects, Key
@@ -97,6 +97,7 @@ class Worker:
         if isinstance(order, Preload):
             from cuvild.workers.build import preload
 
+            cuda_guard.hold()  # before this thread's first fake tensors (core/cuda_guard.py)
             preload(order.archive)
             return None
         if isinstance(order, Forget):
@@ -203,6 +204,7 @@ class Worker:
 
         from cuvild.workers.build import build_model_part, forget, variants
 
+        cuda_guard.hold()  # before this thread's first fake tensors (core/cuda_guard.py)
         if not self.threaded:  # this worker's cores (torch may be imported only now)
             torch.set_num_threads(len(os.sched_getaffinity(0)))
 
@@ -239,6 +241,8 @@ class Worker:
         from runtimes.base import CompileSpec, compiled_as
 
         rt = registry.get(order.runtime)
+        if "torch" in sys.modules:  # a runtime of torch's: it may trace with fake tensors
+            cuda_guard.hold()
         entry = self.cache.lookup(self.cache.entry_key(order.part_key, order.runtime,
                                                        rt.version()))
         if entry is None:
