@@ -44,7 +44,7 @@ from torch._export.serde.serialize import (
     _dict_to_dataclass,
 )
 
-from cuvild.core import cuda_guard
+from cuvild.intake import cuda_guard
 from cuvild.intake.errors import UnsafeArchive
 from cuvild.intake.grammar import BAD_TEXT_CHARS, Reject
 from cuvild.intake.payload_checks import (
@@ -429,7 +429,7 @@ def load_archive(
             torch's deserializer after validation.
         OSError: the file cannot be opened.
     """
-    cuda_guard.hold()  # the deserializer's fake tensors, on whichever thread (core/cuda_guard.py)
+    cuda_guard.hold()  # the deserializer's fake tensors, on whichever thread (intake/cuda_guard.py)
     info = validate_archive(path, max_bytes=max_bytes, max_entries=max_entries)
     with _open_zip(path) as zf:
         state_dict = _load_payloads(zf, info, "weights")

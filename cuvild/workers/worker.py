@@ -27,8 +27,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from cuvild.core import cuda_guard, views
+from cuvild.core import views
 from cuvild.core.dtypes import NUMPY, nbytes
+from cuvild.intake import cuda_guard
 from cuvild.workers import cudamem
 from cuvild.workers.clientmem import ClientObjects, Key
 from cuvild.workers.sessions import Sessions
@@ -97,7 +98,7 @@ class Worker:
         if isinstance(order, Preload):
             from cuvild.workers.build import preload
 
-            cuda_guard.hold()  # before this thread's first fake tensors (core/cuda_guard.py)
+            cuda_guard.hold()  # before this thread's first fake tensors (intake/cuda_guard.py)
             preload(order.archive)
             return None
         if isinstance(order, Forget):
@@ -204,7 +205,7 @@ class Worker:
 
         from cuvild.workers.build import build_model_part, forget, variants
 
-        cuda_guard.hold()  # before this thread's first fake tensors (core/cuda_guard.py)
+        cuda_guard.hold()  # before this thread's first fake tensors (intake/cuda_guard.py)
         if not self.threaded:  # this worker's cores (torch may be imported only now)
             torch.set_num_threads(len(os.sched_getaffinity(0)))
 

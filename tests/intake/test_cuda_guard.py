@@ -1,4 +1,4 @@
-"""cuvild.core.cuda_guard: torch's fake CUDA guard registered from a thread that outlives the
+"""cuvild.intake.cuda_guard: torch's fake CUDA guard registered from a thread that outlives the
 others. The crash it prevents needs a CUDA build of torch with no device (torch 2.11+cu130
 here: a second thread's archive read after the first thread ended, SIGSEGV); the CPU wheel
 never registers the guard, so these tests check the workaround's choices with torch's calls
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cuvild.core import cuda_guard
+from cuvild.intake import cuda_guard
 
 ROOT = Path(__file__).resolve().parents[2]
 
