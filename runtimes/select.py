@@ -124,36 +124,45 @@ def time_ms(executable: Executable, inputs: Sequence[torch.Tensor]) -> float:
 
 def retime_close(tried: list[Candidate], executables: dict[str, Executable],
                  inputs: Sequence[torch.Tensor], tolerance: float) -> None:
-    """Time again the accurate candidates within CLOSE of the fastest, in turn, and keep
-    those medians. Each was first timed alone, right after its compile: on a 2-core host the
-    drift between those moments flipped which of two close runtimes won from one load of the
-    same tiny MLP to the next (ONNX Runtime 0.017-0.032 ms against llvm-cpu 0.027-0.029).
-    In turn means blocks, not single runs: a block runs a candidate back to back as it will
-    serve, up to BLOCK_RUNS runs or BLOCK_S (its first run, after another runtime's, is not
-    counted unless it is the block's only one: a part that runs longer than BLOCK_S), the
-    order of the blocks reversed every other round, at least 3 rounds, at most 5 or
-    TIMING_BUDGET_S a candidate. (One run of each in turn made both ONNX Runtime and llvm-cpu
-    2x slower on that MLP, each cooling the other's caches and thread pool: not how either
-    would serve.)"""
+    """Time again the accurate candidates within CLOSE of the fastest, in turn
+    (`time_in_turn`), and keep those medians. Each was first timed alone, right after its
+    compile: on a 2-core host the drift between those moments flipped which of two close
+    runtimes won from one load of the same tiny MLP to the next (ONNX Runtime 0.017-0.032 ms
+    against llvm-cpu 0.027-0.029)."""
     accurate = _judge(tried, tolerance)
     close = [c for c in accurate
              if c.runtime in executables and c.median_ms <= CLOSE * accurate[0].median_ms]
     if len(close) < 2:
         return
-    samples: dict[str, list[float]] = {c.runtime: [] for c in close}
-    deadline = time.perf_counter() + TIMING_BUDGET_S * len(close)
+    times = time_in_turn({c.runtime: executables[c.runtime] for c in close}, inputs)
+    for c in close:
+        c.median_ms = times[c.runtime]
+
+
+def time_in_turn(executables: dict[str, Executable],
+                 inputs: Sequence[torch.Tensor]) -> dict[str, float]:
+    """Each executable's median ms a run, timed in turn so that what else the host does at
+    the time weighs on all alike. In turn means blocks, not single runs: a block runs one
+    back to back as it will serve, up to BLOCK_RUNS runs or BLOCK_S (its first run, after
+    another's, is not counted unless it is the block's only one: a part that runs longer than
+    BLOCK_S), the order of the blocks reversed every other round, at least 3 rounds, at most 5
+    or TIMING_BUDGET_S each. (One run of each in turn made both ONNX Runtime and llvm-cpu 2x
+    slower on a tiny MLP, each cooling the other's caches and thread pool: not how either
+    would serve.)"""
+    names = list(executables)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    deadline = time.perf_counter() + TIMING_BUDGET_S * len(names)
     rounds = 0
     while rounds < 3 or (time.perf_counter() < deadline and rounds < 5):
-        for c in close if rounds % 2 == 0 else reversed(close):
+        for name in names if rounds % 2 == 0 else reversed(names):
             block, block_end = [], time.perf_counter() + BLOCK_S
             while len(block) < BLOCK_RUNS and (not block or time.perf_counter() < block_end):
                 t0 = time.perf_counter()
-                executables[c.runtime].run(inputs)
+                executables[name].run(inputs)
                 block.append((time.perf_counter() - t0) * 1e3)
-            samples[c.runtime] += block[1:] or block
+            samples[name] += block[1:] or block
         rounds += 1
-    for c in close:
-        c.median_ms = statistics.median(samples[c.runtime])
+    return {n: statistics.median(samples[n]) for n in names}
 
 
 def _compile_boxed(runtime: Any, part: fx.GraphModule, spec: CompileSpec,
