@@ -7,8 +7,9 @@
 Made for a lent GPU machine with no network: it uses the system python and what is installed
 there (torch, triton; torchvision, pytest if present). The daemon sections also need
 grpcio, protobuf, pyyaml and tritonclient at our pins: `tests/gpu/lease.sh prepare` here makes
-them wheels, `bash tests/gpu/lease.sh run` there installs them and runs this (docs/RUNTIMES.md). Sections, each of which reports its error and lets the next one run, in the
-order of what decides most:
+them wheels, `bash tests/gpu/lease.sh run` there installs them and runs this
+(docs/RUNTIMES.md). Sections, each of which reports its error and lets the next one run, in
+the order of what decides most:
 
 1. environment: nvidia-smi, versions, the C compiler and headers AOTInductor needs;
 2. the profile: the host's devices measured exactly as the daemon will measure them, into
