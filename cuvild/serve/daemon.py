@@ -411,7 +411,8 @@ class Daemon:
         try:
             self.front = Front(self.cfg.unix_socket, self.cfg.max_connections,
                                self.cfg.max_connections_per_uid, on_last_close=self._caller_gone,
-                               on_session=self.fast.accept if self.fast else None)
+                               on_session=self.fast.accept if self.fast else None,
+                               scratch_base=str(Path(self.cfg.cache_dir) / "scratch"))
         except OSError as e:
             self.engine.close()
             self.arena.close()
@@ -421,6 +422,9 @@ class Daemon:
         # behind, which nothing removed; this one goes with the private directory
         multiprocessing.process.current_process()._config["tempdir"] = (  # noqa: SLF001
             self.front.private_dir)
+        # and the workers' temporary files (an ONNX export, IREE's module), on disk: they
+        # exit without finalizers, and left /tmp/cuvil-ort-* (a part's weights) at each stop
+        os.environ["TMPDIR"] = self.front.scratch_dir
         try:
             self.servers = [self._build_server(tcp=False)]
             if self.cfg.tcp:

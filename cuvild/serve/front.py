@@ -73,9 +73,11 @@ class Front:
                  max_per_uid: int | None = None,
                  on_last_close: Callable[[int], None] | None = None,
                  on_session: Callable[[socket.socket, int, bytes, Callable[[], None]], None]
-                 | None = None) -> None:
+                 | None = None, scratch_base: str | None = None) -> None:
         """`on_session(sock, uid, first_bytes, done)` takes a connection that opens a
-        fast-path session (cuvild/serve/fast.py); it calls `done()` once it closed it."""
+        fast-path session (cuvild/serve/fast.py); it calls `done()` once it closed it.
+        `scratch_base`: where to make the workers' scratch directory (`scratch_dir`), on disk
+        beside the compile cache, reclaimed as the private one is."""
         self.public_path = public_path
         self.on_session = on_session
         self._count_lock = threading.Lock()  # sessions end on their own threads
@@ -89,6 +91,11 @@ class Front:
         base = os.environ.get("RUNTIME_DIRECTORY") or tempfile.gettempdir()
         reclaim_stale(base)
         self._dir = tempfile.mkdtemp(prefix=f"cuvild-{os.getpid()}-", dir=base)
+        self.scratch_dir = ""
+        if scratch_base:
+            os.makedirs(scratch_base, exist_ok=True)
+            reclaim_stale(scratch_base)
+            self.scratch_dir = tempfile.mkdtemp(prefix=f"cuvild-{os.getpid()}-", dir=scratch_base)
         self.inner_path = os.path.join(self._dir, "grpc.sock")  # mkdtemp made the dir 0700
         self._listener: socket.socket | None = None
         self._links: dict[socket.socket, _Link] = {}  # both sockets of each link
@@ -161,6 +168,8 @@ class Front:
         if self._thread is not None:
             self._thread.join(timeout=5)
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self.scratch_dir:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
