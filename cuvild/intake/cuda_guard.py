@@ -32,7 +32,9 @@ def hold() -> None:
         _held = True
         import torch
 
-        if not torch.cuda._is_compiled() or torch.cuda.is_available():  # noqa: SLF001
+        if not torch.cuda._is_compiled() or _nvml_devices(torch) > 0:  # noqa: SLF001
+            return  # (NVML's count: on a GPU host, nothing here initialises CUDA)
+        if torch.cuda.is_available():
             return
         if threading.current_thread() is threading.main_thread():
             torch._C._ensureCUDADeviceGuardSet()  # noqa: SLF001
@@ -46,3 +48,11 @@ def hold() -> None:
 
         threading.Thread(target=park, name="cuvild-cuda-guard", daemon=True).start()
         ready.wait()
+
+
+def _nvml_devices(torch: object) -> int:
+    """The GPUs NVML sees (-1 without NVML: a host with no NVIDIA driver)."""
+    try:
+        return int(torch.cuda._device_count_nvml())  # type: ignore[attr-defined]  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - an older or other torch: ask CUDA instead
+        return -1

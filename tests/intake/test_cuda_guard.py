@@ -27,6 +27,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(cuda_guard, "_held", False)
     monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1, raising=False)
     monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet",  # noqa: SLF001
                         lambda: calls.append(threading.current_thread().name))
     return calls
@@ -55,6 +56,10 @@ def test_nothing_is_registered_where_torch_has_no_cuda_or_sees_a_device(
     monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda_guard.hold()
+    monkeypatch.setattr(cuda_guard, "_held", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("CUDA asked"))
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1, raising=False)
+    cuda_guard.hold()  # NVML sees a GPU: CUDA itself is not initialised here
     assert recorded == []
 
 
