@@ -174,7 +174,7 @@ def test_crafted_archive_is_refused_and_runs_nothing(make_daemon, tmp_path):
     assert_no_residue(d.state_dir)
 
 
-def test_sigkill_mid_upload_leaves_registry_consistent(make_daemon, tmp_path):
+def test_sigkill_mid_upload_leaves_registry_consistent(make_daemon, tmp_path, shared_cache):
     d = make_daemon()
     archive = save_archive(tmp_path / "m.pt2")
     with Client(d.target) as client:
@@ -202,6 +202,7 @@ def test_sigkill_mid_upload_leaves_registry_consistent(make_daemon, tmp_path):
     deadline = time.monotonic() + 10
     while not any((d.state_dir / "uploads").iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
+    (scratch,) = (shared_cache / "scratch").glob(f"cuvild-{d.proc.pid}-*")  # workers' TMPDIR
     d.signal(signal.SIGKILL)
     d.proc.wait(10)
     again = make_daemon(state_dir=d.state_dir)
@@ -209,6 +210,9 @@ def test_sigkill_mid_upload_leaves_registry_consistent(make_daemon, tmp_path):
         assert [m["name"] for m in client.models()] == ["kept"]
     assert list((d.state_dir / "uploads").iterdir()) == []
     assert len(list((d.state_dir / "models").glob("*.pt2"))) == 1
+    assert not scratch.exists()  # reclaimed by the next start, as the private directory is
+    (own,) = (shared_cache / "scratch").glob(f"cuvild-{again.proc.pid}-*")
+    assert again.stop() == 0 and not own.exists()  # removed at a clean stop
 
 
 def test_cuvilctl_load_models_unload(make_daemon, tmp_path):
