@@ -416,7 +416,7 @@ class Daemon:
         except OSError as e:
             self.engine.close()
             self.arena.close()
-            raise StartupError(f"cannot make the private socket directory: {e}") from None
+            raise StartupError(f"cannot make the private or scratch directory: {e}") from None
         # multiprocessing's temporary directory (the forkserver's listening socket) inside
         # the private one, before the forkserver starts: a killed daemon left /tmp/pymp-*
         # behind, which nothing removed; this one goes with the private directory
