@@ -19,13 +19,14 @@ from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
 from cuvild.workers.build import SEARCH_SAMPLES
 from partitioner.profile import DeviceProfile
-from runtimes.base import set_error
+from runtimes.base import INT8_MIXED, set_error
 from runtimes.profiling.hardware import cpuinfo
 
 CORES = sorted(os.sched_getaffinity(0))
 # The search keeps int8 only where it runs faster than fp32: OpenVINO's int8 kernels are, on
 # CPUs with VNNI or AMX (both host kinds here); on others, whether int8 wins is the host's call.
 INT8_FLAGS = {"amx_int8", "avx512_vnni", "avx_vnni"} & set(cpuinfo()["flags"])
+INT8_RUNS = ("int8", INT8_MIXED)
 
 
 def needs_fast_int8() -> None:
@@ -88,13 +89,15 @@ def test_a_loose_budget_runs_int8_and_stays_within_it_on_held_out_inputs(engine,
     calibration = str(model[3])
     loaded = load(engine, model, "loose", PrecisionPolicy("auto", 0.25, calibration, "t1"))
     (part,) = loaded.plan.parts
-    assert part.precision == "int8" and part.runtime == "openvino", loaded.plan.notes
+    # int8, or int8 with a few groups NNCF kept fp32 (INT8_MIXED): where both are built they
+    # run within noise of each other, and timed in turn either may be the faster
+    assert part.precision in INT8_RUNS and part.runtime == "openvino", loaded.plan.notes
     assert 0 < part.error <= 0.25
     acc = loaded.accuracy
     assert acc.policy == "auto" and acc.calibrated and acc.inputs == 8
     assert acc.chosen.error <= 0.25 and acc.fp32.error < 1e-4
     assert acc.chosen.top1 is not None and acc.fp32.top1 == 1.0
-    assert any("runs int8 on openvino" in n for n in acc.notes), acc.notes
+    assert any(f"runs {part.precision} on openvino" in n for n in acc.notes), acc.notes
     assert held_out_error(engine, model, "loose") <= 0.25
 
 
@@ -157,8 +160,9 @@ def test_a_restart_reuses_the_decision_without_searching(engine, model):
         second = again.prepare("again", "again", "1", model[1], model[2], policy=policy)
     finally:
         again.close()
-    assert second.plan.parts[0].precision == first.plan.parts[0].precision == "int8"
-    assert [v for v in second.routes[0].variants] == ["int8"]  # built only what was chosen
+    chosen = first.plan.parts[0].precision
+    assert chosen in INT8_RUNS and second.plan.parts[0].precision == chosen
+    assert [v for v in second.routes[0].variants] == [chosen]  # built only what was chosen
     assert second.accuracy.fp32.error == first.accuracy.fp32.error  # the recorded report
 
 
