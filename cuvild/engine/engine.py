@@ -52,8 +52,8 @@ class Engine:
         self.buckets = Buckets(self.builder, max_buckets)
         self.runner.miss = self.buckets.miss
         # a model's parts measured: the cost model learns from them on its own thread
-        self.runner.measured = lambda key: self.builder.corrections.later(
-            self.builder.feedback, key)
+        self.runner.measured = lambda model: self.builder.corrections.later(
+            self.builder.feedback, model)
 
     @property
     def arena(self) -> Arena:

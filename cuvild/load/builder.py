@@ -187,12 +187,13 @@ class Builder:
                 worker.call(Forget(segments))
             self.runner.regions.forget(set(segments))
 
-    def feedback(self, key: str, min_runs: int = 3) -> int:
-        """Teach the cost model what model `key`'s parts measured (their median time on the
-        runtime each runs on); returns how many parts taught it. The runner sends a model's
-        key here (through the corrections' thread) when a part reaches FEEDBACK_RUNS."""
-        model = self.runner.served.models.get(key)
-        if model is None or model.bucket:  # a bucket's parts are not the plan's shapes
+    def feedback(self, model: LoadedModel, min_runs: int = 3) -> int:
+        """Teach the cost model what `model`'s parts measured (their median time on the
+        runtime each runs on); returns how many parts taught it. The runner sends a model
+        here (through the corrections' thread) when a part reaches FEEDBACK_RUNS, served or
+        not: the plan a load's guard (cuvild/load/guard.py) timed and did not serve teaches
+        too, else the lesson that misplaced it would misplace the next model again."""
+        if model.bucket:  # a bucket's parts are not the plan's shapes
             return 0
         parts = {p.id: p for p in model.plan.parts}
         taught = []

@@ -81,7 +81,8 @@ class Runner:
         self.regions = DaemonRegions()  # clients' regions the daemon reads and writes itself
         self.monitor: Monitor | None = None
         self.miss: Miss | None = None  # wired to the Builder's bucket builds
-        self.measured: Callable[[str], None] = lambda key: None  # a model's parts measured
+        # a model's parts measured (served or not: the load's guard times unpublished ones)
+        self.measured: Callable[[LoadedModel], None] = lambda model: None
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
         # a stateful model's sequences: their state is in its workers, by slot
         self.sequences = Sequences(lambda device: self.workers.of(device).generation,
@@ -245,7 +246,7 @@ class Runner:
             self.monitor.part(model, route, run_ms / 1e3)
         if len(route.measured_ms) == FEEDBACK_RUNS and not route.fed_back:
             route.fed_back = True
-            self.measured(model.key)
+            self.measured(model)
 
     def _place(self, model: LoadedModel, block: Block,
                inputs: Sequence[Input]) -> None:

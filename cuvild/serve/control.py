@@ -410,7 +410,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         builder = self._models.builder
         ep = load_exported_program(self._registry.archive_path(served.record.sha256))
         if served.loaded is not None:
-            builder.feedback(served.key)
+            builder.feedback(served.loaded)
         policy = self._models.policy(served.record)
         return plan_model(ep, self._profiles().devices, objective=objective,
                           support=builder.support(), corrections=builder.corrections.snapshot(),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -62,7 +63,9 @@ def test_a_lesson_that_moves_the_heaviest_part_is_timed_before_it_is_served(
         tmp_path: Path) -> None:
     """The profile alone puts the MLP on the NPU (10x the CPU's peak); a lesson another model
     taught says a call there costs 50 ms, so the learned plan moves it to the CPU. The load
-    builds both, times them in turn and serves the faster; the plan gives both figures."""
+    builds both, times them in turn and serves the faster; the plan gives both figures. Both
+    plans' parts teach the cost model what they measured: the one not served too (else the
+    lesson that misplaced it would misplace the next model again)."""
     cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"],
                         peak_gflops={"fp32": 100.0}, mem_bw_gbs=100.0, link_bw_gbs=1000.0)
     npu = DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:],
@@ -94,9 +97,20 @@ def test_a_lesson_that_moves_the_heaviest_part_is_timed_before_it_is_served(
         assert {r.device for r in loaded.routes} == {faster}, said
         assert "mlp~one" not in engine.runner.served.models
         torch.testing.assert_close(engine.infer("mlp", (x,))[0], eager(model, x), **CLOSE)
+        deadline = time.monotonic() + 30  # (lessons are learned on their own thread)
+        while taught(engine, "mlp") != {"cpu0", "npu0"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert taught(engine, "mlp") == {"cpu0", "npu0"}
     finally:
         engine.close()
         arena.close()
+
+
+def taught(engine: Engine, model: str) -> set[str]:
+    """The devices whose corrections learned from a part of `model`."""
+    learned = engine.builder.corrections.snapshot()
+    return ({k.split("/")[0] for k, o in learned.overheads.items() if model in o.models}
+            | {k.split("/")[0] for k in learned.entries})
 
 
 def test_only_a_split_predicted_less_than_gain_faster_is_timed() -> None:
