@@ -19,12 +19,13 @@ what it measured is a sample of the overhead, (kernels, measured - compute); any
 is a sample of each of its classes' scale: the current scale times (measured - overhead) /
 compute, weighted by the class's share of the compute. A scale is the weighted median of its
 last `KEEP` samples, clamped to [1/50, 50]. The overhead is fitted from its samples:
-- where they span kernel counts (the largest at least twice the smallest), the slope is the
-  median of pairwise slopes and the call the median of what is left (Theil-Sen: one outlier
-  moves neither); where they do not, and the device has a kernel cost at all, the call stays
-  at its prior and the rest is the kernels' (a GPU part's time beyond one call is its
-  launches: on the lent H200 two resnet18 parts learned as a 1.6 ms *call* put every later
-  model on the CPU); a device without one (CPU, NPU) learns its call;
+- where they span kernel counts (the largest at least twice the smallest), on any device,
+  the slope is the median of pairwise slopes and the call the median of what is left
+  (Theil-Sen: one outlier moves neither; an OpenVINO part of 20 ops costs more than one of
+  none on the CPU or NPU too); where they do not, and the device has a kernel cost at all,
+  the call stays at its prior and the rest is the kernels' (a GPU part's time beyond one
+  call is its launches: on the lent H200 two resnet18 parts learned as a 1.6 ms *call*
+  put every later model on the CPU); a device without one (CPU, NPU) learns its call;
 - a measured prior is worth `PRIOR_MODELS` models: the fit moves from it by m / (m + 2)
   for samples from m models, and never beyond `BAND` times or a `BAND`th of it;
 - a call is never larger than the smallest part measured on that device.
@@ -111,13 +112,13 @@ class Overhead:
         if not self.spent_ms:
             return start
         n, y = self.kernels, self.spent_ms
-        if start.kernel_ms <= 0:
-            call, kernel = statistics.median(y), 0.0
-        elif max(n) >= SPAN * max(min(n), 1) and len(set(n)) > 1:
+        if max(n) >= SPAN * max(min(n), 1) and len(set(n)) > 1:
             kernel = max(statistics.median(
                 (y[j] - y[i]) / (n[j] - n[i]) for i in range(len(n)) for j in range(len(n))
                 if n[j] > n[i]), 0.0)
             call = statistics.median(yi - kernel * ni for yi, ni in zip(y, n, strict=True))
+        elif start.kernel_ms <= 0:
+            call, kernel = statistics.median(y), 0.0
         else:
             call = start.call_ms
             kernel = statistics.median((yi - call) / max(ni, 1) for yi, ni in zip(y, n,

@@ -73,6 +73,27 @@ def test_a_call_is_never_larger_than_the_smallest_part_measured() -> None:
     assert learned.overhead("npu0", "openvino", start).call_ms == pytest.approx(0.6)
 
 
+def test_a_device_without_a_kernel_prior_fits_its_kernels_where_parts_span_them() -> None:
+    """An NPU or CPU runtime (no kernel cost in its prior) learns one call where its parts
+    all have about as many kernels; parts of 0 to 25 kernels (a model's head alone, whole
+    models) fit call and kernel apart, as on a GPU. Else the head's 0.07 ms, the smallest
+    part, caps the call that every 20-kernel part is then priced at (0.3-0.9 ms measured):
+    an emulated NPU seen so looked 3x cheaper than the CPU it runs on."""
+    start = Prior(0.005, 0.0)
+    learned = Corrections()
+    for model, kernels in enumerate([17, 20, 22, 25]):
+        learned.observe("npu0", "openvino", {}, kernels, start, spent(kernels, 0.06, 0.015),
+                        f"m{model}")
+    alike = learned.overhead("npu0", "openvino", start)  # no span: one call, capped by
+    assert alike.kernel_ms == 0.0  # the smallest part
+    assert alike.call_ms == pytest.approx(spent(17, 0.06, 0.015))
+    learned.observe("npu0", "openvino", {}, 0, start, 0.06, "head")
+    fit = learned.overhead("npu0", "openvino", start)
+    assert fit.call_ms == pytest.approx(0.06) and fit.kernel_ms == pytest.approx(0.015)
+    assert learned.price("npu0", "openvino", {}, 20, start) == pytest.approx(spent(20, 0.06,
+                                                                                   0.015))
+
+
 def test_an_old_one_constant_call_is_dropped_and_the_new_form_round_trips() -> None:
     old = {"gpu0/triton/@call": {"samples": [1.645], "weights": [1.0]},
            "gpu0/triton/conv": {"samples": [1.2], "weights": [1.0]}}
