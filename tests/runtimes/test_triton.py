@@ -28,6 +28,7 @@ from runtimes.triton import (
     AOTI_BROKEN,
     TritonRuntime,
     aoti_check,
+    aoti_selftest,
     child_verdict,
     compile_part,
     cuda_device,
@@ -242,9 +243,21 @@ def test_torch_compile_fallback_on_host(monkeypatch: pytest.MonkeyPatch) -> None
 
 # ---- AOTInductor's check (a measured GPU profile says aoti-broken where it fails) ----------
 
-def test_aoti_check_passes_where_aotinductor_works() -> None:
-    """The check the GPU profile runs, on the host CPU: compile, load, run in a child."""
+def test_aoti_check_passes_where_aotinductor_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check the GPU profile runs, on the host CPU: compile, load and run (here in this
+    process: a child would import torch and warm inductor again, ~8 s on 2 cores), and the
+    child's command calls that very check for the device it was given."""
+    aoti_selftest(torch.device("cpu"))
+    commands: list[list[str]] = []
+    monkeypatch.setattr(triton_runtime, "child_verdict",
+                        lambda command, timeout_s: commands.append(command))
     assert aoti_check(torch.device("cpu")) is None
+    ((python, flag, code),) = commands
+    assert (python, flag) == (sys.executable, "-c")
+    checked: list[torch.device] = []
+    monkeypatch.setattr(triton_runtime, "aoti_selftest", checked.append)
+    exec(code, {})  # noqa: S102 - the child's own line, with the check recorded
+    assert checked == [torch.device("cpu")]
 
 
 def test_a_check_that_crashes_says_so() -> None:
