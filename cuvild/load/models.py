@@ -203,7 +203,8 @@ class ModelManager:
 
     def _prepare(self, served: ServedModel, t0: float, cold: bool) -> None:
         """Restore (cold=False) or build the model; a restore that cannot goes on to the
-        build pool."""
+        build pool, which builds it without trying its load record again (a failed restore
+        was tried twice: ~2 s more for a tampered part's)."""
         record = served.record
         if self._models.get(served.key) is not served:
             return  # unloaded or replaced while it waited
@@ -213,7 +214,7 @@ class ModelManager:
                 self.registry.archive_path(record.sha256), record.inputs,
                 objective=self.objective, policy=self.policy(record),
                 progress=lambda phase: self._phase(served, phase, t0), cold=cold,
-                batching=self.batching(record))
+                batching=self.batching(record), restore=not cold)
         except Exception as e:  # noqa: BLE001 - a model that cannot be served says why
             served.state, served.reason = "UNAVAILABLE", f"{type(e).__name__}: {e}"
             served.phase = "failed"

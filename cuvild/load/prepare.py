@@ -34,7 +34,7 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
             progress: Callable[[str], None] | None = None, cold: bool = True,
             batching: Batching | None = None,
             banned: fallback.Banned | None = None,
-            keep_record: bool = True) -> LoadedModel | None:
+            keep_record: bool = True, restore: bool = True) -> LoadedModel | None:
     """Plan, split, lay out and build a registered model, settle each part's precision
     under the policy (cuvild/load/precision.py) and check the whole model against
     torch eager; returns it ready to serve. A model loaded before (same archive, policy,
@@ -45,12 +45,13 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
     A part its device cannot build is planned off it again (cuvild/load/fallback.py); a
     split planned here that is predicted less than guard.GAIN faster than one device is timed
     against the best single device's plan, and the faster served (cuvild/load/guard.py).
-    `keep_record`: write its load record (not for the guard's second build)."""
+    `keep_record`: write its load record (not for the guard's second build); `restore=False`:
+    build without trying the load record (a restore of it was tried and did not serve)."""
     policy = policy or PrecisionPolicy()
     say = progress or (lambda phase: None)
     record_at = warm.directory(builder.cache_dir, warm.key(
         str(archive), input_specs, objective, policy, builder.devices.values(), builder.runtimes))
-    record = warm.read(record_at) if plan is None else None
+    record = warm.read(record_at) if plan is None and restore else None
     if record is not None:
         say("restoring from the load record")
         try:

@@ -233,6 +233,7 @@ def test_status_names_each_parts_signed_artifact_and_a_tampered_one_is_rebuilt(
         torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x).detach(),
                                    rtol=1e-4, atol=1e-5)
     assert "failed verification (files changed" in again.log()
+    assert again.log().count("load record not used") == 1  # tried once, then built
 
 
 def test_an_open_nested_too_deep_is_refused_and_gives_its_slot_back(make_daemon) -> None:
