@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,26 +41,30 @@ def test_every_python_block_names_its_config() -> None:
         assert (ROOT / config).is_file(), f"{where} names {config}, which is not there"
 
 
-@pytest.mark.parametrize("config", sorted({c for _, c, _ in python_blocks() if c}))
-def test_python_blocks_run_as_written(make_daemon, tmp_path: Path, config: str) -> None:
+def test_python_blocks_run_as_written(make_daemon, tmp_path: Path) -> None:
     """Each block in a namespace of its own (what it uses it imports), in the order the docs
-    give them, in one interpreter (torch and transformers imported once, not once a block),
-    against one daemon with the devices and engine of the config named, but for what keeps
-    the suite short: where the config lets every runtime build, OpenVINO's and torch's (the
-    one that keeps a language model's state), OpenMP waits passive, decode steps not
-    compiled."""
-    named = yaml.safe_load((ROOT / config).read_text())
-    engine = {}
-    if "engine" in named:
-        given = named["engine"]
-        engine = {"engine": {
-            **given, "runtimes": given.get("runtimes") or DOCS_RUNTIMES, "omp_wait": "passive",
-            "sequences": {**given.get("sequences", {}), "compile_steps": False}}}
-    daemon = make_daemon(devices=named["devices"], cache_dir=str(tmp_path / "cache"), **engine)
-    env = {**os.environ, "CUVIL_TARGET": daemon.target}
-    blocks = [(where, code) for where, named, code in python_blocks() if named == config]
+    give them, in one interpreter (torch and transformers imported once, not once a block or
+    a config), against a daemon for the config it names (`CUVIL_TARGET` set to it), with the
+    devices and engine of that config, but for what keeps the suite short: where the config
+    lets every runtime build, OpenVINO's and torch's (the one that keeps a language model's
+    state), OpenMP waits passive, decode steps not compiled."""
+    targets = {}
+    for config in sorted({c for _, c, _ in python_blocks() if c}):
+        named = yaml.safe_load((ROOT / config).read_text())
+        engine = {}
+        if "engine" in named:
+            given = named["engine"]
+            engine = {"engine": {
+                **given, "runtimes": given.get("runtimes") or DOCS_RUNTIMES,
+                "omp_wait": "passive",
+                "sequences": {**given.get("sequences", {}), "compile_steps": False}}}
+        cache = tmp_path / f"cache-{len(targets)}"
+        targets[config] = make_daemon(devices=named["devices"], cache_dir=str(cache),
+                                      **engine).target
+    blocks = [(where, targets[config], code) for where, config, code in python_blocks()
+              if config]
     done = subprocess.run([sys.executable, "-c", RUN_BLOCKS, json.dumps(blocks)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=os.environ, capture_output=True, text=True, timeout=600)
     print(done.stdout)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -69,8 +72,9 @@ def test_python_blocks_run_as_written(make_daemon, tmp_path: Path, config: str) 
 DOCS_RUNTIMES = {"cpu": ["openvino", "torch"], "npu": ["openvino", "torch"]}
 # each block as its own __main__ module's code, its failure naming it
 RUN_BLOCKS = """
-import json, sys, time, traceback
-for where, code in json.loads(sys.argv[1]):
+import json, os, sys, time, traceback
+for where, target, code in json.loads(sys.argv[1]):
+    os.environ["CUVIL_TARGET"] = target
     start = time.monotonic()
     try:
         exec(compile(code, where, "exec"), {"__name__": "__main__"})
