@@ -38,10 +38,11 @@ def wait_ready(client: Client, name: str) -> dict:
     ({"precision": "auto", "calibration": [(torch.randn(2, 32), torch.randn(2, 32))]},
      "calibration"),
 ])
-def test_bad_policy_values_are_refused_naming_the_field(make_daemon, kwargs, field):
-    d = make_daemon()
+def test_bad_policy_values_are_refused_naming_the_field(daemon, state_root, kwargs, field):
+    """Against the session's shared daemon (its state: state_root): a refusal leaves nothing
+    registered, so the cases need no daemon each (five starts, an inspector each)."""
     model, x = small()
-    with Client(d.target) as client:
+    with Client(daemon.target) as client:
         with pytest.raises((InvalidArgument, ValueError)) as err:
             client.load("bad", model, (x,), **kwargs)
         if isinstance(err.value, InvalidArgument):
@@ -50,8 +51,8 @@ def test_bad_policy_values_are_refused_naming_the_field(make_daemon, kwargs, fie
             message = str(err.value)
         assert message.startswith(f"{field}:") or f"{field}:" in message, message
         assert client.models() == []
-    assert [p.name for p in (d.state_dir / "models").iterdir() if p.name != "index.json"] == []
-    assert list((d.state_dir / "uploads").iterdir()) == []
+    assert [p.name for p in (state_root / "models").iterdir() if p.name != "index.json"] == []
+    assert list((state_root / "uploads").iterdir()) == []
 
 
 def test_auto_is_served_and_reported(make_daemon):
