@@ -81,6 +81,42 @@ def _resolve(tp: Any) -> Any:
     return tp
 
 
+def from_json(tp: Any, data: Any) -> Any:  # noqa: C901, PLR0911 - a branch per schema node kind
+    """The schema objects of a parsed JSON value, as torch's ``_dict_to_dataclass`` builds
+    them (keys a dataclass lacks ignored, ints of a float field made floats), with each
+    class's field types looked up once, not once an object: torch's resolves them every
+    time, 0.85 s of the 200M Llama's 4.3 MB program here, 0.17 s this way (pytorch/pytorch
+    #196452). Shapes that do not fit are passed through for `walk` to refuse."""
+    tp = _resolve(tp)
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return from_json(typing.get_args(tp)[0], data)
+    if origin in (typing.Union, types.UnionType):
+        if data is None:
+            return None
+        return from_json(next(a for a in typing.get_args(tp) if a is not type(None)), data)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(data, dict):
+        hints = _hints(tp)
+        if issubclass(tp, _Union):
+            if len(data) != 1:
+                raise Reject(f"{tp.__name__}: one field expected, got {len(data)}")
+            (name, value), = data.items()
+            if name not in hints:
+                raise Reject(f"{tp.__name__}: no field {name!r}")
+            return tp.create(**{name: from_json(hints[name], value)})
+        return tp(**{f.name: from_json(hints[f.name], data[f.name])
+                     for f in dataclasses.fields(tp) if f.name in data})
+    if origin is list and isinstance(data, list):
+        item = typing.get_args(tp)[0]
+        return [from_json(item, d) for d in data]
+    if origin is dict and isinstance(data, dict):
+        value_tp = typing.get_args(tp)[1]
+        return {k: from_json(value_tp, v) for k, v in data.items()}
+    if tp is float and isinstance(data, int | float):
+        return float(data)
+    return data
+
+
 def walk(tp: Any, value: Any, where: str) -> None:  # noqa: C901 - a branch per schema node kind
     """Type-check ``value`` against schema type ``tp`` (torch's JSON->dataclass conversion
     does not), then run the semantic check registered for its class, recursively."""

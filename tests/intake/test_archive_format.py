@@ -82,6 +82,29 @@ def test_validate_reports_archive(saved: dict) -> None:
     assert info.total_bytes > 0 and info.root == "conv"
 
 
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_the_program_json_is_read_as_torch_reads_it(saved: dict, name: str) -> None:
+    """The safe loader's own JSON -> schema conversion (field types looked up once a class)
+    builds what torch's `_dict_to_dataclass` does, every field of every node."""
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import _dict_to_dataclass
+
+    from cuvild.intake.schema_checks import from_json
+
+    data = model_json(saved[name][0])
+    assert from_json(schema.ExportedProgram, data) == _dict_to_dataclass(
+        schema.ExportedProgram, data)
+
+
+def test_a_union_of_no_known_field_is_refused_by_name(saved: dict, tmp_path: Path) -> None:
+    data = model_json(saved["mlp"][0])
+    node = data["graph_module"]["graph"]["nodes"][0]
+    node["inputs"][0]["arg"] = {"as_pickle": "x"}
+    bad = rewrite(saved["mlp"][0], tmp_path / "bad.pt2", {"models/model.json": json.dumps(data)})
+    with pytest.raises(UnsafeArchive, match="Argument: no field 'as_pickle'"):
+        validate_archive(bad)
+
+
 def test_validate_then_load_via_bytesio_root(saved: dict, tmp_path: Path) -> None:
     # Archives saved to a buffer use the root folder "archive".
     buf = io.BytesIO()
@@ -139,6 +162,27 @@ def test_corrupted_entry_crc(saved: dict, tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(UnsafeArchive, match="corrupt or truncated"):
         load_exported_program(path)
+
+
+def test_a_corrupted_weight_is_refused_by_validation_and_by_the_load(saved: dict,
+                                                                    tmp_path: Path) -> None:
+    """The load reads each weight once (validation leaves them to it): its CRC is checked
+    there."""
+    from archives import _root
+
+    src = saved["mlp"][0]
+    with zipfile.ZipFile(src) as z:
+        info = z.getinfo(f"{_root(src)}/data/weights/weight_0")
+    data = bytearray(src.read_bytes())
+    at = info.header_offset  # the local header's own name and extra lengths (torch pads)
+    start = at + 30 + int.from_bytes(data[at + 26:at + 28], "little") + int.from_bytes(
+        data[at + 28:at + 30], "little")
+    data[start + 3] ^= 0x40
+    path = tmp_path / "weight.pt2"
+    path.write_bytes(bytes(data))
+    for read in (validate_archive, load_exported_program):
+        with pytest.raises(UnsafeArchive, match="weight_0: corrupt or truncated"):
+            read(path)
 
 
 def test_extra_unknown_entry(saved: dict, tmp_path: Path) -> None:
