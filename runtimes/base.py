@@ -85,6 +85,12 @@ class Executable(ABC):
         """Write what `Runtime.load` needs to rebuild this without compiling."""
         raise NotImplementedError(f"{self.runtime} executables are not cached")
 
+    def aside(self) -> float:
+        """Seconds of its last run spent on work of its own that is not the part's (a
+        decode step timing its compiled form against the eager one: runtimes/compiled_step.py),
+        for its run time to leave out (cuvild/workers/sessions.py); read once."""
+        return 0.0
+
 
 class Runtime(ABC):
     name: ClassVar[str]

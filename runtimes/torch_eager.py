@@ -339,6 +339,7 @@ class TorchExecutable(Executable):
         self.tier_up: compiled_step.Sources | None = None
         self.compiling: threading.Thread | None = None
         self._offered: compiled_step.Offer | None = None
+        self._aside = 0.0  # seconds of the last run spent timing an offer (`aside`)
         self.step = ""  # where its decode step stands (compiled_step), for cuvilctl partition
         self.dtype = dtype
         self.state = remember_initial(module)  # what a sequence keeps: runs change it in place
@@ -463,12 +464,15 @@ class TorchExecutable(Executable):
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         inputs = torch_cuda.inputs_on(inputs, self.device)
+        self._aside = 0.0
         if not self.state:
             return self._run(inputs)
         if self._offered is not None:
             offer, self._offered = self._offered, None
+            t0 = time.perf_counter()
             if compiled_step.faster(self, offer):
                 self._serve(offer.module, offer.compiled)
+            self._aside = time.perf_counter() - t0
         if self.tier_up is not None and self._next[1]:  # a sequence's first step here
             sources, self.tier_up = self.tier_up, None
             scope, slot = self._next
@@ -494,6 +498,10 @@ class TorchExecutable(Executable):
             return self._run(inputs)
         finally:
             self._put_home()
+
+    def aside(self) -> float:
+        aside, self._aside = self._aside, 0.0
+        return aside
 
     def _serve(self, module: fx.GraphModule, call: Callable[..., Any]) -> None:
         self.module, self._call = module, call
