@@ -352,7 +352,9 @@ class Client:
 
     def stats(self, interval: float = 1.0) -> dict[str, Any]:
         """What a person checks first: per model the request rate, p50/p99 of the recent
-        requests and errors; per device how busy it was; over `interval` seconds. `loads`:
+        requests and errors (a language model's: its tokens a second, and p50/p99 of the
+        time to a generation's first token and between tokens after it); per device how
+        busy it was; over `interval` seconds. `loads`:
         what the daemon's loads did since it started (archives read, plans made, parts
         built, compiled, and restored from load records)."""
         import json
@@ -378,6 +380,12 @@ class Client:
                            # fast-path requests a worker ran: bucket bounds (at most), since
                            # the daemon started
                            "fast_latency_ms": now.get("fast_latency_ms")}
+            if "tokens" in now:  # a language model's generations: tokens, first and after
+                models[key].update(
+                    tokens=now["tokens"],
+                    tokens_per_s=(now["tokens"] - then.get("tokens", 0)) / span,
+                    first_token_ms=now.get("first_token_ms"),
+                    inter_token_ms=now.get("inter_token_ms"))
         devices = {d: (busy - first["devices"].get(d, 0.0)) / span
                    for d, busy in last["devices"].items()}
         return {"interval_s": span, "models": models, "devices_busy": devices,

@@ -325,6 +325,14 @@ def cmd_stats(client: Client, args: argparse.Namespace) -> int:
           "bucket, since the daemon started)")
     print(format_table(["MODEL", "REQ/s", "p50 ms", "p99 ms", "OK", "FAILED", "ERR/s"], rows)
           if rows else "no requests yet")
+    generating = [[key, f"{m['tokens_per_s']:.1f}", str(m["tokens"]),
+                   *(f"{(m[f] or {}).get(q, 0):.2f}" if m[f] else "-"
+                     for f in ("first_token_ms", "inter_token_ms") for q in ("p50", "p99"))]
+                  for key, m in sorted(stats["models"].items()) if "tokens" in m]
+    if generating:  # (a generation is one request above, its whole time)
+        print()
+        print(format_table(["MODEL", "TOKENS/s", "TOKENS", "FIRST p50 ms", "FIRST p99 ms",
+                            "BETWEEN p50 ms", "BETWEEN p99 ms"], generating))
     if stats["devices_busy"]:
         print()
         print(format_table(["DEVICE", "BUSY"], [[d, f"{100 * b:.0f}%"] for d, b in

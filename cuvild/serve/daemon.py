@@ -309,6 +309,7 @@ class Daemon:
             self.metrics.watch(self.models, runner, self.regions, self.fast)
             if self.fast is not None:
                 self.fast.metrics = self.metrics
+            self.generator.metrics = self.metrics
             runner.monitor = self.metrics
             if cfg.metrics_listen:
                 try:

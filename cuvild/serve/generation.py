@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from cuvild.load.models import ModelManager
 from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate
 from cuvild.run.runner import Runner
 from cuvild.serve import chat
-from cuvild.serve.errors import Refused, find
+from cuvild.serve.errors import Refused, find, status
 from protos.orders import RawTensor
 
 TOKENIZER = "tokenizer.json"
@@ -53,6 +54,7 @@ class Generation:
     stop_text: tuple[str, ...] = ()  # strings that end it (not sent)
     ids: list[int] = field(default_factory=list)  # generated so far
     stopped: bool = False  # ended by a stop token or string
+    metrics: Any = None  # cuvild.serve.metrics.Metrics: its tokens' times and its end
     _text: str = ""
     _sent: int = 0  # how much of _text was given out
 
@@ -80,11 +82,25 @@ class Generation:
             raw = runner.step(target, live, inputs, Out({}, raw=True))[0]
             return np.frombuffer(raw, np.float32).reshape(-1, vocab)[-1]
 
+        t0, last, code = time.perf_counter(), None, "CANCELLED"  # (its caller left)
         try:
-            yield from self._released(generate(step, self.prompt, self.sampling,
-                                               model.state.context, self.chunks))
+            for token in self._released(generate(step, self.prompt, self.sampling,
+                                                 model.state.context, self.chunks)):
+                if self.metrics is not None:  # (before the caller takes it)
+                    now = time.perf_counter()
+                    self.metrics.token(self.name, self.version, now - (last or t0),
+                                       first=last is None)
+                    last = now
+                yield token
+            code = None
+        except Exception as e:
+            code = status(e).name
+            raise
         finally:
             runner.sequences.end(live, "ended (its generation ended)")
+            if self.metrics is not None:
+                self.metrics.generation(self.name, self.version, len(self.prompt),
+                                        time.perf_counter() - t0, code)
 
     def _released(self, tokens: Iterator[int]) -> Iterator[tuple[int, str]]:
         """Each token with the text it lets go: text that may begin a stop string is held
@@ -130,13 +146,28 @@ class Generator:
         self._tokenizers: dict[Path, tuple[float, Any]] = {}
         self._chats: dict[Any, chat.Chat | None] = {}
         self._lock = threading.Lock()
+        self.metrics: Any = None  # cuvild.serve.metrics.Metrics, when metrics.enabled
 
     def open(self, name: str, version: str = "", prompt: Any = None, text: str | None = None,
              options: Mapping[str, Any] | None = None,
              messages: Any = None) -> Generation:
         """A checked generation: `prompt` token ids, `text` or a chat's `messages` (OpenAI's)
         with the model's tokenizer (and chat template); `options`: max_tokens, temperature,
-        top_k, top_p, seed, stop (token ids, or strings with a tokenizer)."""
+        top_k, top_p, seed, stop (token ids, or strings with a tokenizer). One refused counts
+        as a failed request (under model "" where no such model is served)."""
+        try:
+            gen = self._open(name, version, prompt, text, options, messages)
+        except Exception as e:
+            if self.metrics is not None:
+                known = self.models.get(name, version) is not None
+                self.metrics.failed(name if known else "", version if known else "",
+                                    status(e).name)
+            raise
+        gen.metrics = self.metrics
+        return gen
+
+    def _open(self, name: str, version: str, prompt: Any, text: str | None,
+              options: Mapping[str, Any] | None, messages: Any) -> Generation:
         served = find(self.models, name, version)
         model = served.loaded
         assert model is not None

@@ -95,7 +95,20 @@ class Metrics:
         self.batch_queue = Histogram("cuvil_batch_queue_duration_seconds", "Time a request "
                                      "waited in its model's batch queue", MODEL,
                                      buckets=BUCKETS, registry=r)
+        # a language model's generations (cuvild/serve/generation.py), as vLLM counts them;
+        # each is also a request above (success or failure, its whole time end to end)
+        self.first_token = Histogram("cuvil_generation_time_to_first_token_seconds", "Time from "
+                                     "a generation request to its first token", MODEL,
+                                     buckets=BUCKETS, registry=r)
+        self.between_tokens = Histogram("cuvil_generation_inter_token_latency_seconds", "Time "
+                                        "between a generation's tokens, after the first",
+                                        MODEL, buckets=BUCKETS, registry=r)
+        self.prompt_tokens = Counter("cuvil_generation_prompt_tokens", "Prompt tokens of "
+                                     "generation requests", MODEL, registry=r)
+        self.tokens = Counter("cuvil_generation_tokens", "Tokens generated", MODEL, registry=r)
         self._recent: dict[tuple[str, str], collections.deque[float]] = {}
+        # (kind, model, version) -> recent generation times: "first" token, "between" tokens
+        self._recent_tokens: dict[tuple[str, str, str], collections.deque[float]] = {}
         self._last: dict[tuple[str, str], float] = {}  # a model's last success, time.time()
         self._failed_s: collections.Counter[tuple[str, str]] = collections.Counter()
         self._children: dict[tuple[str, ...], Any] = {}  # labels() resolved once per series
@@ -125,6 +138,29 @@ class Metrics:
     def failed(self, name: str, version: str, code: str, seconds: float = 0.0) -> None:
         self._child(self.failure, name, version, code).inc()
         self._failed_s[(name, version)] += seconds
+
+    def token(self, name: str, version: str, seconds: float, first: bool) -> None:
+        """A generation's token, `seconds` after its request began (`first`) or after the
+        token before it."""
+        kind = "first" if first else "between"
+        self._child(self.first_token if first else self.between_tokens, name,
+                    version).observe(seconds)
+        self._child(self.tokens, name, version).inc()
+        recent = self._recent_tokens.get((kind, name, version))
+        if recent is None:
+            recent = self._recent_tokens[(kind, name, version)] = collections.deque(
+                maxlen=RECENT)
+        recent.append(seconds)
+
+    def generation(self, name: str, version: str, prompt: int, seconds: float,
+                   code: str | None) -> None:
+        """A generation's end: its prompt's tokens, and the request, succeeded (`code`
+        None) or failed (a gRPC status name; CANCELLED: its caller left)."""
+        self._child(self.prompt_tokens, name, version).inc(prompt)
+        if code is None:
+            self.succeeded(name, version, seconds, 1)
+        else:
+            self.failed(name, version, code, seconds)
 
     def computed(self, model: LoadedModel, seconds: float) -> None:
         self._child(self.compute, model.name, model.version).observe(seconds)
@@ -192,25 +228,24 @@ class Metrics:
         models: dict[str, Any] = {}
         for metric in self.registry.collect():
             for s in metric.samples:
-                if s.name not in ("cuvil_inference_request_success_total",
-                                  "cuvil_inference_request_failure_total",
-                                  "cuvil_inference_count_total"):
+                field = _COUNTED.get(s.name)
+                if field is None:
                     continue
                 # requests for no known model count under "" (cuvilctl: unknown models)
                 key = f"{s.labels['model']}:{s.labels['version']}" if s.labels["model"] else ""
                 entry = models.setdefault(key, {"success": 0, "failure": 0, "inferences": 0})
-                field = {"cuvil_inference_request_success_total": "success",
-                         "cuvil_inference_request_failure_total": "failure",
-                         "cuvil_inference_count_total": "inferences"}[s.name]
-                entry[field] += int(s.value)
+                entry[field] = entry.get(field, 0) + int(s.value)
         for (name, version), recent in list(self._recent.items()):
-            times = sorted(recent)
-            if times:
+            if recent:
                 models.setdefault(f"{name}:{version}", {"success": 0, "failure": 0,
-                                                        "inferences": 0})["latency_ms"] = {
-                    "p50": statistics.median(times) * 1e3,
-                    "p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
-                    "n": len(times)}
+                                                        "inferences": 0})["latency_ms"] = \
+                    quantiles(recent)
+        for (kind, name, version), recent in list(self._recent_tokens.items()):
+            if recent:  # a generation's first token, and those after it
+                models.setdefault(f"{name}:{version}", {"success": 0, "failure": 0,
+                                                        "inferences": 0})[
+                    "first_token_ms" if kind == "first" else "inter_token_ms"] = \
+                    quantiles(recent)
         # Fast-path requests a worker ran on the session's memory count here too; their times
         # are only in the histogram the worker keeps (protos/shared.py TIMES), so their
         # quantiles are its buckets' bounds, over every such request since the daemon started.
@@ -267,6 +302,19 @@ class Metrics:
                 "last_inference": self._last.get(key, 0.0)}
 
 
+_COUNTED = {"cuvil_inference_request_success_total": "success",  # stats' cumulative counts
+            "cuvil_inference_request_failure_total": "failure",
+            "cuvil_inference_count_total": "inferences",
+            "cuvil_generation_tokens_total": "tokens"}
+
+
+def quantiles(recent: collections.deque[float]) -> dict[str, float]:
+    """p50 and p99, in ms, of recent times in seconds, and how many."""
+    times = sorted(recent)
+    return {"p50": statistics.median(times) * 1e3,
+            "p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, "n": len(times)}
+
+
 def at_most(per_bucket: list[float], q: float) -> float | None:
     """The bound, in ms, of the histogram bucket (requests per bucket of SECONDS, the last
     past them all) that holds quantile `q`; None in the last."""
@@ -300,6 +348,9 @@ class _State(Collector):
         states: dict[str, int] = collections.Counter(m.state for m in served)
         yield _gauge("cuvil_models", "Models by state", [([s], n) for s, n in states.items()],
                      ["state"])
+        yield _gauge("cuvil_sequences_live", "Sequences live (generations, and clients' "
+                     "sequence_id ones), their state held in the workers",
+                     [([], len(engine.sequences))])
         if self.fast is not None:
             yield _gauge("cuvil_fast_path_sessions", "Same-host fast-path sessions open",
                          [([], self.fast.sessions())])

@@ -222,6 +222,55 @@ def test_bad_requests_are_refused_clearly(daemon, served) -> None:  # noqa: ANN0
             list(client.generate("mlp", PROMPT))
 
 
+def test_generations_count_as_requests_with_their_tokens_and_times(daemon) -> None:  # noqa: ANN001
+    """Every generation is a request in the metrics (success, or failure by status: a caller
+    gone is CANCELLED, an unknown model counts under model ""), with vLLM's token figures:
+    prompt and generated tokens, time to the first token and between the others; cuvilctl
+    stats shows them."""
+    import re
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://{daemon.http}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
+                                            if line and not line.startswith("#"))}
+
+    def of(samples: dict[str, float], name: str, **labels: str) -> float:
+        return sum(v for k, v in samples.items() if k.partition("{")[0] == name and all(
+            dict(re.findall(r'(\w+)="([^"]*)"', k)).get(n) == w for n, w in labels.items()))
+
+    llama = {"model": "llama", "version": "1"}
+    before = scrape()
+    with Client(daemon.target) as client:
+        assert len(list(client.generate("llama", PROMPT, max_tokens=5))) == 5
+        tokens = client.generate("llama", PROMPT, max_tokens=lm_models.CONTEXT - len(PROMPT))
+        next(tokens)
+        tokens.close()  # the caller leaves after its first token
+        with pytest.raises(CuvildError, match="unknown model"):
+            list(client.generate("nope", PROMPT))
+        deadline = time.monotonic() + 30  # (the daemon sees the caller gone at its next token)
+        while of(after := scrape(), "cuvil_inference_request_failure_total", code="CANCELLED",
+                 **llama) == of(before, "cuvil_inference_request_failure_total",
+                                code="CANCELLED", **llama):
+            assert time.monotonic() < deadline, "the cancelled generation was not counted"
+            time.sleep(0.1)
+        stats = client.stats(0.1)["models"]["llama:1"]
+
+    def grew(name: str, **labels: str) -> float:
+        return of(after, name, **labels) - of(before, name, **labels)
+
+    assert grew("cuvil_inference_request_success_total", **llama) == 1
+    assert grew("cuvil_inference_request_failure_total", model="", code="NOT_FOUND") == 1
+    assert grew("cuvil_generation_prompt_tokens_total", **llama) == 2 * len(PROMPT)
+    assert grew("cuvil_generation_time_to_first_token_seconds_count", **llama) == 2
+    made = grew("cuvil_generation_tokens_total", **llama)
+    assert 6 <= made < lm_models.CONTEXT  # 5, and the left one's 1 and those made meanwhile
+    assert grew("cuvil_generation_inter_token_latency_seconds_count", **llama) == made - 2
+    assert grew("cuvil_inference_request_duration_seconds_count", **llama) == 1
+    assert stats["tokens"] >= made and stats["first_token_ms"]["p50"] > 0
+    assert stats["inter_token_ms"]["n"] >= made - 2
+
+
 def test_triton_sequence_parameters_step_the_model_on_its_state(daemon, served) -> None:  # noqa: ANN001
     """Raw steps over the protocol's infer, as a Triton client drives a stateful model:
     sequence_id / sequence_start / sequence_end; the argmax of each step's logits is the
