@@ -333,11 +333,13 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         if served is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name!r}")
         loaded = served.loaded
-        if loaded is None or loaded.accuracy is None:
-            why = (served.reason or "still loading") if loaded is None else (
-                "a dynamic-shape model is checked per shape, not at load")
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"model {served.key} has no "
-                                                       f"comparison: {why}")
+        if loaded is None:  # (it may have one later: UNAVAILABLE, a status to retry on)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"model {served.key} has no comparison "
+                          f"yet: {served.reason or 'still loading'}")
+        if loaded.accuracy is None:  # (it never will)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"model {served.key} has no "
+                          "comparison: a dynamic-shape model is checked per input shape, as "
+                          "each is built; `cuvilctl partition` gives each one's precision")
         measured = part_stats(served.loaded)
         parts = [{"id": p.id, "device": p.device, "runtime": p.runtime,
                   "precision": p.precision, "error": p.error,

@@ -215,6 +215,9 @@ def test_bad_requests_are_refused_clearly(daemon, served) -> None:  # noqa: ANN0
     with Client(daemon.target) as client:
         with pytest.raises(CuvildError, match="vocabulary"):
             list(client.generate("llama", [lm_models.VOCAB + 5]))
+        with pytest.raises(CuvildError, match="checked per input shape") as refused:
+            client.compare("chunked")  # (not a status to retry on: it never will have one)
+        assert refused.value.code == "FAILED_PRECONDITION"
         assert any(n.startswith("stateful: ") for n in client.plan("llama")["plan"]["notes"])
         client.load("mlp", torch.nn.Linear(8, 8).eval(), (torch.randn(1, 8),),
                     precision="fp32", timeout=300)
