@@ -233,7 +233,6 @@ def _read(zf: zipfile.ZipFile, rel: str, info: zipfile.ZipInfo, keep: bool) -> b
     return out
 
 
-
 _LOCAL_HEADER = 30  # a zip entry's local header, before its name and extra field
 _ALIGN = 64  # torch.export.save aligns every entry's bytes to 64
 
