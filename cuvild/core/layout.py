@@ -4,7 +4,10 @@ a part boundary lives in a request's arena block.
 The input table is built once, at load; a request is checked against it once (count, dtype,
 shape, the range of each dynamic dimension), by `check_inputs`. The layout gives each crossing
 tensor an offset from the tensors' lifetimes: tensors that are never alive at the same time
-share bytes (cuvild/core/arena.py `plan_offsets`).
+share bytes (cuvild/core/arena.py `plan_offsets`). A request runs each part as soon as its
+inputs are ready (cuvild/run/request.py), so parts that do not depend on each other may run
+at once, in any order: a lifetime spans every step its producer and readers may run at
+(`windows`), not the steps of the split's list.
 """
 
 from __future__ import annotations
@@ -123,11 +126,11 @@ def layout(meta: dict[str, Any], split: Any) -> tuple[dict[str, Slot], int, int]
     last: dict[str, int] = {}
     for name in split.inputs:
         slots[name], first[name], last[name] = _slot(meta[name]), 0, 0
-    for step, part in enumerate(split.parts, start=1):
+    for part, (lo, hi) in zip(split.parts, windows(split), strict=True):
         for name in part.inputs:
-            last[name] = max(last.get(name, step), step)
+            last[name] = max(last.get(name, hi), hi)
         for name in part.outputs:
-            slots[name], first[name], last[name] = _slot(meta[name]), step, step
+            slots[name], first[name], last[name] = _slot(meta[name]), lo, hi
     for name in split.outputs:
         last[name] = len(split.parts) + 1  # read back after the last part
     sizes = {n: s.nbytes for n, s in slots.items()}
@@ -135,3 +138,22 @@ def layout(meta: dict[str, Any], split: Any) -> tuple[dict[str, Slot], int, int]
     for name, off in offsets.items():
         slots[name].offset = off
     return slots, footprint, sum(sizes.values())
+
+
+def windows(split: Any) -> list[tuple[int, int]]:
+    """Per part (steps 1..n, the split's order), the first and last step it may run at: from
+    the first part that is not one it waits for, to the last that does not wait for it (a
+    chain's part i: (i, i)). A value written by a part whose window starts after the windows
+    of every reader of another have ended is written after they read it."""
+    producer = {name: i for i, part in enumerate(split.parts) for name in part.outputs}
+    before: list[set[int]] = []  # per part, the parts it waits for, directly or not
+    for part in split.parts:
+        waits: set[int] = set()
+        for name in part.inputs:
+            if name in producer:
+                waits |= {producer[name], *before[producer[name]]}
+        before.append(waits)
+    n = len(split.parts)
+    return [(1 + min((j for j in range(i) if j not in before[i]), default=i),
+             1 + max((j for j in range(i, n) if i not in before[j]), default=i))
+            for i in range(n)]

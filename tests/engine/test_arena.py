@@ -7,11 +7,13 @@ import random
 import stat
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from cuvild.core.arena import SHM_DIR, Arena, Segment, plan_offsets, reclaim_stale
+from cuvild.core.layout import layout
 
 
 def test_alloc_free_coalesce_and_alignment():
@@ -90,6 +92,40 @@ def test_plan_offsets_never_overlap_live_tensors():
                 if not (la < fb or lb < fa):  # alive together: disjoint bytes
                     assert (offsets[a] + sizes[a] <= offsets[b]
                             or offsets[b] + sizes[b] <= offsets[a])
+
+
+def test_tensors_of_parts_that_may_run_at_once_never_share_bytes():
+    """A request runs each part once its inputs are ready (cuvild/run/request.py), so parts
+    that do not wait for each other run in any order, or at once: random splits (a part
+    reads earlier parts' values), and any two values laid out on the same bytes must be one
+    written only after every reader of the other has run (its writer waits for them all).
+    (In list order alone, a split's independent branch reused a value's bytes while
+    another part read it: a split language model's cache index, read as garbage.)"""
+    rng = random.Random(0)
+    for _ in range(200):
+        parts: list[SimpleNamespace] = []
+        values = ["x"]
+        for i in range(rng.randint(1, 10)):
+            reads = rng.sample(values, rng.randint(1, min(3, len(values))))
+            parts.append(SimpleNamespace(inputs=reads, outputs=[f"v{i}"]))
+            values.append(f"v{i}")
+        split = SimpleNamespace(inputs=["x"], parts=parts, outputs=[values[-1]])
+        meta = {n: torch.empty(rng.randint(1, 300)) for n in values}
+        slots, _, _ = layout(meta, split)
+        waits: dict[str, set[str]] = {"x": set()}  # value -> values its writer waits for
+        for part in parts:
+            waits[part.outputs[0]] = set(part.inputs).union(*(waits[n] for n in part.inputs))
+        readers = {n: [p.outputs[0] for p in parts if n in p.inputs] for n in values}
+        for a in values:
+            for b in values:
+                sa, sb = slots[a], slots[b]
+                if a >= b or (sa.offset + sa.nbytes <= sb.offset
+                              or sb.offset + sb.nbytes <= sa.offset):
+                    continue
+                ordered = [(v, w) for v, w in ((a, b), (b, a))
+                           if w != "x" and v not in split.outputs and v in waits[w]
+                           and all(r in waits[w] for r in readers[v])]
+                assert ordered, (a, b, [(p.inputs, p.outputs) for p in parts])
 
 
 def test_sequential_tensors_share_space():
