@@ -63,15 +63,27 @@ def _state(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
     return state
 
 
+def scalar(node: fx.Node) -> bool:
+    """A node computing a number, not a tensor: a dynamic dimension's size (`sym_size`) or
+    arithmetic on sizes. Such a value never crosses parts: each part that uses one computes
+    it again from the tensors it sizes (its inputs then; a model input, most often)."""
+    return node.op == "call_function" and isinstance(
+        node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
 def _build_part(part_id: str, nodes: list[fx.Node], owner: Mapping[str, str],
                 state: Mapping[str, torch.Tensor], needed: set[str]) -> PartGraph:
     graph = fx.Graph()
     root = torch.nn.Module()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[str] = []
+    members = {n.name for n in nodes}
 
     def bring(value: fx.Node) -> fx.Node:
         if value in env:
+            return env[value]
+        if scalar(value) and value.name not in members:  # computed here again (`scalar`)
+            env[value] = graph.node_copy(value, bring)
             return env[value]
         if value.name in state:  # a weight: inline it into this part
             attr = value.name
@@ -83,7 +95,6 @@ def _build_part(part_id: str, nodes: list[fx.Node], owner: Mapping[str, str],
         env[value].meta = dict(value.meta)
         return env[value]
 
-    members = {n.name for n in nodes}
     for node in nodes:
         for arg in node.all_input_nodes:
             if arg.name not in members:
@@ -124,7 +135,8 @@ def split_program(ep: torch.export.ExportedProgram,
     needed = {a.name for a in user_outputs if isinstance(a, fx.Node)}
     for node in compute:
         for user in node.users:
-            if user.op != "output" and assignment[user.name] != assignment[node.name]:
+            if (user.op != "output" and assignment[user.name] != assignment[node.name]
+                    and not scalar(node)):
                 needed.add(node.name)
     by_part: dict[str, list[fx.Node]] = {}
     for node in compute:

@@ -240,6 +240,32 @@ def test_plan_parts_split_the_real_program(decompose: bool) -> None:
     torch.testing.assert_close(split.run(ids)[0], expected)
 
 
+def test_a_dynamic_size_used_by_another_part_is_computed_there_again() -> None:
+    """A dynamic dimension's size (`sym_size`) and arithmetic on it are numbers, not tensors:
+    the part that uses one computes it again from what it sizes (a model input here), and no
+    number crosses parts (the arena holds tensors only: a split language model of a dynamic
+    length failed to build for it)."""
+    from partitioner.split import split_program
+
+    class Net(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.relu(x)
+            return y.reshape(x.shape[0] * x.shape[1], -1) + 1
+
+    batch = torch.export.Dim("batch", min=2, max=64)
+    ep = torch.export.export(Net(), (torch.randn(4, 3, 8),), dynamic_shapes=({0: batch},))
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
+    sizes = [n.name for n in nodes if isinstance(n.meta.get("val"), torch.SymInt)]
+    assert sizes, [n.name for n in nodes]
+    first = [n.name for n in nodes if n.name in sizes or n.target is torch.ops.aten.relu.default]
+    split = split_program(ep, [("p0", first), ("p1", [n.name for n in nodes
+                                                      if n.name not in first])])
+    crossing = {n for part in split.parts for n in part.inputs + part.outputs}
+    assert not crossing & set(sizes), crossing
+    x = torch.randn(6, 3, 8)
+    torch.testing.assert_close(split.run(x)[0], ep.module()(x))
+
+
 def test_auto_prices_each_device_at_the_precision_it_would_run() -> None:
     """Placement sees a device's fast lower precision under `auto` (issue: placement priced at
     fp32 only, so a device whose bf16/fp16/int8 is fast was never the better home)."""
