@@ -24,6 +24,7 @@ RUNTIMES = {
 # Which runtimes may serve each device kind, and those that serve it for stateful parts
 # alone: the partitioner's tables, so that planning and building agree on them.
 BY_KIND = RUNTIMES_BY_KIND
+STATEFUL_RUNTIMES = ("torch",)  # those that keep a part's in-place state per sequence
 
 
 def runtime_class(name: str) -> type[Runtime]:
@@ -71,25 +72,39 @@ def allowed_runtimes(cfg_runtimes: dict[str, list[str]],
 def support(devices: Iterable[DeviceProfile],
             cfg_runtimes: dict[str, list[str]]) -> dict[str, Callable[[Any], bool]]:
     """Per device, whether one of the runtimes it may use can run a node: ops no runtime of a
-    device supports cost infinity there, so the planner places them elsewhere and says why."""
+    device supports cost infinity there, so the planner places them elsewhere and says why. A
+    node that updates a buffer in place (a language model's cache) runs only where a runtime
+    that keeps state per sequence may build (`STATEFUL_RUNTIMES`, as the build asks:
+    runtimes/select.py `_problem`): a model is never planned where its state cannot live."""
     out: dict[str, Callable[[Any], bool]] = {}
     for dev in devices:
         allowed = allowed_runtimes(cfg_runtimes, dev)
-        usable = []
-        for name in candidates_for(dev, "fp32", "auto"):
-            if allowed is not None and name not in allowed:
-                continue
-            try:
-                usable.append(get(name))
-            except RuntimeUnavailable:
-                continue
+        usable = _usable(candidates_for(dev, "fp32", "auto"), allowed)
+        keeps = [rt for rt in _usable([n for n in candidates_for(dev, "fp32", "auto", True)
+                                       if n in STATEFUL_RUNTIMES], allowed)
+                 if rt.can_target(dev, "fp32")]
 
-        def supported(cnode: Any, runtimes: list[Runtime] = usable) -> bool:
+        def supported(cnode: Any, runtimes: list[Runtime] = usable,
+                      keeps: list[Runtime] = keeps) -> bool:
             node = getattr(cnode, "fx_node", None)
-            return node is None or any(rt.supports(node) for rt in runtimes)
+            among = keeps if getattr(cnode, "updates_state", False) else runtimes
+            return node is None or any(rt.supports(node) for rt in among)
 
         out[dev.id] = supported
     return out
+
+
+def _usable(names: list[str], allowed: list[str] | None) -> list[Runtime]:
+    """The runtimes named that config allows and that are installed here."""
+    kept = []
+    for name in names:
+        if allowed is not None and name not in allowed:
+            continue
+        try:
+            kept.append(get(name))
+        except RuntimeUnavailable:
+            continue
+    return kept
 
 
 def candidates_for(device: DeviceProfile, precision: str, wanted: str,
@@ -103,6 +118,8 @@ def candidates_for(device: DeviceProfile, precision: str, wanted: str,
         names = [n for n in names if n in device.runtimes]
     if stateful:  # (whether it can here, the runtime's can_target says: no profile lists it)
         names += [n for n in STATEFUL_BY_KIND.get(device.kind, ()) if n not in names]
+        if device.emulated and "torch" not in names:  # (as above: the profile lists what
+            names.append("torch")  # the device's own runtimes measured)
     if wanted != "auto":
         if wanted not in RUNTIMES:
             raise RuntimeUnavailable(f"unknown runtime {wanted!r}")

@@ -71,6 +71,7 @@ from runtimes.mixed import RUNTIMES as MIXED_RUNTIMES
 from runtimes.mixed import Mix
 from runtimes.mixed import choose as choose_mix
 from runtimes.mixed import low_of as mixed_low
+from runtimes.registry import STATEFUL_RUNTIMES
 from runtimes.torch_eager import state_of
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,6 @@ SKIP_RATIO = 1.3  # a runtime this much slower than the winner in every recorded
 SKIP_MIN_SEARCHES = 3  # ...of at least this many is not tried once one candidate is accurate
 RETRY_AFTER = 10  # searches a runtime is skipped in a row before it is tried again
 NEAR_FLOOR = 1.25  # an accurate candidate this close to the roofline floor ends the search
-STATEFUL_RUNTIMES = ("torch",)  # those that keep a part's in-place state per sequence
 CLOSE = 1.5  # accurate candidates timed within this of the fastest are timed again, in turn
 BLOCK_RUNS, BLOCK_S = 20, 0.02  # ...in blocks of runs back to back: at most so many, so long
 # a lower precision's build whose second run takes this much longer than a higher precision

@@ -45,6 +45,25 @@ def test_the_torch_runtime_serves_a_gpus_stateful_parts_alone() -> None:
     assert torch_cuda.target(emulated) is None and TorchRuntime().can_target(emulated, "fp32")
 
 
+def test_a_language_model_is_planned_only_where_a_runtime_may_keep_its_state() -> None:
+    """An emulated NPU's profile lists the runtimes it measured (OpenVINO); its stateful parts
+    run on torch on the host. The planner's support data says a node that updates the cache
+    runs there only where engine.runtimes lets torch build (else it planned a model there
+    that the build then refused: "only torch keeps them per sequence ... tried for:
+    ['openvino']", the model READY and every generation failing)."""
+    from partitioner.fxgraph import build_costgraph
+
+    npu = DeviceProfile(id="npu0", kind="npu", emulated=True, runtimes=["openvino"])
+    assert "torch" in registry.candidates_for(npu, "fp32", "auto", stateful=True)
+    assert "torch" not in registry.candidates_for(npu, "fp32", "auto")
+    graph = build_costgraph(lm_models.export(lm_models.lm("llama")))
+    writes = [n for n in graph.nodes if n.updates_state]
+    assert writes
+    allowed = registry.support([npu], {"npu": ["openvino", "torch"]})["npu0"]
+    refused = registry.support([npu], {"npu": ["openvino"]})["npu0"]
+    assert all(allowed(n) for n in writes) and not any(refused(n) for n in writes)
+
+
 @pytest.mark.skipif(CUDA, reason="this host has CUDA: nothing is missing to report")
 def test_without_cuda_the_runtime_says_why_it_cannot_run_on_a_gpu(part) -> None:
     runtime = TorchRuntime()
