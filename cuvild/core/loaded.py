@@ -97,6 +97,9 @@ class Family:
     # cuvild/load/buckets.py last_logits); in a twin's Family, the model it is the twin of
     twin: LoadedModel | None = None
     owner: LoadedModel | None = None
+    # a language model's plan to time its own against at its warm-up, with how each is named
+    # (cuvild/load/guard.py, cuvild/load/warmup.py `guarded`); None once timed, or none
+    alternative: tuple[Plan, str, str] | None = None
 
 
 LAST = "last"  # a model's key + "@" + LAST: its generation twin (its sequences the model's)

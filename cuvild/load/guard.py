@@ -14,6 +14,11 @@ than the profile alone would put it on (`moved_by_lessons`), both plans are buil
 before the model is served on the learned one: a lesson from one model must not send the next
 to a device that measures slower (on the lent H200, a learned GPU overhead put a bf16
 ResNet-18 on the CPU: 22.7 ms there against 1.8 ms on the GPU).
+
+A language model (it keeps state; a dynamic length) is planned for a whole generation, a
+prompt's chunks and then the decode steps (partitioner/phases.py), and compared so (`cost`);
+its buckets are built at its warm-up, so its two plans are timed there, on a generation of
+each (cuvild/load/warmup.py `guarded`), not on the check inputs.
 """
 
 from __future__ import annotations
@@ -50,15 +55,21 @@ def single_plan(program: Any, devices: Sequence[DeviceProfile],
             alone = plan(program, [device])
         except Exception:  # noqa: BLE001 - that device cannot run the whole model
             continue
-        if best is None or alone.predicted_ms < best.predicted_ms:
+        if best is None or cost(alone) < cost(best):
             best = alone
     return best
+
+
+def cost(plan: Plan) -> float:
+    """What a plan is predicted to take: a request, or a whole generation where it was
+    priced for one (a stateful model's: its parts are priced per decode step)."""
+    return plan.phases["plan"]["total_ms"] if plan.phases else plan.predicted_ms
 
 
 def worth_timing(split: Plan, single: Plan | None) -> bool:
     """A split predicted less than GAIN faster than the best single device."""
     return (single is not None and len({p.device for p in split.parts}) > 1
-            and single.predicted_ms < GAIN * split.predicted_ms)
+            and cost(single) < GAIN * cost(split))
 
 
 def heaviest(plan: Plan) -> str:
@@ -84,9 +95,19 @@ def timed(run: Callable[[LoadedModel, list[Any]], Any], first: LoadedModel,
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def note(ours_ms: float, theirs_ms: float, ours: str, theirs: str, kept_ours: bool) -> str:
-    """e.g. 'measured end to end 6.300 ms split vs 0.540 ms all on npu0; serving all on npu0
-    (11.67x)'."""
+LABEL = "never worse than one device"  # what the guard's notes in a plan start with
+
+
+def note(ours_ms: float, theirs_ms: float, ours: str, theirs: str, kept_ours: bool,
+         what: str = "end to end") -> str:
+    """e.g. 'never worse than one device: measured end to end 6.300 ms split vs 0.540 ms all
+    on npu0; serving all on npu0 (11.67x)'."""
     kept, ratio = (ours, theirs_ms / ours_ms) if kept_ours else (theirs, ours_ms / theirs_ms)
-    return (f"measured end to end {ours_ms:.3f} ms {ours} vs {theirs_ms:.3f} ms {theirs}; "
-            f"serving {kept} ({ratio:.2f}x)")
+    return (f"{LABEL}: measured {what} {ours_ms:.3f} ms {ours} vs {theirs_ms:.3f} ms "
+            f"{theirs}; serving {kept} ({ratio:.2f}x)")
+
+
+def failed(ours: str, theirs: str, e: BaseException) -> str:
+    """The plan's note where the one to time it against did not build or run."""
+    return (f"{LABEL}: the plan {theirs} did not build or run ({type(e).__name__}: {e}); "
+            f"serving the one {ours}")

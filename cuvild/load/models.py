@@ -26,7 +26,7 @@ from cuvild.core.loaded import Batching, LoadedModel
 from cuvild.core.precision import PrecisionPolicy
 from cuvild.intake import repository
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
-from cuvild.load import prepare, warm, warmup
+from cuvild.load import guard, prepare, warm, warmup
 from cuvild.load.builder import Builder
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,15 @@ class ServedModel:
     @property
     def key(self) -> str:
         return f"{self.record.name}:{self.record.version}"
+
+
+def untimed(loaded: LoadedModel, why: str) -> None:
+    """A language model whose plan was to be timed at its warm-up (warmup.guarded), served
+    untimed: its plan says so, and why."""
+    if loaded.family is not None and loaded.family.alternative is not None:
+        loaded.plan.notes.append(f"{guard.LABEL}: not timed against the plan "
+                                 f"{loaded.family.alternative[2]} ({why})")
+        loaded.family.alternative = None
 
 
 class ModelManager:
@@ -215,6 +224,8 @@ class ModelManager:
                 objective=self.objective, policy=self.policy(record),
                 progress=lambda phase: self._phase(served, phase, t0), cold=cold,
                 batching=self.batching(record), restore=not cold)
+            if loaded is not None and loaded.state is not None and self.warm_up:
+                loaded = self._warm(served, loaded, t0)
         except Exception as e:  # noqa: BLE001 - a model that cannot be served says why
             served.state, served.reason = "UNAVAILABLE", f"{type(e).__name__}: {e}"
             served.phase = "failed"
@@ -224,8 +235,7 @@ class ModelManager:
             served.phase = "queued to build"
             self._pool.submit(self._prepare, served, t0, True)
             return
-        if loaded.state is not None and self.warm_up:
-            self._warm(served, loaded, t0)
+        untimed(loaded, "engine.sequences.warm_up is off: its buckets are built at first use")
         served.loaded, served.prepare_s = loaded, time.perf_counter() - t0
         served.warm = loaded.warm
         with self._lock:
@@ -238,22 +248,39 @@ class ModelManager:
                  ", ".join(f"{r.id}@{r.device}/{r.runtime or 'runtime per input shape'}"
                            for r in loaded.routes))
 
-    def _warm(self, served: ServedModel, loaded: LoadedModel, t0: float) -> None:
+    def _warm(self, served: ServedModel, loaded: LoadedModel, t0: float) -> LoadedModel:
         """A language model's warm-up before it is READY (cuvild/load/warmup.py); one that
         fails leaves its buckets to their first use, which says why (the model still
-        serves)."""
+        serves). Then its plan timed against the one its load found to time it against
+        (warmup.guarded): the faster served."""
         if self.builder.runner.miss is None:
-            return
+            return loaded
+        progress = lambda phase: self._phase(served, phase, t0)  # noqa: E731
         try:
-            done = warmup.warm(self.builder.runner, self.builder.describe, loaded,
-                               lambda phase: self._phase(served, phase, t0))
+            done = warmup.warm_up(self.builder.runner, self.builder.describe, loaded, progress)
         except Exception as e:  # noqa: BLE001 - built again at first use, which answers why
             log.warning("model %s: not warmed up at load (%s: %s); its buckets are built at "
                         "first use", served.key, type(e).__name__, e)
-            return
+            untimed(loaded, f"its warm-up failed: {type(e).__name__}: {e}")
+            return loaded
         if done:
             log.info("model %s: warmed up at load (%.2f s into it): %s", served.key,
                      time.perf_counter() - t0, "; ".join(done))
+        record, archive = served.record, self.registry.archive_path(served.record.sha256)
+
+        def load(key: str, plan: Any, keep_record: bool) -> LoadedModel:
+            model = prepare.prepare(self.builder, key, record.name, record.version, archive,
+                                    record.inputs, objective=self.objective, plan=plan,
+                                    policy=self.policy(record), progress=progress,
+                                    batching=self.batching(record), keep_record=keep_record)
+            assert model is not None  # (a plan given: built, never restored)
+            return model
+
+        served_now = warmup.guarded(self.builder, loaded, load, progress)
+        for said in served_now.plan.notes:
+            if said.startswith(guard.LABEL):
+                log.info("model %s: %s", served.key, said)
+        return served_now
 
     @staticmethod
     def _phase(served: ServedModel, phase: str, t0: float) -> None:

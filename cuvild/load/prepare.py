@@ -44,9 +44,11 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
     dimension is dynamic (cuvild/run/batching.py; None or max_batch 1: not at all).
     A part its device cannot build is planned off it again (cuvild/load/fallback.py); a
     split planned here that is predicted less than guard.GAIN faster than one device is timed
-    against the best single device's plan, and the faster served (cuvild/load/guard.py).
-    `keep_record`: write its load record (not for the guard's second build); `restore=False`:
-    build without trying the load record (a restore of it was tried and did not serve)."""
+    against the best single device's plan, and the faster served (cuvild/load/guard.py; a
+    language model's at its warm-up, with the plan it is timed against in
+    `family.alternative`: cuvild/load/warmup.py). `keep_record`: write its load record
+    (not for the guard's second build); `restore=False`: build without trying the load
+    record (a restore of it was tried and did not serve)."""
     policy = policy or PrecisionPolicy()
     say = progress or (lambda phase: None)
     record_at = warm.directory(builder.cache_dir, warm.key(
@@ -79,8 +81,11 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         builder.counters["planned"] += 1
     split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
     dynamic = dynamic_dims(ep)
+    state = state_of(ep)
+    # (a dynamic-shape model's buckets are planned per shape, but a language model's all
+    # run its one plan: timed against the alternative at its warm-up, cuvild/load/warmup.py)
     alternative = _alternative(builder, ep, plan, objective, policy, banned, corrections,
-                               planned and not dynamic)
+                               planned and (not dynamic or state is not None))
     if dynamic:  # laid out and built per concrete shape, on first use
         slots, footprint, total = {}, 0, 0
     else:
@@ -94,7 +99,7 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
     for route in model.routes:
         model.parts_by_device.setdefault(route.device, []).append(route.id)
     model.cut_bytes = cut_bytes(model)
-    model.state = state_of(ep)
+    model.state = state
     if model.state is not None:
         plan.notes.append(f"stateful: {model.state.buffers} buffers updated in place "
                           f"({model.state.nbytes / 1e6:.1f} MB a sequence, context "
@@ -108,7 +113,10 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         # buckets, a prefill chunk and a decode step, must run where its state is)
         replans = planned and model.state is None
         model.family.program = ep if replans else None
-        model.family.replans, model.family.record_at = replans, record_at
+        model.family.replans = replans
+        # (the guard's second build keeps no records: they are the model's, by its key)
+        model.family.record_at = record_at if keep_record else None
+        model.family.alternative = alternative
         if model.state is not None:  # (its sequences' steps share runs in its worker)
             model.unbatched = ("it keeps state per sequence: its sequences' steps share runs "
                                "in its worker instead (docs/GENERATION.md)")
@@ -116,7 +124,8 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
             say("checking that its rows can be batched")
             batcher_for(model, ep, batching, builder.runner)
         builder.publish(model)
-        warm.write_dynamic(record_at, model)
+        if keep_record:
+            warm.write_dynamic(record_at, model)
         return model
     decision = precision.decision_path(builder.cache_dir, model, policy, builder.devices.values())
     decided, recorded = precision.read_decision(decision)
@@ -149,8 +158,7 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         except Exception as e:  # noqa: BLE001 - the plan stands, and says why
             builder.unload(f"{key}~one")
             other = None
-            plan.notes.append(f"{GUARD}: the plan {theirs} did not build "
-                              f"({type(e).__name__}: {e}); serving the one {ours}")
+            plan.notes.append(guard.failed(ours, theirs, e))
         ours_ms = theirs_ms = 0.0
         if other is not None:
             try:
@@ -160,13 +168,12 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         if other is not None and theirs_ms < ours_ms:
             # served from the same plan, under the model's key (its parts: the compile cache)
             builder.drop(model)
-            other_plan.notes.append(f"{GUARD}: " + guard.note(ours_ms, theirs_ms, ours, theirs,
-                                                              False))
+            other_plan.notes.append(guard.note(ours_ms, theirs_ms, ours, theirs, False))
             return prepare(builder, key, name, version, archive, input_specs, objective,
                            plan=other_plan, policy=policy, progress=progress,
                            batching=batching)
         if other is not None:
-            plan.notes.append(f"{GUARD}: " + guard.note(ours_ms, theirs_ms, ours, theirs, True))
+            plan.notes.append(guard.note(ours_ms, theirs_ms, ours, theirs, True))
     builder.publish(model)
     if keep_record:
         try:
@@ -174,9 +181,6 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         except OSError as e:
             log.warning("model %s: load record not written (%s)", key, e)
     return model
-
-
-GUARD = "never worse than one device"
 
 
 def state_of(ep: Any) -> State | None:
@@ -230,7 +234,7 @@ def _alternative(builder: Builder, ep: Any, plan: Any, objective: str, policy: P
     if guard.worth_timing(plan, single):
         return single, "split", f"all on {single.parts[0].device}"
     if single is not None:
-        plan.notes.append(f"predicted {single.predicted_ms / plan.predicted_ms:.2f}x "
+        plan.notes.append(f"predicted {guard.cost(single) / guard.cost(plan):.2f}x "
                           f"faster than all on {single.parts[0].device}: served split "
                           "without timing both")
     return None

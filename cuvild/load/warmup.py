@@ -10,21 +10,37 @@ Its decode step is then compiled by inductor in its worker (runtimes/compiled_st
 at a sequence's first step, the steps running eagerly meanwhile, and timed at the next: the
 load runs those steps on a sequence of its own, waiting for the compile (up to SETTLE_S), so
 that no request shares the cores with it. Other chunk lengths are built at their first use.
+
+Then, where the load planned a split that another plan may beat (cuvild/load/guard.py: a
+split predicted less than guard.GAIN faster than the best device alone, or a plan moved by
+what the cost model learned), the warm-up builds and warms that plan too, times a
+generation of each in turn and serves the faster (`guarded`): a language model's split
+must be faster than one device by measurement, as a static model's is.
 """
 
 from __future__ import annotations
 
+import copy
+import math
+import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cuvild.core.loaded import LoadedModel, Out
+from cuvild.load import guard, warm
 from cuvild.load.buckets import last_logits, step_lengths
 from cuvild.run.generate import INPUTS
 from protos.orders import RawTensor
 
+if TYPE_CHECKING:
+    from cuvild.load.builder import Builder
+    from partitioner.plan import Plan
+
+ROUNDS = 3  # a guard's timed generations of each plan, in turn
+STEPS = 8  # decode steps timed in each (the generation's others priced at their median)
 SETTLE_S = 120.0  # the longest a load waits for its decode step's compile (~11 s the first
 # time on a machine, inductor's headers built; 3-4 s after)
 # what a worker says of a step it compiles now (runtimes/compiled_step.py `start`'s words;
@@ -32,7 +48,7 @@ SETTLE_S = 120.0  # the longest a load waits for its decode step's compile (~11 
 COMPILING = "while inductor compiles"
 
 
-def warm(runner: Any, describe: Callable[[str, str, str], str], model: LoadedModel,
+def warm_up(runner: Any, describe: Callable[[str, str, str], str], model: LoadedModel,
          progress: Callable[[str], None]) -> list[str]:
     """A language model's warm-up: of a dynamic length, its decode step and its twin's
     longest prompt chunk built (`runner.miss`: each bucket built, or restored from its load
@@ -93,3 +109,94 @@ def settle(runner: Any, describe: Callable[[str, str, str], str], model: LoadedM
     finally:
         runner.sequences.end(live, "ended (the load's warm-up)")
     return "; ".join(said for said in now() if said)
+
+
+def guarded(builder: Builder, model: LoadedModel,
+            load: Callable[[str, Plan, bool], LoadedModel],
+            progress: Callable[[str], None]) -> LoadedModel:
+    """A warmed-up language model, or the plan it is timed against where that measures
+    faster (`family.alternative`: cuvild/load/guard.py): that plan is built and warmed up
+    under the key + "~one" (`load(key, plan, keep_record)`), a generation of each timed in
+    turn (`generation_ms`), the other dropped; where it wins, the model is built again on it
+    under its own key (from the compile cache) and warmed up. The plan served says both
+    figures."""
+    kept = model.family.alternative if model.family else None
+    if kept is None:
+        return model
+    model.family.alternative = None
+    theirs_plan, ours, theirs = kept
+    progress(f"timing the plan {theirs} against the one {ours}")
+    try:
+        # (a copy: its build writes the precisions it chose into the plan's parts)
+        other = load(f"{model.key}~one", copy.deepcopy(theirs_plan), False)
+        warm_up(builder.runner, builder.describe, other, lambda phase: None)
+        ours_ms, theirs_ms = generation_ms(builder.runner, [model, other])
+    except Exception as e:  # noqa: BLE001 - the plan stands, and says why
+        model.plan.notes.append(guard.failed(ours, theirs, e))
+        return model
+    finally:
+        builder.unload(f"{model.key}~one")
+    if theirs_ms < ours_ms:
+        builder.unload(model.key)
+        theirs_plan.notes.append(guard.note(ours_ms, theirs_ms, ours, theirs, False, WHAT))
+        served = load(model.key, theirs_plan, True)
+        warm_up(builder.runner, builder.describe, served, progress)
+        return served
+    model.plan.notes.append(guard.note(ours_ms, theirs_ms, ours, theirs, True, WHAT))
+    assert model.family is not None
+    if model.family.record_at is not None:  # (a restart serves it with the note)
+        warm.write_dynamic(model.family.record_at, model)
+    return model
+
+
+WHAT = "a generation"  # what the guard's note says was timed
+
+
+def generation_ms(runner: Any, models: list[LoadedModel],
+                  rounds: int = ROUNDS) -> list[float]:
+    """Per model, the generation its plan was priced for (partitioner/phases.py: a prompt
+    of N tokens, then M tokens), measured: on a sequence of its own, a prompt chunk of its
+    longest length and STEPS decode steps, the models in turn, `rounds` times; the prompt's
+    chunks at their median, the steps at theirs."""
+    chunks: list[list[float]] = [[] for _ in models]
+    steps: list[list[float]] = [[] for _ in models]
+    for _ in range(rounds):
+        for i, model in enumerate(models):
+            chunk, step = _timed(runner, model)
+            chunks[i] += chunk
+            steps[i] += step
+    out = []
+    for model, chunk, step in zip(models, chunks, steps, strict=True):
+        phases = model.plan.phases or {"prompt": 0, "generated": 1}
+        longest = max((n for n in step_lengths(model) if n > 1), default=1)
+        prompt = (math.ceil(phases["prompt"] / longest) * statistics.median(chunk) if chunk
+                  else phases["prompt"] * statistics.median(step))
+        out.append(prompt + phases["generated"] * statistics.median(step))
+    return out
+
+
+def _timed(runner: Any, model: LoadedModel) -> tuple[list[float], list[float]]:
+    """One sequence of `model`: its longest prompt chunk's ms (none where it takes one token
+    a run) and its decode steps' after it."""
+    longest = max((n for n in step_lengths(model) if n > 1), default=None)
+    assert model.state is not None
+    live = runner.sequences.begin(model.key, f"load-guard-{time.monotonic_ns()}",
+                                  sorted(model.parts_by_device))
+
+    def run(target: LoadedModel, position: int, n: int) -> float:
+        bucket = runner.resolve(target, [("int64", s) for s in shapes(model, n)])
+        values = {INPUTS[0]: np.zeros((1, n), np.int64),
+                  INPUTS[1]: np.arange(position, position + n, dtype=np.int64)}
+        inputs = [RawTensor(values[name].tobytes(), "int64", values[name].shape)
+                  for name in model.inputs]
+        t0 = time.perf_counter()
+        runner.step(bucket, live, inputs, Out({}, raw=True))
+        return (time.perf_counter() - t0) * 1e3
+
+    try:
+        chunk = [run(last_logits(model), 0, longest)] if longest else []
+        start = longest or 0
+        count = max(1, min(STEPS, model.state.context - start - 1))
+        return chunk, [run(model, start + i, 1) for i in range(count)]
+    finally:
+        runner.sequences.end(live, "ended (the load's guard)")

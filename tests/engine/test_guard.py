@@ -1,6 +1,7 @@
 """Never worse than the best single device, by measurement (cuvild/load/guard.py): a split
 the cost model prices a little faster than one device is timed against that device's plan
-at load, and the faster one is served."""
+at load, and the faster one is served; a language model's at its warm-up, on a generation
+of each (cuvild/load/warmup.py `guarded`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import time
 from pathlib import Path
 
+import lm_models
 import torch
 from engine_helpers import CLOSE, CORES, eager
 
@@ -18,7 +20,8 @@ from cuvild.client.samples import MLP
 from cuvild.core.arena import Arena
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
-from cuvild.load import guard
+from cuvild.load import guard, warmup
+from cuvild.run.generate import Sampling, generate
 from partitioner.corrections import Corrections, prior
 from partitioner.plan import Part, Plan, plan_model
 from partitioner.profile import DeviceProfile
@@ -123,3 +126,65 @@ def test_only_a_split_predicted_less_than_gain_faster_is_timed() -> None:
     assert not guard.worth_timing(plan(10.0 / guard.GAIN, ["cpu0", "npu0"]), one)
     assert not guard.worth_timing(plan(9.0, ["npu0"]), one)  # no split: nothing to guard
     assert not guard.worth_timing(plan(9.0, ["cpu0", "npu0"]), None)
+
+
+def test_a_language_models_split_is_timed_at_its_warm_up_and_the_faster_served(
+        tmp_path: Path) -> None:
+    """The mispriced profile above splits a tiny dynamic-length Llama into ~20 parts over the
+    two devices, a whole generation predicted ~1.4x faster than all on the NPU. Its buckets
+    are built at its warm-up, so the guard runs there: the plan all on one device is built
+    and warmed up beside it, a generation of each timed in turn, the faster served under the
+    model's key (the other dropped); the plan says both figures, and generation gives
+    transformers' tokens."""
+    hf = lm_models.lm("llama")
+    ep = lm_models.export(hf, dynamic=True)
+    split = plan_model(ep, [CPU, NPU])
+    single = guard.single_plan(ep, [CPU, NPU], lambda program, one: plan_model(program, one))
+    assert len({p.device for p in split.parts}) == 2 and guard.worth_timing(split, single)
+    archive = tmp_path / "llama.pt2"
+    torch.export.save(ep, archive)
+    specs = summarize(ep)["inputs"]
+    arena = Arena(f"{os.getpid()}-lm-guard")
+    engine = Engine([CPU, NPU], tmp_path / "cache", arena, workers="thread")
+
+    def load(key: str, plan: Plan, keep_record: bool) -> object:
+        return engine.prepare(key, "llama", "1", archive, specs, plan=plan,
+                              keep_record=keep_record)
+
+    try:
+        model = engine.prepare("llama", "llama", "1", archive, specs)
+        assert model is not None and model.family is not None
+        assert model.family.alternative is not None  # timed at its warm-up, not before
+        assert len(model.parts_by_device) == 2
+        warmup.warm_up(engine.runner, engine.builder.describe, model, lambda phase: None)
+        phases: list[str] = []
+        served = warmup.guarded(engine.builder, model, load, phases.append)
+        assert phases[0] == "timing the plan all on npu0 against the one split", phases
+        (said,) = [n for n in served.plan.notes if n.startswith(guard.LABEL)]
+        found = re.search(r"measured a generation ([\d.]+) ms split vs ([\d.]+) ms all on "
+                          r"npu0; serving (split|all on npu0)", said)
+        assert found, said
+        split_ms, alone_ms, kept = found.groups()
+        assert kept == ("split" if float(split_ms) <= float(alone_ms) else "all on npu0")
+        assert (len(served.parts_by_device) == 2) == (kept == "split"), said
+        assert served.family is not None and served.family.alternative is None
+        assert "llama~one" not in engine.runner.served.models
+        assert engine.runner.served.models["llama"] is served
+        assert len(engine.runner.sequences) == 0  # (the timed generations' sequences ended)
+        twin = warmup.last_logits(served)
+        live = engine.runner.sequences.begin("llama", "s", sorted(served.parts_by_device))
+
+        def step(ids: list[int], position: int) -> object:
+            inputs = [torch.tensor([ids]), torch.arange(position, position + len(ids))]
+            given = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in inputs]
+            target = engine.runner.resolve(twin if len(ids) > 1 else served, given)
+            (logits,) = engine.runner.step(target, live, inputs, warmup.Out({}))
+            return logits.numpy()[0, -1]
+
+        prompt = [5, 17, 42, 99]
+        got = list(generate(step, prompt, Sampling(max_tokens=6), lm_models.CONTEXT))
+        engine.runner.sequences.end(live)
+        assert got == lm_models.reference(hf, prompt, 6)
+    finally:
+        engine.close()
+        arena.close()

@@ -215,7 +215,7 @@ def test_the_load_warms_a_language_model_up(tmp_path: Path,
     engine, arena, model, hf = served(tmp_path, "llama")
     try:
         phases: list[str] = []
-        (said,) = warmup.warm(engine.runner, engine.builder.describe, model, phases.append)
+        (said,) = warmup.warm_up(engine.runner, engine.builder.describe, model, phases.append)
         assert phases == ["compiling its decode step"], phases
         # compiled, then timed: served compiled, or eager with both times (timing decides)
         assert said.startswith(("decode step compiled by inductor in ",

@@ -177,8 +177,8 @@ def test_a_node_that_updates_state_stays_where_a_runtime_keeps_it() -> None:
 
 def test_a_split_that_gains_little_is_one_device() -> None:
     """A split predicted under SPLIT_GAIN faster than the best device alone gives way to
-    that device (a stateful model's split is not timed against one device before it
-    serves); one that gains more stays split."""
+    that device (within what the cost model mispredicts); one that gains more stays split
+    (and is timed against that device at the load's warm-up: tests/engine/test_guard.py)."""
     def with_head(tokens: int, flops: float) -> CostGraph:
         graph = layers(tokens)
         act = graph.nodes[-1].out_bytes
