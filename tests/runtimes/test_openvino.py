@@ -321,3 +321,21 @@ def test_an_op_openvino_named_is_reported_by_the_models_name_near_it():
     ov.Model([named], [x])
     assert graph_name(named) == "linear_3"
     assert graph_name(made) == "near linear_3"
+
+
+def test_no_telemetry_leaves_a_process_that_builds_with_openvino() -> None:
+    """OpenVINO's conversion and NNCF send Google Analytics telemetry unless told not to;
+    a process of cuvild's runtimes runs their no-telemetry fallback (runtimes/__init__.py).
+    In a fresh interpreter, as a worker starts: not in this one, whose pytest NNCF sees."""
+    import subprocess
+
+    code = ("import runtimes.openvino, openvino, nncf\n"
+            "import openvino.tools.ovc.convert_impl as ovc, nncf.telemetry.wrapper as w\n"
+            "assert ovc.tm.__name__ == 'openvino.tools.ovc.telemetry_stub', ovc.tm\n"
+            "assert not isinstance(w.telemetry, w.NNCFTelemetry), w.telemetry\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for name in ("CI", "TF_BUILD", "JENKINS_URL"):  # (each turns theirs off on its own)
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
