@@ -71,8 +71,75 @@ def scalar(node: fx.Node) -> bool:
         node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
+def _aliased(node: fx.Node) -> fx.Node | None:
+    """The value `node`'s result shares memory with (its first argument) where its op says
+    so: a view, a `to` that converts nothing, an update in place (copy_, add_, index_copy_)."""
+    target, args = node.target, node.args
+    if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload)  # noqa: SLF001 - aten's op type
+            or not args or not isinstance(args[0], fx.Node)):
+        return None
+    returns = target._schema.returns  # noqa: SLF001 - its schema
+    return args[0] if returns and returns[0].alias_info is not None else None
+
+
+def _memory(node: fx.Node) -> fx.Node:
+    """The value whose memory `node`'s result is (following `_aliased`)."""
+    while (of := _aliased(node)) is not None:
+        node = of
+    return node
+
+
+def _updates_follow(compute: list[fx.Node], assignment: dict[str, str]) -> None:
+    """An update in place whose result nothing reads goes to the part that made the value
+    it updates (`x += n`: an update of the copy another part was sent would be lost)."""
+    from partitioner.fxgraph import updated
+
+    for node in compute:
+        target = updated(node)
+        if (target is not None and not node.users and target.name in assignment
+                and assignment[target.name] != assignment[node.name]):
+            assignment[node.name] = assignment[target.name]
+
+
+def _copies(compute: list[fx.Node], assignment: Mapping[str, str], needed: set[str],
+            user_outputs: set[str]) -> dict[str, fx.Node]:
+    """A value that crosses parts is copied out when its part ends, after any later update
+    in place of its memory there (a language model's state): where its readers in other
+    parts read it before such an update (the cache's start position, read before
+    `cumulative_length += n`), it is sent as a copy taken then. Per such value, the node
+    after which its copy is taken (the value itself, or the last update its readers
+    follow); ValueError where no one copy serves them all."""
+    from partitioner.fxgraph import updated
+
+    order = {n: i for i, n in enumerate(compute)}
+    updates: dict[fx.Node, list[fx.Node]] = {}
+    for node in compute:
+        if updated(node) is not None:
+            updates.setdefault(_memory(node), []).append(node)
+    taken: dict[str, fx.Node] = {}
+    for node in compute:
+        later = [m for m in updates.get(_memory(node), []) if order[m] > order[node]]
+        if node.name not in needed or not later:
+            continue
+        if any(assignment[m.name] != assignment[node.name] for m in later):
+            raise ValueError(f"{node.name} is updated in place by another part: the program "
+                             "cannot be split there")
+        readers = [u for u in node.users
+                   if u.op != "output" and assignment[u.name] != assignment[node.name]]
+        seen = {sum(order[m] < order[u] for m in later) for u in readers}
+        seen |= {len(later)} if node.name in user_outputs else set()
+        if len(seen) > 1:
+            raise ValueError(f"{node.name} is read by other parts between its updates in "
+                             "place: the program cannot be split there")
+        k = seen.pop() if seen else len(later)
+        if k < len(later):
+            taken[node.name] = later[k - 1] if k else node
+    return taken
+
+
 def _build_part(part_id: str, nodes: list[fx.Node], owner: Mapping[str, str],
-                state: Mapping[str, torch.Tensor], needed: set[str]) -> PartGraph:
+                state: Mapping[str, torch.Tensor], needed: set[str],
+                taken: Mapping[str, fx.Node] | None = None) -> PartGraph:
     graph = fx.Graph()
     root = torch.nn.Module()
     env: dict[fx.Node, fx.Node] = {}
@@ -100,8 +167,15 @@ def _build_part(part_id: str, nodes: list[fx.Node], owner: Mapping[str, str],
             if arg.name not in members:
                 bring(arg)
         env[node] = graph.node_copy(node, lambda n: env[n])
-    outputs = [n.name for n in nodes if n.name in needed]
-    graph.output(tuple(env[n] for n in nodes if n.name in needed))
+    sent = {n.name: env[n] for n in nodes if n.name in needed}
+    for name, after in (taken or {}).items():  # a copy taken before a later update here
+        if name in sent:
+            with graph.inserting_after(env[after]):
+                copied = graph.call_function(torch.ops.aten.clone.default, (sent[name],))
+            copied.meta = dict(sent[name].meta)
+            sent[name] = copied
+    outputs = list(sent)
+    graph.output(tuple(sent.values()))
     module = fx.GraphModule(root, graph, class_name=f"Part_{part_id}")
     return PartGraph(part_id, module, inputs, outputs)
 
@@ -133,15 +207,18 @@ def split_program(ep: torch.export.ExportedProgram,
     n_user = len(ep.graph_signature.user_outputs)
     user_outputs = list(output_node.args[0][:n_user])
     needed = {a.name for a in user_outputs if isinstance(a, fx.Node)}
+    _updates_follow(compute, assignment)
+    returned = set(needed)
     for node in compute:
         for user in node.users:
             if (user.op != "output" and assignment[user.name] != assignment[node.name]
                     and not scalar(node)):
                 needed.add(node.name)
+    taken = _copies(compute, assignment, needed, returned)
     by_part: dict[str, list[fx.Node]] = {}
     for node in compute:
         by_part.setdefault(assignment[node.name], []).append(node)
-    parts = [_build_part(pid, nodes, assignment, state, needed)
+    parts = [_build_part(pid, nodes, assignment, state, needed, taken)
              for pid, nodes in by_part.items()]
     return SplitProgram(_dependency_order(parts), list(ep.graph_signature.user_inputs),
                         [a.name for a in user_outputs])

@@ -79,7 +79,12 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
                           int8=bool(policy.calibration))
         plan.notes += fallback.notes(banned)
         builder.counters["planned"] += 1
-    split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
+    try:
+        split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
+    except ValueError as e:  # a split that cannot run as the program does whole
+        plan = _one_device(builder, ep, plan, planned, e, objective, policy, banned,
+                           corrections)
+        split = split_program(ep, [(p.id, p.nodes) for p in plan.parts])
     dynamic = dynamic_dims(ep)
     state = state_of(ep)
     # (a dynamic-shape model's buckets are planned per shape, but a language model's all
@@ -212,16 +217,7 @@ def _alternative(builder: Builder, ep: Any, plan: Any, objective: str, policy: P
     than guard.GAIN faster; None where neither."""
     if not guarded:
         return None
-    from partitioner.plan import plan_model
-
-    support = fallback.support(builder.support(), banned)
-
-    def planned(on: list[Any], learned: Any) -> Any:
-        return plan_model(ep, on, objective=objective,
-                          support={d.id: support[d.id] for d in on if d.id in support},
-                          corrections=learned, precision=policy.mode,
-                          int8=bool(policy.calibration))
-
+    planned = _planner(builder, ep, objective, policy, banned)
     devices = list(builder.devices.values())
     if corrections:
         unlearned = planned(devices, None)
@@ -238,6 +234,41 @@ def _alternative(builder: Builder, ep: Any, plan: Any, objective: str, policy: P
                           f"faster than all on {single.parts[0].device}: served split "
                           "without timing both")
     return None
+
+
+def _planner(builder: Builder, ep: Any, objective: str, policy: PrecisionPolicy,
+             banned: Any) -> Callable[[list[Any], Any], Plan]:
+    """The program planned on some devices (`on`) as the load plans it, with the lessons
+    `learned` (None: the profile alone)."""
+    from partitioner.plan import plan_model
+
+    support = fallback.support(builder.support(), banned)
+
+    def planned(on: list[Any], learned: Any) -> Plan:
+        return plan_model(ep, on, objective=objective,
+                          support={d.id: support[d.id] for d in on if d.id in support},
+                          corrections=learned, precision=policy.mode,
+                          int8=bool(policy.calibration))
+    return planned
+
+
+def _one_device(builder: Builder, ep: Any, plan: Plan, planned: bool, error: ValueError,
+                objective: str, policy: PrecisionPolicy, banned: Any, corrections: Any) -> Plan:
+    """The best single device's plan where the split planned here cannot run as the program
+    does whole (partitioner/split.py: a value of the model's state read by another part
+    between its updates in place); the error itself where the plan was given, or is on one
+    device already, or no device runs the whole model."""
+    if not planned or len({p.device for p in plan.parts}) < 2:
+        raise error
+    one = _planner(builder, ep, objective, policy, banned)
+    single = guard.single_plan(ep, list(builder.devices.values()),
+                               lambda program, on: one(on, corrections))
+    if single is None:
+        raise error
+    single.notes.append(f"{guard.LABEL}: the split planned cannot keep the model's state as "
+                        f"it runs whole ({error}): all on {single.parts[0].device}")
+    log.info("%s", single.notes[-1])
+    return single
 
 
 def _settle(builder: Builder, model: LoadedModel, policy: PrecisionPolicy,

@@ -80,6 +80,48 @@ def test_greedy_generation_equals_transformers_token_for_token(tmp_path: Path,
         arena.close()
 
 
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_language_model_split_over_two_devices_generates_as_transformers(
+        tmp_path: Path, dynamic: bool) -> None:
+    """An NPU that holds almost none of the model: the plan splits it over both devices
+    (~24 parts), its cache's writes where each layer runs. Of a dynamic length it serves so,
+    through the arena and both workers, token for token as transformers (its prompt in
+    chunks on the twin); exported for one token a step the split would update a copy of
+    the cache's position (partitioner/split.py refuses it), so it is served on one device
+    and the plan says why."""
+    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"],
+                        peak_gflops={"fp32": 50.0}, mem_bw_gbs=10.0, link_bw_gbs=10.0)
+    npu = DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:],
+                        runtimes=["torch"], peak_gflops={"fp32": 50.0}, mem_bw_gbs=20.0,
+                        link_bw_gbs=10.0, memory_gb=0.0002)
+    hf = lm_models.lm("llama")
+    ep = lm_models.export(hf, dynamic=dynamic)
+    archive = tmp_path / "llama.pt2"
+    torch.export.save(ep, archive)
+    arena = Arena(f"{os.getpid()}-seq-split")
+    engine = Engine([cpu, npu], tmp_path / "cache", arena, workers="thread")
+    try:
+        model = engine.prepare("split", "split", "1", archive, summarize(ep)["inputs"])
+        assert model is not None
+        if not dynamic:
+            assert sorted(model.parts_by_device) == ["cpu0"]
+            assert any("cannot keep the model's state" in n for n in model.plan.notes)
+            return
+        assert sorted(model.parts_by_device) == ["cpu0", "npu0"], model.plan.notes
+        twin = last_logits(model)
+        prompt = [5, 17, 42, 99, 3, 8, 13, 21, 34, 55]
+        live = engine.runner.sequences.begin(model.key, "s", ["cpu0", "npu0"])
+        got = list(generate(stepper(engine, model, live, twin), prompt,
+                            Sampling(max_tokens=8), lm_models.CONTEXT, chunks=(8, 1)))
+        engine.runner.sequences.end(live)
+        assert got == lm_models.reference(hf, prompt, 8)
+        engine.builder.unload(model.key)
+        assert arena.in_use() == 0
+    finally:
+        engine.close()
+        arena.close()
+
+
 def test_a_dynamic_length_takes_the_prompt_in_chunks_that_share_the_cache(
         tmp_path: Path) -> None:
     """Exported with a dynamic length: the prompt goes in chunks (8 + 1 + 1 for 10 tokens)

@@ -1,0 +1,82 @@
+"""A program that keeps state (a language model's cache, updated in place) split into parts
+computes what it does whole, step after step (partitioner/split.py): an update in place goes
+with the value it updates, a value other parts read before a later update is sent as it
+was then, and a split that would update a copy, or where no one copy serves every reader,
+is refused (ValueError: the load serves one device instead), never run wrong."""
+
+from __future__ import annotations
+
+import lm_models
+import pytest
+import torch
+
+from partitioner.plan import plan_model
+from partitioner.profile import DeviceProfile
+from partitioner.split import split_program
+from runtimes.torch_eager import remember_initial
+
+
+def chunks(ep: torch.export.ExportedProgram, k: int) -> list[tuple[str, list[str]]]:
+    """The program's nodes in k runs of graph order (always acyclic)."""
+    names = [n.name for n in ep.graph.nodes if n.op == "call_function"]
+    size = -(-len(names) // k)
+    return [(f"p{i}", names[i * size:(i + 1) * size]) for i in range(k)]
+
+
+def steps(run, prompt: list[int], tokens: int) -> list[torch.Tensor]:  # noqa: ANN001
+    """Logits of the prompt in one run, then of `tokens` steps on the greedy token."""
+    out = [run(torch.tensor([prompt]), torch.arange(len(prompt)))]
+    for i in range(tokens):
+        token = int(out[-1][0, -1].argmax())
+        out.append(run(torch.tensor([[token]]), torch.tensor([len(prompt) + i])))
+    return out
+
+
+def whole(ep: torch.export.ExportedProgram):  # noqa: ANN201
+    """The program run whole, its state kept from one call to the next (its own buffers)."""
+    module = ep.module()
+    return lambda ids, position: module(input_ids=ids, cache_position=position)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5, 8, 13])
+def test_a_split_language_model_computes_what_it_does_whole(k: int) -> None:
+    hf = lm_models.lm("llama")
+    ep = lm_models.export(hf, dynamic=True)
+    want = steps(whole(ep), [5, 17, 42, 99], 6)
+    split = split_program(lm_models.export(hf, dynamic=True), chunks(ep, k))
+    for part in split.parts:
+        remember_initial(part.module)
+    got = steps(lambda *x: split.run(*x)[0], [5, 17, 42, 99], 6)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5, 8, 13])
+def test_one_token_a_step_split_computes_what_it_does_whole(k: int) -> None:
+    hf = lm_models.lm("llama")
+    ep = lm_models.export(hf)
+    want = steps(whole(ep), [5], 6)
+    split = split_program(lm_models.export(hf), chunks(ep, k))
+    for part in split.parts:
+        remember_initial(part.module)
+    got = steps(lambda *x: split.run(*x)[0], [5], 6)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_split_that_cannot_keep_the_state_is_refused_not_run_wrong() -> None:
+    """Planned over a CPU and an NPU that holds almost nothing, one token a step: the
+    cache's start position is made in one part and updated in place by another, which
+    would update a copy. Refused; the load then serves one device
+    (cuvild/load/prepare.py `_one_device`)."""
+    cpu = DeviceProfile(id="cpu0", kind="cpu", runtimes=["torch"], peak_gflops={"fp32": 50.0},
+                        mem_bw_gbs=10.0, link_bw_gbs=10.0)
+    npu = DeviceProfile(id="npu0", kind="npu", emulated=True, runtimes=["openvino"],
+                        peak_gflops={"fp32": 50.0}, mem_bw_gbs=20.0, link_bw_gbs=10.0,
+                        memory_gb=0.0002)
+    ep = lm_models.export(lm_models.lm("llama"))
+    plan = plan_model(ep, [cpu, npu])
+    assert len({p.device for p in plan.parts}) == 2
+    with pytest.raises(ValueError, match="updated in place by another part: the program "
+                                         "cannot be split there"):
+        split_program(ep, [(p.id, p.nodes) for p in plan.parts])
