@@ -71,6 +71,31 @@ def scalar(node: fx.Node) -> bool:
         node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
+def _crossing(compute: list[fx.Node], assignment: Mapping[str, str]) -> set[str]:
+    """The values a part makes that another part reads: the tensors (a number is computed
+    again where it is read, from the tensors it sizes: those are sent)."""
+    out: set[str] = set()
+    for node in compute:
+        for user in node.users:
+            if user.op == "output" or assignment[user.name] == assignment[node.name]:
+                continue
+            out |= _sized(node, assignment, assignment[user.name]) if scalar(node) else {
+                node.name}
+    return out
+
+
+def _sized(node: fx.Node, assignment: Mapping[str, str], part: str) -> set[str]:
+    """The tensors made by other parts than `part` that a number (`scalar`) is computed
+    from, through the numbers it is computed from: what `part` must be sent to compute it."""
+    out: set[str] = set()
+    for arg in node.all_input_nodes:
+        if scalar(arg):
+            out |= _sized(arg, assignment, part)
+        elif arg.op == "call_function" and assignment[arg.name] != part:
+            out.add(arg.name)
+    return out
+
+
 def _aliased(node: fx.Node) -> fx.Node | None:
     """The value `node`'s result shares memory with (its first argument) where its op says
     so: a view, a `to` that converts nothing, an update in place (copy_, add_, index_copy_)."""
@@ -209,11 +234,7 @@ def split_program(ep: torch.export.ExportedProgram,
     needed = {a.name for a in user_outputs if isinstance(a, fx.Node)}
     _updates_follow(compute, assignment)
     returned = set(needed)
-    for node in compute:
-        for user in node.users:
-            if (user.op != "output" and assignment[user.name] != assignment[node.name]
-                    and not scalar(node)):
-                needed.add(node.name)
+    needed |= _crossing(compute, assignment)
     taken = _copies(compute, assignment, needed, returned)
     by_part: dict[str, list[fx.Node]] = {}
     for node in compute:

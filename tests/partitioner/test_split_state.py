@@ -6,6 +6,8 @@ is refused (ValueError: the load serves one device instead), never run wrong."""
 
 from __future__ import annotations
 
+import copy
+
 import lm_models
 import pytest
 import torch
@@ -38,28 +40,25 @@ def whole(ep: torch.export.ExportedProgram):  # noqa: ANN201
     return lambda ids, position: module(input_ids=ids, cache_position=position)
 
 
-@pytest.mark.parametrize("k", [2, 3, 5, 8, 13])
-def test_a_split_language_model_computes_what_it_does_whole(k: int) -> None:
-    hf = lm_models.lm("llama")
-    ep = lm_models.export(hf, dynamic=True)
-    want = steps(whole(ep), [5, 17, 42, 99], 6)
-    split = split_program(lm_models.export(hf, dynamic=True), chunks(ep, k))
-    for part in split.parts:
-        remember_initial(part.module)
-    got = steps(lambda *x: split.run(*x)[0], [5, 17, 42, 99], 6)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b)
+PROMPTS = {True: [5, 17, 42, 99], False: [5]}  # (one token a step: a one-token prompt)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["dynamic", "one-token"])
+def program(request: pytest.FixtureRequest) -> tuple:
+    """The tiny Llama exported (of a dynamic length, or for one token a step) and the
+    logits it gives whole over a generation."""
+    ep = lm_models.export(lm_models.lm("llama"), dynamic=request.param)
+    want = steps(whole(copy.deepcopy(ep)), PROMPTS[request.param], 6)
+    return ep, request.param, want
 
 
 @pytest.mark.parametrize("k", [2, 3, 5, 8, 13])
-def test_one_token_a_step_split_computes_what_it_does_whole(k: int) -> None:
-    hf = lm_models.lm("llama")
-    ep = lm_models.export(hf)
-    want = steps(whole(ep), [5], 6)
-    split = split_program(lm_models.export(hf), chunks(ep, k))
+def test_a_split_language_model_computes_what_it_does_whole(program: tuple, k: int) -> None:
+    ep, dynamic, want = program
+    split = split_program(copy.deepcopy(ep), chunks(ep, k))  # (its parts hold its buffers)
     for part in split.parts:
         remember_initial(part.module)
-    got = steps(lambda *x: split.run(*x)[0], [5], 6)
+    got = steps(lambda *x: split.run(*x)[0], PROMPTS[dynamic], 6)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
 
