@@ -14,6 +14,7 @@ from pathlib import Path
 import lm_models
 import torch
 from engine_helpers import CLOSE, CORES, eager
+from test_sequences import stepper
 
 import cuvild
 from cuvild.client.samples import MLP
@@ -171,18 +172,10 @@ def test_a_language_models_split_is_timed_at_its_warm_up_and_the_faster_served(
         assert "llama~one" not in engine.runner.served.models
         assert engine.runner.served.models["llama"] is served
         assert len(engine.runner.sequences) == 0  # (the timed generations' sequences ended)
-        twin = warmup.last_logits(served)
         live = engine.runner.sequences.begin("llama", "s", sorted(served.parts_by_device))
-
-        def step(ids: list[int], position: int) -> object:
-            inputs = [torch.tensor([ids]), torch.arange(position, position + len(ids))]
-            given = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in inputs]
-            target = engine.runner.resolve(twin if len(ids) > 1 else served, given)
-            (logits,) = engine.runner.step(target, live, inputs, warmup.Out({}))
-            return logits.numpy()[0, -1]
-
         prompt = [5, 17, 42, 99]
-        got = list(generate(step, prompt, Sampling(max_tokens=6), lm_models.CONTEXT))
+        got = list(generate(stepper(engine, served, live, warmup.last_logits(served)), prompt,
+                            Sampling(max_tokens=6), lm_models.CONTEXT))
         engine.runner.sequences.end(live)
         assert got == lm_models.reference(hf, prompt, 6)
     finally:
