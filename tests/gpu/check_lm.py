@@ -162,12 +162,20 @@ def check(keep: Callable[[str, Any], None], left: Callable[[], float],
     profiles = sorted((state_dir / "profiles").glob("*.json")) if state_dir else []
     if profiles and left() > 60:
         keep("engine", engine_row(ep, profiles[-1], want))
+    if profiles and left() > 60:  # a decoder that does not fit the accelerator: split
+        weights = sum(t.numel() * t.element_size() for t in ep.state_dict.values())
+        keep("engine_split", engine_row(ep, profiles[-1], want, weights / 2 / 1e9))
 
 
-def engine_row(ep: Any, profile: Path, want: list[int]) -> dict[str, Any]:
+def engine_row(ep: Any, profile: Path, want: list[int],
+               fits_gb: float | None = None) -> dict[str, Any]:
     """The decoder's program through the engine (planned, built and stepped as the daemon
     does) on the devices of the lease's measured profile (its state as exported: the runs
-    before step on copies, runtimes/state.py)."""
+    before step on copies, runtimes/state.py). `fits_gb`: the first device that is no CPU
+    holds only this much (half the weights): the plan splits the decoder over it and the
+    CPU (partitioner/place.py `fit_memory`), served as planned, not as the load's guard
+    would choose (a split that cannot keep the state as it runs whole: the CPU alone,
+    partitioner/split.py)."""
     import os
     import tempfile
 
@@ -176,17 +184,25 @@ def engine_row(ep: Any, profile: Path, want: list[int]) -> dict[str, Any]:
     from cuvild.engine.engine import Engine
     from cuvild.intake.summary import summarize
     from cuvild.run.generate import Sampling, generate
+    from partitioner.plan import plan_model
 
     devices = [DeviceProfile.from_dict(d) for d in json.loads(profile.read_text())["devices"]]
+    capped = next((d for d in devices if d.kind != "cpu"), None) if fits_gb else None
+    if capped is not None:
+        capped.memory_gb = fits_gb
     work = Path(tempfile.mkdtemp(prefix="cuvild-lm-"))
     torch.export.save(ep, work / "decoder.pt2")
     arena = Arena(f"{os.getpid()}-lm")
     engine = Engine(devices, work / "cache", arena, workers="thread")
-    row: dict[str, Any] = {"devices": [d.id for d in devices]}
+    row: dict[str, Any] = {"devices": [d.id for d in devices],
+                           "capped": f"{capped.id} holds {fits_gb:.3f} GB" if capped else None}
     try:
         t0 = time.perf_counter()
+        # (capped: the split as planned, served as it is: its own tokens and step timed,
+        # not the load's guard's choice, cuvild/load/guard.py)
+        plan = plan_model(ep, devices) if capped is not None else None
         loaded = engine.prepare("decoder", "decoder", "1", work / "decoder.pt2",
-                                summarize(ep)["inputs"])
+                                summarize(ep)["inputs"], plan=plan)
         row["load_s"] = round(time.perf_counter() - t0, 2)
         row["parts"] = [f"{p.id}@{p.device}/{p.runtime}/{p.precision}"
                         for p in loaded.plan.parts]
