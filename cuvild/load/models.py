@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cuvild.core.errors import InferError
 from cuvild.core.loaded import Batching, LoadedModel
 from cuvild.core.precision import PrecisionPolicy
 from cuvild.intake import repository
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
-from cuvild.load import guard, prepare, warm, warmup
+from cuvild.load import fallback, guard, prepare, warm, warmup
 from cuvild.load.builder import Builder
 
 log = logging.getLogger(__name__)
@@ -248,35 +249,44 @@ class ModelManager:
                  ", ".join(f"{r.id}@{r.device}/{r.runtime or 'runtime per input shape'}"
                            for r in loaded.routes))
 
-    def _warm(self, served: ServedModel, loaded: LoadedModel, t0: float) -> LoadedModel:
-        """A language model's warm-up before it is READY (cuvild/load/warmup.py); one that
-        fails leaves its buckets to their first use, which says why (the model still
-        serves). Then its plan timed against the one its load found to time it against
-        (warmup.guarded): the faster served."""
+    def _warm(self, served: ServedModel, loaded: LoadedModel, t0: float,
+              banned: fallback.Banned | None = None) -> LoadedModel:
+        """A language model's warm-up before it is READY (cuvild/load/warmup.py), then its
+        plan timed against the one its load found to time it against (warmup.guarded): the
+        faster served. Its parts are built here, so a part its device cannot build is
+        planned again off that device, as a static model's is at its load
+        (cuvild/load/fallback.py); a warm-up that fails otherwise fails the load with the
+        reason (Triton's failed warmup fails the model's load): the model is not served."""
         if self.builder.runner.miss is None:
             return loaded
         progress = lambda phase: self._phase(served, phase, t0)  # noqa: E731
-        try:
-            done = warmup.warm_up(self.builder.runner, self.builder.describe, loaded, progress)
-        except Exception as e:  # noqa: BLE001 - built again at first use, which answers why
-            log.warning("model %s: not warmed up at load (%s: %s); its buckets are built at "
-                        "first use", served.key, type(e).__name__, e)
-            untimed(loaded, f"its warm-up failed: {type(e).__name__}: {e}")
-            return loaded
-        if done:
-            log.info("model %s: warmed up at load (%.2f s into it): %s", served.key,
-                     time.perf_counter() - t0, "; ".join(done))
         record, archive = served.record, self.registry.archive_path(served.record.sha256)
 
-        def load(key: str, plan: Any, keep_record: bool) -> LoadedModel:
+        def load(key: str, plan: Any, keep_record: bool, banned: Any = None) -> LoadedModel:
             model = prepare.prepare(self.builder, key, record.name, record.version, archive,
                                     record.inputs, objective=self.objective, plan=plan,
                                     policy=self.policy(record), progress=progress,
-                                    batching=self.batching(record), keep_record=keep_record)
-            assert model is not None  # (a plan given: built, never restored)
+                                    batching=self.batching(record), keep_record=keep_record,
+                                    banned=banned, restore=False)
+            assert model is not None  # (built, never restored)
             return model
 
-        served_now = warmup.guarded(self.builder, loaded, load, progress)
+        try:
+            done = warmup.warm_up(self.builder.runner, self.builder.describe, loaded, progress)
+            if done:
+                log.info("model %s: warmed up at load (%.2f s into it): %s", served.key,
+                         time.perf_counter() - t0, "; ".join(done))
+            served_now = warmup.guarded(self.builder, loaded, load, progress)
+        except fallback.BuildFailed as e:  # its nodes off that device, planned again
+            built = self.builder.runner.served.models.get(served.key, loaded)  # (the guard's?)
+            self.builder.unload(served.key)
+            banned = fallback.ban(e, built.plan, banned, len(self.builder.devices))
+            progress(f"planning again: {e}")
+            again = fallback.again(e, lambda: load(served.key, None, True, banned))
+            return self._warm(served, again, t0, banned)
+        except Exception as e:
+            self.builder.unload(served.key)
+            raise InferError(f"its warm-up failed: {type(e).__name__}: {e}") from e
         for said in served_now.plan.notes:
             if said.startswith(guard.LABEL):
                 log.info("model %s: %s", served.key, said)

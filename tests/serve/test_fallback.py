@@ -100,3 +100,67 @@ def test_a_compiler_that_kills_its_worker_is_a_failed_build(
     assert any("planned again off npu0" in n and "worker for npu0 died" in n
                for n in plan["notes"]), plan["notes"]
     assert relative_error(got, model(x).detach()) <= 1e-4
+
+
+# For the language model below: the emulated NPU's torch compile kills its worker, and once
+# the test has written the file FAILING names, every step of a sequence fails (its parts
+# still build: their checks run no sequence).
+CRASHING_TORCH = '''
+import os, signal
+from runtimes.torch_eager import TorchExecutable, TorchRuntime
+
+_compile, _use = TorchRuntime.compile, TorchExecutable.use
+FAILING = {failing!r}
+
+
+def compile(self, part, spec):
+    if spec.device.id == "npu0":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return _compile(self, part, spec)
+
+
+def use(self, slot, scope=""):
+    if slot and os.path.exists(FAILING):
+        raise RuntimeError("this step fails (the test's sitecustomize)")
+    return _use(self, slot, scope)
+
+
+TorchRuntime.compile, TorchExecutable.use = compile, use
+'''
+
+
+def test_a_language_model_whose_warm_up_fails_is_planned_again_or_refused(
+        make_daemon: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dynamic-length language model's parts are built at its warm-up, before it is READY
+    (cuvild/load/warmup.py), so a part its device cannot build fails there: it is planned
+    again off that device, as a static model's is at its load, and generates as
+    transformers. A warm-up that fails otherwise fails the load, with the reason (as
+    Triton's failed model warmup does): not a model READY whose every request fails."""
+    import lm_models
+
+    failing = tmp_path / "failing"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(CRASHING_TORCH.format(failing=str(failing)))
+    root = str(Path(__file__).resolve().parents[2])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    hf = lm_models.lm("llama")
+    archive = tmp_path / "llama.pt2"
+    torch.export.save(lm_models.export(hf, dynamic=True), archive)
+    daemon = make_daemon(engine={"runtimes": {"cpu": ["torch"], "npu": ["torch"]}},
+                         devices={"overrides": FAST_NPU}, cache_dir=str(tmp_path / "cache"))
+    prompt = [5, 17, 42, 99]
+    with Client(daemon.target) as client:
+        client.load_file("llama", archive)
+        plan = client.plan("llama")["plan"]
+        got = [t["token_id"] for t in client.generate("llama", prompt, max_tokens=6)]
+        assert {p["device"] for p in plan["parts"]} == {"cpu0"}, plan["parts"]
+        assert any("planned again off npu0" in n and "worker for npu0 died" in n
+                   for n in plan["notes"]), plan["notes"]
+        assert got == lm_models.reference(hf, prompt, 6)
+        failing.touch()
+        with pytest.raises(LoadFailed, match=r"warm-up failed: .*this step fails"):
+            client.load_file("llama", archive, version="2")
+        (refused,) = [m for m in client.models() if m["version"] == "2"]
+        assert refused["state"].startswith("unavailable"), refused
