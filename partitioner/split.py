@@ -116,14 +116,27 @@ def _memory(node: fx.Node) -> fx.Node:
 
 def _updates_follow(compute: list[fx.Node], assignment: dict[str, str]) -> None:
     """An update in place whose result nothing reads goes to the part that made the value
-    it updates (`x += n`: an update of the copy another part was sent would be lost)."""
+    it updates (`x += n`: an update of the copy another part was sent would be lost), with
+    the views between them (`x.to(dtype)` of a `copy_`, then `+= n`: transformers' cache
+    position, one token a step), where nothing else they read is made by a third part."""
     from partitioner.fxgraph import updated
 
     for node in compute:
         target = updated(node)
-        if (target is not None and not node.users and target.name in assignment
-                and assignment[target.name] != assignment[node.name]):
-            assignment[node.name] = assignment[target.name]
+        if target is None or node.users or target.name not in assignment:
+            continue
+        views = []
+        while updated(target) is None and (base := _aliased(target)) is not None \
+                and base.name in assignment:
+            views.append(target)
+            target = base
+        home = assignment[target.name]
+        if all(assignment.get(arg.name, home) == home or scalar(arg) for view in views
+               for arg in view.all_input_nodes if arg is not _aliased(view)):
+            assignment.update((view.name, home) for view in views)
+        else:
+            home = assignment[node.args[0].name]
+        assignment[node.name] = home
 
 
 def _copies(compute: list[fx.Node], assignment: Mapping[str, str], needed: set[str],

@@ -27,6 +27,7 @@ from cuvild.intake.summary import summarize
 from cuvild.load.buckets import last_logits
 from cuvild.run.generate import Sampling, generate
 from cuvild.run.sequences import Live, SequenceError, TooManySequences
+from partitioner.plan import plan_model
 from partitioner.profile import DeviceProfile
 
 CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1],
@@ -80,43 +81,82 @@ def test_greedy_generation_equals_transformers_token_for_token(tmp_path: Path,
         arena.close()
 
 
+# An NPU that holds almost none of the model: the plan splits it over both devices.
+SPLIT = [DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"],
+                       peak_gflops={"fp32": 50.0}, mem_bw_gbs=10.0, link_bw_gbs=10.0),
+         DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:],
+                       runtimes=["torch"], peak_gflops={"fp32": 50.0}, mem_bw_gbs=20.0,
+                       link_bw_gbs=10.0, memory_gb=0.0002)]
+
+
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_a_language_model_split_over_two_devices_generates_as_transformers(
         tmp_path: Path, dynamic: bool) -> None:
-    """An NPU that holds almost none of the model: the plan splits it over both devices
-    (~24 parts), its cache's writes where each layer runs. Of a dynamic length it serves so,
-    through the arena and both workers, token for token as transformers (its prompt in
-    chunks on the twin); exported for one token a step the split would update a copy of
-    the cache's position (partitioner/split.py refuses it), so it is served on one device
-    and the plan says why."""
-    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["torch"],
-                        peak_gflops={"fp32": 50.0}, mem_bw_gbs=10.0, link_bw_gbs=10.0)
-    npu = DeviceProfile(id="npu0", kind="npu", emulated=True, cores=CORES[-1:],
-                        runtimes=["torch"], peak_gflops={"fp32": 50.0}, mem_bw_gbs=20.0,
-                        link_bw_gbs=10.0, memory_gb=0.0002)
+    """Split over both devices (~24 parts), its cache's writes where each layer runs, the
+    cache's position where it is written (partitioner/split.py), it serves so, through the
+    arena and both workers, token for token as transformers: of a dynamic length (its
+    prompt in chunks on the twin) and exported for one token a step. (The plan is given,
+    so served as planned: the load would time it against one device, cuvild/load/guard.py,
+    and serve the CPU alone, 7x faster here.)"""
     hf = lm_models.lm("llama")
     ep = lm_models.export(hf, dynamic=dynamic)
     archive = tmp_path / "llama.pt2"
     torch.export.save(ep, archive)
     arena = Arena(f"{os.getpid()}-seq-split")
-    engine = Engine([cpu, npu], tmp_path / "cache", arena, workers="thread")
+    engine = Engine(SPLIT, tmp_path / "cache", arena, workers="thread")
     try:
-        model = engine.prepare("split", "split", "1", archive, summarize(ep)["inputs"])
+        model = engine.prepare("split", "split", "1", archive, summarize(ep)["inputs"],
+                               plan=plan_model(ep, SPLIT))
         assert model is not None
-        if not dynamic:
-            assert sorted(model.parts_by_device) == ["cpu0"]
-            assert any("cannot keep the model's state" in n for n in model.plan.notes)
-            return
         assert sorted(model.parts_by_device) == ["cpu0", "npu0"], model.plan.notes
-        twin = last_logits(model)
+        twin = last_logits(model) if dynamic else None
         prompt = [5, 17, 42, 99, 3, 8, 13, 21, 34, 55]
         live = engine.runner.sequences.begin(model.key, "s", ["cpu0", "npu0"])
         got = list(generate(stepper(engine, model, live, twin), prompt,
-                            Sampling(max_tokens=8), lm_models.CONTEXT, chunks=(8, 1)))
+                            Sampling(max_tokens=8), lm_models.CONTEXT,
+                            chunks=(8, 1) if dynamic else (1,)))
         engine.runner.sequences.end(live)
         assert got == lm_models.reference(hf, prompt, 8)
         engine.builder.unload(model.key)
         assert arena.in_use() == 0
+    finally:
+        engine.close()
+        arena.close()
+
+
+def test_a_split_that_cannot_keep_the_state_is_served_on_one_device(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where partitioner/split.py refuses the split planned (a value of the state read by
+    another part between its updates in place: its own test builds one), the load serves
+    the best single device's plan, which says why (cuvild/load/prepare.py `_one_device`).
+    The refusal is made here for any split over two devices."""
+    import partitioner.split
+
+    split_program = partitioner.split.split_program
+
+    def refusing(ep: torch.export.ExportedProgram, parts: list) -> object:
+        if len(parts) > 1:
+            raise ValueError("refused by the test")
+        return split_program(ep, parts)
+
+    monkeypatch.setattr(partitioner.split, "split_program", refusing)
+    hf = lm_models.lm("llama")
+    ep = lm_models.export(hf)
+    archive = tmp_path / "llama.pt2"
+    torch.export.save(ep, archive)
+    arena = Arena(f"{os.getpid()}-seq-one")
+    engine = Engine(SPLIT, tmp_path / "cache", arena, workers="thread")
+    try:
+        model = engine.prepare("one", "one", "1", archive, summarize(ep)["inputs"])
+        assert model is not None
+        assert sorted(model.parts_by_device) == ["cpu0"]
+        (said,) = [n for n in model.plan.notes if "cannot keep the model's state" in n]
+        assert "refused by the test" in said and "all on cpu0" in said, said
+        live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
+        got = list(generate(stepper(engine, model, live), PROMPT, Sampling(max_tokens=6),
+                            lm_models.CONTEXT))
+        engine.runner.sequences.end(live)
+        assert got == lm_models.reference(hf, PROMPT, 6)
     finally:
         engine.close()
         arena.close()
