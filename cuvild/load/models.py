@@ -276,7 +276,9 @@ class ModelManager:
             if done:
                 log.info("model %s: warmed up at load (%.2f s into it): %s", served.key,
                          time.perf_counter() - t0, "; ".join(done))
-            served_now = warmup.guarded(self.builder, loaded, load, progress)
+            served_now, compiled = warmup.guarded(self.builder, loaded, load, progress)
+            if compiled:
+                log.info("model %s: %s", served.key, "; ".join(compiled))
         except fallback.BuildFailed as e:  # its nodes off that device, planned again
             built = self.builder.runner.served.models.get(served.key, loaded)  # (the guard's?)
             self.builder.unload(served.key)

@@ -13,9 +13,13 @@ that no request shares the cores with it. Other chunk lengths are built at their
 
 Then, where the load planned a split that another plan may beat (cuvild/load/guard.py: a
 split predicted less than guard.GAIN faster than the best device alone, or a plan moved by
-what the cost model learned), the warm-up builds and warms that plan too, times a
-generation of each in turn and serves the faster (`guarded`): a language model's split
-must be faster than one device by measurement, as a static model's is.
+what the cost model learned), the warm-up builds that plan too, times a generation of each
+in turn and serves the faster (`guarded`): a language model's split must be faster than one
+device by measurement, as a static model's is. Both are timed eagerly, their steps run on
+fresh state (no sequence: nothing starts a compile), and only the one served has its decode
+step compiled, after (the 200M Llama split over the CPU and an NPU that holds half of it:
+READY in 134 -> 114 s, the split's four stateful parts no longer compiled, 33 s, for a plan
+then dropped).
 """
 
 from __future__ import annotations
@@ -49,11 +53,12 @@ COMPILING = "while inductor compiles"
 
 
 def warm_up(runner: Any, describe: Callable[[str, str, str], str], model: LoadedModel,
-         progress: Callable[[str], None]) -> list[str]:
+            progress: Callable[[str], None], compile_step: bool = True) -> list[str]:
     """A language model's warm-up: of a dynamic length, its decode step and its twin's
     longest prompt chunk built (`runner.miss`: each bucket built, or restored from its load
-    record); its decode step settled (`settle`). What was done, in words; nothing for a
-    model that is no language model."""
+    record); its decode step settled (`settle`), unless `compile_step` is False or its plan
+    is still to be timed (`guarded` settles the one it serves). What was done, in words;
+    nothing for a model that is no language model."""
     if model.state is None or sorted(model.inputs) != sorted(INPUTS):
         return []
     lengths = step_lengths(model)
@@ -68,12 +73,18 @@ def warm_up(runner: Any, describe: Callable[[str, str, str], str], model: Loaded
         progress(f"building {what}")
         runner.miss(target, shapes(model, n)).result()
         done.append(f"built {what}")
-    if 1 in lengths:
-        progress("compiling its decode step")
-        said = settle(runner, describe, model)
-        if said:
-            done.append(said)
+    pending = model.family is not None and model.family.alternative is not None
+    if 1 in lengths and compile_step and not pending:
+        done += settled(runner, describe, model, progress)
     return done
+
+
+def settled(runner: Any, describe: Callable[[str, str, str], str], model: LoadedModel,
+            progress: Callable[[str], None]) -> list[str]:
+    """`settle`, said as a phase; its words as a list (none where its worker says none)."""
+    progress("compiling its decode step")
+    said = settle(runner, describe, model)
+    return [said] if said else []
 
 
 def shapes(model: LoadedModel, n: int) -> tuple[tuple[int, ...], ...]:
@@ -113,40 +124,40 @@ def settle(runner: Any, describe: Callable[[str, str, str], str], model: LoadedM
 
 def guarded(builder: Builder, model: LoadedModel,
             load: Callable[[str, Plan, bool], LoadedModel],
-            progress: Callable[[str], None]) -> LoadedModel:
+            progress: Callable[[str], None]) -> tuple[LoadedModel, list[str]]:
     """A warmed-up language model, or the plan it is timed against where that measures
     faster (`family.alternative`: cuvild/load/guard.py): that plan is built and warmed up
     under the key + "~one" (`load(key, plan, keep_record)`), a generation of each timed in
-    turn (`generation_ms`), the other dropped; where it wins, the model is built again on it
-    under its own key (from the compile cache) and warmed up. The plan served says both
-    figures."""
+    turn (`generation_ms`, eagerly), the other dropped; where it wins, the model is built
+    again on it under its own key (from the compile cache) and warmed up. The plan served
+    says both figures; its decode step is compiled then (`settle`: the one served only).
+    The model served, and what its compile did, in words."""
     kept = model.family.alternative if model.family else None
     if kept is None:
-        return model
+        return model, []
     model.family.alternative = None
     theirs_plan, ours, theirs = kept
     progress(f"timing the plan {theirs} against the one {ours}")
     try:
         # (a copy: its build writes the precisions it chose into the plan's parts)
         other = load(f"{model.key}~one", copy.deepcopy(theirs_plan), False)
-        warm_up(builder.runner, builder.describe, other, lambda phase: None)
+        warm_up(builder.runner, builder.describe, other, lambda phase: None, False)
         ours_ms, theirs_ms = generation_ms(builder.runner, [model, other])
     except Exception as e:  # noqa: BLE001 - the plan stands, and says why
         model.plan.notes.append(guard.failed(ours, theirs, e))
-        return model
+        return model, settled(builder.runner, builder.describe, model, progress)
     finally:
         builder.unload(f"{model.key}~one")
     if theirs_ms < ours_ms:
         builder.unload(model.key)
         theirs_plan.notes.append(guard.note(ours_ms, theirs_ms, ours, theirs, False, WHAT))
         served = load(model.key, theirs_plan, True)
-        warm_up(builder.runner, builder.describe, served, progress)
-        return served
+        return served, warm_up(builder.runner, builder.describe, served, progress)
     model.plan.notes.append(guard.note(ours_ms, theirs_ms, ours, theirs, True, WHAT))
     assert model.family is not None
     if model.family.record_at is not None:  # (a restart serves it with the note)
         warm.write_dynamic(model.family.record_at, model)
-    return model
+    return model, settled(builder.runner, builder.describe, model, progress)
 
 
 WHAT = "a generation"  # what the guard's note says was timed
@@ -155,9 +166,9 @@ WHAT = "a generation"  # what the guard's note says was timed
 def generation_ms(runner: Any, models: list[LoadedModel],
                   rounds: int = ROUNDS) -> list[float]:
     """Per model, the generation its plan was priced for (partitioner/phases.py: a prompt
-    of N tokens, then M tokens), measured: on a sequence of its own, a prompt chunk of its
-    longest length and STEPS decode steps, the models in turn, `rounds` times; the prompt's
-    chunks at their median, the steps at theirs."""
+    of N tokens, then M tokens), measured eagerly: a prompt chunk of its longest length and
+    STEPS decode steps at the positions after it, the models in turn, `rounds` times; the
+    prompt's chunks at their median, the steps at theirs."""
     chunks: list[list[float]] = [[] for _ in models]
     steps: list[list[float]] = [[] for _ in models]
     for _ in range(rounds):
@@ -176,12 +187,12 @@ def generation_ms(runner: Any, models: list[LoadedModel],
 
 
 def _timed(runner: Any, model: LoadedModel) -> tuple[list[float], list[float]]:
-    """One sequence of `model`: its longest prompt chunk's ms (none where it takes one token
-    a run) and its decode steps' after it."""
+    """`model`'s longest prompt chunk's ms (none where it takes one token a run) and its
+    decode steps' after it, each run on fresh state (no sequence's: a sequence's first
+    step would start its decode step's compile, runtimes/compiled_step.py; the state's copy
+    costs both plans alike, the same bytes)."""
     longest = max((n for n in step_lengths(model) if n > 1), default=None)
     assert model.state is not None
-    live = runner.sequences.begin(model.key, f"load-guard-{time.monotonic_ns()}",
-                                  sorted(model.parts_by_device))
 
     def run(target: LoadedModel, position: int, n: int) -> float:
         bucket = runner.resolve(target, [("int64", s) for s in shapes(model, n)])
@@ -190,13 +201,10 @@ def _timed(runner: Any, model: LoadedModel) -> tuple[list[float], list[float]]:
         inputs = [RawTensor(values[name].tobytes(), "int64", values[name].shape)
                   for name in model.inputs]
         t0 = time.perf_counter()
-        runner.step(bucket, live, inputs, Out({}, raw=True))
+        runner.execute(bucket, inputs, Out({}, raw=True))
         return (time.perf_counter() - t0) * 1e3
 
-    try:
-        chunk = [run(last_logits(model), 0, longest)] if longest else []
-        start = longest or 0
-        count = max(1, min(STEPS, model.state.context - start - 1))
-        return chunk, [run(model, start + i, 1) for i in range(count)]
-    finally:
-        runner.sequences.end(live, "ended (the load's guard)")
+    chunk = [run(last_logits(model), 0, longest)] if longest else []
+    start = longest or 0
+    count = max(1, min(STEPS, model.state.context - start - 1))
+    return chunk, [run(model, start + i, 1) for i in range(count)]

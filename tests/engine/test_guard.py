@@ -157,10 +157,14 @@ def test_a_language_models_split_is_timed_at_its_warm_up_and_the_faster_served(
         assert model is not None and model.family is not None
         assert model.family.alternative is not None  # timed at its warm-up, not before
         assert len(model.parts_by_device) == 2
-        warmup.warm_up(engine.runner, engine.builder.describe, model, lambda phase: None)
+        done = warmup.warm_up(engine.runner, engine.builder.describe, model, lambda _: None)
+        assert not any("eager" in said for said in done), done  # (settled after)
         phases: list[str] = []
-        served = warmup.guarded(engine.builder, model, load, phases.append)
+        served, compiled = warmup.guarded(engine.builder, model, load, phases.append)
         assert phases[0] == "timing the plan all on npu0 against the one split", phases
+        # the decode step of the plan served alone is settled, once timed (the other's never)
+        assert phases[-1] == "compiling its decode step", phases
+        assert compiled and "compile_steps is off" in compiled[-1], compiled
         (said,) = [n for n in served.plan.notes if n.startswith(guard.LABEL)]
         found = re.search(r"measured a generation ([\d.]+) ms split vs ([\d.]+) ms all on "
                           r"npu0; serving (split|all on npu0)", said)
