@@ -67,6 +67,10 @@ EXPORTER_PACKAGES = ("onnx", "onnxscript")  # torch.onnx.export(dynamo=True) nee
 # warns when one cannot be folded ("Evaluation failed: cannot reshape ..." on BERT): the node
 # stays in the graph and runs in onnxruntime, so nothing failed. Its debugging, not ours.
 logging.getLogger("onnxscript.optimizer._constant_folding").setLevel(logging.ERROR)
+# Their IR passes log every step at INFO ("No unused functions to remove", "PassManager: No
+# more graph changes detected"): 54 of a daemon's 74 lines loading a split language model.
+for _chatty in ("onnx_ir", "onnxscript"):
+    logging.getLogger(_chatty).setLevel(logging.WARNING)
 
 # ONNX tensor element types -> numpy dtypes, for binding output buffers.
 ONNX_DTYPES = {
