@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 # Relative error allowed against torch eager, by the part's precision (a precision a user
 # asked for); under an error budget (`precision="auto"`), the budget is the bound instead.
 TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "int8": 5e-2, "int8+fp32": 5e-2}
+INITIAL = "cuvild_initial"  # a stateful part's meta: its state before any run (torch_eager.py)
 MIXED = "+fp32"  # "bf16+fp32": a part at bf16 but for the groups kept fp32 (runtimes/mixed.py)
 # int8 but for the ops NNCF's accuracy control keeps fp32 (runtimes/openvino.py `quantize`)
 INT8_MIXED = "int8" + MIXED

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partitioner.profile import DeviceProfile
-from runtimes.base import fsync_dir, remove_leftovers, write_atomic
+from runtimes.base import INITIAL, fsync_dir, remove_leftovers, write_atomic
 
 if TYPE_CHECKING:  # torch is imported only to hash a graph: a worker that loads builds
     from torch import fx  # from the cache need not import it (cuvild/workers/worker.py)
@@ -84,10 +84,13 @@ def _file_digests(entry: Path) -> dict[str, str]:
 
 
 def graph_digest(module: fx.GraphModule) -> str:
-    """Hash of a part: its code and every weight's dtype, shape and bytes."""
+    """Hash of a part: its code and every weight's dtype, shape and bytes; of a stateful
+    part's state, the values before any run (runtimes/torch_eager.py `remember_initial`: a run
+    writes its cache, and the part is the same part after it)."""
     h = hashlib.sha256(module.code.encode())
     for name, tensor in sorted({**dict(module.named_buffers()),
-                                **dict(module.named_parameters())}.items()):
+                                **dict(module.named_parameters()),
+                                **module.meta.get(INITIAL, {})}.items()):
         h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         h.update(weight_digest(tensor))
     return h.hexdigest()

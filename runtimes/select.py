@@ -69,10 +69,11 @@ from runtimes.base import (
 from runtimes.cache import CompileCache, graph_digest
 from runtimes.mixed import RUNTIMES as MIXED_RUNTIMES
 from runtimes.mixed import Mix
+from runtimes.mixed import again as mixed_again
 from runtimes.mixed import choose as choose_mix
 from runtimes.mixed import low_of as mixed_low
 from runtimes.registry import STATEFUL_RUNTIMES
-from runtimes.torch_eager import state_of
+from runtimes.torch_eager import decode_step, state_of
 
 log = logging.getLogger(__name__)
 TIMING_BUDGET_S = 0.5  # per candidate; at least 3 runs
@@ -302,7 +303,7 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
             if not cand.cached:
                 compiled.append(name)
     retime_close(tried, executables, spec.example_inputs, tolerance)
-    cache.record_choice(part_key, {"candidates": [asdict(c) for c in tried]})
+    cache.record_choice(part_key, _choice(tried, chosen))
     accurate = _judge(tried, tolerance)
     if runtime == "auto" and len(names) > 1:  # a real choice: teach the prior
         cache.record_search(device, precision, [asdict(c) for c in tried],
@@ -373,10 +374,19 @@ def _problem(part: fx.GraphModule, spec: CompileSpec, precision: str, cache: Com
     key_precision = f"{precision}:{cache_tag}" if cache_tag else precision
     part_key = cache.part_key(graph_digest(part), spec.device, key_precision, spec.shapes())
     stateful = bool(state_of(part))
+    # (a mix runs on a runtime that runs a graph's own dtypes; a stateful part's prompt chunk
+    # on torch, which folds its weights' casts: runtimes/mixed.py. Not a decode step's: fp16
+    # halves the bytes it reads already, and its mix searched 35 s of the 200M Llama's load
+    # to lose to it.)
+    mixes = (*MIXED_RUNTIMES, *STATEFUL_RUNTIMES) if stateful and not decode_step(
+        part, spec.example_inputs) else MIXED_RUNTIMES
     names = [n for n in registry.candidates_for(spec.device, spec.precision, runtime, stateful)
-             if (allowed is None or n in allowed) and (not mix or n in MIXED_RUNTIMES)]
+             if (allowed is None or n in allowed) and (not mix or n in mixes)]
     if stateful:  # buffers updated in place (a KV cache): kept per sequence by torch
         kept = [n for n in names if n in STATEFUL_RUNTIMES]
+        if not kept and mix and STATEFUL_RUNTIMES[0] not in mixes:
+            raise CompileError(f"{precision} is not tried for a decode step (its fp16 "
+                               "halves the bytes it reads already)")
         if not kept:
             raise CompileError(
                 f"the part updates its buffers in place (a language model's cache): only "
@@ -412,6 +422,15 @@ def _judge(candidates: list[Candidate], tolerance: float) -> list[Candidate]:
     return sorted((c for c in candidates if c.status == "ok"), key=lambda c: c.median_ms)
 
 
+def _choice(tried: list[Candidate], chosen: Mix | None) -> dict[str, Any]:
+    """A search's record: its candidates, and a mix's groups kept fp32 (a runtime that
+    caches no build, torch, makes the mix again from them: `_load_recorded`)."""
+    record: dict[str, Any] = {"candidates": [asdict(c) for c in tried]}
+    if chosen is not None:
+        record["mix"] = {"low": chosen.low, "kept": chosen.kept}
+    return record
+
+
 def _load_recorded(part_key: str, recorded: dict[str, Any], spec: CompileSpec,
                    cache: CompileCache, part: fx.GraphModule, names: list[str],
                    tolerance: float) -> BuiltPart | None:
@@ -425,7 +444,10 @@ def _load_recorded(part_key: str, recorded: dict[str, Any], spec: CompileSpec,
     try:
         rt = registry.get(name)
         if name == "torch":  # the reference has nothing to cache: "compiling" it is free
-            return BuiltPart(name, rt.compile(part, spec), candidates, from_cache=True)
+            mix = recorded.get("mix")  # (a mix: lowered again as the search chose)
+            made = part if not mix else mixed_again(part, mix["low"], mix["kept"],
+                                                    spec.example_inputs)
+            return BuiltPart(name, rt.compile(made, spec), candidates, from_cache=True)
         key = cache.entry_key(part_key, name, rt.version())
         entry = cache.lookup(key)
         if entry is None:
