@@ -31,8 +31,10 @@ too, and run by the torch runtime (the one that keeps state: it folds each weigh
 its build, runtimes/torch_eager.py): its cache writes stay out of the lowered groups (the
 cache keeps its dtype), a group never reads a frozen copy of the cache, and each run of the
 search starts from the part's initial state. The 200M Llama's 128-token prompt chunk under a
-1e-2 budget (2-core AMD EPYC, avx512_bf16): bf16 alone measures 1.4-1.8e-2; with the 4 most
-sensitive of its 37 groups kept fp32, 8.7e-3, 131 ms against 190 at fp32 (torch's estimate).
+1e-2 budget (2-core AMD EPYC, avx512_bf16): bf16 alone measures 1.8e-2; with the 5 most
+sensitive of its 37 groups kept fp32, 8.0e-3 end to end, ~150 ms against ~190 at fp32: a
+first token 0.231 -> 0.149 s (docs/PRECISION.md). A search's choice is recorded
+(`again`): torch caches no build, so a restart lowers the part again without searching.
 """
 
 from __future__ import annotations
@@ -251,11 +253,43 @@ def lower(gm: fx.GraphModule, nodes: set[str], low: str) -> fx.GraphModule:
     graph.eliminate_dead_code()  # the fp32 weights no lowered op reads any more
     graph.lint()
     out.recompile()
-    out.meta["cuvil_mixed"] = low  # what runtimes/openvino.py checks ran low
+    out.meta[META] = low  # what runtimes/openvino.py checks ran low
     return out
 
 
 CAST = torch.ops.aten._to_copy.default  # noqa: SLF001 - the cast export writes for .to()
+META = "cuvil_mixed"  # a mixed part's meta (`lower`): its low precision
+
+
+def folded(gm: fx.GraphModule) -> fx.GraphModule:
+    """A mixed part with each weight's cast to its low dtype done once, for a runtime that
+    runs the graph as it is (torch: runtimes/torch_eager.py): the graph casts each lowered
+    weight (rounded, still fp32) at every run, which reads and writes all of them a run,
+    slower than fp32 itself. Its state is no weight (`_state`)."""
+    graph = copy.deepcopy(gm.graph)
+    attrs = {str(n.target): operator.attrgetter(str(n.target))(gm) for n in graph.nodes
+             if n.op == "get_attr"}
+    state = _state(gm)
+    for node in list(graph.nodes):
+        source = node.args[0] if node.target is CAST and node.args else None
+        if (not isinstance(source, fx.Node) or source.op != "get_attr"
+                or str(source.target) in state or set(node.kwargs) != {"dtype"}):
+            continue
+        dtype = node.kwargs["dtype"]
+        name = f"{source.target}_as_{str(dtype).removeprefix('torch.')}".replace(".", "_")
+        attrs[name] = attrs[str(source.target)].to(dtype)
+        with graph.inserting_before(node):
+            weight = graph.get_attr(name)
+        weight.meta = dict(node.meta)
+        node.replace_all_uses_with(weight)
+        graph.erase_node(node)
+    for node in list(graph.nodes):  # the fp32 weights nothing reads any more
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    used = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
+    out = fx.GraphModule({k: v for k, v in attrs.items() if k in used}, graph)
+    out.meta.update(gm.meta)
+    return out
 
 
 def _down(out: fx.GraphModule, arg: object, node: fx.Node, nodes: set[str], low: str,

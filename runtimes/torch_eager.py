@@ -41,7 +41,7 @@ from torch import fx
 
 from partitioner.fxgraph import updated
 from partitioner.profile import DeviceProfile
-from runtimes import compiled_step, packed_linear, torch_cuda
+from runtimes import compiled_step, mixed, packed_linear, torch_cuda
 from runtimes.attention import attended
 from runtimes.base import INITIAL, CompileError, CompileSpec, Executable, Runtime
 from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, runs
@@ -185,7 +185,7 @@ def prepared(module: fx.GraphModule, dtype: torch.dtype | None,
     False). Nothing packed for a part that runs on a GPU (`host` False)."""
     module = attended(module) if attend else module
     module = module if dtype is None else lowered(module, dtype)
-    module = _casts_folded(module) if module.meta.get(MIXED_META) else module
+    module = mixed.folded(module) if module.meta.get(mixed.META) else module
     if not host or not packs(dtype) or not any(n.target is _LINEAR for n in module.graph.nodes):
         return module
     try:
@@ -199,42 +199,6 @@ def decode_step(part: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> bool:
     """Whether `part` on `inputs` is a language model's decode step (runtimes/compiled_step.py:
     it keeps state and every linear computes one row)."""
     return compiled_step.decode_step(state_of(part), _rows(part, inputs))
-
-
-MIXED_META = "cuvil_mixed"  # a mixed part's meta (runtimes/mixed.py `lower`): its low dtype
-
-
-def _casts_folded(module: fx.GraphModule) -> fx.GraphModule:
-    """A mixed part (runtimes/mixed.py) with each weight's cast to its low dtype done once,
-    here: the graph casts a weight rounded to bf16 (still fp32) at every run, which reads
-    and writes every lowered weight a run (slower than fp32 itself). Its state is no weight."""
-    graph = copy.deepcopy(module.graph)
-    attrs = {str(n.target): _attr(module, str(n.target)) for n in graph.nodes
-             if n.op == "get_attr"}
-    state = set(state_of(module))
-    for node in list(graph.nodes):
-        source = node.args[0] if node.target is _CAST and node.args else None
-        if (not isinstance(source, fx.Node) or source.op != "get_attr"
-                or str(source.target) in state or set(node.kwargs) != {"dtype"}):
-            continue
-        dtype = node.kwargs["dtype"]
-        name = f"{source.target}_as_{str(dtype).removeprefix('torch.')}".replace(".", "_")
-        attrs[name] = attrs[str(source.target)].to(dtype)
-        with graph.inserting_before(node):
-            folded = graph.get_attr(name)
-        folded.meta = dict(node.meta)
-        node.replace_all_uses_with(folded)
-        graph.erase_node(node)
-    for node in list(graph.nodes):
-        if node.op == "get_attr" and not node.users:
-            graph.erase_node(node)
-    used = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
-    out = fx.GraphModule({k: v for k, v in attrs.items() if k in used}, graph)
-    out.meta.update(module.meta)
-    return out
-
-
-_CAST = torch.ops.aten._to_copy.default  # noqa: SLF001 - the cast export writes for .to()
 
 
 def _rows(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> dict[str, int]:

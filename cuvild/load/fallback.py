@@ -5,8 +5,10 @@ The planner knows which ops each device's runtimes support in principle (runtime
 refuses an AvgPool whose kernel is wider than its input (EfficientNet's head), which torch,
 ONNX Runtime and IREE run. When such a part lands on a device whose only runtime is OpenVINO
 (an NPU, emulated or not), the engine bans the part's nodes from that device and plans the
-model again, once per device, saying so in the plan; a part strictly pinned there fails as
-before, with the build's own error. A worker that dies while building (a compiler's crash:
+model again, saying so in the plan; a part strictly pinned there fails as before, with the
+build's own error. Planned again, other nodes may take the banned ones' place on that device
+and fail as well (a compiler that crashes on whatever it is given): they are banned too, up
+to MAX_BANS times a device. A worker that dies while building (a compiler's crash:
 AOTInductor's package load on torch 2.11 did on an H200) is such a failed build too.
 """
 
@@ -17,7 +19,8 @@ from typing import Any
 
 from cuvild.core.errors import InferError
 
-Banned = dict[str, tuple[set[str], str]]  # device id -> (node names, why)
+Banned = dict[str, tuple[set[str], str, int]]  # device id -> (node names, why, times banned)
+MAX_BANS = 3  # a device's re-plans, each a whole load's planning and builds
 
 
 class BuildFailed(InferError):
@@ -30,14 +33,15 @@ class BuildFailed(InferError):
 
 
 def ban(error: BuildFailed, plan: Any, banned: Banned | None, devices: int) -> Banned:
-    """`banned` with the failed part's nodes off its device; re-raises `error` when there is
-    nowhere else to go (a plan given, not made: None; one device; that device was banned
-    nodes before)."""
+    """`banned` with the failed part's nodes off its device (beside those banned before);
+    re-raises `error` when there is nowhere else to go (a plan given, not made: None; one
+    device; that device banned MAX_BANS times, or these nodes already)."""
     banned = dict(banned or {})
     part = next((p for p in plan.parts if p.id == error.part), None) if plan else None
-    if part is None or devices < 2 or error.device in banned:
+    nodes, _, times = banned.get(error.device, (set(), "", 0))
+    if part is None or devices < 2 or times >= MAX_BANS or set(part.nodes) <= nodes:
         raise InferError(str(error)) from None
-    banned[error.device] = (set(part.nodes), str(error))
+    banned[error.device] = (nodes | set(part.nodes), str(error), times + 1)
     return banned
 
 
@@ -57,7 +61,7 @@ def support(base: dict[str, Any], banned: Banned | None) -> dict[str, Any]:
     if not banned:
         return base
     out = dict(base)
-    for device, (nodes, _) in banned.items():
+    for device, (nodes, _, _) in banned.items():
         out[device] = _without(nodes, base.get(device))
     return out
 
@@ -70,4 +74,5 @@ def _without(nodes: set[str], inner: Callable[[Any], bool] | None) -> Callable[[
 
 def notes(banned: Banned | None) -> list[str]:
     return [f"{len(nodes)} node(s) planned again off {device}: {' '.join(why.split())[:300]}"
-            for device, (nodes, why) in (banned or {}).items()]
+            + (f" ({times} builds failed there)" if times > 1 else "")
+            for device, (nodes, why, times) in (banned or {}).items()]
