@@ -30,10 +30,12 @@ A part that keeps state (a language model's step, its KV cache updated in place)
 too, and run by the torch runtime (the one that keeps state: it folds each weight's cast at
 its build, runtimes/torch_eager.py): its cache writes stay out of the lowered groups (the
 cache keeps its dtype), a group never reads a frozen copy of the cache, and each run of the
-search starts from the part's initial state. The 200M Llama's 128-token prompt chunk under a
+search starts from the part's initial state; only a prompt chunk, and only where
+engine.sequences.mixed_prompt asks for it (cuvild/load/precision.py: the budget checks the
+chunk's logits, not the cache it writes). The 200M Llama's 128-token prompt chunk under a
 1e-2 budget (2-core AMD EPYC, avx512_bf16): bf16 alone measures 1.8e-2; with the 5 most
 sensitive of its 37 groups kept fp32, 8.0e-3 end to end, ~150 ms against ~190 at fp32: a
-first token 0.231 -> 0.149 s (docs/PRECISION.md). A search's choice is recorded
+first token 0.213 -> 0.130 s (docs/PRECISION.md). A search's choice is recorded
 (`again`): torch caches no build, so a restart lowers the part again without searching.
 """
 

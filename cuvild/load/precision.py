@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +51,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MODES = ("fp32", "auto")
 LOWER = ("bf16", "fp16", "int8")  # the precisions a search may lower a part to, in this order
+# engine.sequences.mixed_prompt (the daemon sets it; its workers inherit it): a language
+# model's prompt chunks may run mixed, bf16 but for their sensitive groups
+MIXED_PROMPT_ENV = "CUVILD_MIXED_PROMPT"
+
+
+def mixed_prompt() -> bool:
+    return os.environ.get(MIXED_PROMPT_ENV, "0") == "1"
 # The least budget int8+fp32 is tried under: one int8 op is ~1/256 off, so below this nearly
 # every op would go back to fp32 (NNCF's accuracy control spends a build per op it puts back).
 INT8_MIXED_FLOOR = 1e-3
@@ -96,7 +104,10 @@ def candidates(part: Part, device: DeviceProfile, policy: PrecisionPolicy,
     """[the part's own precision, then the lower ones a search may try], and its budget.
     A stateful model's part (a language model's step) also tries fp16 on a CPU with F16C
     whose matrix units lack it: a decode step reads every weight once a token, and halving
-    their bytes is what makes it faster (runtimes/torch_eager.py)."""
+    their bytes is what makes it faster (runtimes/torch_eager.py). Its mix (bf16 but for
+    the groups kept fp32) only with engine.sequences.mixed_prompt (`mixed_prompt`): the
+    budget checks a step's logits, not the cache it writes, which a mixed prompt chunk
+    writes mostly in bf16 (the 200M Llama's greedy tokens as transformers' 100% -> 14%)."""
     auto = part.policy == "auto" or (part.policy == "" and policy.mode == "auto")
     if not auto or part.precision != "fp32":
         return [part.precision], None
@@ -104,7 +115,7 @@ def candidates(part: Part, device: DeviceProfile, policy: PrecisionPolicy,
         p == "fp16" and stateful and "f16c" in device.features)) and p != "int8"]
     # and the first of them with the fewest groups kept fp32 (runtimes/mixed.py): what a part
     # runs when one sensitive layer would send all of it back to fp32
-    lower += [f"{p}{MIXED}" for p in lower[:1]]
+    lower += [f"{p}{MIXED}" for p in lower[:1] if not stateful or mixed_prompt()]
     budget = part.max_error or policy.max_error
     if policy.calibration:  # int8, then int8 but for the ops that cost the most error
         lower += ["int8"] + ([INT8_MIXED] if budget >= INT8_MIXED_FLOOR else [])
@@ -288,6 +299,8 @@ def decision_path(cache_dir: Path, model: LoadedModel, policy: PrecisionPolicy,
                                                            model.plan.parts],
             "policy": asdict(policy) | {"calibration": ""},
             "devices": sorted((d.id, d.name, tuple(sorted(d.features))) for d in devices)}
+    if model.state is not None and mixed_prompt():  # (its chunks' candidates differ)
+        what["mixed_prompt"] = True
     if model.bucket is not None:  # a dynamic model's bucket searches at its own shapes
         what["shapes"] = [list(shape) for shape in model.bucket.shapes]
         if "@" in model.bucket.of:  # a twin's (its program computes less)

@@ -388,6 +388,8 @@ class Daemon:
         os.environ[LOG_LEVEL_ENV] = self.cfg.log_level  # (the workers' log, from their start)
         # and their language models' compiled decode steps (runtimes/compiled_step.py)
         os.environ["CUVILD_COMPILE_STEPS"] = "1" if self.cfg.compile_steps else "0"
+        # and whether their prompt chunks may run mixed (cuvild/load/precision.py)
+        os.environ["CUVILD_MIXED_PROMPT"] = "1" if self.cfg.mixed_prompt else "0"
         # inductor's and Triton's own caches under cuvild's (an operator's setting wins), set
         # before torch is imported here: inductor fixes its directory in the environment at
         # its first use, which the forkserver's preload makes (/tmp/torchinductor_<user>,

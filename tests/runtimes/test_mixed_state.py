@@ -90,3 +90,21 @@ def test_a_decode_step_is_not_mixed(tmp_path: Path) -> None:
     with pytest.raises(CompileError, match="not tried for a decode step"):
         build_part(step, CPU, "bf16+fp32", lambda: (inputs, expected),
                    CompileCache(tmp_path), mix_target=1e-3, input_shapes=[[1, 1], [1]])
+
+
+def test_a_language_models_mix_is_offered_only_with_mixed_prompt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.sequences.mixed_prompt (off by default): the budget checks a chunk's logits,
+    not the cache it writes, and a chunk mixed writes it mostly in bf16 (the 200M Llama's
+    greedy tokens as transformers' 100% -> 14%), so a stateful part is offered the mix only
+    where the operator asks for it; a static part always."""
+    from cuvild.core.precision import PrecisionPolicy
+    from cuvild.load import precision
+    from partitioner.plan import Part
+
+    part, policy = Part("p0", "cpu0", "", "fp32", [], 1.0), PrecisionPolicy("auto", 1e-2)
+    monkeypatch.delenv(precision.MIXED_PROMPT_ENV, raising=False)
+    assert "bf16+fp32" in precision.candidates(part, CPU, policy)[0]
+    assert "bf16+fp32" not in precision.candidates(part, CPU, policy, stateful=True)[0]
+    monkeypatch.setenv(precision.MIXED_PROMPT_ENV, "1")
+    assert "bf16+fp32" in precision.candidates(part, CPU, policy, stateful=True)[0]
