@@ -53,7 +53,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from partitioner.flops import category
 from partitioner.fxgraph import updated
-from runtimes.base import MIXED, CompileError, set_error
+from runtimes.base import INITIAL, MIXED, CompileError, set_error
 
 log = logging.getLogger(__name__)
 
@@ -340,13 +340,12 @@ def _retype(node: fx.Node, like: fx.Node, dtype: torch.dtype) -> None:
 def _error(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
            expected: Sequence[Sequence[torch.Tensor]]) -> float:
     """`gm`'s error on `inputs`, each run from the part's initial state where it keeps one
-    (as `expected` was: runtimes/torch_eager.py `reset`)."""
-    from runtimes.torch_eager import reset
-
+    (as `expected` was: runtimes/torch_eager.py `remember_initial`, `reset`)."""
     outputs = []
     with torch.no_grad():
         for x in inputs:
-            reset(gm)
+            for state, value in gm.meta.get(INITIAL, {}).items():
+                operator.attrgetter(state)(gm).copy_(value)
             outputs.append(gm(*x))
     return set_error(outputs, [list(want) for want in expected])
 

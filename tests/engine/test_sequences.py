@@ -62,6 +62,16 @@ def stepper(engine: Engine, model: LoadedModel, live: Live,  # noqa: ANN201
     return step
 
 
+def greedy(engine: Engine, model: LoadedModel, tokens: int = 6) -> list[int]:
+    """`tokens` greedy tokens after PROMPT, on a sequence of the model's on cpu0."""
+    live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
+    try:
+        return list(generate(stepper(engine, model, live), PROMPT, Sampling(max_tokens=tokens),
+                             lm_models.CONTEXT))
+    finally:
+        engine.runner.sequences.end(live)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma"])
 def test_greedy_generation_equals_transformers_token_for_token(tmp_path: Path,
                                                                 family: str) -> None:
@@ -152,11 +162,7 @@ def test_a_split_that_cannot_keep_the_state_is_served_on_one_device(
         assert sorted(model.parts_by_device) == ["cpu0"]
         (said,) = [n for n in model.plan.notes if "cannot keep the model's state" in n]
         assert "refused by the test" in said and "all on cpu0" in said, said
-        live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
-        got = list(generate(stepper(engine, model, live), PROMPT, Sampling(max_tokens=6),
-                            lm_models.CONTEXT))
-        engine.runner.sequences.end(live)
-        assert got == lm_models.reference(hf, PROMPT, 6)
+        assert greedy(engine, model) == lm_models.reference(hf, PROMPT, 6)
     finally:
         engine.close()
         arena.close()
@@ -303,11 +309,7 @@ def test_the_load_warms_a_language_model_up(tmp_path: Path,
         assert said.startswith(("decode step compiled by inductor in ",
                                 "decode step eager: compiled it ran ")), said
         assert len(engine.runner.sequences) == 0
-        live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
-        got = list(generate(stepper(engine, model, live), PROMPT, Sampling(max_tokens=6),
-                            lm_models.CONTEXT))
-        engine.runner.sequences.end(live)
-        assert got == lm_models.reference(hf, PROMPT, 6)
+        assert greedy(engine, model) == lm_models.reference(hf, PROMPT, 6)
     finally:
         engine.close()
         arena.close()
