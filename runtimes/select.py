@@ -378,7 +378,7 @@ def _problem(part: fx.GraphModule, spec: CompileSpec, precision: str, cache: Com
     # on torch, which folds its weights' casts: runtimes/mixed.py. Not a decode step's: fp16
     # halves the bytes it reads already, and its mix searched 35 s of the 200M Llama's load
     # to lose to it.)
-    mixes = (*MIXED_RUNTIMES, *STATEFUL_RUNTIMES) if stateful and not decode_step(
+    mixes = (*MIXED_RUNTIMES, *STATEFUL_RUNTIMES) if mix and stateful and not decode_step(
         part, spec.example_inputs) else MIXED_RUNTIMES
     names = [n for n in registry.candidates_for(spec.device, spec.precision, runtime, stateful)
              if (allowed is None or n in allowed) and (not mix or n in mixes)]

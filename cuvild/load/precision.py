@@ -52,12 +52,8 @@ log = logging.getLogger(__name__)
 MODES = ("fp32", "auto")
 LOWER = ("bf16", "fp16", "int8")  # the precisions a search may lower a part to, in this order
 # engine.sequences.mixed_prompt (the daemon sets it; its workers inherit it): a language
-# model's prompt chunks may run mixed, bf16 but for their sensitive groups
+# model's prompt chunks may run mixed, bf16 but for their sensitive groups (`mixed_prompt`)
 MIXED_PROMPT_ENV = "CUVILD_MIXED_PROMPT"
-
-
-def mixed_prompt() -> bool:
-    return os.environ.get(MIXED_PROMPT_ENV, "0") == "1"
 # The least budget int8+fp32 is tried under: one int8 op is ~1/256 off, so below this nearly
 # every op would go back to fp32 (NNCF's accuracy control spends a build per op it puts back).
 INT8_MIXED_FLOOR = 1e-3
@@ -92,6 +88,11 @@ def part_bound(budget: float) -> float:
     """The error a lower precision may show on a part's own outputs and still be tried end to
     end: a bound against broken builds, not the budget."""
     return min(0.5, max(10 * budget, 0.05))
+
+
+def mixed_prompt() -> bool:
+    """Whether engine.sequences.mixed_prompt is on (`candidates`)."""
+    return os.environ.get(MIXED_PROMPT_ENV, "0") == "1"
 
 
 def runtime_key(runtime: str, precision: str) -> str:

@@ -141,7 +141,8 @@ def guarded(builder: Builder, model: LoadedModel,
     try:
         # (a copy: its build writes the precisions it chose into the plan's parts)
         other = load(f"{model.key}~one", copy.deepcopy(theirs_plan), False)
-        warm_up(builder.runner, builder.describe, other, lambda phase: None, False)
+        warm_up(builder.runner, builder.describe, other, lambda phase: None,
+                compile_step=False)
         ours_ms, theirs_ms = generation_ms(builder.runner, [model, other])
     except Exception as e:  # noqa: BLE001 - the plan stands, and says why
         model.plan.notes.append(guard.failed(ours, theirs, e))
