@@ -29,14 +29,15 @@ and the model end to end by the engine's precision search, as every lower precis
 A part that keeps state (a language model's step, its KV cache updated in place) is mixed
 too, and run by the torch runtime (the one that keeps state: it folds each weight's cast at
 its build, runtimes/torch_eager.py): its cache writes stay out of the lowered groups (the
-cache keeps its dtype), a group never reads a frozen copy of the cache, and each run of the
-search starts from the part's initial state; only a prompt chunk, and only where
-engine.sequences.mixed_prompt asks for it (cuvild/load/precision.py: the budget checks the
-chunk's logits, not the cache it writes). The 200M Llama's 128-token prompt chunk under a
-1e-2 budget (2-core AMD EPYC, avx512_bf16): bf16 alone measures 1.8e-2; with the 5 most
-sensitive of its 37 groups kept fp32, 8.0e-3 end to end, ~150 ms against ~190 at fp32: a
-first token 0.213 -> 0.130 s (docs/PRECISION.md). A search's choice is recorded
-(`again`): torch caches no build, so a restart lowers the part again without searching.
+cache keeps its dtype), a group never reads a frozen copy of the cache, each run of the
+search starts from the part's initial state, and each is held on the state it leaves as on
+its outputs (`After`: its last position run again in fp32 on that state, as the next step
+reads it). Only a prompt chunk, unless engine.sequences.mixed_prompt is off
+(cuvild/load/precision.py). The 200M Llama's 128-token prompt chunk under a 1e-2 budget
+(2-core AMD EPYC, avx512_bf16): bf16 alone measures 1.8e-2; with the 6 most sensitive of
+its 37 groups kept fp32, 7.9e-3 on its logits and on the next step's, ~152 ms a run
+against ~190 at fp32 (docs/PRECISION.md). A search's choice is recorded (`again`): torch
+caches no build, so a restart lowers the part again without searching.
 """
 
 from __future__ import annotations
@@ -88,11 +89,13 @@ class Mix:
     alone: dict[str, float]  # per group: the part's error with only that group lowered
     error: float  # the part's error as built
     measured: bool = False  # on the runtime (else torch eager's estimate)
+    state: bool = False  # the state it leaves checked too (`After`)
 
     def describe(self) -> str:
         worst = ", ".join(f"{g} ({self.alone[g]:.1e} alone)" for g in self.kept[:6])
         more = f" and {len(self.kept) - 6} more" if len(self.kept) > 6 else ""
         how = "measured" if self.measured else "torch's estimate"
+        how += ", the next step on the state it leaves too" if self.state else ""
         if not self.kept:
             return (f"{self.low} in all {self.groups} groups, fp32 between them; error "
                     f"{self.error:.1e} ({how})")
@@ -231,9 +234,12 @@ def lower(gm: fx.GraphModule, nodes: set[str], low: str) -> fx.GraphModule:
     rounded weight stays fp32, so the cast it folds is exact, and its constants its own: built
     from bf16 tensors they were shared with torch, and read freed memory once the build's
     tensors were gone); an activation from outside them is cast down, and an output used
-    outside them is cast back to fp32. The copy shares `gm`'s other weights (the search
-    lowers a part dozens of times: copies of ViT-B's took 10 GiB)."""
+    outside them is cast back to fp32. The copy shares `gm`'s other weights, and its rounded
+    ones with every other copy lowered from `gm` (`ROUNDED`: the search lowers a part dozens
+    of times; copies of ViT-B's took 10 GiB, the 200M Llama's chunk's 5.1 GB of resident
+    memory)."""
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    gm.meta.setdefault(ROUNDED, {})
     out.meta.update(gm.meta)
     graph = out.graph
     downs: dict[fx.Node, fx.Node] = {}
@@ -261,6 +267,7 @@ def lower(gm: fx.GraphModule, nodes: set[str], low: str) -> fx.GraphModule:
 
 CAST = torch.ops.aten._to_copy.default  # noqa: SLF001 - the cast export writes for .to()
 META = "cuvil_mixed"  # a mixed part's meta (`lower`): its low precision
+ROUNDED = "cuvil_rounded"  # a part's meta while it is lowered: its weights rounded (`_down`)
 
 
 def folded(gm: fx.GraphModule) -> fx.GraphModule:
@@ -307,9 +314,12 @@ def _down(out: fx.GraphModule, arg: object, node: fx.Node, nodes: set[str], low:
             # its values rounded by torch, still fp32: the cast is exact (not the state's:
             # it changes from run to run)
             name = f"_cuvil_{low}_{str(arg.target).replace('.', '_')}"
-            if not hasattr(out, name):
+            rounded = out.meta[ROUNDED]  # (one per weight for all of a search's copies)
+            if name not in rounded:
                 weight = operator.attrgetter(str(arg.target))(out).detach()
-                out.register_buffer(name, weight.to(dtype).to(weight.dtype))
+                rounded[name] = weight.to(dtype).to(weight.dtype)
+            if not hasattr(out, name):
+                out.register_buffer(name, rounded[name])
             with out.graph.inserting_before(node):
                 source = out.graph.get_attr(name)
             _retype(source, arg, torch.float32)
@@ -337,17 +347,79 @@ def _retype(node: fx.Node, like: fx.Node, dtype: torch.dtype) -> None:
         node.meta["tensor_meta"] = meta._replace(dtype=dtype)
 
 
-def _error(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
-           expected: Sequence[Sequence[torch.Tensor]]) -> float:
-    """`gm`'s error on `inputs`, each run from the part's initial state where it keeps one
-    (as `expected` was: runtimes/torch_eager.py `remember_initial`, `reset`)."""
-    outputs = []
+@dataclass
+class After:
+    """How the state a stateful part's run leaves is checked: the part as exported (fp32)
+    runs its last position again on that state (`rereads`, each input cut to its last row
+    along its dynamic length), and what it gives is held against what it gives on the state
+    fp32 left (`expected`). That run reads every cache row the chunk wrote but its own (it
+    writes its own row again, in fp32), as the next step of the sequence would: a cache the
+    mix wrote too coarsely shows there, while the chunk's own logits stay within the budget."""
+
+    reference: fx.GraphModule
+    rereads: list[list[torch.Tensor]]
+    expected: list[list[torch.Tensor]]
+
+
+def after_runs(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]]) -> After:
+    """The check of the state `gm` leaves (`After`), fp32's side computed; CompileError where
+    `gm` has no dynamic length to cut its inputs along (no last position to run alone)."""
+    rereads = [last_position(gm, x) for x in inputs]
+    if any(r is None for r in rereads):
+        raise CompileError("the part keeps state and has no dynamic length: the state a mix "
+                           "writes could not be checked")
+    expected = []
     with torch.no_grad():
-        for x in inputs:
-            for state, value in gm.meta.get(INITIAL, {}).items():
-                operator.attrgetter(state)(gm).copy_(value)
-            outputs.append(gm(*x))
-    return set_error(outputs, [list(want) for want in expected])
+        for x, last in zip(inputs, rereads, strict=True):
+            _reset(gm)
+            gm(*x)
+            expected.append([t.clone() for t in gm(*last)])
+    return After(gm, rereads, expected)  # type: ignore[arg-type]
+
+
+def last_position(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
+                  ) -> list[torch.Tensor] | None:
+    """`inputs` cut to their last row along each dynamic dimension of the part's inputs
+    (a prompt chunk's tokens, positions, hidden states: its length); None where none has
+    more than one row there."""
+    out, cut = [], False
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(places, inputs, strict=True):
+        val = node.meta.get("val")
+        for dim, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and value.dim() > dim and value.shape[dim] > 1:
+                value = value.narrow(dim, value.shape[dim] - 1, 1)
+                cut = True
+        out.append(value)
+    return out if cut else None
+
+
+def _reset(gm: fx.GraphModule) -> None:
+    for state, value in gm.meta.get(INITIAL, {}).items():
+        operator.attrgetter(state)(gm).copy_(value)
+
+
+def error_on(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
+           expected: Sequence[Sequence[torch.Tensor]], after: After | None = None) -> float:
+    """`gm`'s error on `inputs`, each run from the part's initial state where it keeps one
+    (as `expected` was: runtimes/torch_eager.py `remember_initial`, `reset`), and `after`
+    each run, the error of the part's last position run again on the state it left."""
+    outputs, wanted = [], []
+    with torch.no_grad():
+        for i, x in enumerate(inputs):
+            _reset(gm)
+            got, want = list(gm(*x)), list(expected[i])
+            if after is not None:
+                for state in _state(gm):  # (a lowered copy shares its state tensors)
+                    kept = operator.attrgetter(state)(after.reference)
+                    left = operator.attrgetter(state)(gm)
+                    if kept is not left:
+                        kept.copy_(left)
+                got += list(after.reference(*after.rereads[i]))
+                want += list(after.expected[i])
+            outputs.append(got)
+            wanted.append(want)
+    return set_error(outputs, wanted)
 
 
 def _state(gm: fx.GraphModule) -> set[str]:
@@ -368,8 +440,12 @@ def choose(gm: fx.GraphModule, low: str, target: float,
     not torch's (OpenVINO's ran ViT-B 2-4x further off than torch's estimate), so where
     `measure` is given (a build's error on a real runtime) the count is settled on it: more
     groups kept (doubling) until a build holds, then halving the gap, `max_builds` builds
-    at most."""
-    gm, groups, spans = _spans(gm, low, inputs[0])
+    at most. A part that keeps state (`_state`) is held on the state it leaves too (`After`),
+    and settled on torch eager's runs of it: torch, its runtime, runs the graph as it is."""
+    gm, groups, spans = spans_of(gm, low, inputs[0])
+    after = after_runs(gm, inputs) if _state(gm) else None
+    if after is not None:
+        measure = lambda module: error_on(module, inputs, expected, after)  # noqa: E731
     everything = {n for nodes in spans.values() for n in nodes}
     order: list[str] = []
     alone: dict[str, float] = {}
@@ -378,7 +454,7 @@ def choose(gm: fx.GraphModule, low: str, target: float,
         if not order:
             # on the first input: a run of the part per group (the count is then settled
             # on all of them)
-            alone.update({g: _error(lower(gm, spans[g], low), inputs[:1], expected[:1])
+            alone.update({g: error_on(lower(gm, spans[g], low), inputs[:1], expected[:1], after)
                           for g in groups})
             order.extend(sorted(groups, key=lambda g: -alone[g]))
         return order
@@ -387,22 +463,30 @@ def choose(gm: fx.GraphModule, low: str, target: float,
         keep = {n for g in ranked()[:k] for n in spans[g]} if k else set()
         return lower(gm, everything - keep, low)
 
-    k = _estimate(keeping, len(groups), target, inputs[:4], expected[:4])  # a first guess
+    k = _estimate(keeping, len(groups), target, inputs[:4], expected[:4], after)  # a guess
     if measure is None:
         if k >= len(groups):
             raise CompileError(f"{name(low)}: no group short of all {len(groups)} at fp32 "
                                f"holds {target:.0e} (torch's estimate)")
-        module = keeping(k)
+        module = chosen(keeping(k))
         return module, Mix(low, ranked()[:k], len(groups), alone,
-                           _error(module, inputs, expected))
+                           error_on(module, inputs, expected, after), state=after is not None)
     k, error = _settle(keeping, min(k, len(groups) - 1), len(groups), target, measure,
                        max_builds)
-    mix = Mix(low, ranked()[:k] if k else [], len(groups), alone, error, measured=True)
+    mix = Mix(low, ranked()[:k] if k else [], len(groups), alone, error, measured=True,
+              state=after is not None)
     log.info("mixed precision: %s", mix.describe())
-    return keeping(k), mix
+    return chosen(keeping(k)), mix
 
 
-def _spans(gm: fx.GraphModule, low: str, inputs: Sequence[torch.Tensor],
+def chosen(module: fx.GraphModule) -> fx.GraphModule:
+    """A lowered part as built and served: without the rounded weights its search shared
+    (`ROUNDED`: those of the groups it kept fp32 too)."""
+    module.meta.pop(ROUNDED, None)
+    return module
+
+
+def spans_of(gm: fx.GraphModule, low: str, inputs: Sequence[torch.Tensor],
            ) -> tuple[fx.GraphModule, dict[str, list[str]], dict[str, set[str]]]:
     """The part as lowered (its batch norms folded), its groups and each one's region."""
     gm = fold_batch_norms(gm)
@@ -418,22 +502,22 @@ def again(gm: fx.GraphModule, low: str, kept: Sequence[str],
     """The mix a search chose (`Mix.kept`, recorded with the part's choice), made again
     without searching: a runtime that caches no build (torch, a language model's steps)
     lowers the part again at each build."""
-    gm, _, spans = _spans(gm, low, inputs)
+    gm, _, spans = spans_of(gm, low, inputs)
     keep = {n for g in kept for n in spans.get(g, ())}
-    return lower(gm, {n for nodes in spans.values() for n in nodes} - keep, low)
+    return chosen(lower(gm, {n for nodes in spans.values() for n in nodes} - keep, low))
 
 
 def _estimate(keeping: Callable[[int], fx.GraphModule], count: int, target: float,
               inputs: Sequence[Sequence[torch.Tensor]],
-              expected: Sequence[Sequence[torch.Tensor]]) -> int:
+              expected: Sequence[Sequence[torch.Tensor]], after: After | None) -> int:
     """torch eager's count of groups to keep: 0 when all lowered holds, else the bisection's
     smallest k (`count` when only all of them hold)."""
-    if _error(keeping(0), inputs, expected) <= target:
+    if error_on(keeping(0), inputs, expected, after) <= target:
         return 0
     lo, hi = 1, count
     while lo < hi:
         mid = (lo + hi) // 2
-        if _error(keeping(mid), inputs, expected) <= target:
+        if error_on(keeping(mid), inputs, expected, after) <= target:
             hi = mid
         else:
             lo = mid + 1

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 MODES = ("fp32", "auto")
 LOWER = ("bf16", "fp16", "int8")  # the precisions a search may lower a part to, in this order
 # engine.sequences.mixed_prompt (the daemon sets it; its workers inherit it): a language
-# model's prompt chunks may run mixed, bf16 but for their sensitive groups (`mixed_prompt`)
+# model's prompt chunks may run mixed, bf16 but for their sensitive groups (`mixed_prompt`;
+# unset: on, as the setting's default)
 MIXED_PROMPT_ENV = "CUVILD_MIXED_PROMPT"
 # The least budget int8+fp32 is tried under: one int8 op is ~1/256 off, so below this nearly
 # every op would go back to fp32 (NNCF's accuracy control spends a build per op it puts back).
@@ -92,7 +93,7 @@ def part_bound(budget: float) -> float:
 
 def mixed_prompt() -> bool:
     """Whether engine.sequences.mixed_prompt is on (`candidates`)."""
-    return os.environ.get(MIXED_PROMPT_ENV, "0") == "1"
+    return os.environ.get(MIXED_PROMPT_ENV, "1") == "1"
 
 
 def runtime_key(runtime: str, precision: str) -> str:
@@ -106,9 +107,8 @@ def candidates(part: Part, device: DeviceProfile, policy: PrecisionPolicy,
     A stateful model's part (a language model's step) also tries fp16 on a CPU with F16C
     whose matrix units lack it: a decode step reads every weight once a token, and halving
     their bytes is what makes it faster (runtimes/torch_eager.py). Its mix (bf16 but for
-    the groups kept fp32) only with engine.sequences.mixed_prompt (`mixed_prompt`): the
-    budget checks a step's logits, not the cache it writes, which a mixed prompt chunk
-    writes mostly in bf16 (the 200M Llama's greedy tokens as transformers' 100% -> 14%)."""
+    the groups kept fp32, held on the cache it leaves too: runtimes/mixed.py `After`)
+    unless engine.sequences.mixed_prompt is off (`mixed_prompt`)."""
     auto = part.policy == "auto" or (part.policy == "" and policy.mode == "auto")
     if not auto or part.precision != "fp32":
         return [part.precision], None

@@ -2,10 +2,11 @@
 model (a prefill chunk, the decode step) searches its own precision, as a static model's
 parts do, on random inputs of its shapes against torch eager, each from the initial state:
 the torch runtime's bf16 and, for a stateful model on a CPU with F16C, fp16 (a decode
-step's matrix-vector products are fastest there). Timing decides what runs, so the test
-holds what must: every bucket was searched, tried the lower precisions, stays within the
-budget, and generation through buckets at different precisions shares one cache; built again, each
-bucket builds only what its search chose."""
+step's matrix-vector products are fastest there), and a prompt chunk's mix (bf16 but for
+its sensitive groups, held on the state it leaves as on its logits). Timing decides what
+runs, so the test holds what must: every bucket was searched, tried the lower precisions,
+stays within the budget, and generation through buckets at different precisions shares one
+cache; built again, each bucket builds only what its search chose."""
 
 from __future__ import annotations
 
@@ -54,14 +55,19 @@ def test_each_bucket_searches_its_precision_within_the_budget(tmp_path: Path) ->
         model = engine.prepare("lm-auto", "lm-auto", "1", tmp_path / "lm.pt2", specs,
                                policy=policy)
         searched = generated(engine, model)
-        for bucket in searched:
+        for bucket, chunk in zip(searched, (True, False), strict=True):
             acc = bucket.accuracy
             assert acc is not None and acc.policy == "auto" and acc.inputs == 16
             assert acc.chosen is not None and acc.chosen.error <= 1e-2, acc
             assert any(n.startswith("p0 ") for n in acc.notes), acc.notes
             tried = {c["precision"]: c["status"] for c in bucket.routes[0].built.candidates}
             assert {"fp32", "bf16", "fp16"} <= set(tried), tried
-            assert bucket.routes[0].precision in ("fp32", "bf16", "fp16")
+            # the prompt chunk's mix, held on the state it leaves too (runtimes/mixed.py
+            # `After`); a decode step is not mixed
+            mix = [c for c in bucket.routes[0].built.candidates if c["precision"] == "bf16+fp32"]
+            assert [c["status"] for c in mix] == (["ok"] if chunk else []), mix
+            assert not chunk or "the next step on the state it leaves" in mix[0]["reason"], mix
+            assert bucket.routes[0].precision in ("fp32", "bf16", "fp16", "bf16+fp32")
             assert list(bucket.routes[0].variants) == [bucket.routes[0].precision]
         assert arena.in_use() == 0
     finally:

@@ -14,6 +14,7 @@ import torch
 
 from partitioner.profile import DeviceProfile
 from partitioner.split import last_rows, split_program
+from runtimes import mixed
 from runtimes.base import CompileError, set_error
 from runtimes.cache import CompileCache
 from runtimes.mixed import CAST
@@ -92,19 +93,67 @@ def test_a_decode_step_is_not_mixed(tmp_path: Path) -> None:
                    CompileCache(tmp_path), mix_target=1e-3, input_shapes=[[1, 1], [1]])
 
 
-def test_a_language_models_mix_is_offered_only_with_mixed_prompt(
+class WritesAhead(torch.nn.Module):
+    """A stateful part whose own outputs never read what it writes: a chunk reads the cache
+    rows before its first position only (none, from position 0), and its `k` only writes
+    the cache: what `k` computes shows in the steps after it, not in the chunk. (`head`
+    weighs little: lowered, it holds any budget.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(1, 32, 16))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(1, pos, self.k(x))
+        before = (torch.arange(32) < pos[0]).to(x.dtype)[None, :, None]
+        return x + 1e-3 * self.head(x) + (before * self.cache).sum(1, keepdim=True)
+
+
+def test_a_mix_is_held_on_the_state_it_leaves() -> None:
+    """A stateful part's mix is checked on the state it leaves (runtimes/mixed.py `After`:
+    its last position run again, in fp32, on that state, reads what the chunk wrote): `k`
+    lowered leaves the chunk's outputs exactly as fp32's, but not the next step's, so it
+    stays fp32; without the state check it was lowered."""
+    length = torch.export.Dim("length", min=2, max=16)
+    ep = torch.export.export(WritesAhead().eval(), (torch.randn(1, 4, 16), torch.arange(4)),
+                             dynamic_shapes=({1: length}, {0: length}))
+    gm = split_program(ep, [("p0", [n.name for n in ep.graph.nodes
+                                    if n.op == "call_function"])]).parts[0].module
+    remember_initial(gm)
+    inputs, expected = samples_of(gm, [[torch.randn(1, 8, 16), torch.arange(8)]
+                                       for _ in range(2)])
+    folded, groups, spans = mixed.spans_of(gm, "bf16", inputs[0])
+    assert set(groups) == {"k", "head"}, groups
+    only_k = mixed.lower(folded, spans["k"], "bf16")
+    after = mixed.after_runs(folded, inputs)
+    assert mixed.error_on(only_k, inputs, expected) == 0.0  # the chunk's own outputs: as fp32's
+    assert mixed.error_on(only_k, inputs, expected, after) > 1e-3  # the next step's: not
+    _, mix = mixed.choose(gm, "bf16", 1e-3, inputs, expected)
+    assert mix.state and mix.kept[0] == "k" and mix.error <= 1e-3, mix.describe()
+
+
+def samples_of(part: torch.fx.GraphModule, inputs: list) -> tuple[list, list]:
+    expected = []
+    with torch.no_grad():
+        for x in inputs:
+            reset(part)
+            expected.append([t.clone() for t in part(*x)])
+    return inputs, expected
+
+
+def test_a_language_models_mix_is_offered_unless_mixed_prompt_is_off(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """engine.sequences.mixed_prompt (off by default): the budget checks a chunk's logits,
-    not the cache it writes, and a chunk mixed writes it mostly in bf16 (the 200M Llama's
-    greedy tokens as transformers' 100% -> 14%), so a stateful part is offered the mix only
-    where the operator asks for it; a static part always."""
+    """engine.sequences.mixed_prompt (on by default; the daemon sets the variable its
+    workers read): off, a stateful part is not offered the mix (a first load under a budget
+    then spends no time searching one); a static part always is."""
     from cuvild.core.precision import PrecisionPolicy
     from cuvild.load import precision
     from partitioner.plan import Part
 
     part, policy = Part("p0", "cpu0", "", "fp32", [], 1.0), PrecisionPolicy("auto", 1e-2)
     monkeypatch.delenv(precision.MIXED_PROMPT_ENV, raising=False)
-    assert "bf16+fp32" in precision.candidates(part, CPU, policy)[0]
-    assert "bf16+fp32" not in precision.candidates(part, CPU, policy, stateful=True)[0]
-    monkeypatch.setenv(precision.MIXED_PROMPT_ENV, "1")
     assert "bf16+fp32" in precision.candidates(part, CPU, policy, stateful=True)[0]
+    monkeypatch.setenv(precision.MIXED_PROMPT_ENV, "0")
+    assert "bf16+fp32" not in precision.candidates(part, CPU, policy, stateful=True)[0]
+    assert "bf16+fp32" in precision.candidates(part, CPU, policy)[0]
