@@ -39,14 +39,8 @@ def chunk_and_step() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
 
 def samples(part: torch.fx.GraphModule, n: int, count: int = 4) -> tuple[list, list]:
     gen = torch.Generator().manual_seed(0)
-    inputs = [[torch.randint(0, lm_models.VOCAB, (1, n), generator=gen), torch.arange(n)]
-              for _ in range(count)]
-    expected = []
-    with torch.no_grad():
-        for x in inputs:
-            reset(part)
-            expected.append([t.clone() for t in part(*x)])
-    return inputs, expected
+    return samples_of(part, [[torch.randint(0, lm_models.VOCAB, (1, n), generator=gen),
+                              torch.arange(n)] for _ in range(count)])
 
 
 def test_a_prompt_chunk_is_mixed_on_torch_and_made_again_from_its_record(
@@ -134,6 +128,7 @@ def test_a_mix_is_held_on_the_state_it_leaves() -> None:
 
 
 def samples_of(part: torch.fx.GraphModule, inputs: list) -> tuple[list, list]:
+    """`inputs`, and the part's outputs on each from its initial state."""
     expected = []
     with torch.no_grad():
         for x in inputs:
