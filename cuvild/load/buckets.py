@@ -120,14 +120,15 @@ def last_logits(model: LoadedModel) -> LoadedModel:
         return kept.twin
 
 
-def step_lengths(model: LoadedModel) -> tuple[int, ...]:
+def step_lengths(model: LoadedModel, max_dim: int) -> tuple[int, ...]:
     """The lengths a generation's step may take on a language model (inputs `input_ids`
-    [1, n] and `cache_position` [n]): CHUNKS within its dynamic length's range, largest
-    first, else its one static length."""
+    [1, n] and `cache_position` [n]): CHUNKS within its dynamic length's range and at most
+    `max_dim` (engine.max_dim: a longer one is refused, cuvild/core/loaded.py `check_dims`),
+    largest first, else its one static length."""
     at = model.inputs.index(INPUTS[0])
     ranges = [(lo, hi) for i, dim, lo, hi in model.dynamic if i == at and dim == 1]
     if ranges:
-        return tuple(c for c in CHUNKS if ranges[0][0] <= c <= ranges[0][1])
+        return tuple(c for c in CHUNKS if ranges[0][0] <= c <= min(ranges[0][1], max_dim))
     return tuple(model.table[at].shape[1:2])
 
 

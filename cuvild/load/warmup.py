@@ -61,7 +61,7 @@ def warm_up(runner: Any, describe: Callable[[str, str, str], str], model: Loaded
     nothing for a model that is no language model."""
     if model.state is None or sorted(model.inputs) != sorted(INPUTS):
         return []
-    lengths = step_lengths(model)
+    lengths = step_lengths(model, runner.max_dim)
     longest = max((n for n in lengths if n > 1), default=None)
     wanted = []
     if model.family is not None:  # (of one shape, the load itself built it)
@@ -180,7 +180,7 @@ def generation_ms(runner: Any, models: list[LoadedModel],
     out = []
     for model, chunk, step in zip(models, chunks, steps, strict=True):
         phases = model.plan.phases or {"prompt": 0, "generated": 1}
-        longest = max((n for n in step_lengths(model) if n > 1), default=1)
+        longest = max((n for n in step_lengths(model, runner.max_dim) if n > 1), default=1)
         prompt = (math.ceil(phases["prompt"] / longest) * statistics.median(chunk) if chunk
                   else phases["prompt"] * statistics.median(step))
         out.append(prompt + phases["generated"] * statistics.median(step))
@@ -192,7 +192,7 @@ def _timed(runner: Any, model: LoadedModel) -> tuple[list[float], list[float]]:
     decode steps' after it, each run on fresh state (no sequence's: a sequence's first
     step would start its decode step's compile, runtimes/compiled_step.py; the state's copy
     costs both plans alike, the same bytes)."""
-    longest = max((n for n in step_lengths(model) if n > 1), default=None)
+    longest = max((n for n in step_lengths(model, runner.max_dim) if n > 1), default=None)
     assert model.state is not None
 
     def run(target: LoadedModel, position: int, n: int) -> float:

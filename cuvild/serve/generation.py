@@ -202,7 +202,7 @@ class Generator:
             raise BadInput(f"a prompt token id is outside the vocabulary [0, {vocab})")
         return Generation(self.runner, model, served.record.name, served.record.version,
                           list(prompt), sampling(options), tokenizer,
-                          chunks_of(model, served.key), stop_text)
+                          chunks_of(model, served.key, self.runner.max_dim), stop_text)
 
     def _chat(self, served: Any, messages: Any, tokenizer: Any) -> tuple[str, list[int]]:
         """A chat's prompt text, by the entry's chat template, and the ids that end an
@@ -275,10 +275,10 @@ class Generator:
         return kept[1]
 
 
-def chunks_of(model: LoadedModel, key: str) -> tuple[int, ...]:
+def chunks_of(model: LoadedModel, key: str, max_dim: int) -> tuple[int, ...]:
     """The step lengths a model takes (cuvild/load/buckets.py `step_lengths`), which must
     include 1 (a decode step takes one token)."""
-    sizes = step_lengths(model)
+    sizes = step_lengths(model, max_dim)
     if 1 not in sizes:
         raise Refused("invalid", f"model {key} cannot take one token a step ({INPUTS[0]} "
                       f"lengths {sizes or 'none of'} {CHUNKS}): export it with a length of 1, "

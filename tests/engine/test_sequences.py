@@ -204,6 +204,33 @@ def test_a_dynamic_length_takes_the_prompt_in_chunks_that_share_the_cache(
         arena.close()
 
 
+def test_a_prompts_chunks_stay_within_engine_max_dim(tmp_path: Path) -> None:
+    """engine.max_dim below a chunk's length (16 here) refuses that length (BadInput), so a
+    generation's chunks and the warm-up's longest are those it serves: 4 and 1 under 8."""
+    from cuvild.load import warmup
+    from cuvild.serve.generation import chunks_of
+
+    engine, arena, model, hf = served(tmp_path, "llama", dynamic=True, max_dim=8)
+    try:
+        phases: list[str] = []
+        warmup.warm_up(engine.runner, engine.builder.describe, model, phases.append,
+                       compile_step=False)
+        assert phases == ["building its decode step", "building its 4-token prompt chunk"]
+        chunks = chunks_of(model, model.key, engine.runner.max_dim)
+        assert chunks == (4, 1), chunks
+        with pytest.raises(BadInput, match="above the largest this server builds"):
+            engine.runner.resolve(model, [("int64", (1, 16)), ("int64", (16,))])
+        prompt = [5, 17, 42, 99, 3, 8, 13, 21, 34, 55]
+        live = engine.runner.sequences.begin(model.key, "s", ["cpu0"])
+        got = list(generate(stepper(engine, model, live, last_logits(model)), prompt,
+                            Sampling(max_tokens=6), lm_models.CONTEXT, chunks=chunks))
+        engine.runner.sequences.end(live)
+        assert got == lm_models.reference(hf, prompt, 6)
+    finally:
+        engine.close()
+        arena.close()
+
+
 def test_interleaved_sequences_keep_their_own_state_and_errors_are_clear(
         tmp_path: Path) -> None:
     engine, arena, model, hf = served(tmp_path, "llama")
