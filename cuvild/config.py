@@ -170,10 +170,10 @@ class Config:  # a key per field; `path` alone is not one (the file it was read 
                                   "language model's decode step at its first use (inductor), "
                                   "served where it measures faster")
     mixed_prompt: bool = setting("engine.sequences.mixed_prompt", True, "under an error "
-                                 "budget, a language model's prompt chunks may run bf16 but "
-                                 "for their sensitive layers, held on their logits and on "
-                                 "the cache they leave: a sooner first token (false: a "
-                                 "shorter first load, no mix searched)")
+                                 "budget, a language model's prompt chunks on a CPU may run "
+                                 "bf16 but for their sensitive layers, held on their logits "
+                                 "and on the cache they leave: a sooner first token (false: "
+                                 "a shorter first load, no mix searched)")
     warm_up: bool = setting("engine.sequences.warm_up", True, "warm a language model up "
                             "before it is READY: its decode step and longest prompt chunk "
                             "built, its decode step compiled (false: at their first use)")

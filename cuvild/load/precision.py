@@ -96,6 +96,15 @@ def mixed_prompt() -> bool:
     return os.environ.get(MIXED_PROMPT_ENV, "1") == "1"
 
 
+def host_mix(device: DeviceProfile) -> bool:
+    """Whether a stateful part (a prompt chunk) on `device` may be mixed: with
+    engine.sequences.mixed_prompt, on a device that runs on the host (a CPU, an emulated
+    one). The mix's search runs the part in torch eager on the host, over a hundred runs of
+    the chunk (runtimes/mixed.py): on the device's own cores for a CPU, but for a GPU's
+    part, a model sized for the GPU run on the host's."""
+    return mixed_prompt() and (device.kind == "cpu" or device.emulated)
+
+
 def runtime_key(runtime: str, precision: str) -> str:
     """The name a (runtime, precision) pair is learned and priced under by the cost model."""
     return runtime if precision == "fp32" else f"{runtime}@{precision}"
@@ -107,8 +116,8 @@ def candidates(part: Part, device: DeviceProfile, policy: PrecisionPolicy,
     A stateful model's part (a language model's step) also tries fp16 on a CPU with F16C
     whose matrix units lack it: a decode step reads every weight once a token, and halving
     their bytes is what makes it faster (runtimes/torch_eager.py). Its mix (bf16 but for
-    the groups kept fp32, held on the cache it leaves too: runtimes/mixed.py `After`)
-    unless engine.sequences.mixed_prompt is off (`mixed_prompt`)."""
+    the groups kept fp32, held on the cache it leaves too: runtimes/mixed.py `After`) on
+    a device of the host's, unless engine.sequences.mixed_prompt is off (`host_mix`)."""
     auto = part.policy == "auto" or (part.policy == "" and policy.mode == "auto")
     if not auto or part.precision != "fp32":
         return [part.precision], None
@@ -116,7 +125,7 @@ def candidates(part: Part, device: DeviceProfile, policy: PrecisionPolicy,
         p == "fp16" and stateful and "f16c" in device.features)) and p != "int8"]
     # and the first of them with the fewest groups kept fp32 (runtimes/mixed.py): what a part
     # runs when one sensitive layer would send all of it back to fp32
-    lower += [f"{p}{MIXED}" for p in lower[:1] if not stateful or mixed_prompt()]
+    lower += [f"{p}{MIXED}" for p in lower[:1] if not stateful or host_mix(device)]
     budget = part.max_error or policy.max_error
     if policy.calibration:  # int8, then int8 but for the ops that cost the most error
         lower += ["int8"] + ([INT8_MIXED] if budget >= INT8_MIXED_FLOOR else [])

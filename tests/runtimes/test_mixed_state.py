@@ -140,8 +140,8 @@ def samples_of(part: torch.fx.GraphModule, inputs: list) -> tuple[list, list]:
 def test_a_language_models_mix_is_offered_unless_mixed_prompt_is_off(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """engine.sequences.mixed_prompt (on by default; the daemon sets the variable its
-    workers read): off, a stateful part is not offered the mix (a first load under a budget
-    then spends no time searching one); a static part always is."""
+    workers read): a stateful part on a host device is offered the mix; off, none is (a
+    first load under a budget then spends no time searching one); a static part always is."""
     from cuvild.core.precision import PrecisionPolicy
     from cuvild.load import precision
     from partitioner.plan import Part
@@ -149,6 +149,12 @@ def test_a_language_models_mix_is_offered_unless_mixed_prompt_is_off(
     part, policy = Part("p0", "cpu0", "", "fp32", [], 1.0), PrecisionPolicy("auto", 1e-2)
     monkeypatch.delenv(precision.MIXED_PROMPT_ENV, raising=False)
     assert "bf16+fp32" in precision.candidates(part, CPU, policy, stateful=True)[0]
+    # not on a GPU: its search would run the chunk in torch eager on the host a hundred
+    # times, a model sized for the GPU (a static part's mix is settled on its GPU builds)
+    gpu = DeviceProfile(id="gpu0", kind="gpu", cores=[0], runtimes=["torch"],
+                        peak_gflops={"fp32": 50.0, "bf16": 100.0})
+    assert "bf16+fp32" not in precision.candidates(part, gpu, policy, stateful=True)[0]
+    assert "bf16+fp32" in precision.candidates(part, gpu, policy)[0]
     monkeypatch.setenv(precision.MIXED_PROMPT_ENV, "0")
     assert "bf16+fp32" not in precision.candidates(part, CPU, policy, stateful=True)[0]
     assert "bf16+fp32" in precision.candidates(part, CPU, policy)[0]
