@@ -108,8 +108,13 @@ _REORDER = torch.ops.mkldnn._reorder_linear_weight  # noqa: SLF001 - oneDNN's we
 PACK_ROWS = 128  # the rows oneDNN lays a packed weight out for (any count runs on it)
 # weights derived from a part's own (lowered, packed), by (id of the part's tensor, what):
 # the buckets built from one part share them (a language model's five buckets would hold five
-# copies of its weights otherwise); each goes with its part's tensor
-_DERIVED: dict[tuple[int, str], torch.Tensor] = {}
+# copies of its weights otherwise). Held by the executables that run on them, not here: a
+# precision search's losing builds take theirs with them (held here until their part went,
+# the 200M Llama's worker kept 1.6 GB of them: its fp32 packings for 1 and 128 rows, its
+# plain bf16 copy, beside the mixed chunk and fp16 step it served); and each entry goes
+# with its part's tensor (whose id another tensor may take then)
+_DERIVED: weakref.WeakValueDictionary[tuple[int, str], torch.Tensor] = \
+    weakref.WeakValueDictionary()
 
 
 def _derived(weight: torch.Tensor, what: str, make: Callable[[torch.Tensor], torch.Tensor]

@@ -33,6 +33,7 @@ from cuvild.intake import cuda_guard
 from cuvild.workers import cudamem
 from cuvild.workers.clientmem import ClientObjects, Key
 from cuvild.workers.sessions import Sessions
+from cuvild.workers.trim import give_back
 from partitioner.profile import DeviceProfile
 from protos.orders import (
     Attach,
@@ -214,6 +215,7 @@ class Worker:
         finally:
             if order.last:  # the model's other parts are not needed here any more
                 forget(order.split_key)
+            give_back()  # what the search made and dropped (cuvild/workers/trim.py)
         key = (order.model, order.part)
         own = built[order.precisions[0]]
         if len(built) > 1:  # a precision search will choose among them
@@ -260,6 +262,7 @@ class Worker:
         self.parts[key] = self.variants[key][order.precision]
         if order.final:  # the losing precisions' executables go
             del self.variants[key]
+            give_back()
 
     def describe(self, order: Describe) -> Described:
         """How the part runs now, as its executable says (`describe`: a decode step's tier,
@@ -285,6 +288,7 @@ class Worker:
         for key in [k for k in list(self.parts) if k[0] == order.model]:
             self.parts.pop(key, None)
             self.variants.pop(key, None)
+        give_back()
 
 
 def answer(worker: Worker, envelope: Envelope) -> Reply:

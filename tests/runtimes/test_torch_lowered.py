@@ -119,3 +119,25 @@ def test_linears_run_on_packed_weights_shared_by_the_parts_buckets(
     if dtype is None:
         prompt = [5, 17, 42, 99]
         assert greedy(exe, prompt, 6, slot=5) == lm_models.reference(hf, prompt, 6)
+
+
+def test_derived_weights_go_with_the_builds_that_run_on_them() -> None:
+    """A part's weights lowered (or packed) for one build are shared by its other builds at
+    the same precision, and held by them alone: a precision search's losing build takes its
+    copies with it while the part, and the winner, stay (runtimes/torch_eager.py _DERIVED)."""
+    import gc
+
+    from runtimes.torch_eager import _DERIVED  # noqa: PLC2701 - what the test is about
+
+    part = one_part(lm_models.export(lm_models.lm("llama")))
+    ids = {id(t) for t in tensors(part).values()}
+    mine = lambda: [k for k in _DERIVED if k[0] in ids]  # noqa: E731
+    winner, loser = prepared(part, None), prepared(part, torch.float16)
+    again = prepared(part, torch.float16)  # (another bucket at fp16: the same copies)
+    shared = [k for k in tensors(again) if tensors(again)[k].dtype == torch.float16]
+    assert shared and all(tensors(again)[k] is tensors(loser)[k] for k in shared)
+    assert {what for _, what in mine()} >= {"torch.float16"}
+    del loser, again
+    gc.collect()
+    assert "torch.float16" not in {what for _, what in mine()}, mine()
+    assert tensors(winner)  # (the winner keeps what it runs on)
