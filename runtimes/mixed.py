@@ -364,8 +364,9 @@ class After:
 def after_runs(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]]) -> After:
     """The check of the state `gm` leaves (`After`), fp32's side computed; CompileError where
     `gm` has no dynamic length to cut its inputs along (no last position to run alone)."""
-    rereads = [last_position(gm, x) for x in inputs]
-    if any(r is None for r in rereads):
+    cut = [last_position(gm, x) for x in inputs]
+    rereads = [r for r in cut if r is not None]
+    if len(rereads) < len(cut):
         raise CompileError("the part keeps state and has no dynamic length: the state a mix "
                            "writes could not be checked")
     expected = []
@@ -374,7 +375,7 @@ def after_runs(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]]) -> 
             _reset(gm)
             gm(*x)
             expected.append([t.clone() for t in gm(*last)])
-    return After(gm, rereads, expected)  # type: ignore[arg-type]
+    return After(gm, rereads, expected)
 
 
 def last_position(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
@@ -400,7 +401,7 @@ def _reset(gm: fx.GraphModule) -> None:
 
 
 def error_on(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
-           expected: Sequence[Sequence[torch.Tensor]], after: After | None = None) -> float:
+             expected: Sequence[Sequence[torch.Tensor]], after: After | None = None) -> float:
     """`gm`'s error on `inputs`, each run from the part's initial state where it keeps one
     (as `expected` was: runtimes/torch_eager.py `remember_initial`, `reset`), and `after`
     each run, the error of the part's last position run again on the state it left."""
