@@ -90,6 +90,8 @@ class Worker:
         # ring it is stuck in, and ends once that returns.
         self.abandoned = False
         self.told: Any = None  # while a Build runs: tells the daemon what it is doing
+        # builds dropped since the memory was last given back (Control, cuvild/workers/trim.py)
+        self.litter = False
 
     def handle(self, order: Order) -> Built | Described | None:
         if isinstance(order, Build):
@@ -215,7 +217,8 @@ class Worker:
         finally:
             if order.last:  # the model's other parts are not needed here any more
                 forget(order.split_key)
-            give_back()  # what the search made and dropped (cuvild/workers/trim.py)
+            # what a search made and dropped, given back once the orders in hand are done
+            self.litter = self.litter or len(order.precisions) > 1
         key = (order.model, order.part)
         own = built[order.precisions[0]]
         if len(built) > 1:  # a precision search will choose among them
@@ -262,7 +265,7 @@ class Worker:
         self.parts[key] = self.variants[key][order.precision]
         if order.final:  # the losing precisions' executables go
             del self.variants[key]
-            give_back()
+            self.litter = True
 
     def describe(self, order: Describe) -> Described:
         """How the part runs now, as its executable says (`describe`: a decode step's tier,
@@ -288,7 +291,7 @@ class Worker:
         for key in [k for k in list(self.parts) if k[0] == order.model]:
             self.parts.pop(key, None)
             self.variants.pop(key, None)
-        give_back()
+        self.litter = True
 
 
 def answer(worker: Worker, envelope: Envelope) -> Reply:
@@ -369,10 +372,15 @@ class Control:
     def _drain(self) -> None:
         while True:
             with self.mutex:
-                if not self.orders or self.worker.abandoned:
+                tidy = not self.orders and self.worker.litter and self.one_build is None
+                if (not self.orders and not tidy) or self.worker.abandoned:
                     self.running = False
                     return
-                envelope = self.orders.popleft()
+                envelope = self.orders.popleft() if not tidy else None
+            if envelope is None:  # the orders in hand done: what their builds dropped goes
+                self.worker.litter = False  # back to the system, once (a worker process's:
+                give_back()  # a collection walks all of the daemon's objects in a thread)
+                continue
             if isinstance(envelope.order, (Build, Preload)):  # (beside the runs: minutes)
                 def told(text: str, envelope: Envelope = envelope) -> None:
                     if not self.worker.abandoned:
