@@ -111,19 +111,24 @@ PACK_ROWS = 128  # the rows oneDNN lays a packed weight out for (any count runs 
 # copies of its weights otherwise). Held by the executables that run on them, not here: a
 # precision search's losing builds take theirs with them (held here until their part went,
 # the 200M Llama's worker kept 1.6 GB of them: its fp32 packings for 1 and 128 rows, its
-# plain bf16 copy, beside the mixed chunk and fp16 step it served); and each entry goes
-# with its part's tensor (whose id another tensor may take then)
+# plain bf16 copy, beside the mixed chunk and fp16 step it served). Each is keyed by the
+# part's own tensor it comes from, through what (a weight lowered, then packed: its bf16
+# copy, held by nothing once packed, need not stay for the next bucket to find the packing),
+# keeps that tensor alive, and goes with it (whose id another tensor may take then)
 _DERIVED: weakref.WeakValueDictionary[tuple[int, str], torch.Tensor] = \
     weakref.WeakValueDictionary()
 
 
 def _derived(weight: torch.Tensor, what: str, make: Callable[[torch.Tensor], torch.Tensor]
              ) -> torch.Tensor:
-    key = (id(weight), what)
+    root = getattr(weight, "_cuvild_root", weight)  # (a derived one's: the part's own)
+    what = f"{weight._cuvild_what}/{what}" if root is not weight else what  # noqa: SLF001
+    key = (id(root), what)
     found = _DERIVED.get(key)
     if found is None:
         found = _DERIVED[key] = make(weight.detach())
-        weakref.finalize(weight, _DERIVED.pop, key, None)
+        found._cuvild_root, found._cuvild_what = root, what  # noqa: SLF001 - (tensors take
+        weakref.finalize(root, _DERIVED.pop, key, None)  # attributes)
     return found
 
 

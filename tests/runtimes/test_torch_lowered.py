@@ -7,6 +7,8 @@ offers fp16 only where the profile lists F16C."""
 
 from __future__ import annotations
 
+import gc
+
 import lm_models
 import pytest
 import torch
@@ -103,7 +105,9 @@ def test_linears_run_on_packed_weights_shared_by_the_parts_buckets(
         pytest.skip("oneDNN here has no bf16 kernels (it needs avx512bw/vl/dq or AMX)")
     hf = lm_models.lm("llama")
     part = one_part(lm_models.export(hf))
-    one, two = prepared(part, dtype), prepared(part, dtype)  # (two buckets of one part)
+    one = prepared(part, dtype)
+    gc.collect()  # (what `one` was made through is gone: its packings still shared)
+    two = prepared(part, dtype)  # (two buckets of one part)
     linears = [n for n in one.graph.nodes if n.target is torch.ops.aten.linear.default]
     packed = [n for n in one.graph.nodes
               if n.target is torch.ops.mkldnn._linear_pointwise.default]  # noqa: SLF001
@@ -125,8 +129,6 @@ def test_derived_weights_go_with_the_builds_that_run_on_them() -> None:
     """A part's weights lowered (or packed) for one build are shared by its other builds at
     the same precision, and held by them alone: a precision search's losing build takes its
     copies with it while the part, and the winner, stay (runtimes/torch_eager.py _DERIVED)."""
-    import gc
-
     from runtimes.torch_eager import _DERIVED  # noqa: PLC2701 - what the test is about
 
     part = one_part(lm_models.export(lm_models.lm("llama")))
