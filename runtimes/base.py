@@ -37,6 +37,18 @@ if TYPE_CHECKING:
 # asked for); under an error budget (`precision="auto"`), the budget is the bound instead.
 TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "int8": 5e-2, "int8+fp32": 5e-2}
 INITIAL = "cuvild_initial"  # a stateful part's meta: its state before any run (torch_eager.py)
+
+
+def reset(module: Any) -> None:
+    """Put a stateful part's state back as it was before any run (its meta's INITIAL,
+    runtimes/torch_eager.py `remember_initial`): a run on a fresh state."""
+    import operator
+
+    import torch
+
+    with torch.no_grad():
+        for name, value in getattr(module, "meta", {}).get(INITIAL, {}).items():
+            operator.attrgetter(name)(module).copy_(value)
 MIXED = "+fp32"  # "bf16+fp32": a part at bf16 but for the groups kept fp32 (runtimes/mixed.py)
 # int8 but for the ops NNCF's accuracy control keeps fp32 (runtimes/openvino.py `quantize`)
 INT8_MIXED = "int8" + MIXED

@@ -54,7 +54,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from partitioner.flops import category
 from partitioner.fxgraph import updated
-from runtimes.base import INITIAL, MIXED, CompileError, set_error
+from runtimes.base import MIXED, CompileError, reset, set_error
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +372,7 @@ def after_runs(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]]) -> 
     expected = []
     with torch.no_grad():
         for x, last in zip(inputs, rereads, strict=True):
-            _reset(gm)
+            reset(gm)
             gm(*x)
             expected.append([t.clone() for t in gm(*last)])
     return After(gm, rereads, expected)
@@ -395,11 +395,6 @@ def last_position(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
     return out if cut else None
 
 
-def _reset(gm: fx.GraphModule) -> None:
-    for state, value in gm.meta.get(INITIAL, {}).items():
-        operator.attrgetter(state)(gm).copy_(value)
-
-
 def error_on(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
              expected: Sequence[Sequence[torch.Tensor]], after: After | None = None) -> float:
     """`gm`'s error on `inputs`, each run from the part's initial state where it keeps one
@@ -408,7 +403,7 @@ def error_on(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
     outputs, wanted = [], []
     with torch.no_grad():
         for i, x in enumerate(inputs):
-            _reset(gm)
+            reset(gm)
             got, want = list(gm(*x)), list(expected[i])
             if after is not None:
                 for state in _state(gm):  # (a lowered copy shares its state tensors)

@@ -43,10 +43,11 @@ from partitioner.fxgraph import updated
 from partitioner.profile import DeviceProfile
 from runtimes import compiled_step, mixed, packed_linear, torch_cuda
 from runtimes.attention import attended
-from runtimes.base import INITIAL, CompileError, CompileSpec, Executable, Runtime
+from runtimes.base import INITIAL, CompileError, CompileSpec, Executable, Runtime, reset
 from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, runs
 
-__all__ = ["drop_scope", "drop_sequence"]  # (the worker's, with the state: runtimes/state.py)
+__all__ = ["drop_scope", "drop_sequence", "reset"]  # (the worker's, with the state:
+# runtimes/state.py; a part's state reset: runtimes/base.py)
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +84,6 @@ def remember_initial(module: fx.GraphModule) -> list[str]:
     if state and INITIAL not in module.meta:
         module.meta[INITIAL] = {n: _attr(module, n).detach().clone() for n in state}
     return state
-
-
-def reset(module: fx.GraphModule) -> None:
-    """Put the state remembered by `remember_initial` back (a run on a fresh state)."""
-    with torch.no_grad():
-        for name, value in module.meta.get(INITIAL, {}).items():
-            _attr(module, name).copy_(value)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
