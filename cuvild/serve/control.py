@@ -17,6 +17,7 @@ import cuvild
 from cuvild.core.loaded import bucket_stats, part_stats
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
 from cuvild.intake.summary import inspect_archive
+from cuvild.load import prepare
 from cuvild.serve.errors import abort
 from cuvild.serve.limits import Gate, Uploads
 from partitioner.profile import DeviceProfile
@@ -245,6 +246,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         if first is None or first.WhichOneof("part") != "header":
             raise RegistryError("invalid", "the first LoadModel message must be the header")
         h = first.header
+        prepare.import_ahead()  # (torch for its load, while it uploads and is inspected)
         upload = self._registry.begin_upload({
             "name": h.name, "version": h.version, "sha256": h.sha256,
             "size_bytes": h.size_bytes, "replace": h.replace, "precision": h.precision,

@@ -160,6 +160,8 @@ def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tm
     with Client(again.target) as client:
         torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x),
                                    rtol=1e-4, atol=1e-5)
+    # restored without torch in the daemon, though the bad entry was inspected again
+    assert "libtorch" not in Path(f"/proc/{again.proc.pid}/maps").read_text()
 
 
 def test_one_bad_entry_fails_alone_with_a_bounded_reason(tmp_path, monkeypatch):

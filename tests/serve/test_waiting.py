@@ -71,6 +71,8 @@ def test_load_returns_once_ready_and_the_first_infer_runs(daemon_w):
             torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
         listed = next(m for m in client.models() if m["name"] == "mlp")
         assert {"phase", "warm", "load_s"} <= set(listed)
+    # torch and the loader imported from the upload's start, beside its inspection
+    assert "the load path imported ahead of the first upload" in daemon_w.log()
 
 
 def test_no_wait_returns_while_loading_and_server_ready_holds(daemon_w):
