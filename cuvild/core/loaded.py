@@ -100,6 +100,9 @@ class Family:
     # a language model's plan to time its own against at its warm-up, with how each is named
     # (cuvild/load/guard.py, cuvild/load/warmup.py `guarded`); None once timed, or none
     alternative: tuple[Plan, str, str] | None = None
+    # a language model under a budget: its program, until its warm-up has checked a
+    # generation of the buckets served against it at fp32 (cuvild/load/warmup.py `checked`)
+    reference: ExportedProgram | None = None
 
 
 LAST = "last"  # a model's key + "@" + LAST: its generation twin (its sequences the model's)

@@ -54,7 +54,10 @@ class ServedModel:
 
 def untimed(loaded: LoadedModel, why: str) -> None:
     """A language model whose plan was to be timed at its warm-up (warmup.guarded), served
-    untimed: its plan says so, and why."""
+    untimed: its plan says so, and why. Nor is a generation of it checked (no program kept
+    for it: `Family.reference`)."""
+    if loaded.family is not None:
+        loaded.family.reference = None
     if loaded.family is not None and loaded.family.alternative is not None:
         loaded.plan.notes.append(f"{guard.LABEL}: not timed against the plan "
                                  f"{loaded.family.alternative[2]} ({why})")

@@ -105,6 +105,12 @@ def host_mix(device: DeviceProfile) -> bool:
     return mixed_prompt() and (device.kind == "cpu" or device.emulated)
 
 
+def under_budget(policy: PrecisionPolicy, plan: Any) -> bool:
+    """Whether a precision search may lower some part of `plan` (a budget: `auto`, for the
+    whole model or a part's annotation)."""
+    return policy.mode == "auto" or any(p.policy == "auto" for p in plan.parts)
+
+
 def runtime_key(runtime: str, precision: str) -> str:
     """The name a (runtime, precision) pair is learned and priced under by the cost model."""
     return runtime if precision == "fp32" else f"{runtime}@{precision}"

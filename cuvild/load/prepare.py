@@ -149,6 +149,8 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         # (the guard's second build keeps no records: they are the model's, by its key)
         model.family.record_at = record_at if keep_record else None
         model.family.alternative = alternative
+        if model.state is not None and precision.under_budget(policy, plan):
+            model.family.reference = ep
         if model.state is not None:  # (its sequences' steps share runs in its worker)
             model.unbatched = ("it keeps state per sequence: its sequences' steps share runs "
                                "in its worker instead (docs/GENERATION.md)")

@@ -25,6 +25,7 @@ then dropped).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import statistics
 import time
@@ -36,13 +37,14 @@ import numpy as np
 from cuvild.core.loaded import LoadedModel, Out
 from cuvild.load import guard, warm
 from cuvild.load.buckets import last_logits, step_lengths
-from cuvild.run.generate import INPUTS
+from cuvild.run.generate import INPUTS, served_step
 from protos.orders import RawTensor
 
 if TYPE_CHECKING:
     from cuvild.load.builder import Builder
     from partitioner.plan import Plan
 
+log = logging.getLogger(__name__)
 ROUNDS = 3  # a guard's timed generations of each plan, in turn
 STEPS = 8  # decode steps timed in each (the generation's others priced at their median)
 SETTLE_S = 120.0  # the longest a load waits for its decode step's compile (~11 s the first
@@ -76,7 +78,88 @@ def warm_up(runner: Any, describe: Callable[[str, str, str], str], model: Loaded
     pending = model.family is not None and model.family.alternative is not None
     if 1 in lengths and compile_step and not pending:
         done += settled(runner, describe, model, progress)
+    reference = model.family.reference if model.family is not None else None
+    if reference is not None and 1 in lengths:
+        model.family.reference = None  # (the program's tensors go with the check)
+        progress("checking a generation against fp32")
+        said = checked(runner, model, reference, longest or 1)
+        model.plan.notes.append(said)
+        done.append(said)
+        if model.family.record_at is not None:  # (a restart serves it with the note)
+            warm.write_dynamic(model.family.record_at, model)
     return done
+
+
+CHECKED_STEPS = 16  # decode steps of the warm-up's generation check, after its prompt
+
+
+def checked(runner: Any, model: LoadedModel, program: Any, prompt_len: int,
+            steps: int = CHECKED_STEPS) -> str:
+    """A generation of the buckets served, checked against the program at fp32: a prompt of
+    `prompt_len` random tokens in one chunk, then `steps` decode steps fed the tokens fp32
+    picks (teacher-forced, so one early difference does not change every later input);
+    the last position's logits of each run against fp32's (`set_error`, the budget's
+    metric). The prompt chunk's check holds its own logits and the step after it
+    (runtimes/mixed.py `After`), the decode step's its own from a fresh state: this holds
+    the two together over a generation, each reading the cache the others wrote. Said in
+    words, over the budget or not (a note: what serves stays as it is)."""
+    from runtimes.base import set_error
+
+    assert model.state is not None
+    steps = max(0, min(steps, model.state.context - prompt_len - 1))
+    high = next((s.get("high") for s in model.input_specs if s.get("name") == INPUTS[0]),
+                None) or 2
+    prompt = np.random.default_rng(0).integers(0, high, prompt_len).tolist()
+    want, tokens = reference_generation(program, model.inputs, prompt, steps)
+    live = runner.sequences.begin(model.key, f"load-check-{time.monotonic_ns()}",
+                                  sorted(model.parts_by_device))
+    try:
+        step = served_step(runner, model, last_logits(model), live)
+        got = [step(prompt, 0)] + [step([t], prompt_len + i) for i, t in enumerate(tokens)]
+    finally:
+        runner.sequences.end(live, "ended (the load's generation check)")
+    error = set_error([[g] for g in got], [[w] for w in want])
+    budget = model.policy.max_error if model.policy is not None else None
+    over = budget is not None and error > budget
+    said = (f"a generation checked at its load: a {prompt_len}-token prompt, then {steps} "
+            f"steps fed fp32's tokens: error {error:.1e} against fp32"
+            + (f" (budget {budget:.0e})" if budget is not None else "")
+            + (": OVER the budget" if over else ""))
+    if over:
+        log.warning("model %s: %s", model.key, said)
+    return said
+
+
+def reference_generation(program: Any, names: list[str], prompt: list[int],
+                         steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """fp32 torch eager's last logits for `prompt`, then for `steps` greedy tokens fed one
+    at a time (the tokens fed: one per step), on the program's state (put back after)."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    from runtimes.base import reset
+    from runtimes.torch_eager import remember_initial
+
+    module, spec = program.module(), program.call_spec.in_spec
+    remember_initial(module)
+
+    def run(ids: list[int], position: int) -> np.ndarray:
+        values = {INPUTS[0]: torch.tensor([ids]),
+                  INPUTS[1]: torch.arange(position, position + len(ids))}
+        args, kwargs = pytree.tree_unflatten([values[n] for n in names], spec)
+        logits = pytree.tree_flatten(module(*args, **kwargs))[0][0]
+        return logits[0, -1].float().numpy().copy()
+
+    want, tokens = [], []
+    with torch.no_grad():
+        try:
+            want.append(run(prompt, 0))
+            for i in range(steps):
+                tokens.append(int(np.argmax(want[-1])))
+                want.append(run([tokens[-1]], len(prompt) + i))
+        finally:
+            reset(module)
+    return want, tokens
 
 
 def settled(runner: Any, describe: Callable[[str, str, str], str], model: LoadedModel,

@@ -24,10 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cuvild.core.layout import BadInput
+from cuvild.core.loaded import Out
+from protos.orders import RawTensor
+
+if TYPE_CHECKING:
+    from cuvild.core.loaded import LoadedModel
+    from cuvild.run.sequences import Live
 
 INPUTS = ("input_ids", "cache_position")
 CHUNKS = (128, 64, 16, 4, 1)  # prefill chunk lengths, the largest that fits first (1: decode)
@@ -82,6 +89,28 @@ def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> in
 
 
 Step = Callable[[list[int], int], np.ndarray]  # (token ids, first position) -> last logits
+
+
+def served_step(runner: Any, model: LoadedModel, chunked: LoadedModel, live: Live) -> Step:
+    """The Step of a served model on sequence `live`: a prompt's chunks on `chunked` (its
+    twin that computes the last position's logits alone: cuvild/load/buckets.py
+    last_logits), one token on `model`, each run on the bucket of its length."""
+    order = [model.inputs.index(n) for n in INPUTS]
+
+    def step(ids: list[int], position: int) -> np.ndarray:
+        values = (np.array([ids], np.int64),
+                  np.arange(position, position + len(ids), dtype=np.int64))
+        inputs: list[Any] = [None, None]
+        given: list[Any] = [None, None]
+        for value, at in zip(values, order, strict=True):
+            inputs[at] = RawTensor(value.tobytes(), "int64", value.shape)
+            given[at] = ("int64", value.shape)
+        target = runner.resolve(chunked if len(ids) > 1 else model, given)  # its bucket
+        vocab = target.slots[target.outputs[0]].shape[-1]
+        raw = runner.step(target, live, inputs, Out({}, raw=True))[0]
+        return np.frombuffer(raw, np.float32).reshape(-1, vocab)[-1]
+
+    return step
 
 
 def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int,

@@ -22,17 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from cuvild.core.layout import BadInput
-from cuvild.core.loaded import LoadedModel, Out
+from cuvild.core.loaded import LoadedModel
 from cuvild.load.buckets import last_logits, step_lengths
 from cuvild.load.models import ModelManager
-from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate
+from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate, served_step
 from cuvild.run.runner import Runner
 from cuvild.serve import chat
 from cuvild.serve.errors import Refused, find, status
-from protos.orders import RawTensor
 
 TOKENIZER = "tokenizer.json"
 MAX_TOKENIZER_BYTES = 64 << 20
@@ -64,23 +61,10 @@ class Generation:
         assert model.state is not None
         live = runner.sequences.begin(model.key, f"generate-{next(_ids)}",
                                       sorted(model.parts_by_device))
-        order = [model.inputs.index(n) for n in INPUTS]
         # a prompt's chunks on the model's twin that computes the last position's logits
         # alone (cuvild/load/buckets.py last_logits); decode steps (one position) on its own
-        chunked = last_logits(model) if model.family is not None else model
-
-        def step(ids: list[int], position: int) -> np.ndarray:
-            values = (np.array([ids], np.int64),
-                      np.arange(position, position + len(ids), dtype=np.int64))
-            inputs: list[Any] = [None, None]
-            given: list[Any] = [None, None]
-            for value, at in zip(values, order, strict=True):
-                inputs[at] = RawTensor(value.tobytes(), "int64", value.shape)
-                given[at] = ("int64", value.shape)
-            target = runner.resolve(chunked if len(ids) > 1 else model, given)  # its bucket
-            vocab = target.slots[target.outputs[0]].shape[-1]
-            raw = runner.step(target, live, inputs, Out({}, raw=True))[0]
-            return np.frombuffer(raw, np.float32).reshape(-1, vocab)[-1]
+        step = served_step(runner, model,
+                           last_logits(model) if model.family is not None else model, live)
 
         t0, last, code = time.perf_counter(), None, "CANCELLED"  # (its caller left)
         try:

@@ -6,7 +6,9 @@ step's matrix-vector products are fastest there), and a prompt chunk's mix (bf16
 its sensitive groups, held on the state it leaves as on its logits). Timing decides what
 runs, so the test holds what must: every bucket was searched, tried the lower precisions,
 stays within the budget, and generation through buckets at different precisions shares one
-cache; built again, each bucket builds only what its search chose."""
+cache; the load's warm-up checks a generation of the buckets served against fp32 (said in
+the plan, and kept by its record); built again, each bucket builds only what its search
+chose."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from cuvild.core.loaded import LoadedModel
 from cuvild.core.precision import PrecisionPolicy
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
+from cuvild.load import warmup
 from cuvild.run.generate import Sampling, generate
 from partitioner.profile import DeviceProfile
 
@@ -41,6 +44,25 @@ def generated(engine: Engine, model: LoadedModel) -> list[LoadedModel]:
     assert len(got) == 6
     served = engine.runner.served.buckets
     return [served[(model.key, ((1, n), (n,)))] for n in (8, 1)]
+
+
+def generation_checked(engine: Engine, model: LoadedModel, ep: torch.export.ExportedProgram,
+                       ) -> str:
+    """The warm-up checks a generation of the buckets served against fp32 (each bucket's own
+    check runs from a fresh state): within the budget, said in the plan; what it says."""
+    assert model.family is not None and model.family.reference is not None
+    done = warmup.warm_up(engine.runner, engine.builder.describe, model, lambda _: None,
+                          compile_step=False)
+    (said,) = [d for d in done if d.startswith("a generation checked at its load")]
+    assert said in model.plan.notes and model.family.reference is None
+    print(said)
+    error = float(said.split("error ")[1].split()[0])
+    assert 0 < error <= 1e-2, said
+    policy, model.policy = model.policy, PrecisionPolicy("auto", 1e-6)  # one it is over
+    over = warmup.checked(engine.runner, model, ep, 16, steps=2)
+    assert over.endswith("(budget 1e-06): OVER the budget"), over
+    model.policy = policy
+    return said
 
 
 def test_each_bucket_searches_its_precision_within_the_budget(tmp_path: Path) -> None:
@@ -69,17 +91,20 @@ def test_each_bucket_searches_its_precision_within_the_budget(tmp_path: Path) ->
             assert not chunk or "the next step on the state it leaves" in mix[0]["reason"], mix
             assert bucket.routes[0].precision in ("fp32", "bf16", "fp16", "bf16+fp32")
             assert list(bucket.routes[0].variants) == [bucket.routes[0].precision]
+        checked = generation_checked(engine, model, ep)
         assert arena.in_use() == 0
     finally:
         engine.close()
         arena.close()
     # built again (a restart): each bucket builds only what its search chose, checks it,
-    # and keeps it with the search's notes
+    # and keeps it with the search's notes (restored from its record: no program to check
+    # a generation against)
     arena = Arena(f"{os.getpid()}-lmp2")
     engine = Engine([CPU], tmp_path / "cache", arena, workers="thread")
     try:
         model = engine.prepare("lm-auto-2", "lm-auto-2", "1", tmp_path / "lm.pt2", specs,
                                policy=policy)
+        assert [n for n in model.plan.notes if n.startswith("a generation checked")] == [checked]
         for before, bucket in zip(searched, generated(engine, model), strict=True):
             assert bucket.routes[0].precision == before.routes[0].precision
             built = {c["precision"] for c in bucket.routes[0].built.candidates}
