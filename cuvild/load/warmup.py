@@ -224,6 +224,8 @@ def guarded(builder: Builder, model: LoadedModel,
     try:
         # (a copy: its build writes the precisions it chose into the plan's parts)
         other = load(f"{model.key}~one", copy.deepcopy(theirs_plan), False)
+        if other.family is not None:  # (timed only: a generation of it is not checked)
+            other.family.reference = None
         warm_up(builder.runner, builder.describe, other, lambda phase: None,
                 compile_step=False)
         ours_ms, theirs_ms = generation_ms(builder.runner, [model, other])
