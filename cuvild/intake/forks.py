@@ -3,10 +3,10 @@ archive inspections (cuvild/intake/summary.py) and device workers (cuvild/worker
 fork instead of starting an interpreter and importing torch each (~1.7 s of CPU a process on
 the 2-core dev host, torch 2.13). It stays resident (~370 MB, shared with what forks from it).
 
-It is started by a daemon with nothing registered (`start`, off the request path) or by the
-first upload. A daemon that restores models never starts it for them: its workers are
-spawned, and serve their records with no torch in any process. Workers fork from it only once
-it runs (`running`).
+It is started by the first upload of bytes never inspected (`start`, as they arrive). A daemon
+that restores models, or registers bytes inspected before (cuvild/intake/verdicts.py), never
+starts it for them: its workers are spawned, and serve their records with no torch in any
+process. Workers fork from it only once it runs (`running`).
 
 Its first import sets the OpenMP settings a worker's pools read when torch's OpenMP library
 loads (passive waits: cuvild/workers/omp_env.py); a worker still sizes its pool to its cores.

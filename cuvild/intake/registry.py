@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cuvild.intake.verdicts import Verdicts
 from runtimes.base import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class Upload:
             self.archive.finish()
             if self.calibration is not None:
                 self.calibration.finish()
-            summary = inspect(self.archive.path)
+            summary = self.registry.inspected(self.header["sha256"], self.archive.path, inspect)
             if self.calibration is not None:
                 summary["calibration_inputs"] = check_calibration(self.calibration.path,
                                                                   summary["inputs"])
@@ -221,7 +222,9 @@ def check_calibration(path: Path, specs: list[dict[str, Any]]) -> int:
 class Registry:
     """Registered models of one daemon; safe to use from several gRPC threads."""
 
-    def __init__(self, state_dir: Path, max_model_bytes: int) -> None:
+    def __init__(self, state_dir: Path, max_model_bytes: int,
+                 verdicts: Verdicts | None = None) -> None:
+        self.verdicts = verdicts  # the inspection's, kept in the compile cache (verdicts.py)
         self.models_dir = state_dir / "models"
         self.uploads_dir = state_dir / "uploads"
         self.index_path = self.models_dir / "index.json"
@@ -327,6 +330,24 @@ class Registry:
             if existing:
                 self._drop_unreferenced(existing)
             return record, False
+
+    def known(self, sha256: str) -> bool:
+        """Whether the inspection accepted these bytes before (a verdict this daemon signed)."""
+        return self.verdicts is not None and self.verdicts.known(sha256.lower()) is not None
+
+    def inspected(self, sha256: str, path: Path,
+                  inspect: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+        """The archive's summary: its verdict's, else `inspect`'s (kept as a verdict).
+        `path` holds bytes whose sha256 was checked to be `sha256`."""
+        summary = self.verdicts.known(sha256) if self.verdicts is not None else None
+        if summary is not None:
+            log.info("archive %s: inspected before (its verdict in the compile cache)",
+                     sha256[:12])
+            return summary
+        summary = inspect(path)
+        if self.verdicts is not None:
+            self.verdicts.keep(sha256, summary)
+        return summary
 
     def unchanged(self, header: dict[str, Any]) -> ModelRecord | None:
         """The record an upload with this header (a full one, as begin_upload fills it) would

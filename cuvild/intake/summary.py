@@ -7,8 +7,9 @@ namespaces only); anything it refuses becomes INVALID_ARGUMENT naming the entry.
 crafted archive costs to parse is paid there, not in the daemon's interpreter (its GIL, its
 deserializer lock, its heap). Children fork from the daemon's forkserver (cuvild/intake/forks.py),
 which has imported torch and the loader once: +40-60 ms an upload over loading in-process. Its
-start costs ~5 s of CPU (2-core host, torch 2.13): a daemon with nothing registered starts
-it at once (`start_inspector`), so that its first upload does not wait for it.
+start costs ~3 s of CPU (2-core host, torch 2.13): it starts (`start_inspector`) as the
+header of an upload of unknown bytes arrives, while they do. Bytes inspected before are not
+inspected again (cuvild/intake/verdicts.py).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def inspect_archive(path: Path, max_bytes: int) -> dict[str, Any]:
 
 
 def start_inspector() -> None:
-    """Start the forkserver now (e.g. at daemon start-up, off the request path), so that the
-    first upload does not pay for it. Optional: inspect_archive starts it when needed."""
+    """Start the forkserver now (as an upload's bytes arrive), so that its inspection does not
+    wait for it. Optional: inspect_archive starts it when needed."""
     forks.start()
 
 

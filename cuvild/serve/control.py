@@ -16,7 +16,7 @@ import grpc
 import cuvild
 from cuvild.core.loaded import bucket_stats, part_stats
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
-from cuvild.intake.summary import inspect_archive
+from cuvild.intake.summary import inspect_archive, start_inspector
 from cuvild.load import prepare
 from cuvild.serve.errors import abort
 from cuvild.serve.limits import Gate, Uploads
@@ -246,7 +246,13 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         if first is None or first.WhichOneof("part") != "header":
             raise RegistryError("invalid", "the first LoadModel message must be the header")
         h = first.header
-        prepare.import_ahead()  # (torch for its load, while it uploads and is inspected)
+        if not self._registry.known(h.sha256):  # (bytes inspected before are not again)
+            try:
+                start_inspector()  # its forkserver (torch), while the bytes arrive
+            except Exception:  # noqa: BLE001 - the inspection starts it then, or says why
+                log.warning("intake: the archive inspector did not start ahead of the upload",
+                            exc_info=True)
+            prepare.import_ahead()  # (torch for its load, while it uploads and is inspected)
         upload = self._registry.begin_upload({
             "name": h.name, "version": h.version, "sha256": h.sha256,
             "size_bytes": h.size_bytes, "replace": h.replace, "precision": h.precision,

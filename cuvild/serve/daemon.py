@@ -37,6 +37,7 @@ import cuvild
 from cuvild import config as config_mod
 from cuvild.core.arena import Arena, reclaim_stale
 from cuvild.intake.registry import Registry
+from cuvild.intake.verdicts import Verdicts
 from cuvild.serve import sdnotify
 from cuvild.serve.control import ControlService
 from cuvild.serve.front import Front
@@ -409,7 +410,8 @@ class Daemon:
         if wait == "auto":
             wait = "passive" if shares_cores(self.current_profiles().devices) else "spin"
         os.environ[OMP_WAIT_ENV] = wait
-        self.registry = Registry(self.cfg.state_dir, self.cfg.max_model_bytes)
+        self.registry = Registry(self.cfg.state_dir, self.cfg.max_model_bytes,
+                                 Verdicts(self.cfg.cache_dir))
         self._start_engine()
         try:
             self.front = Front(self.cfg.unix_socket, self.cfg.max_connections,
@@ -438,8 +440,6 @@ class Daemon:
             # Registered models are LOADING before the first connection: a client that comes
             # back after a restart waits for its model rather than hearing it is unknown.
             self.models.restore()
-            if not self.models.all():  # nothing registered: the first call will be an upload
-                self._start_intake()
             self._read_repository()
             self.front.start()
         except BaseException:
@@ -497,22 +497,6 @@ class Daemon:
                          args=(Path(self.cfg.model_repository),
                                lambda path: inspect_archive(path, registry.max_model_bytes)),
                          ).start()
-
-    def _start_intake(self) -> None:
-        """Start the uploads' inspector now, on a daemon with nothing registered, so that its
-        first upload does not wait for it: a forkserver process that imports torch and the
-        safe loader (~5 s of CPU on the 2-core dev host, ~370 MB resident) while the daemon
-        goes on. A daemon that restores models starts it at its first upload: it may never get
-        one, and it serves them without torch in any process."""
-        from cuvild.intake.summary import start_inspector
-
-        try:
-            start_inspector()  # (spawns it and returns)
-        except Exception:  # noqa: BLE001 - the first upload starts it then, or says why
-            log.warning("intake: the archive inspector did not start ahead of uploads",
-                        exc_info=True)
-            return
-        log.info("intake: archive inspector starting ahead of uploads")
 
     def _shutdown(self) -> int:  # noqa: C901 - each listener and service, closed in order
         sdnotify.notify("STOPPING=1\nSTATUS=draining")

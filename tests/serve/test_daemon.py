@@ -8,8 +8,8 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,6 +22,7 @@ import cuvild
 from cuvild.client import Client
 from cuvild.client.samples import MLP
 from protos import cuvil_pb2, cuvil_pb2_grpc
+from runtimes.cache import KEY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,27 +62,53 @@ def test_socket_mode_and_ready(daemon):
     assert any("READY=1" in m for m in daemon.messages)
 
 
-def test_a_fresh_daemon_starts_the_upload_inspector_before_the_first_upload(daemon):
-    """Its forkserver imports torch once (seconds): a daemon with nothing registered starts
-    it by itself, so the first upload does not wait for that."""
-    deadline = time.monotonic() + 120
-    while "archive inspector starting ahead" not in daemon.log():
-        assert time.monotonic() < deadline, daemon.log()[-3000:]
-        time.sleep(0.2)
-    assert worker_processes(daemon.proc.pid, "forkserver")
+def test_the_inspector_starts_with_unknown_bytes_and_known_ones_need_no_torch(make_daemon,
+                                                                               tmp_path):
+    """A fresh daemon runs no inspector (its forkserver imports torch: seconds of CPU, ~370
+    MB) until the header of an upload of bytes never inspected; what the inspection accepted
+    is kept in the compile cache, signed, so a second daemon sharing the cache and its key
+    registers the same bytes uninspected and, their load record there too, serves them with
+    no torch in any process (cuvild/intake/verdicts.py)."""
+    cache, key = tmp_path / "cache", tmp_path / "cache.key"
+
+    def fresh() -> Any:
+        d = make_daemon(start=False, cache_dir=str(cache))
+        d.env[KEY_ENV] = str(key)
+        return d.start()
+
+    torch.manual_seed(0)
+    model, x = MLP(width=16, depth=1).eval(), torch.randn(2, 16)
+    first = fresh()
+    assert worker_processes(first.proc.pid, "forkserver") == []
+    with Client(first.target) as client:
+        client.load("mlp", model, (x,))
+    assert "inspected before" not in first.log()
+    (forkserver,) = worker_processes(first.proc.pid, "forkserver")
     # its listening socket in the daemon's private directory (gone with it, even killed),
     # not in a /tmp/pymp-* of its own
     sockets = [line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
                if len(line.split()) > 7]
-    ours = [s for s in sockets if f"/cuvild-{daemon.proc.pid}-" in s and "/listener-" in s]
+    ours = [s for s in sockets if f"/cuvild-{first.proc.pid}-" in s and "/listener-" in s]
     assert ours, [s for s in sockets if "listener-" in s]
     # and its (so its workers') temporary files in the daemon's scratch directory, on disk
     # beside the compile cache, gone with it too (ONNX exports stayed in /tmp/cuvil-ort-*)
-    (forkserver,) = worker_processes(daemon.proc.pid, "forkserver")
     env = dict(v.split("=", 1) for v in (forkserver / "environ").read_text().split("\0") if v)
     scratch = Path(env["TMPDIR"])
     assert scratch.parent.name == "scratch" and scratch.name.startswith(
-        f"cuvild-{daemon.proc.pid}-") and scratch.is_dir(), scratch
+        f"cuvild-{first.proc.pid}-") and scratch.is_dir(), scratch
+    first.stop()
+    (verdict,) = (cache / "inspected").glob("*.json")
+    second = fresh()
+    with Client(second.target) as client:
+        client.load("mlp", model, (x,))
+        with torch.no_grad():
+            torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x),
+                                       rtol=1e-4, atol=1e-5)
+    assert f"archive {verdict.stem[:12]}: inspected before" in second.log()
+    assert "(from its load record)" in second.log()
+    assert worker_processes(second.proc.pid, "forkserver") == []
+    for pid in [second.proc.pid] + [int(p.name) for p in worker_processes(second.proc.pid)]:
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
 
 
 def test_health_and_reflection(daemon):

@@ -1,0 +1,97 @@
+"""What the safe inspection found in an archive, kept in the compile cache by the archive's
+sha256, so that the same bytes uploaded again are not inspected again: to a fresh state
+directory, to another daemon or pod sharing the cache (a KServe ServingRuntime's replicas), or
+from a model repository scanned by a new pod. Such an upload starts no inspector (a forkserver
+that imports torch: ~3 s of CPU on the 2-core dev host, ~370 MB resident) and, where the
+model's load record is there too, imports torch nowhere: the small MLP registered and READY on
+a fresh daemon in 2.0 -> 0.2 s (tests/bench/bench_intake.py).
+
+A verdict lets an archive skip the isolated inspection, so it is signed as the compile cache's
+entries are (HMAC-SHA256 with the daemon's cache key, runtimes/cache.py): whoever can write the
+cache but not read the key cannot have a crafted archive parsed in the daemon without the
+inspection's limits. It names the software that inspected (cuvild's intake code and torch's
+version): after an upgrade or a changed loader the archive is inspected again. Only archives
+the inspection accepted are kept (a refusal can be a limit's on a busy host); at most KEEP, the
+oldest go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import re
+import threading
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from runtimes.base import write_atomic
+from runtimes.cache import cache_key_file
+
+log = logging.getLogger(__name__)
+FORMAT = 1
+SHA256 = re.compile(r"[0-9a-f]{64}")
+KEEP = 1024  # verdicts kept in a cache (a few hundred bytes to a few KB each)
+_software: list[str] = []
+_lock = threading.Lock()
+
+
+def software() -> list[str]:
+    """What inspected: the digest of cuvild's intake sources (its safe loader and checks) and
+    torch's version (read from its metadata: torch is not imported)."""
+    with _lock:
+        if not _software:
+            h = hashlib.sha256()
+            for path in sorted(Path(__file__).parent.glob("*.py")):
+                h.update(path.name.encode() + b"\0" + path.read_bytes())
+            _software.extend([h.hexdigest()[:16], version("torch")])
+        return list(_software)
+
+
+class Verdicts:
+    """The inspection's acceptances in `cache_dir`/inspected, by archive sha256."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.directory = Path(cache_dir) / "inspected"
+
+    def known(self, sha256: str) -> dict[str, Any] | None:
+        """The summary the inspection gave these bytes, where a verdict signed with this
+        daemon's key, by this software, says so; None otherwise (inspect them)."""
+        if not SHA256.fullmatch(sha256):  # (a header's, not checked yet: no path of it)
+            return None
+        try:
+            kept = json.loads((self.directory / f"{sha256}.json").read_text())
+            body = {k: kept[k] for k in ("format", "sha256", "software", "summary")}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if body["format"] != FORMAT or body["sha256"] != sha256 or \
+                body["software"] != software():
+            return None
+        if not hmac.compare_digest(str(kept.get("mac", "")), _mac(body)):
+            log.warning("intake: the verdict on archive %s is not signed with this daemon's "
+                        "key; inspecting it again", sha256[:12])
+            return None
+        return body["summary"]
+
+    def keep(self, sha256: str, summary: dict[str, Any]) -> None:
+        """Record that the inspection accepted these bytes with `summary` (best effort: a
+        cache that cannot be written means the next upload of them is inspected again)."""
+        body = {"format": FORMAT, "sha256": sha256, "software": software(),
+                "summary": summary}
+        try:
+            write_atomic(self.directory / f"{sha256}.json",
+                         json.dumps({**body, "mac": _mac(body)}).encode())
+            kept = list(self.directory.glob("*.json"))
+            if len(kept) > KEEP:
+                kept.sort(key=lambda p: p.stat().st_mtime)
+                for old in kept[:len(kept) - KEEP]:
+                    old.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("intake: the verdict on archive %s not kept (%s)", sha256[:12], e)
+
+
+def _mac(body: dict[str, Any]) -> str:
+    return hmac.new(cache_key_file(), json.dumps(body, sort_keys=True).encode(),
+                    hashlib.sha256).hexdigest()
