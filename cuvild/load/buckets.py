@@ -242,6 +242,34 @@ def searched(builder: Builder, bucket: LoadedModel, split: Any, budgets: dict[st
     log.info("bucket %s: %s", bucket.key, "; ".join(notes))
 
 
+def again_at(builder: Builder, target: LoadedModel, shapes: Shapes, at: str,
+             why: str) -> LoadedModel | None:
+    """`target`'s bucket at `shapes` built again with each part its budget searched at `at`,
+    recorded as that search's choice (`why` among its notes), so that a restart or an eviction
+    builds it so too (and checks it: `searched`); its load record goes. The bucket built,
+    or None where every searched part runs at `at` already, or the bucket is not built."""
+    kept = family(target)
+    with kept.lock:
+        bucket = kept.buckets.get(shapes)
+        if bucket is None or bucket.bucket is None or all(
+                r.precision == at for r in bucket.routes if r.budget is not None):
+            return None
+        policy = bucket.policy or PrecisionPolicy()
+        accuracy = bucket.accuracy or Accuracy(policy.mode, None, 0, False, 0.0)
+        accuracy.notes = [*accuracy.notes, why]
+        precision.write_decision(
+            precision.decision_path(builder.cache_dir, bucket, policy, builder.devices.values()),
+            bucket.routes, accuracy,
+            {r.id: at if r.budget is not None else r.precision for r in bucket.routes})
+        del kept.buckets[shapes]
+        bucket.bucket.evicted = True
+        if kept.record_at is not None:
+            shutil.rmtree(kept.record_at / warm.BUCKETS / tag(shapes), ignore_errors=True)
+    builder.unload(bucket.key)
+    log.info("bucket %s: built again at %s (%s)", bucket.key, at, why)
+    return builder.runner.miss(target, shapes).result()
+
+
 def _check_inputs(bucket: LoadedModel, split: Any,
                   count: int | None = None) -> tuple[list[Any], list[Any]]:
     """Random inputs of the bucket's shapes (the search's SEARCH_SAMPLES, or the first

@@ -275,7 +275,7 @@ class ModelManager:
             return model
 
         try:
-            done = warmup.warm_up(self.builder.runner, self.builder.describe, loaded, progress)
+            done = warmup.warm_up(self.builder, loaded, progress)
             if done:
                 log.info("model %s: warmed up at load (%.2f s into it): %s", served.key,
                          time.perf_counter() - t0, "; ".join(done))

@@ -337,9 +337,12 @@ def read_decision(path: Path) -> tuple[dict[str, str] | None, dict[str, Any] | N
         return None, None
 
 
-def write_decision(path: Path, routes: list[Route], accuracy: Accuracy) -> None:
-    write_atomic(path, json.dumps({"parts": {r.id: r.precision for r in routes},
-                                   "accuracy": accuracy.to_dict()}, indent=1).encode())
+def write_decision(path: Path, routes: list[Route], accuracy: Accuracy,
+                   parts: dict[str, str] | None = None) -> None:
+    """Record the precision each part runs at (`parts`, else each route's own)."""
+    chosen = parts if parts is not None else {r.id: r.precision for r in routes}
+    write_atomic(path, json.dumps({"parts": chosen, "accuracy": accuracy.to_dict()},
+                                  indent=1).encode())
 
 
 def runtime_notes(routes: Sequence[Any]) -> list[str]:

@@ -10,6 +10,8 @@ Its decode step is then compiled by inductor in its worker (runtimes/compiled_st
 at a sequence's first step, the steps running eagerly meanwhile, and timed at the next: the
 load runs those steps on a sequence of its own, waiting for the compile (up to SETTLE_S), so
 that no request shares the cores with it. Other chunk lengths are built at their first use.
+Under a budget, a generation of the two is then checked against the program at fp32, and
+where it measures over the budget their searched parts are built again at fp32 (`held`).
 
 Then, where the load planned a split that another plan may beat (cuvild/load/guard.py: a
 split predicted less than guard.GAIN faster than the best device alone, or a plan moved by
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cuvild.core.loaded import LoadedModel, Out
-from cuvild.load import guard, warm
+from cuvild.load import buckets, guard, warm
 from cuvild.load.buckets import last_logits, step_lengths
 from cuvild.run.generate import INPUTS, served_step
 from protos.orders import RawTensor
@@ -54,8 +56,8 @@ SETTLE_S = 120.0  # the longest a load waits for its decode step's compile (~11 
 COMPILING = "while inductor compiles"
 
 
-def warm_up(runner: Any, describe: Callable[[str, str, str], str], model: LoadedModel,
-            progress: Callable[[str], None], compile_step: bool = True) -> list[str]:
+def warm_up(builder: Builder, model: LoadedModel, progress: Callable[[str], None],
+            compile_step: bool = True) -> list[str]:
     """A language model's warm-up: of a dynamic length, its decode step and its twin's
     longest prompt chunk built (`runner.miss`: each bucket built, or restored from its load
     record); its decode step settled (`settle`), unless `compile_step` is False or its plan
@@ -63,6 +65,7 @@ def warm_up(runner: Any, describe: Callable[[str, str, str], str], model: Loaded
     nothing for a model that is no language model."""
     if model.state is None or sorted(model.inputs) != sorted(INPUTS):
         return []
+    runner, describe = builder.runner, builder.describe
     lengths = step_lengths(model, runner.max_dim)
     longest = max((n for n in lengths if n > 1), default=None)
     wanted = []
@@ -76,13 +79,14 @@ def warm_up(runner: Any, describe: Callable[[str, str, str], str], model: Loaded
         runner.miss(target, shapes(model, n)).result()
         done.append(f"built {what}")
     pending = model.family is not None and model.family.alternative is not None
-    if 1 in lengths and compile_step and not pending:
+    compiles = 1 in lengths and compile_step and not pending
+    if compiles:
         done += settled(runner, describe, model, progress)
     reference = model.family.reference if model.family is not None else None
     if reference is not None and 1 in lengths:
         model.family.reference = None  # (the program's tensors go with the check)
         progress("checking a generation against fp32")
-        said = checked(runner, model, reference, longest or 1)
+        said = held(builder, model, reference, longest or 1, compiles, progress)
         model.plan.notes.append(said)
         done.append(said)
         if model.family.record_at is not None:  # (a restart serves it with the note)
@@ -93,20 +97,78 @@ def warm_up(runner: Any, describe: Callable[[str, str, str], str], model: Loaded
 CHECKED_STEPS = 16  # decode steps of the warm-up's generation check, after its prompt
 
 
+def held(builder: Builder, model: LoadedModel, program: Any, prompt_len: int,
+         compiles: bool = False, progress: Callable[[str], None] = lambda phase: None,
+         budget: float | None = None) -> str:
+    """A generation checked against the program at fp32 (`generation_error`) and, where it
+    measures over the budget (the policy's, unless `budget` is given), the parts the budget
+    searched built again at fp32 (cuvild/load/buckets.py `again_at`: the choice recorded, so
+    a restart builds that too), checked again after each: the decode step's first (a
+    generation compounds its error, step after step, and a prompt chunk's mix was held one
+    step ahead already), then the longest prompt chunk's. `compiles`: the decode step is
+    compiled again once rebuilt (`settle`). What was measured and done, in words."""
+    assert model.state is not None
+    steps = max(0, min(CHECKED_STEPS, model.state.context - prompt_len - 1))
+    if budget is None:
+        budget = model.policy.max_error if model.policy is not None else None
+    error = generation_error(builder.runner, model, program, prompt_len, steps)
+    said = checked_words(prompt_len, steps, error, budget)
+    if budget is None or error <= budget:
+        return said
+    why = (f"built at fp32 again: a generation at the precisions searched measured "
+           f"{error:.1e} against fp32, over the budget {budget:.0e}")
+    rebuilt = []
+    todo = [(model, 1, "its decode step")]
+    if prompt_len > 1:
+        todo.append((last_logits(model), prompt_len, f"its {prompt_len}-token prompt chunk"))
+    for target, n, what in todo:
+        progress(f"building {what} again at fp32")
+        if buckets.again_at(builder, target, shapes(model, n), "fp32", why) is None:
+            continue  # (its searched parts run fp32 already)
+        rebuilt.append(what)
+        if n == 1 and compiles:
+            settle(builder.runner, builder.describe, model)
+        error = generation_error(builder.runner, model, program, prompt_len, steps)
+        if error <= budget:
+            break
+    if rebuilt:
+        said += (f"; {' and '.join(rebuilt)} built again at fp32: error {error:.1e}"
+                 + (": still OVER the budget" if error > budget else ""))
+    else:
+        said += " at fp32 too"
+    if error > budget:
+        log.warning("model %s: %s", model.key, said)
+    return said
+
+
 def checked(runner: Any, model: LoadedModel, program: Any, prompt_len: int,
             steps: int = CHECKED_STEPS) -> str:
-    """A generation of the buckets served, checked against the program at fp32: a prompt of
+    """`generation_error` against the policy's budget, in words (nothing done about it)."""
+    assert model.state is not None
+    steps = max(0, min(steps, model.state.context - prompt_len - 1))
+    budget = model.policy.max_error if model.policy is not None else None
+    return checked_words(prompt_len, steps,
+                         generation_error(runner, model, program, prompt_len, steps), budget)
+
+
+def checked_words(prompt_len: int, steps: int, error: float, budget: float | None) -> str:
+    return (f"a generation checked at its load: a {prompt_len}-token prompt, then {steps} "
+            f"steps fed fp32's tokens: error {error:.1e} against fp32"
+            + (f" (budget {budget:.0e})" if budget is not None else "")
+            + (": OVER the budget" if budget is not None and error > budget else ""))
+
+
+def generation_error(runner: Any, model: LoadedModel, program: Any, prompt_len: int,
+                     steps: int) -> float:
+    """A generation of the buckets served against the program at fp32: a prompt of
     `prompt_len` random tokens in one chunk, then `steps` decode steps fed the tokens fp32
     picks (teacher-forced, so one early difference does not change every later input);
     the last position's logits of each run against fp32's (`set_error`, the budget's
     metric). The prompt chunk's check holds its own logits and the step after it
     (runtimes/mixed.py `After`), the decode step's its own from a fresh state: this holds
-    the two together over a generation, each reading the cache the others wrote. Said in
-    words, over the budget or not (a note: what serves stays as it is)."""
+    the two together over a generation, each reading the cache the others wrote."""
     from runtimes.base import set_error
 
-    assert model.state is not None
-    steps = max(0, min(steps, model.state.context - prompt_len - 1))
     high = next((s.get("high") for s in model.input_specs if s.get("name") == INPUTS[0]),
                 None) or 2
     prompt = np.random.default_rng(0).integers(0, high, prompt_len).tolist()
@@ -118,16 +180,7 @@ def checked(runner: Any, model: LoadedModel, program: Any, prompt_len: int,
         got = [step(prompt, 0)] + [step([t], prompt_len + i) for i, t in enumerate(tokens)]
     finally:
         runner.sequences.end(live, "ended (the load's generation check)")
-    error = set_error([[g] for g in got], [[w] for w in want])
-    budget = model.policy.max_error if model.policy is not None else None
-    over = budget is not None and error > budget
-    said = (f"a generation checked at its load: a {prompt_len}-token prompt, then {steps} "
-            f"steps fed fp32's tokens: error {error:.1e} against fp32"
-            + (f" (budget {budget:.0e})" if budget is not None else "")
-            + (": OVER the budget" if over else ""))
-    if over:
-        log.warning("model %s: %s", model.key, said)
-    return said
+    return set_error([[g] for g in got], [[w] for w in want])
 
 
 def reference_generation(program: Any, names: list[str], prompt: list[int],
@@ -226,8 +279,7 @@ def guarded(builder: Builder, model: LoadedModel,
         other = load(f"{model.key}~one", copy.deepcopy(theirs_plan), False)
         if other.family is not None:  # (timed only: a generation of it is not checked)
             other.family.reference = None
-        warm_up(builder.runner, builder.describe, other, lambda phase: None,
-                compile_step=False)
+        warm_up(builder, other, lambda phase: None, compile_step=False)
         ours_ms, theirs_ms = generation_ms(builder.runner, [model, other])
     except Exception as e:  # noqa: BLE001 - the plan stands, and says why
         model.plan.notes.append(guard.failed(ours, theirs, e))
@@ -238,7 +290,7 @@ def guarded(builder: Builder, model: LoadedModel,
         builder.unload(model.key)
         theirs_plan.notes.append(guard.note(ours_ms, theirs_ms, ours, theirs, False, WHAT))
         served = load(model.key, theirs_plan, True)
-        return served, warm_up(builder.runner, builder.describe, served, progress)
+        return served, warm_up(builder, served, progress)
     model.plan.notes.append(guard.note(ours_ms, theirs_ms, ours, theirs, True, WHAT))
     assert model.family is not None
     if model.family.record_at is not None:  # (a restart serves it with the note)

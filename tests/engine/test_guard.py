@@ -157,7 +157,7 @@ def test_a_language_models_split_is_timed_at_its_warm_up_and_the_faster_served(
         assert model is not None and model.family is not None
         assert model.family.alternative is not None  # timed at its warm-up, not before
         assert len(model.parts_by_device) == 2
-        done = warmup.warm_up(engine.runner, engine.builder.describe, model, lambda _: None)
+        done = warmup.warm_up(engine.builder, model, lambda _: None)
         assert not any("eager" in said for said in done), done  # (settled after)
         phases: list[str] = []
         served, compiled = warmup.guarded(engine.builder, model, load, phases.append)

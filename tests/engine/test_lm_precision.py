@@ -27,7 +27,8 @@ from cuvild.core.loaded import LoadedModel
 from cuvild.core.precision import PrecisionPolicy
 from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
-from cuvild.load import warmup
+from cuvild.load import buckets, precision, warmup
+from cuvild.load.buckets import step_lengths
 from cuvild.run.generate import Sampling, generate
 from partitioner.profile import DeviceProfile
 
@@ -54,15 +55,17 @@ def generation_checked(engine: Engine, model: LoadedModel,
     check runs from a fresh state): said in the plan, OVER where past the budget; what it
     says."""
     assert model.family is not None and model.family.reference is not None
-    done = warmup.warm_up(engine.runner, engine.builder.describe, model, lambda _: None,
+    done = warmup.warm_up(engine.builder, model, lambda _: None,
                           compile_step=False)
     (said,) = [d for d in done if d.startswith("a generation checked at its load")]
     assert said in model.plan.notes and model.family.reference is None
     print(said)
     error = float(said.split("error ")[1].split()[0])
-    # (measured, not yet held: what each bucket chose varies by host, so the test holds
-    # that the note says OVER exactly when the figure is past the budget)
+    # (what each bucket chose varies by host, so the test holds that the note says OVER
+    # exactly when the figure is past the budget, and then what was built again)
     assert math.isfinite(error) and ("OVER the budget" in said) == (error > 1e-2), said
+    assert ("OVER the budget" in said) == ("built again at fp32" in said or
+                                           said.endswith("at fp32 too")), said
     # against another program (a copy, its weights scaled): the served generation is over
     other = copy.deepcopy(ep)
     with torch.no_grad():
@@ -71,6 +74,37 @@ def generation_checked(engine: Engine, model: LoadedModel,
     over = warmup.checked(engine.runner, model, other, 16, steps=2)
     assert over.endswith("(budget 1e-02): OVER the budget"), over
     return said
+
+
+def held_at_fp32(engine: Engine, model: LoadedModel, ep: torch.export.ExportedProgram) -> None:
+    """A generation over the budget has the parts the budget searched built again at fp32,
+    the decode step's first, each recorded as its search's choice (a restart builds that),
+    and is checked again after each."""
+    longest = max(n for n in step_lengths(model, engine.runner.max_dim) if n > 1)
+    step, chunk = warmup.shapes(model, 1), warmup.shapes(model, longest)
+    # the decode step and the prompt chunk at fp16, as a search may choose them (that choice
+    # recorded), so that both run below fp32 whatever this host's timings chose
+    twin = buckets.last_logits(model)
+    for target, shapes in ((model, step), (twin, chunk)):
+        buckets.again_at(engine.builder, target, shapes, "fp16", "the test's choice")
+        bucket = engine.runner.served.buckets[(target.key, shapes)]
+        assert bucket.routes[0].precision == "fp16"
+    said = warmup.held(engine.builder, model, ep, longest, budget=1e-5)
+    print(said)
+    assert (f": OVER the budget; its decode step and its {longest}-token prompt chunk built "
+            "again at fp32: error") in said and "still OVER" not in said, said
+    assert float(said.rpartition("error ")[2]) <= 1e-5, said
+    served = engine.runner.served.buckets  # (a new snapshot)
+    for target, shapes in ((model, step), (twin, chunk)):
+        bucket = served[(target.key, shapes)]
+        assert [r.precision for r in bucket.routes if r.budget is not None] == ["fp32"]
+        decision = precision.decision_path(engine.builder.cache_dir, bucket, model.policy,
+                                           engine.builder.devices.values())
+        parts, accuracy = precision.read_decision(decision)
+        assert parts == {"p0": "fp32"}, parts
+        assert accuracy is not None and any(
+            n.startswith("built at fp32 again: a generation at the precisions searched")
+            for n in accuracy["notes"]), accuracy
 
 
 def test_each_bucket_searches_its_precision_within_the_budget(tmp_path: Path) -> None:
@@ -100,6 +134,8 @@ def test_each_bucket_searches_its_precision_within_the_budget(tmp_path: Path) ->
             assert bucket.routes[0].precision in ("fp32", "bf16", "fp16", "bf16+fp32")
             assert list(bucket.routes[0].variants) == [bucket.routes[0].precision]
         checked = generation_checked(engine, model, ep)
+        held_at_fp32(engine, model, ep)
+        searched = [engine.runner.served.buckets[(model.key, ((1, n), (n,)))] for n in (8, 1)]
         assert arena.in_use() == 0
     finally:
         engine.close()

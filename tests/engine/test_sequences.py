@@ -213,7 +213,7 @@ def test_a_prompts_chunks_stay_within_engine_max_dim(tmp_path: Path) -> None:
     engine, arena, model, hf = served(tmp_path, "llama", dynamic=True, max_dim=8)
     try:
         phases: list[str] = []
-        warmup.warm_up(engine.runner, engine.builder.describe, model, phases.append,
+        warmup.warm_up(engine.builder, model, phases.append,
                        compile_step=False)
         assert phases == ["building its decode step", "building its 4-token prompt chunk"]
         chunks = chunks_of(model, model.key, engine.runner.max_dim)
@@ -330,7 +330,7 @@ def test_the_load_warms_a_language_model_up(tmp_path: Path,
     engine, arena, model, hf = served(tmp_path, "llama")
     try:
         phases: list[str] = []
-        (said,) = warmup.warm_up(engine.runner, engine.builder.describe, model, phases.append)
+        (said,) = warmup.warm_up(engine.builder, model, phases.append)
         assert phases == ["compiling its decode step"], phases
         # compiled, then timed: served compiled, or eager with both times (timing decides)
         assert said.startswith(("decode step compiled by inductor in ",
