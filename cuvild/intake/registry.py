@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cuvild.intake.errors import UnsafeArchive
 from cuvild.intake.verdicts import Verdicts
 from runtimes.base import fsync_dir, write_atomic
 
@@ -332,21 +333,38 @@ class Registry:
             return record, False
 
     def known(self, sha256: str) -> bool:
-        """Whether the inspection accepted these bytes before (a verdict this daemon signed)."""
-        return self.verdicts is not None and self.verdicts.known(sha256.lower()) is not None
+        """Whether the inspection's verdict on these bytes is kept (one this daemon signed):
+        then they are not inspected again."""
+        sha = sha256.lower()
+        return self.verdicts is not None and (
+            self.verdicts.known(sha) is not None
+            or self.verdicts.refusal(sha, self.max_model_bytes) is not None)
 
     def inspected(self, sha256: str, path: Path,
                   inspect: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-        """The archive's summary: its verdict's, else `inspect`'s (kept as a verdict).
-        `path` holds bytes whose sha256 was checked to be `sha256`."""
-        summary = self.verdicts.known(sha256) if self.verdicts is not None else None
-        if summary is not None:
-            log.info("archive %s: inspected before (its verdict in the compile cache)",
-                     sha256[:12])
-            return summary
-        summary = inspect(path)
-        if self.verdicts is not None:
-            self.verdicts.keep(sha256, summary)
+        """The archive's summary: its verdict's, else `inspect`'s (kept as a verdict, as the
+        safe loader's refusal is). `path` holds bytes whose sha256 was checked to be
+        `sha256`. Raises UnsafeArchive (a ValueError) where they are refused."""
+        verdicts = self.verdicts
+        if verdicts is not None:
+            refused = verdicts.refusal(sha256, self.max_model_bytes)
+            if refused is not None:
+                log.info("archive %s: refused before (its verdict in the compile cache)",
+                         sha256[:12])
+                raise UnsafeArchive(*refused)
+            summary = verdicts.known(sha256)
+            if summary is not None:
+                log.info("archive %s: inspected before (its verdict in the compile cache)",
+                         sha256[:12])
+                return summary
+        try:
+            summary = inspect(path)
+        except UnsafeArchive as e:
+            if verdicts is not None:
+                verdicts.refuse(sha256, e.entry, e.reason, self.max_model_bytes)
+            raise
+        if verdicts is not None:
+            verdicts.keep(sha256, summary)
         return summary
 
     def unchanged(self, header: dict[str, Any]) -> ModelRecord | None:

@@ -11,9 +11,10 @@ A verdict lets an archive skip the isolated inspection, so it is signed as the c
 entries are (HMAC-SHA256 with the daemon's cache key, runtimes/cache.py): whoever can write the
 cache but not read the key cannot have a crafted archive parsed in the daemon without the
 inspection's limits. It names the software that inspected (cuvild's intake code and torch's
-version): after an upgrade or a changed loader the archive is inspected again. Only archives
-the inspection accepted are kept (a refusal can be a limit's on a busy host); at most KEEP, the
-oldest go.
+version): after an upgrade or a changed loader the archive is inspected again. The safe
+loader's refusals are kept too (what it refused is in the bytes: a repository entry refused
+is not inspected again at every start), the inspection process's limits' are not (a busy
+host may pass them); at most KEEP verdicts, the oldest go.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def software() -> list[str]:
 
 
 class Verdicts:
-    """The inspection's acceptances in `cache_dir`/inspected, by archive sha256."""
+    """The inspection's verdicts in `cache_dir`/inspected, by archive sha256."""
 
     def __init__(self, cache_dir: Path) -> None:
         self.directory = Path(cache_dir) / "inspected"
@@ -60,27 +61,51 @@ class Verdicts:
     def known(self, sha256: str) -> dict[str, Any] | None:
         """The summary the inspection gave these bytes, where a verdict signed with this
         daemon's key, by this software, says so; None otherwise (inspect them)."""
+        body = self._read(sha256)
+        return body["summary"] if body is not None and "summary" in body else None
+
+    def refusal(self, sha256: str, max_bytes: int) -> tuple[str, str] | None:
+        """The safe loader's refusal of these bytes (its entry and reason), where a verdict
+        says it refused them under the same size limit; None otherwise."""
+        body = self._read(sha256)
+        refused = body.get("refused") if body is not None else None
+        if not isinstance(refused, dict) or refused.get("max_bytes") != max_bytes:
+            return None
+        return str(refused["entry"]), str(refused["reason"])
+
+    def keep(self, sha256: str, summary: dict[str, Any]) -> None:
+        """Record that the inspection accepted these bytes with `summary` (best effort: a
+        cache that cannot be written means the next upload of them is inspected again)."""
+        self._write(sha256, {"summary": summary})
+
+    def refuse(self, sha256: str, entry: str, reason: str, max_bytes: int) -> None:
+        """Record the safe loader's refusal of these bytes: what it found is in the bytes
+        (a malformed entry, a pickle, an op outside the allow-list), so a repository entry
+        refused is not inspected again at every start, nor an upload of it again. Not a
+        limit of the inspection's process (memory, CPU, time): a busy host may pass it."""
+        self._write(sha256, {"refused": {"entry": entry, "reason": reason,
+                                         "max_bytes": max_bytes}})
+
+    def _read(self, sha256: str) -> dict[str, Any] | None:
         if not SHA256.fullmatch(sha256):  # (a header's, not checked yet: no path of it)
             return None
         try:
             kept = json.loads((self.directory / f"{sha256}.json").read_text())
-            body = {k: kept[k] for k in ("format", "sha256", "software", "summary")}
-        except (OSError, ValueError, KeyError, TypeError):
+            body = {k: v for k, v in kept.items() if k != "mac"}
+            fresh = (body["format"] == FORMAT and body["sha256"] == sha256
+                     and body["software"] == software())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
-        if body["format"] != FORMAT or body["sha256"] != sha256 or \
-                body["software"] != software():
+        if not fresh:
             return None
         if not hmac.compare_digest(str(kept.get("mac", "")), _mac(body)):
             log.warning("intake: the verdict on archive %s is not signed with this daemon's "
                         "key; inspecting it again", sha256[:12])
             return None
-        return body["summary"]
+        return body
 
-    def keep(self, sha256: str, summary: dict[str, Any]) -> None:
-        """Record that the inspection accepted these bytes with `summary` (best effort: a
-        cache that cannot be written means the next upload of them is inspected again)."""
-        body = {"format": FORMAT, "sha256": sha256, "software": software(),
-                "summary": summary}
+    def _write(self, sha256: str, verdict: dict[str, Any]) -> None:
+        body = {"format": FORMAT, "sha256": sha256, "software": software(), **verdict}
         try:
             write_atomic(self.directory / f"{sha256}.json",
                          json.dumps({**body, "mac": _mac(body)}).encode())

@@ -1,6 +1,7 @@
 """The inspection's verdicts kept in the compile cache (cuvild/intake/verdicts.py): the same
-bytes are inspected once per cache, and only a verdict this daemon's key signed, by this
-software, for these bytes, spares an archive its inspection."""
+bytes are inspected once per cache (accepted, or refused by the safe loader), and only a
+verdict this daemon's key signed, by this software, for these bytes, spares an archive its
+inspection."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from cuvild.intake import verdicts
+from cuvild.intake.errors import UnsafeArchive
 from cuvild.intake.registry import Registry
 from cuvild.intake.verdicts import Verdicts
 from runtimes.cache import KEY_ENV
@@ -102,3 +104,32 @@ def test_the_oldest_verdicts_go_past_keep(tmp_path: Path, key: Path,
         stamp = 1_000_000 + i
         os.utime(cache.directory / f"{sha}.json", (stamp, stamp))
     assert sorted(p.stem[0] for p in cache.directory.glob("*.json")) == ["b", "c"]
+
+
+def test_the_safe_loaders_refusal_is_kept_and_said_again_uninspected(
+        tmp_path: Path, key: Path) -> None:
+    calls: list[Path] = []
+
+    def refuse(path: Path) -> dict[str, Any]:
+        calls.append(path)
+        raise UnsafeArchive("data/pkl", "a pickle")
+
+    def limit(path: Path) -> dict[str, Any]:  # the inspection process's limit, not the bytes'
+        calls.append(path)
+        raise ValueError("archive inspection exceeded 120 s of CPU")
+
+    cache = tmp_path / "cache"
+    for registry in (Registry(tmp_path / "a", 1 << 20, Verdicts(cache)),
+                     Registry(tmp_path / "b", 1 << 20, Verdicts(cache))):
+        with pytest.raises(UnsafeArchive, match="data/pkl: a pickle"):
+            upload(registry, b"a crafted archive", "m", refuse)
+    assert len(calls) == 1 and registry.known(hashlib.sha256(b"a crafted archive").hexdigest())
+    # under another size limit (what the loader refuses may depend on it): inspected again
+    with pytest.raises(UnsafeArchive):
+        upload(Registry(tmp_path / "c", 1 << 21, Verdicts(cache)), b"a crafted archive", "m",
+               refuse)
+    assert len(calls) == 2
+    for _ in range(2):  # a limit's refusal is not kept
+        with pytest.raises(ValueError, match="120 s of CPU"):
+            upload(Registry(tmp_path / "d", 1 << 20, Verdicts(cache)), b"slow bytes", "m", limit)
+    assert len(calls) == 4

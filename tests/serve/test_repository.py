@@ -10,11 +10,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from daemons import ROOT, free_port
+from daemons import ROOT, free_port, worker_processes
 
 import cuvild
 from cuvild.client import Client, cli, samples
@@ -97,6 +98,29 @@ def wait_server_ready(triton: grpcclient.InferenceServerClient, timeout: float =
         time.sleep(0.1)
 
 
+def served_again_warm(make_daemon: Any, state_dir: Path, root: Path, model: torch.nn.Module,
+                      x: torch.Tensor) -> None:
+    """A restart on the same state: the repository's models from their load records, and
+    the entry refused still refused, uninspected."""
+    again = make_daemon(state_dir=state_dir, model_repository=str(root))
+    with grpcclient.InferenceServerClient(url=again.target) as triton:
+        wait_server_ready(triton)
+        assert triton.is_model_ready("mlp")
+    log = again.log()
+    assert "model repository: mlp:1 registered already" in log  # not inspected again
+    assert "model mlp:1 ready" in log and "(from its load record)" in log
+    with Client(again.target) as client:
+        torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x),
+                                   rtol=1e-4, atol=1e-5)
+    # restored without torch in the daemon, and the bad entry not inspected again (its
+    # refusal kept in the compile cache): no inspector started
+    assert "libtorch" not in Path(f"/proc/{again.proc.pid}/maps").read_text()
+    assert "refused before" in log and worker_processes(again.proc.pid, "forkserver") == []
+    with Client(again.target) as client:  # still refused, with its reason
+        refused = {e["name"]: e["reason"] for e in client.status()["repository_refused"]}
+    assert "refused" in refused["broken"], refused
+
+
 @pytest.mark.daemon
 def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tmp_path, capsys):
     """A static model and a dynamic one with batching: both served; /v2/health/ready answers
@@ -150,18 +174,7 @@ def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tm
     assert daemon.stop() == 0
     assert "model repository: mlp:1 registered\n" in daemon.log()
 
-    again = make_daemon(state_dir=daemon.state_dir, model_repository=str(root))
-    with grpcclient.InferenceServerClient(url=again.target) as triton:
-        wait_server_ready(triton)
-        assert triton.is_model_ready("mlp")
-    log = again.log()
-    assert "model repository: mlp:1 registered already" in log  # not inspected again
-    assert "model mlp:1 ready" in log and "(from its load record)" in log
-    with Client(again.target) as client:
-        torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x),
-                                   rtol=1e-4, atol=1e-5)
-    # restored without torch in the daemon, though the bad entry was inspected again
-    assert "libtorch" not in Path(f"/proc/{again.proc.pid}/maps").read_text()
+    served_again_warm(make_daemon, daemon.state_dir, root, model, x)
 
 
 def test_one_bad_entry_fails_alone_with_a_bounded_reason(tmp_path, monkeypatch):
