@@ -101,7 +101,7 @@ class Family:
     # (cuvild/load/guard.py, cuvild/load/warmup.py `guarded`); None once timed, or none
     alternative: tuple[Plan, str, str] | None = None
     # a language model under a budget: its program, until its warm-up has checked a
-    # generation of the buckets served against it at fp32 (cuvild/load/warmup.py `checked`)
+    # generation of the buckets served against it at fp32 (cuvild/load/warmup.py `held`)
     reference: ExportedProgram | None = None
 
 

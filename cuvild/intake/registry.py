@@ -335,10 +335,8 @@ class Registry:
     def known(self, sha256: str) -> bool:
         """Whether the inspection's verdict on these bytes is kept (one this daemon signed):
         then they are not inspected again."""
-        sha = sha256.lower()
-        return self.verdicts is not None and (
-            self.verdicts.known(sha) is not None
-            or self.verdicts.refusal(sha, self.max_model_bytes) is not None)
+        return self.verdicts is not None and self.verdicts.verdict(
+            sha256.lower(), self.max_model_bytes) is not None
 
     def inspected(self, sha256: str, path: Path,
                   inspect: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
@@ -346,17 +344,13 @@ class Registry:
         safe loader's refusal is). `path` holds bytes whose sha256 was checked to be
         `sha256`. Raises UnsafeArchive (a ValueError) where they are refused."""
         verdicts = self.verdicts
-        if verdicts is not None:
-            refused = verdicts.refusal(sha256, self.max_model_bytes)
-            if refused is not None:
-                log.info("archive %s: refused before (its verdict in the compile cache)",
-                         sha256[:12])
-                raise UnsafeArchive(*refused)
-            summary = verdicts.known(sha256)
-            if summary is not None:
-                log.info("archive %s: inspected before (its verdict in the compile cache)",
-                         sha256[:12])
-                return summary
+        kept = verdicts.verdict(sha256, self.max_model_bytes) if verdicts is not None else None
+        if kept is not None:
+            log.info("archive %s: %s before (its verdict in the compile cache)", sha256[:12],
+                     "refused" if isinstance(kept, UnsafeArchive) else "inspected")
+            if isinstance(kept, UnsafeArchive):
+                raise kept
+            return kept
         try:
             summary = inspect(path)
         except UnsafeArchive as e:

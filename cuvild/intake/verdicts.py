@@ -29,6 +29,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from cuvild.intake.errors import UnsafeArchive
 from runtimes.base import write_atomic
 from runtimes.cache import cache_key_file
 
@@ -58,20 +59,19 @@ class Verdicts:
     def __init__(self, cache_dir: Path) -> None:
         self.directory = Path(cache_dir) / "inspected"
 
-    def known(self, sha256: str) -> dict[str, Any] | None:
-        """The summary the inspection gave these bytes, where a verdict signed with this
-        daemon's key, by this software, says so; None otherwise (inspect them)."""
+    def verdict(self, sha256: str, max_bytes: int) -> dict[str, Any] | UnsafeArchive | None:
+        """What a verdict signed with this daemon's key, by this software, says of these
+        bytes: the summary the inspection gave them, or the safe loader's refusal (under the
+        same size limit) to raise again; None where there is none (inspect them)."""
         body = self._read(sha256)
-        return body["summary"] if body is not None and "summary" in body else None
-
-    def refusal(self, sha256: str, max_bytes: int) -> tuple[str, str] | None:
-        """The safe loader's refusal of these bytes (its entry and reason), where a verdict
-        says it refused them under the same size limit; None otherwise."""
-        body = self._read(sha256)
-        refused = body.get("refused") if body is not None else None
+        if body is None:
+            return None
+        if "summary" in body:
+            return body["summary"]
+        refused = body.get("refused")
         if not isinstance(refused, dict) or refused.get("max_bytes") != max_bytes:
             return None
-        return str(refused["entry"]), str(refused["reason"])
+        return UnsafeArchive(str(refused["entry"]), str(refused["reason"]))
 
     def keep(self, sha256: str, summary: dict[str, Any]) -> None:
         """Record that the inspection accepted these bytes with `summary` (best effort: a

@@ -111,7 +111,8 @@ def held(builder: Builder, model: LoadedModel, program: Any, prompt_len: int,
     steps = max(0, min(CHECKED_STEPS, model.state.context - prompt_len - 1))
     if budget is None:
         budget = model.policy.max_error if model.policy is not None else None
-    error = generation_error(builder.runner, model, program, prompt_len, steps)
+    fp32 = fp32_generation(model, program, prompt_len, steps)  # (once: each check reads it)
+    error = generation_error(builder.runner, model, program, prompt_len, steps, fp32)
     said = checked_words(prompt_len, steps, error, budget)
     if budget is None or error <= budget:
         return said
@@ -128,7 +129,7 @@ def held(builder: Builder, model: LoadedModel, program: Any, prompt_len: int,
         rebuilt.append(what)
         if n == 1 and compiles:
             settle(builder.runner, builder.describe, model)
-        error = generation_error(builder.runner, model, program, prompt_len, steps)
+        error = generation_error(builder.runner, model, program, prompt_len, steps, fp32)
         if error <= budget:
             break
     if rebuilt:
@@ -141,16 +142,6 @@ def held(builder: Builder, model: LoadedModel, program: Any, prompt_len: int,
     return said
 
 
-def checked(runner: Any, model: LoadedModel, program: Any, prompt_len: int,
-            steps: int = CHECKED_STEPS) -> str:
-    """`generation_error` against the policy's budget, in words (nothing done about it)."""
-    assert model.state is not None
-    steps = max(0, min(steps, model.state.context - prompt_len - 1))
-    budget = model.policy.max_error if model.policy is not None else None
-    return checked_words(prompt_len, steps,
-                         generation_error(runner, model, program, prompt_len, steps), budget)
-
-
 def checked_words(prompt_len: int, steps: int, error: float, budget: float | None) -> str:
     return (f"a generation checked at its load: a {prompt_len}-token prompt, then {steps} "
             f"steps fed fp32's tokens: error {error:.1e} against fp32"
@@ -158,21 +149,30 @@ def checked_words(prompt_len: int, steps: int, error: float, budget: float | Non
             + (": OVER the budget" if budget is not None and error > budget else ""))
 
 
+def fp32_generation(model: LoadedModel, program: Any, prompt_len: int,
+                    steps: int) -> tuple[list[int], list[np.ndarray], list[int]]:
+    """A prompt of `prompt_len` random tokens (below the embedding's rows), and the program's
+    fp32 logits and greedy tokens for it and `steps` steps after (`reference_generation`)."""
+    high = next((s.get("high") for s in model.input_specs if s.get("name") == INPUTS[0]),
+                None) or 2
+    prompt = np.random.default_rng(0).integers(0, high, prompt_len).tolist()
+    return prompt, *reference_generation(program, model.inputs, prompt, steps)
+
+
 def generation_error(runner: Any, model: LoadedModel, program: Any, prompt_len: int,
-                     steps: int) -> float:
+                     steps: int, fp32: tuple[list[int], list[np.ndarray], list[int]] | None = None,
+                     ) -> float:
     """A generation of the buckets served against the program at fp32: a prompt of
     `prompt_len` random tokens in one chunk, then `steps` decode steps fed the tokens fp32
     picks (teacher-forced, so one early difference does not change every later input);
     the last position's logits of each run against fp32's (`set_error`, the budget's
     metric). The prompt chunk's check holds its own logits and the step after it
     (runtimes/mixed.py `After`), the decode step's its own from a fresh state: this holds
-    the two together over a generation, each reading the cache the others wrote."""
+    the two together over a generation, each reading the cache the others wrote. `fp32`:
+    `fp32_generation`'s, where it was run already."""
     from runtimes.base import set_error
 
-    high = next((s.get("high") for s in model.input_specs if s.get("name") == INPUTS[0]),
-                None) or 2
-    prompt = np.random.default_rng(0).integers(0, high, prompt_len).tolist()
-    want, tokens = reference_generation(program, model.inputs, prompt, steps)
+    prompt, want, tokens = fp32 or fp32_generation(model, program, prompt_len, steps)
     live = runner.sequences.begin(model.key, f"load-check-{time.monotonic_ns()}",
                                   sorted(model.parts_by_device))
     try:

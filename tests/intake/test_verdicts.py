@@ -19,6 +19,7 @@ from cuvild.intake.registry import Registry
 from cuvild.intake.verdicts import Verdicts
 from runtimes.cache import KEY_ENV
 
+LIMIT = 1 << 20  # the size limit the registries here inspect under
 SUMMARY = {"num_nodes": 3, "annotated_nodes": 0, "out_spec": "",
            "inputs": [{"name": "x", "dtype": "float32", "shape": [2, 16]}],
            "outputs": [{"name": "output0", "dtype": "float32", "shape": [2, 4]}]}
@@ -69,30 +70,31 @@ def test_only_a_verdict_this_key_signed_for_these_bytes_and_software_counts(
     cache = Verdicts(tmp_path / "cache")
     sha, other = "a" * 64, "b" * 64
     cache.keep(sha, SUMMARY)
-    assert cache.known(sha) == SUMMARY and cache.known(other) is None
-    assert cache.known("../" + sha[3:]) is None  # (an upload header's, not checked yet)
+    assert cache.verdict(sha, LIMIT) == SUMMARY and cache.verdict(other, LIMIT) is None
+    assert cache.verdict("../" + sha[3:], LIMIT) is None  # (an upload header's, not checked yet)
     where = tmp_path / "cache" / "inspected" / f"{sha}.json"
     kept = json.loads(where.read_text())
 
     def forged(**change: Any) -> dict[str, Any] | None:
         where.write_text(json.dumps({**kept, **change}))
-        return cache.known(sha)
+        said = cache.verdict(sha, LIMIT)
+        return said if isinstance(said, dict) else None
 
     # what it says of the archive changed (its inputs), or moved to other bytes: not signed
     assert forged(summary={**SUMMARY, "inputs": []}) is None
     (tmp_path / "cache" / "inspected" / f"{other}.json").write_text(
         json.dumps({**kept, "sha256": other}))
-    assert cache.known(other) is None
+    assert cache.verdict(other, LIMIT) is None
     assert forged(mac="0" * 64) is None and forged() == SUMMARY
     # another key (a cache shared with a daemon that does not hold this one)
     monkeypatch.setenv(KEY_ENV, str(tmp_path / "another.key"))
-    assert cache.known(sha) is None
+    assert cache.verdict(sha, LIMIT) is None
     monkeypatch.setenv(KEY_ENV, str(key))
     # another version of the intake code or of torch: inspected again
     monkeypatch.setattr(verdicts, "_software", ["changed", "2.13.0"])
-    assert cache.known(sha) is None
+    assert cache.verdict(sha, LIMIT) is None
     where.write_text("{not json")
-    assert cache.known(sha) is None
+    assert cache.verdict(sha, LIMIT) is None
 
 
 def test_the_oldest_verdicts_go_past_keep(tmp_path: Path, key: Path,
