@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from cuvild.core.errors import InferError
@@ -84,7 +85,8 @@ class ClientSession:
     def __init__(self, fast: FastPath, sock: socket.socket, uid: int, served: ServedModel,
                  model: LoadedModel, depth: int, done: Callable[[], None]) -> None:
         self.fast, self.sock, self.uid, self.served, self.done = fast, sock, uid, served, done
-        self.ended = False
+        self.ended, self.attached = False, False
+        self._closing = threading.Lock()  # the worker's end and the session's own may race
         self.handled, self.busy = 0, False  # requests the daemon ran for it; one running
         self.seen, self.last = 0.0, time.monotonic()  # its activity at the last sweep, when
         self.model = model  # the served model, or its bucket for the session's shapes
@@ -102,13 +104,18 @@ class ClientSession:
             try:
                 os.ftruncate(stats_fd, mmap.PAGESIZE)
                 self.stats = mmap.mmap(stats_fd, STATS_BYTES)
-                self.attached = self._attach(fd, stats_fd)
+                ended = self._attach(fd, stats_fd)
             finally:
                 os.close(stats_fd)
         finally:
             os.close(fd)  # the mapping here, the client's and a worker's descriptors keep it
-        if self.attached:  # the worker serves it: only the counts stay mapped here
+        if ended is not None:  # the worker serves it: only the counts stay mapped here
+            self.attached = True
             self.mm.close()
+            # Our end of the connection stays open until the session ends, to end it when
+            # idle (`FastPath.sweep`: shut down, the worker and the client see EOF). Added
+            # last: a session that ended already (its client closed it at once) closes here.
+            ended.add_done_callback(lambda _: self.close())
             return
         view = memoryview(self.mm)
         # Per slot, the inputs as the engine takes raw bytes and the outputs' places.
@@ -119,24 +126,22 @@ class ClientSession:
                          for t in self.layout["outputs"]] for base in self.layout["slots"]]
         self.batch = (self.layout["inputs"][0]["shape"] or [1])[0] if self.layout["inputs"] else 1
 
-    def _attach(self, memfd: int, stats_fd: int) -> bool:
+    def _attach(self, memfd: int, stats_fd: int) -> Future[Any] | None:
         """Hand a one-part model's session to its worker (cuvild/workers/sessions.py: the
-        client's doorbell then wakes the worker itself); False where the daemon serves it
-        (several parts, a batched model, a worker being restarted)."""
+        client's doorbell then wakes the worker itself): the future of its end there. None
+        where the daemon serves it (several parts, a batched model, a worker being
+        restarted)."""
         if not one_part(self.model) or self.model.batcher is not None:
-            return False  # (a batched model's requests queue in the daemon to share runs)
+            return None  # (a batched model's requests queue in the daemon to share runs)
         route = self.model.routes[0]
         worker = self.fast.runner.workers.ready(route.device)
         if worker is None:
-            return False
+            return None
         ended = worker.attach(Attach(self.model.key, route.id, self.layout),
                               [self.sock.fileno(), memfd, stats_fd])
         if ended.done() and ended.exception() is not None:
-            return False
-        # The worker serves the connection now; ours stays open until the session ends, to
-        # end it when idle (`FastPath.sweep`: shut down, the worker and the client see EOF).
-        ended.add_done_callback(lambda _: self.close())
-        return True
+            return None
+        return ended
 
     def serve(self) -> None:
         try:
@@ -217,12 +222,19 @@ class ClientSession:
         return self.handled + sum(self.counts()[:2])
 
     def close(self) -> None:
-        self.ended = True
-        self.fast.forget(self)
+        """End the session once: its connection closed and given back to the front (or its
+        caller's uid would hold a slot of `limits.max_connections_per_uid` until restart)."""
+        with self._closing:
+            if self.ended:
+                return
+            self.ended = True
         try:
-            self.sock.close()
+            self.fast.forget(self)
         finally:
-            self.done()
+            try:
+                self.sock.close()
+            finally:
+                self.done()
         self.stats.close()
         self.inputs, self.outputs = [], []
         try:

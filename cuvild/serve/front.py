@@ -299,7 +299,12 @@ class Front:
             self._arm(s, 0)
         link.inner.close()
         assert self.on_session is not None
-        self.on_session(link.client, link.uid, first, lambda: self._release(link))
+        try:
+            self.on_session(link.client, link.uid, first, lambda: self._release(link))
+        except BaseException:  # (no thread to start): it left the links, so close it here
+            link.client.close()
+            self._release(link)
+            raise
 
     def _flush(self, link: _Link, dst: socket.socket) -> None:
         """Send what waits for dst; pass an EOF on once its bytes are out; re-arm both."""
