@@ -139,7 +139,8 @@ class Config:  # a key per field; `path` alone is not one (the file it was read 
     shm_max_bytes: int = setting("shm.max_bytes_per_caller", 16 << 30, "their bytes, summed",
                                  reload=True, positive=True)
     fast_path: bool = setting("shm.fast_path", True, "same-host sessions on the unix socket")
-    max_in_flight: int = setting("engine.max_in_flight", 4, "requests run at once",
+    max_in_flight: int = setting("engine.max_in_flight", 4, "requests run at once (not a "
+                                 "generation's steps)",
                                  positive=True)
     objective: str = setting("engine.objective", "latency", "what plans minimise",
                              reload=True, choices=("latency", "throughput"))

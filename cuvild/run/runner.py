@@ -166,7 +166,11 @@ class Runner:
         begun = time.monotonic()
         deadline = begun + self.run_timeout_s if deadline is None else deadline
         patient = deadline - begun >= self.run_timeout_s  # may take a silent worker as hung
-        model = self._admit(model, deadline)
+        # A sequence's step takes no place among the requests in flight: the sequences live
+        # (engine.sequences.max_live) bound those, one step each at a time, and a decode step
+        # waits in its worker for the other sequences' to share a run (a place each capped
+        # those runs at max_in_flight, the worker waiting in vain for the rest)
+        model = self._admit(model, deadline, placed=not slot)
         outstanding: Sequence[Future[Any]] = ()  # parts that may still write the block
         block = None
         try:
@@ -194,7 +198,8 @@ class Runner:
         finally:
             if block is not None:
                 self.arena.free_after(block, outstanding)
-            self._in_flight.release()
+            if not slot:
+                self._in_flight.release()
             if model.bucket is not None:
                 model.bucket.let_go()
 
@@ -214,17 +219,17 @@ class Runner:
                              f"{[list(s) for s in shapes]} was not built in "
                              f"{time.monotonic() - t0:.1f} s (the request's deadline)") from None
 
-    def _admit(self, model: LoadedModel, deadline: float) -> LoadedModel:
-        """A place among the requests in flight by the deadline (a bucket held, not evicted,
-        while its request runs: the one returned; one evicted since `resolve` is asked of the
-        Builder again); `execute` gives both back."""
+    def _admit(self, model: LoadedModel, deadline: float, placed: bool = True) -> LoadedModel:
+        """A place among the requests in flight by the deadline (`placed`) and a bucket held,
+        not evicted, while its request runs (the one returned; one evicted since `resolve` is
+        asked of the Builder again); `execute` gives both back."""
         t0, begun = time.perf_counter(), time.monotonic()
         while model.bucket is not None and not model.bucket.hold():
             family = self.served.models.get(model.bucket.of)
             if family is None:
                 raise InferError(f"model {model.bucket.of} is not loaded any more")
             model = self._built(family, model.bucket.shapes, deadline)
-        if not self._in_flight.acquire(timeout=max(0.0, deadline - begun)):
+        if placed and not self._in_flight.acquire(timeout=max(0.0, deadline - begun)):
             if model.bucket is not None:
                 model.bucket.let_go()
             raise RunTimeout(f"model {model.key}: no place among the requests in flight in "

@@ -7,10 +7,12 @@ and leaves nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import lm_models
@@ -20,6 +22,7 @@ import torch
 from engine_helpers import CORES
 
 from cuvild.core.arena import Arena
+from cuvild.core.errors import RunTimeout
 from cuvild.core.layout import BadInput
 from cuvild.core.loaded import LoadedModel, Out, bucket_stats
 from cuvild.engine.engine import Engine
@@ -231,13 +234,28 @@ def test_a_prompts_chunks_stay_within_engine_max_dim(tmp_path: Path) -> None:
         arena.close()
 
 
+@contextlib.contextmanager
+def every_place_taken(engine: Engine) -> Iterator[None]:
+    """Every place among the requests in flight taken, given back after."""
+    places, taken = engine.runner._in_flight, 0  # noqa: SLF001
+    while places.acquire(blocking=False):
+        taken += 1
+    try:
+        yield
+    finally:
+        for _ in range(taken):
+            places.release()
+
+
 def test_interleaved_sequences_keep_their_own_state_and_errors_are_clear(
         tmp_path: Path) -> None:
     engine, arena, model, hf = served(tmp_path, "llama")
     seqs = engine.runner.sequences
     try:
         # three generations at once: their decode steps may share runs (the worker batches
-        # the steps of a part's sequences that ring together), each its own tokens
+        # the steps of a part's sequences that ring together), each its own tokens; a
+        # sequence's step takes no place among the requests in flight (the sequences live
+        # bound those): here every place is taken, and they run all the same
         prompts, got = [PROMPT, [7, 3], [1, 2, 3, 4, 5, 6]], {}
 
         def run(k: int) -> None:
@@ -246,15 +264,19 @@ def test_interleaved_sequences_keep_their_own_state_and_errors_are_clear(
                                    Sampling(max_tokens=12), 64))
             seqs.end(live)
 
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        with every_place_taken(engine):
+            threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            with pytest.raises(RunTimeout, match="no place among the requests in flight"):
+                engine.runner.run(model, [torch.tensor([[1]]), torch.tensor([0])],  # not a step
+                                  deadline=time.monotonic() + 0.2)
         for k, prompt in enumerate(prompts):
             assert got.get(k) == lm_models.reference(hf, prompt, 12), k
         exe = engine.workers.of("cpu0").worker.parts[(model.key, "p0")]
-        print(f"runs of several sequences: {exe.together[0]} ({exe.together[1]} steps)")
+        print(f"runs of several sequences: {exe.together.runs} ({exe.together.steps} steps)")
         other = [7, 3]
         a, b = seqs.begin(model.key, "a", ["cpu0"]), seqs.begin(model.key, "b", ["cpu0"])
         ga = generate(stepper(engine, model, a), PROMPT, Sampling(max_tokens=6), 64)
