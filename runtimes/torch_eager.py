@@ -45,6 +45,7 @@ from runtimes import compiled_step, mixed, packed_linear, torch_cuda
 from runtimes.attention import attended
 from runtimes.base import INITIAL, CompileError, CompileSpec, Executable, Runtime, reset
 from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, runs
+from runtimes.together import Together
 
 __all__ = ["drop_scope", "drop_sequence", "reset"]  # (the worker's, with the state:
 # runtimes/state.py; a part's state reset: runtimes/base.py)
@@ -339,7 +340,10 @@ class TorchExecutable(Executable):
     runtime = "torch"
 
     def __init__(self, module: fx.GraphModule, dtype: torch.dtype | None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 twin: Callable[[], fx.GraphModule] | None = None) -> None:
+        """`twin`: for a decode step below fp32, its fp32 twin, made where several sequences'
+        steps run together (runtimes/together.py)."""
         self.module = module
         self.device = device  # a CUDA device it runs on (runtimes/torch_cuda.py); None: host
         self._plain = module  # (what a batch of sequences runs: `_vmapped`)
@@ -360,22 +364,18 @@ class TorchExecutable(Executable):
         self.home = {n: _attr(module, n) for n in self.state}
         self._next = ("", 0)  # the sequence (scope, slot) of the next run (slot 0: none)
         self._batched: Callable[..., Any] | None = None
-        # sequences share a run at fp32 only, where a product of several rows gives what one
-        # row's does (7e-6 apart on the 200M Llama's logits): at bf16 oneDNN's kernel for
-        # several rows gave logits 3e-2 apart from one row's, at fp16 torch's (5e-3) another
-        # kernel than its one-row GEMV, and neither was what the precision search checked
-        self.batches = bool(self.state) and dtype is None and device is None
+        # sequences share runs at fp32: on the part itself, or below fp32 on its fp32 twin
+        # where that measures faster than their steps alone (runtimes/together.py)
+        self.together = Together(dtype is None, twin if device is None else None,
+                                 {v: k for k, v in DTYPES.items()}.get(dtype, "fp32"))
+        self.batches = bool(self.state) and device is None and self.together.possible
         self._stepped: dict[int, float] = {}  # slot -> when it last stepped here
-        self.together = [0, 0]  # runs of several sequences, and their steps
         self._scope = ""
 
     def describe(self) -> str:
         """Where its decode step stands (`step`), and how its sequences' steps have shared
         runs so far (`cuvilctl partition`)."""
-        runs, steps = self.together
-        shared = (f"{steps} steps of several sequences in {runs} runs ({steps / runs:.1f} a "
-                  "run)" if runs else "")
-        return "; ".join(t for t in (self.step, shared) if t)
+        return "; ".join(t for t in (self.step, self.together.describe()) if t)
 
     def expected(self) -> int:
         """How many sequences stepped on this part in the last RECENT_S and hold their state
@@ -420,24 +420,26 @@ class TorchExecutable(Executable):
         out: list[list[torch.Tensor]] = [[] for _ in slots]
         for first, count in runs(rows):
             members = [at[row] for row in range(first, first + count)]
-            if count == 1:
-                self.use(slots[members[0]], scope)
-                out[members[0]] = self.run(inputs[members[0]])
+            if count == 1 or not self.together.pays(count):
+                for i in members:
+                    self.use(slots[i], scope)
+                    out[i] = self.run(inputs[i])
                 continue
             stacked = torch_cuda.inputs_on([torch.stack([inputs[i][k] for i in members])
                                             for k in range(len(inputs[members[0]]))],
                                            self.device)
+            batched = self._vmapped()
+            t0 = time.perf_counter()
             with torch.inference_mode():
-                got = self._vmapped()(held.views(first, count), *stacked)
-            self.together[0] += 1
-            self.together[1] += count
+                got = batched(held.views(first, count), *stacked)
+            self.together.ran(count, time.perf_counter() - t0)
             for j, i in enumerate(members):
                 out[i] = [self._back(o[j]) for o in got]
         return out
 
     def _vmapped(self) -> Callable[..., Any]:
         if self._batched is None:
-            batch = batchable(self._plain)
+            batch = batchable(self.together.module(self._plain))
 
             def one(state: dict[str, torch.Tensor], *inputs: torch.Tensor) -> Any:
                 return tuple(torch.func.functional_call(batch, state, inputs))
@@ -492,7 +494,12 @@ class TorchExecutable(Executable):
         sequence = self._next
         self._install()
         try:
-            return self._run(inputs)
+            if not sequence[1]:
+                return self._run(inputs)
+            t0 = time.perf_counter()
+            outs = self._run(inputs)
+            self.together.alone(time.perf_counter() - t0)  # (a sequence's step alone)
+            return outs
         except Exception:
             if self._call is self._plain:
                 raise
@@ -558,9 +565,13 @@ class TorchRuntime(Runtime):
             raise CompileError(f"torch: {why}")
         remember_initial(part)  # (the state before any run, moved with the part's tensors)
         module = prepared(part, dtype, spec.example_inputs, host=device is None)
-        exe = TorchExecutable(torch_cuda.on_device(module, device, INITIAL), dtype, device)
         inputs = list(spec.example_inputs)
         rows = _rows(part, inputs)
+        twin = None  # a decode step below fp32: its fp32 twin for several sequences' steps
+        if dtype is not None and compiled_step.decode_step(state_of(part), rows):
+            twin = lambda: prepared(part, None)  # noqa: E731 - (weights packed for PACK_ROWS)
+        exe = TorchExecutable(torch_cuda.on_device(module, device, INITIAL), dtype, device,
+                              twin)
         if compiled_step.decode_step(exe.state, rows):  # (not yet compiled on a GPU)
             exe.step = (compiled_step.ON_GPU if device is not None else
                         compiled_step.WAITING if compiled_step.enabled() else compiled_step.OFF)

@@ -1,9 +1,10 @@
 """Several sequences' steps in one run (runtimes/torch_eager.py `run_batch`, the pool of
 runtimes/state.py): a language model's decode steps of sequences at different positions
 give what each gives alone (a step's weights packed for one row, the batch's for several),
-whichever rows they hold; rows are reused and the pool goes with its last sequence; only
-fp32 parts batch (what the precision search checked is one row's kernel at bf16 and fp16);
-the worker groups doorbells of one such part (cuvild/workers/sessions.py `batches`)."""
+whichever rows they hold; rows are reused and the pool goes with its last sequence; a step
+below fp32 batches on its fp32 twin where that is faster (what the precision search checked
+is one row's kernel at bf16 and fp16); the worker groups doorbells of one such part
+(cuvild/workers/sessions.py `batches`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import torch
 from test_torch_lowered import one_part
 
 from cuvild.workers.sessions import batches
+from partitioner.profile import DeviceProfile
 from runtimes import state, torch_eager
-from runtimes.torch_eager import TorchExecutable, prepared
+from runtimes.base import CompileSpec
+from runtimes.torch_eager import TorchExecutable, TorchRuntime, prepared
 
+CPU = DeviceProfile(id="cpu0", kind="cpu", cores=[0], features=["f16c"])
 TOKENS = [[5, 9, 17, 3, 8], [42, 7, 1, 99, 13], [11, 12, 13, 14, 15], [60, 50, 40, 30, 20]]
 
 
@@ -48,15 +52,16 @@ def test_sequences_stepping_together_get_what_each_gets_alone(
                 alone.use(slots[k], "alone")
                 (want,) = alone.run(step(t - 2 * (k == 3), TOKENS[k][t - 2 * (k == 3)]))
                 torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5)
-        assert together.together[0] >= len(TOKENS[0])  # (one run a step: rows 0..3)
+        assert together.together.runs >= len(TOKENS[0])  # (one run a step: rows 0..3)
         # a sequence in the middle ends: the others' rows are 0, 2, 3 (runs 0 and 2..3)
         state.drop_sequence("together", 12)
         state.drop_sequence("alone", 12)
-        runs_before = together.together[0]
+        runs_before = together.together.runs
         kept = [11, 13, 14]
         got = together.run_batch(kept, [step(5, 1), step(5, 2), step(3, 3)], "together")
-        assert together.together[0] == runs_before + 1  # rows 2..3 shared a run
-        runs, steps = together.together  # as `cuvilctl partition` says it
+        assert together.together.runs == runs_before + 1  # rows 2..3 shared a run
+        runs, steps = together.together.runs, together.together.steps  # as `cuvilctl
+        # partition` says it
         assert f"{steps} steps of several sequences in {runs} runs " in together.describe()
         for slot, ins, outs in zip(kept, [step(5, 1), step(5, 2), step(3, 3)], got,
                                    strict=True):
@@ -101,16 +106,77 @@ def test_a_dynamic_length_part_batches_its_decode_steps() -> None:
                 alone.use(k + 1, "dynamic-alone")
                 torch.testing.assert_close(got[k][0], alone.run(steps[k])[0], rtol=1e-5,
                                            atol=1e-5)
-        assert together.together[0] == 3
+        assert together.together.runs == 3
     finally:
         state.drop_scope("dynamic-together")
         state.drop_scope("dynamic-alone")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_lower_precisions_run_each_sequence_alone(part: torch.fx.GraphModule,
-                                                  dtype: torch.dtype) -> None:
-    assert not TorchExecutable(prepared(part, dtype), dtype).batches
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_below_fp32_sequences_step_together_on_the_fp32_twin_where_it_pays(
+        part: torch.fx.GraphModule, precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step below fp32 (as the runtime builds it): several sequences' steps run on
+    its fp32 twin (what the budget is measured against: they give what fp32 gives alone)
+    while that is faster than their steps alone, and one by one (at the part's precision)
+    once it is not; the twin is made at the first batch. Times are set here: which one a
+    host measures faster is the host's (runtimes/together.py)."""
+    monkeypatch.setattr(torch_eager, "RECENT_S", 3600.0)
+    exe = TorchRuntime().compile(part, CompileSpec(CPU, precision, step(0, 1)))
+    fp32, low = TorchExecutable(prepared(part, None, step(0, 1)), None), \
+        TorchExecutable(prepared(part, torch_eager.DTYPES[precision], step(0, 1)),
+                        torch_eager.DTYPES[precision])
+    assert exe.batches and exe.together.possible and exe.together._twin is None  # noqa: SLF001
+    # the reference: each step as the part runs it, alone at its precision or together at
+    # fp32, on one cache (executables of one scope share their sequences' state)
+    slots, scope, ref = [1, 2, 3], f"twin-{precision}", f"twin-{precision}-ref"
+
+    def reference(by: TorchExecutable, t: int) -> list[torch.Tensor]:
+        outs = []
+        for k, slot in enumerate(slots):
+            by.use(slot, ref)
+            outs += by.run(step(t, TOKENS[k][t]))
+        return outs
+
+    try:
+        for k, slot in enumerate(slots):  # each sequence's first step alone: timed
+            exe.use(slot, scope)
+            exe.run(step(0, TOKENS[k][0]))
+        reference(low, 0)
+        exe.together._alone = 1.0  # noqa: SLF001 - a step alone "takes" 1 s: together pays
+        for t in (1, 2, 3):  # (the first run of 3 untimed, the next two timed)
+            got = exe.run_batch(slots, [step(t, TOKENS[k][t]) for k in range(3)], scope)
+            for outs, want in zip(got, reference(fp32, t), strict=True):
+                torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5)
+        assert exe.together.runs == 3 and exe.together._twin is not None  # noqa: SLF001
+        assert "3 together" in exe.describe() and f"beside its {precision}" in exe.describe()
+        exe.together._alone = 1e-9  # noqa: SLF001 - now a step alone is the faster
+        assert "3 one by one" in exe.describe()
+        got = exe.run_batch(slots, [step(4, TOKENS[k][4]) for k in range(3)], scope)
+        assert exe.together.runs == 3  # (no batch ran)
+        for outs, want in zip(got, reference(low, 4), strict=True):  # at its precision
+            torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5)
+    finally:
+        state.drop_scope(scope)
+        state.drop_scope(ref)
+
+
+def test_what_pays_is_measured_and_tried_again() -> None:
+    from runtimes.together import RETRY, Together
+
+    assert Together(True, None, "fp32").pays(2)  # fp32: always
+    assert not Together(False, None, "fp16").possible  # no twin: alone
+    t = Together(False, lambda: "twin", "fp16")
+    assert not t.pays(4)  # a step alone not timed yet
+    t.alone(0.016)
+    assert t.pays(4) and t.module("own") == "twin"
+    t.ran(4, 1.0)  # the first run of 4: untimed (oneDNN makes its kernels)
+    t.ran(4, 0.041)  # 41 ms against 4 x 16: pays
+    assert t.pays(4)
+    t.ran(2, 0.05)
+    t.ran(2, 0.05)  # 50 ms against 2 x 16: does not
+    assert [t.pays(2) for _ in range(RETRY)].count(True) == 1  # tried again, once in RETRY
+    t.ran(2, 0.02)  # the retry measured faster: its time now, not averaged in
+    assert t.pays(2) and "2 together (20.0 ms against 2 x 16.0)" in t.describe()
 
 
 def test_the_worker_groups_the_doorbells_of_a_part_that_batches() -> None:
