@@ -15,13 +15,15 @@ sequences on: on the 2-core EPYC, the 200M Llama's fp16 step 16.5 ms alone, its 
 pays is measured, not guessed: per number of sequences, the batch's time (its first run
 untimed: oneDNN makes its kernels then) against that many steps alone; one that did not pay
 is tried again every RETRY-th time (the steps alone get faster once compiled, a busy host
-changes both).
+changes both). The twin is made only where the memory left holds it twice over (the host's
+MemAvailable, or its cgroup's limit where nearer): a 7B model's fp32 weights are 28 GB.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -33,13 +35,32 @@ def _mean(old: float | None, new: float) -> float:
     return new if old is None else old + WEIGHT * (new - old)
 
 
+def available() -> int | None:
+    """Bytes of memory this process may still take: the host's MemAvailable, or what its
+    cgroup (v2) limit leaves where that is less; None where neither is known."""
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+        group = Path("/sys/fs/cgroup") / Path(
+            Path("/proc/self/cgroup").read_text().partition("::")[2].strip()).relative_to("/")
+        limit = (group / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((group / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 class Together:
     """How one part's sequences share runs. `exact`: the part runs at fp32 (its batches run
     on the part itself); else `twin` makes its fp32 twin, or None: its sequences step alone."""
 
-    def __init__(self, exact: bool, twin: Callable[[], Any] | None, precision: str) -> None:
+    def __init__(self, exact: bool, twin: Callable[[], Any] | None, precision: str,
+                 twin_bytes: int = 0) -> None:
         self.exact, self.precision = exact, precision
-        self._make_twin, self._twin = twin, None
+        self._make_twin, self._twin, self.twin_bytes = twin, None, twin_bytes
         self.possible = exact or twin is not None
         self.runs = self.steps = 0  # runs of several sequences, and their steps
         self._alone: float | None = None  # seconds a step alone, its running mean
@@ -64,11 +85,25 @@ class Together:
             return True
         if not self.possible or self._alone is None:
             return False  # (their steps alone, timed first)
+        if self._twin is None and not self._affordable():
+            return False
         took = self._took.get(count)
         if took is None or took < count * self._alone:
             return True
         declined = self._declined[count] = self._declined.get(count, 0) + 1
         return declined % RETRY == 0
+
+    def _affordable(self) -> bool:
+        """Whether the memory left holds the twin twice over; if not, the sequences step
+        alone from now on (said once)."""
+        left = available()
+        if left is None or left >= 2 * self.twin_bytes:
+            return True
+        self.possible = False
+        log.warning("several sequences step one by one on a %s decode step: its fp32 twin "
+                    "would take %.1f GB, %.1f GB of memory are left", self.precision,
+                    self.twin_bytes / 1e9, left / 1e9)
+        return False
 
     def alone(self, seconds: float) -> None:
         """A sequence's step ran alone in `seconds`."""

@@ -272,6 +272,15 @@ def _packed(module: fx.GraphModule, rows: dict[str, int]) -> fx.GraphModule:
     return packed_module
 
 
+def _lowered_weights(module: fx.GraphModule) -> list[torch.Tensor]:
+    """The tensors `lowered` holds in another dtype: float, two or more dimensions, not state."""
+    state = set(state_of(module))
+    values = [_attr(module, str(n.target)) for n in module.graph.nodes
+              if n.op == "get_attr" and n.target not in state]
+    return [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()
+            and v.dim() >= 2]
+
+
 def lowered(module: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
     """A copy of the part that holds its weights (float tensors of two or more dimensions
     that are not its state) in `dtype`, cast once. An op that reads one (a linear, a matmul,
@@ -572,6 +581,7 @@ class TorchRuntime(Runtime):
             twin = lambda: prepared(part, None)  # noqa: E731 - (weights packed for PACK_ROWS)
         exe = TorchExecutable(torch_cuda.on_device(module, device, INITIAL), dtype, device,
                               twin)
+        exe.together.twin_bytes = sum(4 * t.numel() for t in _lowered_weights(part))
         if compiled_step.decode_step(exe.state, rows):  # (not yet compiled on a GPU)
             exe.step = (compiled_step.ON_GPU if device is not None else
                         compiled_step.WAITING if compiled_step.enabled() else compiled_step.OFF)

@@ -8,6 +8,8 @@ is one row's kernel at bf16 and fp16); the worker groups doorbells of one such p
 
 from __future__ import annotations
 
+import os
+
 import lm_models
 import pytest
 import torch
@@ -160,7 +162,9 @@ def test_below_fp32_sequences_step_together_on_the_fp32_twin_where_it_pays(
         state.drop_scope(ref)
 
 
-def test_what_pays_is_measured_and_tried_again() -> None:
+def test_what_pays_is_measured_and_tried_again(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    from runtimes import together
     from runtimes.together import RETRY, Together
 
     assert Together(True, None, "fp32").pays(2)  # fp32: always
@@ -177,6 +181,19 @@ def test_what_pays_is_measured_and_tried_again() -> None:
     assert [t.pays(2) for _ in range(RETRY)].count(True) == 1  # tried again, once in RETRY
     t.ran(2, 0.02)  # the retry measured faster: its time now, not averaged in
     assert t.pays(2) and "2 together (20.0 ms against 2 x 16.0)" in t.describe()
+    # a twin the memory left cannot hold twice over is not made: the steps go one by one
+    short = Together(False, lambda: pytest.fail("made"), "fp16", twin_bytes=8 << 30)
+    short.alone(0.016)
+    monkeypatch.setattr(together, "available", lambda: 12 << 30)
+    assert not short.pays(4) and not short.possible
+    assert "its fp32 twin would take 8.6 GB, 12.9 GB of memory are left" in caplog.text
+
+
+def test_the_memory_left_is_read() -> None:
+    from runtimes.together import available
+
+    left = available()
+    assert left is None or 0 < left <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def test_the_worker_groups_the_doorbells_of_a_part_that_batches() -> None:
