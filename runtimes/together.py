@@ -93,6 +93,16 @@ class Together:
         declined = self._declined[count] = self._declined.get(count, 0) + 1
         return declined % RETRY == 0
 
+    def worth_waiting(self, count: int) -> bool:
+        """Whether a batch of `count` sequences is worth waiting for (cuvild/workers/
+        sessions.py gathers the steps of the sequences that stepped lately): one `pays` would
+        run (not a size that did not pay: rung together all the same, it may be tried again)."""
+        if self.exact:
+            return True
+        took = self._took.get(count)
+        return self.possible and self._alone is not None and (
+            took is None or took < count * self._alone)
+
     def _affordable(self) -> bool:
         """Whether the memory left holds the twin twice over; if not, the sequences step
         alone from now on (said once)."""

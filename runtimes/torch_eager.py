@@ -393,7 +393,8 @@ class TorchExecutable(Executable):
         for slot, when in list(self._stepped.items()):
             if now - when > RECENT_S or not holds(self._scope, slot):
                 del self._stepped[slot]
-        return len(self._stepped)
+        count = len(self._stepped)  # (not a batch that does not pay: runtimes/together.py)
+        return count if count < 2 or self.together.worth_waiting(count) else 1
 
     def _step(self, scope: str, slots: Sequence[int]) -> None:
         now = time.monotonic()

@@ -179,6 +179,7 @@ def test_what_pays_is_measured_and_tried_again(monkeypatch: pytest.MonkeyPatch,
     t.ran(2, 0.05)
     t.ran(2, 0.05)  # 50 ms against 2 x 16: does not
     assert [t.pays(2) for _ in range(RETRY)].count(True) == 1  # tried again, once in RETRY
+    assert t.worth_waiting(4) and not t.worth_waiting(2) and t.worth_waiting(8)  # (untried)
     t.ran(2, 0.02)  # the retry measured faster: its time now, not averaged in
     assert t.pays(2) and "2 together (20.0 ms against 2 x 16.0)" in t.describe()
     # a twin the memory left cannot hold twice over is not made: the steps go one by one
