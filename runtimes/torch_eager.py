@@ -272,13 +272,17 @@ def _packed(module: fx.GraphModule, rows: dict[str, int]) -> fx.GraphModule:
     return packed_module
 
 
-def _lowered_weights(module: fx.GraphModule) -> list[torch.Tensor]:
-    """The tensors `lowered` holds in another dtype: float, two or more dimensions, not state."""
+def _is_weight(value: object) -> bool:
+    """A tensor `lowered` holds in another dtype (where it is not the part's state)."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2
+
+
+def _weight_bytes(module: fx.GraphModule, itemsize: int) -> int:
+    """What `module`'s weights (as `lowered` takes them) hold at `itemsize` bytes a value."""
     state = set(state_of(module))
     values = [_attr(module, str(n.target)) for n in module.graph.nodes
               if n.op == "get_attr" and n.target not in state]
-    return [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()
-            and v.dim() >= 2]
+    return sum(itemsize * v.numel() for v in values if _is_weight(v))
 
 
 def lowered(module: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -295,8 +299,7 @@ def lowered(module: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
     for node in list(graph.nodes):
         if node.op == "get_attr":
             value = _attr(module, str(node.target))
-            if (isinstance(value, torch.Tensor) and value.is_floating_point()
-                    and value.dim() >= 2 and node.target not in state):
+            if _is_weight(value) and node.target not in state:
                 value = _derived(value, str(dtype), lambda w: w.to(dtype))
                 low.add(node)
             attrs[str(node.target)] = value
@@ -578,11 +581,13 @@ class TorchRuntime(Runtime):
         inputs = list(spec.example_inputs)
         rows = _rows(part, inputs)
         twin = None  # a decode step below fp32: its fp32 twin for several sequences' steps
-        if dtype is not None and compiled_step.decode_step(state_of(part), rows):
+        if dtype is not None and device is None and compiled_step.decode_step(state_of(part),
+                                                                              rows):
             twin = lambda: prepared(part, None)  # noqa: E731 - (weights packed for PACK_ROWS)
         exe = TorchExecutable(torch_cuda.on_device(module, device, INITIAL), dtype, device,
                               twin)
-        exe.together.twin_bytes = sum(4 * t.numel() for t in _lowered_weights(part))
+        if twin is not None:
+            exe.together.twin_bytes = _weight_bytes(part, 4)
         if compiled_step.decode_step(exe.state, rows):  # (not yet compiled on a GPU)
             exe.step = (compiled_step.ON_GPU if device is not None else
                         compiled_step.WAITING if compiled_step.enabled() else compiled_step.OFF)
