@@ -72,6 +72,13 @@ logging.getLogger("onnxscript.optimizer._constant_folding").setLevel(logging.ERR
 for _chatty in ("onnx_ir", "onnxscript"):
     logging.getLogger(_chatty).setLevel(logging.WARNING)
 
+
+
+def _quantization_advice(record: logging.LogRecord) -> bool:
+    """False for what onnxruntime's quantization logs on the root logger itself."""
+    return not (record.name == "root" and "onnxruntime" in Path(record.pathname).parts)
+
+
 # ONNX tensor element types -> numpy dtypes, for binding output buffers.
 ONNX_DTYPES = {
     "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
@@ -178,9 +185,10 @@ def quantize(path: Path, calibration: list[list[torch.Tensor]], names: list[str]
                 for name, i in zip(session_inputs, feed, strict=True)}
 
     quantized = path.with_name("quantized.onnx")
+    # Its advice to pre-process, on the root logger every time: dropped by a filter, not by
+    # raising the root's level (a thread daemon's other threads would lose their warnings).
     root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # its advice to pre-process, on the root logger, every time
+    root.addFilter(_quantization_advice)
     try:
         quantize_static(str(path), str(quantized), Reader(), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
@@ -189,7 +197,7 @@ def quantize(path: Path, calibration: list[list[torch.Tensor]], names: list[str]
         raise CompileError(f"onnxruntime: int8 quantization failed: {type(e).__name__}: "
                            f"{e}") from e
     finally:
-        root.setLevel(level)
+        root.removeFilter(_quantization_advice)
     quantized.replace(path)
 
 

@@ -3,6 +3,7 @@ cache, outputs that outlive the next run, and the not-installed state."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -171,7 +172,8 @@ def test_refuses_other_devices_and_precisions() -> None:
                                           example_inputs=[torch.ones(2)]))
 
 
-def test_int8_quantizes_on_the_calibration_inputs(tmp_path: Path) -> None:
+def test_int8_quantizes_on_the_calibration_inputs(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(),
                                 torch.nn.Conv2d(16, 8, 3)).eval()
@@ -182,9 +184,13 @@ def test_int8_quantizes_on_the_calibration_inputs(tmp_path: Path) -> None:
     with pytest.raises(CompileError, match="needs calibration inputs"):
         runtime.compile(part.module, CompileSpec(device=CPU, precision="int8",
                                                  example_inputs=[x], threads=THREADS))
-    exe = runtime.compile(part.module, CompileSpec(device=CPU, precision="int8",
-                                                   example_inputs=[x], threads=THREADS,
-                                                   calibration=calibration))
+    level = logging.getLogger().level
+    with caplog.at_level(logging.INFO):
+        exe = runtime.compile(part.module, CompileSpec(device=CPU, precision="int8",
+                                                       example_inputs=[x], threads=THREADS,
+                                                       calibration=calibration))
+    assert "pre-process" not in caplog.text  # its advice, dropped
+    assert logging.getLogger().level == level
     with torch.no_grad():
         error = relative_error(exe.run([x]), [model(x)])
     assert 0 < error < 0.25  # quantized: close, not exact
@@ -215,3 +221,18 @@ def test_the_exporters_passes_say_nothing_below_a_warning(
     compile_parts(whole(export(model, inputs)), inputs)
     said = [r for r in caplog.records if r.name.split(".")[0] in ("onnx_ir", "onnxscript")]
     assert not [r for r in said if r.levelno < 30], [r.getMessage() for r in said][:5]
+
+
+def test_the_quantizations_advice_alone_is_dropped() -> None:
+    """onnxruntime's quantization advises pre-processing on the root logger at every int8
+    compile; a filter drops its lines alone, for the quantization's time only, and leaves the
+    root's level (a thread daemon's other threads log through it) as it was."""
+    from runtimes.onnxruntime import _quantization_advice
+
+    def record(name: str, path: str) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.WARNING, path, 1, "advice", None, None)
+
+    site = "/venv/lib/python3.12/site-packages/onnxruntime/quantization/quantize.py"
+    assert not _quantization_advice(record("root", site))
+    assert _quantization_advice(record("root", "/srv/cuvild/runtimes/select.py"))
+    assert _quantization_advice(record("onnxruntime.x", site))  # its own loggers: as they are
