@@ -396,10 +396,18 @@ def last_position(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
 
 
 def error_on(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
-             expected: Sequence[Sequence[torch.Tensor]], after: After | None = None) -> float:
+             expected: Sequence[Sequence[torch.Tensor]], after: After | None = None,
+             above: float | None = None) -> float:
     """`gm`'s error on `inputs`, each run from the part's initial state where it keeps one
     (as `expected` was: runtimes/torch_eager.py `remember_initial`, `reset`), and `after`
-    each run, the error of the part's last position run again on the state it left."""
+    each run, the error of the part's last position run again on the state it left.
+
+    With `above` (a search asking whether `gm` holds it), the runs stop at the first input
+    after which the error is known to be over `above`, and that lower bound is returned: the
+    set's error (`set_error`) takes the largest difference on any input over the largest
+    value expected on any, so the inputs still to run can only raise it."""
+    wanted_all = [list(e) + (list(after.expected[i]) if after is not None else [])
+                  for i, e in enumerate(expected)]
     outputs, wanted = [], []
     with torch.no_grad():
         for i, x in enumerate(inputs):
@@ -415,6 +423,11 @@ def error_on(gm: fx.GraphModule, inputs: Sequence[Sequence[torch.Tensor]],
                 want += list(after.expected[i])
             outputs.append(got)
             wanted.append(want)
+            if above is not None and len(outputs) < len(inputs):
+                rest = wanted_all[len(outputs):]  # (as if given exactly: no difference)
+                bound = set_error(outputs + rest, wanted + rest)
+                if bound > above:
+                    return bound
     return set_error(outputs, wanted)
 
 
@@ -441,7 +454,8 @@ def choose(gm: fx.GraphModule, low: str, target: float,
     gm, groups, spans = spans_of(gm, low, inputs[0])
     after = after_runs(gm, inputs) if _state(gm) else None
     if after is not None:
-        measure = lambda module: error_on(module, inputs, expected, after)  # noqa: E731
+        measure = lambda module: error_on(module, inputs, expected, after,  # noqa: E731
+                                          above=target)
     everything = {n for nodes in spans.values() for n in nodes}
     order: list[str] = []
     alone: dict[str, float] = {}
@@ -508,12 +522,12 @@ def _estimate(keeping: Callable[[int], fx.GraphModule], count: int, target: floa
               expected: Sequence[Sequence[torch.Tensor]], after: After | None) -> int:
     """torch eager's count of groups to keep: 0 when all lowered holds, else the bisection's
     smallest k (`count` when only all of them hold)."""
-    if error_on(keeping(0), inputs, expected, after) <= target:
+    if error_on(keeping(0), inputs, expected, after, above=target) <= target:
         return 0
     lo, hi = 1, count
     while lo < hi:
         mid = (lo + hi) // 2
-        if error_on(keeping(mid), inputs, expected, after) <= target:
+        if error_on(keeping(mid), inputs, expected, after, above=target) <= target:
             hi = mid
         else:
             lo = mid + 1
@@ -522,7 +536,8 @@ def _estimate(keeping: Callable[[int], fx.GraphModule], count: int, target: floa
 
 def _settle(keeping: Callable[[int], fx.GraphModule], k: int, count: int, target: float,
             measure: Callable[[fx.GraphModule], float], max_builds: int) -> tuple[int, float]:
-    """The smallest k a real build holds `target` at, from torch's estimate `k`."""
+    """The smallest k a real build holds `target` at, from torch's estimate `k` (the error
+    of a build over it may be a bound: `error_on`'s `above`)."""
     errors: dict[int, float] = {}
     failing = -1
     while len(errors) < max_builds:
@@ -532,11 +547,11 @@ def _settle(keeping: Callable[[int], fx.GraphModule], k: int, count: int, target
         failing = k
         if k >= count - 1:
             raise CompileError(f"no group short of all {count} at fp32 holds {target:.0e} "
-                               f"(kept {k}: {errors[k]:.1e})")
+                               f"(kept {k}: {errors[k]:.1e} or more)")
         k = min(count - 1, max(k + 1, 2 * k))
     else:
         raise CompileError(f"no build of {max_builds} held {target:.0e} (kept "
-                           + ", ".join(f"{n}: {e:.1e}" for n, e in errors.items()) + ")")
+                           + ", ".join(f"{n}: {e:.1e} or more" for n, e in errors.items()) + ")")
     passing = k
     while len(errors) < max_builds and passing - failing > 1:
         mid = (passing + failing) // 2

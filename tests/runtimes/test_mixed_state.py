@@ -127,6 +127,36 @@ def test_a_mix_is_held_on_the_state_it_leaves() -> None:
     assert mix.state and mix.kept[0] == "k" and mix.error <= 1e-3, mix.describe()
 
 
+def test_a_search_stops_running_a_build_once_it_is_over_the_target() -> None:
+    """`error_on(..., above=)`: the runs of a build stop at the first input after which its
+    error is known to be over `above` (the set's error takes the largest difference on any
+    input over the largest value on any: the inputs left can only raise it), and the bound
+    returned is over `above` and never over the error of all of them; a build that holds
+    runs every input and gives its exact error."""
+    length = torch.export.Dim("length", min=2, max=16)
+    ep = torch.export.export(WritesAhead().eval(), (torch.randn(1, 4, 16), torch.arange(4)),
+                             dynamic_shapes=({1: length}, {0: length}))
+    gm = split_program(ep, [("p0", [n.name for n in ep.graph.nodes
+                                    if n.op == "call_function"])]).parts[0].module
+    remember_initial(gm)
+    gen = torch.Generator().manual_seed(0)
+    inputs, expected = samples_of(gm, [[torch.randn(1, 8, 16, generator=gen), torch.arange(8)]
+                                       for _ in range(6)])
+    folded, _, spans = mixed.spans_of(gm, "bf16", inputs[0])
+    only_k = mixed.lower(folded, spans["k"], "bf16")
+    after = mixed.after_runs(folded, inputs)
+    runs = []
+    only_k.register_forward_pre_hook(lambda *_: runs.append(1))
+    exact = mixed.error_on(only_k, inputs, expected, after)
+    assert len(runs) == 6 and exact > 1e-3
+    runs.clear()
+    bound = mixed.error_on(only_k, inputs, expected, after, above=1e-3)
+    assert len(runs) == 1 and 1e-3 < bound <= exact  # stopped after the first input
+    runs.clear()
+    assert mixed.error_on(only_k, inputs, expected, after, above=exact) == exact
+    assert len(runs) == 6  # held: every input run
+
+
 def samples_of(part: torch.fx.GraphModule, inputs: list) -> tuple[list, list]:
     """`inputs`, and the part's outputs on each from its initial state."""
     expected = []
