@@ -26,7 +26,7 @@ from partitioner.profile import DeviceProfile
 from runtimes.triton import cuda_device
 
 # device copies of a part's tensors, by (id of the host tensor, device): the buckets built from
-# one part share them (as runtimes/torch_eager.py's _DERIVED shares lowered weights)
+# one part share them (as runtimes/derived.py shares lowered weights)
 _COPIES: dict[tuple[int, str], torch.Tensor] = {}
 
 

@@ -32,7 +32,6 @@ import logging
 import platform
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +43,7 @@ from partitioner.profile import DeviceProfile
 from runtimes import compiled_step, mixed, packed_linear, torch_cuda
 from runtimes.attention import attended
 from runtimes.base import INITIAL, CompileError, CompileSpec, Executable, Runtime, reset
+from runtimes.derived import derived
 from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, runs
 from runtimes.together import Together
 
@@ -101,32 +101,6 @@ _LINEAR = aten.linear.default
 _PACKED_LINEAR = packed_linear.PACKED  # oneDNN's linear
 _REORDER = torch.ops.mkldnn._reorder_linear_weight  # noqa: SLF001 - oneDNN's weight packing
 PACK_ROWS = 128  # the rows oneDNN lays a packed weight out for (any count runs on it)
-# weights derived from a part's own (lowered, packed), by (id of the part's tensor, what):
-# the buckets built from one part share them (a language model's five buckets would hold five
-# copies of its weights otherwise). Held by the executables that run on them, not here: a
-# precision search's losing builds take theirs with them (held here until their part went,
-# the 200M Llama's worker kept 1.6 GB of them: its fp32 packings for 1 and 128 rows, its
-# plain bf16 copy, beside the mixed chunk and fp16 step it served). Each is keyed by the
-# part's own tensor it comes from, through what (a weight lowered, then packed: its bf16
-# copy, held by nothing once packed, need not stay for the next bucket to find the packing),
-# keeps that tensor alive, and goes with it (whose id another tensor may take then)
-_DERIVED: weakref.WeakValueDictionary[tuple[int, str], torch.Tensor] = \
-    weakref.WeakValueDictionary()
-
-
-def _derived(weight: torch.Tensor, what: str, make: Callable[[torch.Tensor], torch.Tensor]
-             ) -> torch.Tensor:
-    root = getattr(weight, "_cuvild_root", weight)  # (a derived one's: the part's own)
-    what = f"{weight._cuvild_what}/{what}" if root is not weight else what  # noqa: SLF001
-    key = (id(root), what)
-    found = _DERIVED.get(key)
-    if found is None:
-        found = _DERIVED[key] = make(weight.detach())
-        found._cuvild_root, found._cuvild_what = root, what  # noqa: SLF001 - (tensors take
-        weakref.finalize(root, _DERIVED.pop, key, None)  # attributes)
-    return found
-
-
 def _size(value: torch.Tensor, dim: int) -> int:
     return value.shape[dim]  # (under vmap: the size one sequence's step sees)
 
@@ -146,7 +120,7 @@ def batchable(module: fx.GraphModule, repack: bool = True) -> fx.GraphModule:
             source = module.meta.get(ONE_ROW, {}).get(str(weight.target)) if repack else None
             if source is not None:  # the weight again, packed for PACK_ROWS
                 name = f"{weight.target}_rows"
-                attrs[name] = _derived(source, f"packed{PACK_ROWS}",
+                attrs[name] = derived(source, f"packed{PACK_ROWS}",
                                        lambda w: _REORDER(w, PACK_ROWS))
                 with graph.inserting_before(node):
                     node.args = (node.args[0], graph.get_attr(name), node.args[2])
@@ -250,7 +224,7 @@ def _packed(module: fx.GraphModule, rows: dict[str, int]) -> fx.GraphModule:
             continue
         at = 1 if rows.get(node.name) == 1 else PACK_ROWS
         name = f"{weight.target}_packed{at}".replace(".", "_")
-        attrs[name] = _derived(value, f"packed{at}", lambda w, at=at: _REORDER(w, at))
+        attrs[name] = derived(value, f"packed{at}", lambda w, at=at: _REORDER(w, at))
         if at == 1:
             one_row[name] = value
         with graph.inserting_before(node):
@@ -300,7 +274,7 @@ def lowered(module: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
         if node.op == "get_attr":
             value = _attr(module, str(node.target))
             if _is_weight(value) and node.target not in state:
-                value = _derived(value, str(dtype), lambda w: w.to(dtype))
+                value = derived(value, str(dtype), lambda w: w.to(dtype))
                 low.add(node)
             attrs[str(node.target)] = value
         elif node.op == "call_function" and node.target is _ASSERT:

@@ -128,8 +128,8 @@ def test_linears_run_on_packed_weights_shared_by_the_parts_buckets(
 def test_derived_weights_go_with_the_builds_that_run_on_them() -> None:
     """A part's weights lowered (or packed) for one build are shared by its other builds at
     the same precision, and held by them alone: a precision search's losing build takes its
-    copies with it while the part, and the winner, stay (runtimes/torch_eager.py _DERIVED)."""
-    from runtimes.torch_eager import _DERIVED  # noqa: PLC2701 - what the test is about
+    copies with it while the part, and the winner, stay (runtimes/derived.py _DERIVED)."""
+    from runtimes.derived import _DERIVED  # noqa: PLC2701 - what the test is about
 
     part = one_part(lm_models.export(lm_models.lm("llama")))
     ids = {id(t) for t in tensors(part).values()}
