@@ -104,17 +104,23 @@ class WritesAhead(torch.nn.Module):
         return x + 1e-3 * self.head(x) + (before * self.cache).sum(1, keepdim=True)
 
 
-def test_a_mix_is_held_on_the_state_it_leaves() -> None:
-    """A stateful part's mix is checked on the state it leaves (runtimes/mixed.py `After`:
-    its last position run again, in fp32, on that state, reads what the chunk wrote): `k`
-    lowered leaves the chunk's outputs exactly as fp32's, but not the next step's, so it
-    stays fp32; without the state check it was lowered."""
+def writes_ahead() -> torch.fx.GraphModule:
+    """WritesAhead exported with a dynamic length, as one part."""
     length = torch.export.Dim("length", min=2, max=16)
     ep = torch.export.export(WritesAhead().eval(), (torch.randn(1, 4, 16), torch.arange(4)),
                              dynamic_shapes=({1: length}, {0: length}))
     gm = split_program(ep, [("p0", [n.name for n in ep.graph.nodes
                                     if n.op == "call_function"])]).parts[0].module
     remember_initial(gm)
+    return gm
+
+
+def test_a_mix_is_held_on_the_state_it_leaves() -> None:
+    """A stateful part's mix is checked on the state it leaves (runtimes/mixed.py `After`:
+    its last position run again, in fp32, on that state, reads what the chunk wrote): `k`
+    lowered leaves the chunk's outputs exactly as fp32's, but not the next step's, so it
+    stays fp32; without the state check it was lowered."""
+    gm = writes_ahead()
     inputs, expected = samples_of(gm, [[torch.randn(1, 8, 16), torch.arange(8)]
                                        for _ in range(2)])
     folded, groups, spans = mixed.spans_of(gm, "bf16", inputs[0])
@@ -133,12 +139,7 @@ def test_a_search_stops_running_a_build_once_it_is_over_the_target() -> None:
     input over the largest value on any: the inputs left can only raise it), and the bound
     returned is over `above` and never over the error of all of them; a build that holds
     runs every input and gives its exact error."""
-    length = torch.export.Dim("length", min=2, max=16)
-    ep = torch.export.export(WritesAhead().eval(), (torch.randn(1, 4, 16), torch.arange(4)),
-                             dynamic_shapes=({1: length}, {0: length}))
-    gm = split_program(ep, [("p0", [n.name for n in ep.graph.nodes
-                                    if n.op == "call_function"])]).parts[0].module
-    remember_initial(gm)
+    gm = writes_ahead()
     gen = torch.Generator().manual_seed(0)
     inputs, expected = samples_of(gm, [[torch.randn(1, 8, 16, generator=gen), torch.arange(8)]
                                        for _ in range(6)])
