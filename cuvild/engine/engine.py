@@ -73,3 +73,4 @@ class Engine:
     def close(self) -> None:
         self.buckets.close()
         self.workers.close()
+        self.builder.corrections.close()

@@ -76,3 +76,10 @@ class CorrectionStore:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedback")
             pool = self._pool
         pool.submit(fn, *args)
+
+    def close(self) -> None:
+        """Let the lessons' thread end (a lesson being learned is finished first)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)

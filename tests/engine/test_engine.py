@@ -171,6 +171,7 @@ def test_measured_parts_teach_the_cost_model_and_survive_a_restart(tmp_path):
     specs = summarize(ep)["inputs"]
     arena = Arena(f"{os.getpid()}-learn")
     try:
+        before = set(threading.enumerate())
         engine = Engine([cpu], tmp_path / "cache", arena, corrections_path=path)
         first = engine.prepare("mlp", "mlp", "1", archive, specs)
         for _ in range(FEEDBACK_RUNS):
@@ -178,7 +179,12 @@ def test_measured_parts_teach_the_cost_model_and_survive_a_restart(tmp_path):
         deadline = time.monotonic() + 30
         while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        lessons = [t for t in set(threading.enumerate()) - before
+                   if t.name.startswith("feedback")]
         engine.close()
+        for thread in lessons:  # the lessons' thread ends with its engine
+            thread.join(5)
+        assert lessons and not any(t.is_alive() for t in lessons)
         learned = Corrections.from_dict(json.loads(path.read_text()))
         assert learned.describe("cpu0")
         assert not any(n.startswith("cost corrections") for n in first.plan.notes)
