@@ -95,7 +95,13 @@ class DaemonProcess:
         self.ready_s: float | None = None
         self.state_dir = Path(config["state_dir"])
         self.wrap: list[str] = []  # a command the daemon runs under (unshare, ...)
-        self.env: dict[str, str | None] = {}  # more of its environment (None: unset)
+        # more of its environment (None: unset). Started as a user's shell or systemd starts
+        # it: not with this process's inductor and Triton cache directories, which inductor
+        # writes into this environment at its first use here (/tmp/torchinductor_<user>, warm
+        # from every earlier run): the daemon keeps them under its cache_dir, and a restart's
+        # or a first load's compile times are its own
+        self.env: dict[str, str | None] = {"TORCHINDUCTOR_CACHE_DIR": None,
+                                           "TRITON_CACHE_DIR": None}
 
     def start(self, wait: bool = True) -> DaemonProcess:
         if self.profiles is None or not wait:

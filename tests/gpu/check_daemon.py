@@ -120,6 +120,11 @@ class Daemon:
         from runtimes.base import child_env
 
         env = child_env()
+        # as a user starts it: not with the inductor and Triton cache directories inductor
+        # wrote into this process's environment at its first use (/tmp/torchinductor_<user>,
+        # warm from the sections before): the restart is timed from cuvild's own cache_dir
+        for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            env.pop(name, None)
         t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "cuvild", "--config",
                                       str(self.config)], cwd=ROOT, env=env, stdout=log,

@@ -184,11 +184,11 @@ def test_live_socket_is_refused(make_daemon, daemon):
         assert client.status()["version"]
 
 
-def test_sighup_reloads_and_survives_bad_config(make_daemon):
+def test_sighup_reloads_and_survives_bad_config(make_daemon, monkeypatch):
     d = make_daemon(start=False)
-    # (and, started as a user would, without the test process's inductor and Triton cache
-    # settings: its workers keep those caches under its cache_dir)
-    d.env.update({"TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": None})
+    # (started as a user would, without the test process's inductor and Triton cache settings
+    # (tests/daemons.py): its workers keep those caches under its cache_dir)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_of_the_tests")
     d.start()
     config = yaml.safe_load(d.config_path.read_text())
     config["log_level"] = "debug"  # (the workers' too: said by the one the next load starts)
