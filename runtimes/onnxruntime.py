@@ -73,11 +73,16 @@ for _chatty in ("onnx_ir", "onnxscript"):
     logging.getLogger(_chatty).setLevel(logging.WARNING)
 
 
-
 def _quantization_advice(record: logging.LogRecord) -> bool:
-    """False for what onnxruntime's quantization logs on the root logger itself."""
-    return not (record.name == "root" and "onnxruntime" in Path(record.pathname).parts)
+    """False for what onnxruntime's Python tools log on the root logger itself below an
+    error: its quantization's advice to pre-process, at every int8 build. A filter, not the
+    root's level raised around the quantization (in a thread daemon every other thread lost
+    its warnings meanwhile), and for good (two quantizations at once share it)."""
+    return record.levelno >= logging.ERROR or not (
+        record.name == "root" and "onnxruntime" in Path(record.pathname).parts)
 
+
+logging.getLogger().addFilter(_quantization_advice)
 
 # ONNX tensor element types -> numpy dtypes, for binding output buffers.
 ONNX_DTYPES = {
@@ -184,11 +189,7 @@ def quantize(path: Path, calibration: list[list[torch.Tensor]], names: list[str]
                 name: sample[i].detach().contiguous().numpy()
                 for name, i in zip(session_inputs, feed, strict=True)}
 
-    quantized = path.with_name("quantized.onnx")
-    # Its advice to pre-process, on the root logger every time: dropped by a filter, not by
-    # raising the root's level (a thread daemon's other threads would lose their warnings).
-    root = logging.getLogger()
-    root.addFilter(_quantization_advice)
+    quantized = path.with_name("quantized.onnx")  # (its advice: `_quantization_advice`)
     try:
         quantize_static(str(path), str(quantized), Reader(), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
@@ -196,8 +197,6 @@ def quantize(path: Path, calibration: list[list[torch.Tensor]], names: list[str]
     except Exception as e:
         raise CompileError(f"onnxruntime: int8 quantization failed: {type(e).__name__}: "
                            f"{e}") from e
-    finally:
-        root.removeFilter(_quantization_advice)
     quantized.replace(path)
 
 

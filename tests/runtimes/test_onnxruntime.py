@@ -225,14 +225,17 @@ def test_the_exporters_passes_say_nothing_below_a_warning(
 
 def test_the_quantizations_advice_alone_is_dropped() -> None:
     """onnxruntime's quantization advises pre-processing on the root logger at every int8
-    compile; a filter drops its lines alone, for the quantization's time only, and leaves the
-    root's level (a thread daemon's other threads log through it) as it was."""
+    compile; a filter on the root drops what onnxruntime's own files log there below an
+    error, and nothing else (the root's level stays as it was: a thread daemon's other threads
+    log through it)."""
     from runtimes.onnxruntime import _quantization_advice
 
-    def record(name: str, path: str) -> logging.LogRecord:
-        return logging.LogRecord(name, logging.WARNING, path, 1, "advice", None, None)
+    def record(name: str, path: str, level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord(name, level, path, 1, "advice", None, None)
 
     site = "/venv/lib/python3.12/site-packages/onnxruntime/quantization/quantize.py"
+    assert _quantization_advice in logging.getLogger().filters
     assert not _quantization_advice(record("root", site))
+    assert _quantization_advice(record("root", site, logging.ERROR))  # an error: kept
     assert _quantization_advice(record("root", "/srv/cuvild/runtimes/select.py"))
     assert _quantization_advice(record("onnxruntime.x", site))  # its own loggers: as they are
