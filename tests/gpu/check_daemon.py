@@ -120,9 +120,10 @@ class Daemon:
         from runtimes.base import child_env
 
         env = child_env()
-        # as a user starts it: not with the inductor and Triton cache directories inductor
-        # wrote into this process's environment at its first use (/tmp/torchinductor_<user>,
-        # warm from the sections before): the restart is timed from cuvild's own cache_dir
+        # as a user starts it: not with this process's inductor and Triton cache directories
+        # (inductor writes /tmp/torchinductor_<user> into the environment at its first use):
+        # they are its cache_dir's, and the restart is timed on what that holds (check_gpu.py
+        # points its own compiles there, to warm the first start)
         for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
             env.pop(name, None)
         t0 = time.perf_counter()

@@ -66,9 +66,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 SCRATCH = Path(tempfile.mkdtemp(prefix="cuvild-gpu-check-"))
 DAEMON_DIR = SCRATCH / "daemon"  # the daemon's config, state (the seeded profile) and cache
-# Set before torch and triton are imported: both read their cache locations from these.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "inductor"))
-os.environ.setdefault("TRITON_CACHE_DIR", str(SCRATCH / "triton"))
+# Set before torch and triton are imported: both read their cache locations from these. The
+# daemon's own (its cache_dir's, where cuvild puts them: check_daemon.py starts it without
+# these variables), so that the parts compiled here warm the daemon's first start, and its
+# restart is timed on what its cache directory holds.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DAEMON_DIR / "cache" / "inductor"))
+os.environ.setdefault("TRITON_CACHE_DIR", str(DAEMON_DIR / "cache" / "triton"))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
