@@ -131,7 +131,15 @@ def _key(*parts: Any) -> str:
 
 
 def _dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of the files under `path`; 0 for what another process removes meanwhile."""
+    total = 0
+    for folder, _, files in os.walk(path):  # (errors, a folder gone, skipped)
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(folder, name))
+            except OSError:
+                continue
+    return total
 
 
 class CompileCache:
@@ -242,9 +250,16 @@ class CompileCache:
 
     def evict(self) -> list[str]:
         """Drop least recently used entries until the cache fits max_bytes."""
-        with self._lock:
-            sized = sorted(((p / "meta.json").stat().st_mtime, p) for p in self.entries.iterdir()
-                           if (p / "meta.json").exists())
+        with self._lock:  # (this process's: the workers sharing the directory do not take it)
+            sized = []
+            for p in self.entries.iterdir():
+                if p.name.startswith(".tmp-"):
+                    continue  # an entry a worker is writing (`store`)
+                try:
+                    sized.append(((p / "meta.json").stat().st_mtime, p))
+                except OSError:
+                    continue  # not an entry, or one another worker dropped or evicted meanwhile
+            sized.sort()
             total = sum(_dir_size(p) for _, p in sized)
             dropped = []
             while total > self.max_bytes and sized:

@@ -5,6 +5,7 @@ nothing (asserted on the cache, not on time); the prior orders and prunes the se
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -304,6 +305,31 @@ def test_a_cache_entry_is_signed_and_one_that_fails_is_rebuilt(tmp_path):
     (cache.entries / "e4" / "manifest.json").unlink()  # an entry from before signing
     assert cache.lookup("e4") is None
     assert cache.rejected == 3
+
+
+def test_eviction_leaves_another_workers_entry_in_the_making(tmp_path, monkeypatch):
+    """The workers of a daemon share its compile cache, each evicting after its own store: an
+    entry another one is writing (`.tmp-*`, its meta.json written before it is renamed into
+    place) is not an entry yet, and one gone meanwhile is skipped. Evicting stat'ed the
+    meta.json of a temp another worker had just renamed: that worker's build failed
+    (FileNotFoundError, a CI run's split model on the emulated NPU)."""
+    cache = CompileCache(tmp_path, key=b"k" * 32)
+
+    def write(into):
+        (into / "part.bin").write_bytes(b"x" * 100)
+
+    cache.store("old", write, {})
+    making = cache.entries / ".tmp-another-worker"
+    making.mkdir()
+    (making / "meta.json").write_text("{}")
+    gone = cache.entries / "gone"  # listed, then removed by another worker before its stat
+    gone.mkdir()
+    listed = list(cache.entries.iterdir())
+    shutil.rmtree(gone)
+    monkeypatch.setattr(type(cache.entries), "iterdir", lambda self: iter(listed))
+    cache.max_bytes = 0
+    assert cache.evict() == ["old"]
+    assert (making / "meta.json").exists()
 
 
 def test_a_lower_precision_slower_than_the_part_built_is_not_measured(tmp_path, quick_timing,
