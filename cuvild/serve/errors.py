@@ -28,6 +28,11 @@ CODES = {
     "internal": grpc.StatusCode.INTERNAL,
 }
 KINDS = {code: kind for kind, code in CODES.items()}
+# the HTTP status of each (500 for the rest), as Triton's HTTP endpoint answers them
+STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+          grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+          grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
+          grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.FAILED_PRECONDITION: 400}
 
 
 class Refused(Exception):

@@ -11,17 +11,23 @@
   POST /v1/chat/completions                           OpenAI's chat: {"model", "messages",
                                                       ...}: the prompt by the entry's chat
                                                       template (cuvild/serve/chat.py)
+  GET  /v1/models, /v1/models/{model}                 OpenAI's model list: those that
+                                                      generate, with their context
 
 Options: max_tokens, temperature (0: greedy), top_k, top_p, seed, stop (token ids, or strings
 with a tokenizer: the text ends before the first, which is not sent). A stream
 that fails after its first token ends with an event `{"error": ...}` (the status is sent);
 a caller that goes away ends its generation, and its sequence, at the next token.
+OpenAI's fields this does not do are refused, not ignored, but at the value that turns them
+off (OFF: a client that sends `frequency_penalty: 0` asks for nothing); its errors are OpenAI's
+error object (`error_object`), as its SDK and vLLM's clients read them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -31,17 +37,19 @@ import orjson
 from aiohttp import web
 
 from cuvild.core.layout import BadInput
-from cuvild.serve.errors import Refused
-from cuvild.serve.generation import OPTIONS, Generation
+from cuvild.serve.errors import STATUS, Refused, status
+from cuvild.serve.generation import OPTIONS, Generation, generates
 
 # `server` below is the RestServer (cuvild/serve/rest.py) that registered the routes: its
 # `pool` runs the generation, `generator` opens it, `_body` reads a body within its limits.
 RestServer = Any
 
 FIELDS = {"input_ids", "text_input", "parameters", "stream", *OPTIONS}
-OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream", "n",
-          "stop", "user"}
-CHAT = OPENAI - {"prompt"} | {"messages", "max_completion_tokens"}
+# OpenAI's fields, top_k as vLLM takes it; those of OFF only at the value that turns them off
+OFF = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "echo": False}
+OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
+          "stream_options", "n", "stop", "user", *OFF}
+CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens"}
 _DONE = object()
 
 
@@ -52,6 +60,35 @@ def register(app: web.Application, server: RestServer) -> None:
         app.router.add_post(base + "/generate_stream", lambda r: triton(server, r, stream=True))
     app.router.add_post("/v1/completions", lambda r: openai(server, r))
     app.router.add_post("/v1/chat/completions", lambda r: openai(server, r, chat=True))
+    app.router.add_get("/v1/models", lambda r: openai_models(server, r))
+    app.router.add_get("/v1/models/{model}", lambda r: openai_models(server, r))
+
+
+def error_object(status: int, message: str) -> dict[str, Any]:
+    """OpenAI's error object, for the /v1 routes' errors: {"error": error_object(...)}."""
+    kind = ("authentication_error" if status == 401 else "invalid_request_error"
+            if status < 500 else "server_error")
+    return {"message": message, "type": kind, "param": None, "code": None}
+
+
+async def openai_models(server: RestServer, request: web.Request) -> web.Response:
+    """OpenAI's model list (GET /v1/models), or one model (GET /v1/models/{model}): the
+    served models that generate (`name`, and `name:version` for each version), each with its
+    context as vLLM's `max_model_len`. Another model, or one that does not generate, is not
+    found."""
+    listed = {}
+    for served in sorted(server.generator.models.all(), key=lambda m: m.record.created_at):
+        if served.state == "READY" and generates(served.loaded):
+            one = {"object": "model", "created": int(served.record.created_at),
+                   "owned_by": "cuvild", "max_model_len": served.loaded.state.context}
+            listed[served.record.name] = {"id": served.record.name, **one}  # (the newest)
+            listed[served.key] = {"id": served.key, **one}
+    wanted = request.match_info.get("model")
+    if wanted is None:
+        return _json({"object": "list", "data": list(listed.values())})
+    if wanted not in listed:
+        raise Refused("not_found", f"no model {wanted!r} that generates is served")
+    return _json(listed[wanted])
 
 
 def refused(e: Exception) -> Refused:
@@ -100,21 +137,21 @@ async def openai(server: RestServer, request: web.Request,
                  chat: bool = False) -> web.StreamResponse:
     """OpenAI's /v1/completions and (`chat`) /v1/chat/completions: the API vLLM, llama.cpp's
     server and Ollama serve."""
-    gen, stream = await _open(server, request, lambda doc: _openai_open(server, doc, chat))
-    answer = _Answer(gen, chat)
+    gen, stream, usage = await _open(server, request,
+                                     lambda doc: _openai_open(server, doc, chat))
+    answer = _Answer(gen, chat, usage)
     if not stream:
         ids = await _all(server, gen)
         body = answer.choice(gen.text, ids, _finish(gen), streamed=False)
-        body["usage"] = {"prompt_tokens": len(gen.prompt), "completion_tokens": len(ids),
-                         "total_tokens": len(gen.prompt) + len(ids)}
+        body["usage"] = answer.usage()
         return _json(body)
     return await _events(server, request, gen, lambda token, piece: answer.choice(
-        piece, [token], None, first=len(gen.ids) == 1), done=lambda: answer.choice(
-        "", [], _finish(gen)), openai=True)
+        piece, [token], None, first=len(gen.ids) == 1), done=answer.done, openai=True)
 
 
-def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[Generation, bool]:
-    """An OpenAI request checked and opened; whether it streams."""
+def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[Generation, bool, bool]:
+    """An OpenAI request checked and opened; whether it streams, and whether a stream ends
+    with its usage (stream_options.include_usage)."""
     what = "messages" if chat else "prompt"
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
         raise BadInput(f"expected a JSON object with \"model\" and \"{what}\"")
@@ -124,27 +161,64 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[Generation, 
         raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(known)}")
     if doc.get("n", 1) != 1:
         raise BadInput("n must be 1 (one completion per request)")
-    options = {k: doc[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")
-               if doc.get(k) is not None}
+    for key, off in OFF.items():
+        value = doc.get(key)
+        if value is not None and (value != off or isinstance(value, bool) != isinstance(off,
+                                                                                     bool)):
+            raise BadInput(f"{key} is not supported: {json.dumps(off)} (or null) only, "
+                           f"got {json.dumps(value)}")
+    stream, usage = bool(doc.get("stream")), _include_usage(doc.get("stream_options"))
+    if doc.get("stream_options") is not None and not stream:
+        raise BadInput("stream_options is only allowed with \"stream\": true")
+    options = {k: doc[k] for k in ("max_tokens", "temperature", "top_k", "top_p", "seed",
+                                   "stop") if doc.get(k) is not None}
     if doc.get("max_completion_tokens") is not None:
         options["max_tokens"] = doc["max_completion_tokens"]
     name, _, version = doc["model"].partition(":")
     if chat:
         return server.generator.open(name, version, messages=doc.get("messages"),
-                                     options=options), bool(doc.get("stream"))
+                                     options=options), stream, usage
     prompt = doc.get("prompt")
     text = prompt if isinstance(prompt, str) else None
     return server.generator.open(name, version, prompt=None if text else prompt, text=text,
-                                 options=options), bool(doc.get("stream"))
+                                 options=options), stream, usage
+
+
+def _include_usage(given: Any) -> bool:
+    if given is None:
+        return False
+    if (not isinstance(given, dict) or set(given) - {"include_usage"}
+            or not isinstance(given.get("include_usage", False), bool)):
+        raise BadInput("stream_options must be {\"include_usage\": true or false}, got "
+                       f"{json.dumps(given)[:200]}")
+    return given.get("include_usage", False)
 
 
 class _Answer:
     """OpenAI's answer objects for one request: a completion's choices (text), a chat's
     (a message, or in a stream each chunk's delta, the role in the first)."""
 
-    def __init__(self, gen: Generation, chat: bool) -> None:
+    def __init__(self, gen: Generation, chat: bool, usage: bool = False) -> None:
         self.gen, self.chat, self.created = gen, chat, int(time.time())
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{id(gen):x}"
+        self.with_usage = usage  # a stream's chunks say "usage": null, the last the usage
+
+    def usage(self) -> dict[str, int]:
+        prompt, made = len(self.gen.prompt), len(self.gen.ids)
+        return {"prompt_tokens": prompt, "completion_tokens": made,
+                "total_tokens": prompt + made}
+
+    def done(self) -> list[dict[str, Any]]:
+        """A stream's last chunks: the finish reason, and (with_usage) the usage, no choice."""
+        last = [self.choice("", [], _finish(self.gen))]
+        if self.with_usage:
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            last.append({**self._head(kind), "choices": [], "usage": self.usage()})
+        return last
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.gen.name}
 
     def choice(self, text: str, ids: list[int], finish: str | None, first: bool = False,
                streamed: bool = True) -> dict[str, Any]:
@@ -159,8 +233,8 @@ class _Answer:
         else:
             one["message"] = {"role": "assistant", "content": text}
             kind = "chat.completion"
-        return {"id": self.id, "object": kind, "created": self.created,
-                "model": self.gen.name, "choices": [one]}
+        return {**self._head(kind), "choices": [one],
+                **({"usage": None} if streamed and self.with_usage else {})}
 
 
 def _finish(gen: Generation) -> str:
@@ -180,10 +254,11 @@ async def _all(server: RestServer, gen: Generation) -> list[int]:
 
 
 async def _events(server: RestServer, request: web.Request, gen: Generation,
-                  event: Callable[[int, str], Any], done: Callable[[], Any] | None = None,
+                  event: Callable[[int, str], Any],
+                  done: Callable[[], list[Any]] | None = None,
                   openai: bool = False) -> web.StreamResponse:
     """Each token as a server-sent event, as it comes; the first token decides the status
-    (an error before it is an ordinary error answer)."""
+    (an error before it is an ordinary error answer); `done`'s events after the last."""
     tokens: Iterator[tuple[int, str]] = gen.tokens()
     pending = server.pool.submit(next, tokens, _DONE)
     try:
@@ -200,11 +275,14 @@ async def _events(server: RestServer, request: web.Request, gen: Generation,
             try:
                 item = await asyncio.wrap_future(pending)
             except Exception as e:  # noqa: BLE001 - said in the stream: the status is sent
-                await response.write(b"data: " + orjson.dumps(
-                    {"error": str(refused(e))}) + b"\n\n")
+                said = refused(e)
+                await response.write(b"data: " + orjson.dumps({"error": error_object(
+                    said.http or STATUS.get(status(said), 500), str(said)) if openai
+                    else str(said)}) + b"\n\n")
                 break
         if done is not None and item is _DONE:
-            await response.write(b"data: " + orjson.dumps(done()) + b"\n\n")
+            for last in done():
+                await response.write(b"data: " + orjson.dumps(last) + b"\n\n")
         if openai:
             await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

@@ -155,7 +155,7 @@ class Generator:
         served = find(self.models, name, version)
         model = served.loaded
         assert model is not None
-        if model.state is None or sorted(model.inputs) != sorted(INPUTS):
+        if not generates(model):
             raise Refused("invalid", f"model {served.key} does not generate: generation needs "
                           "a causal language model exported with its cache, inputs "
                           f"{' and '.join(INPUTS)} (transformers' "
@@ -257,6 +257,12 @@ class Generator:
                                   f"library reads ({str(e)[:200]})") from None
                 self._tokenizers[real] = kept
         return kept[1]
+
+
+def generates(model: LoadedModel | None) -> bool:
+    """Whether a loaded model generates: a causal LM exported with its cache (INPUTS)."""
+    return (model is not None and model.state is not None
+            and sorted(model.inputs) == sorted(INPUTS))
 
 
 def chunks_of(model: LoadedModel, key: str, max_dim: int) -> tuple[int, ...]:

@@ -53,7 +53,7 @@ from aiohttp import web
 from cuvild.config import HttpLimits
 from cuvild.core.dtypes import oip_name
 from cuvild.serve import generate_http, modelinfo
-from cuvild.serve.errors import Refused, find
+from cuvild.serve.errors import STATUS, Refused, find
 from cuvild.serve.httpguard import Listener, body
 from cuvild.serve.jsontensors import (
     HEADER_LENGTH,
@@ -67,10 +67,6 @@ from cuvild.serve.jsontensors import (
 from protos import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
-STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-          grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
-          grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
-          grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.FAILED_PRECONDITION: 400}
 OPEN = ("/v2/health/live", "/v2/health/ready")
 
 
@@ -104,7 +100,11 @@ def reply(doc: Any, status: int = 200) -> web.Response:
                         content_type="application/json")
 
 
-def error(status: int, message: str) -> web.Response:
+def error(status: int, message: str, path: str = "") -> web.Response:
+    """An error answer: `{"error": message}`, or on OpenAI's routes (`path` /v1/...) its
+    error object, which its clients read."""
+    if path.startswith("/v1/"):
+        return reply({"error": generate_http.error_object(status, message)}, status)
     return reply({"error": message}, status)
 
 
@@ -170,21 +170,24 @@ class RestServer:
             # bytes as sent (a header's non-ASCII arrives as surrogates): never an exception
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
-                return error(401, "missing or wrong bearer token (Authorization header)")
+                return error(401, "missing or wrong bearer token (Authorization header)",
+                             request.path)
         try:
             with self.listener.guard.handling(request):
                 return await handler(request)
         except Refused as e:
-            return error(e.http or STATUS.get(e.code, 500), str(e))
+            return error(e.http or STATUS.get(e.code, 500), str(e), request.path)
         except web.HTTPException as e:  # no such route or method, too large, too slow: JSON
             if e.status < 400:
                 raise
-            return error(e.status, f"{e.reason}: {request.method} {request.path}")
+            return error(e.status, f"{e.reason}: {request.method} {request.path}",
+                         request.path)
         except Exception as e:  # a bug: one line, the traceback at debug, a JSON 500
             log.error("HTTP %s %s failed: %s: %s", request.method, request.path,
                       type(e).__name__, str(e)[:200])
             log.debug("HTTP %s %s failed", request.method, request.path, exc_info=True)
-            return error(500, f"internal error ({type(e).__name__}); the daemon's log says more")
+            return error(500, f"internal error ({type(e).__name__}); the daemon's log says more",
+                         request.path)
 
     async def _call(self, method: str, message: Any, request: web.Request) -> Any:
         call = Call(request)

@@ -379,6 +379,48 @@ def test_chat_completions_render_the_entrys_template_and_stop_strings_end_text(
     assert status == 400 and b"stop strings need one" in body
 
 
+def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served) -> None:  # noqa: ANN001
+    """OpenAI's Python SDK, as a user of vLLM would point it at cuvild: the models that
+    generate listed (not the others), a completion and a chat as transformers' tokens,
+    a stream that ends with its usage (stream_options), fields that ask for nothing taken and
+    the same fields asking for something refused; its errors (OpenAI's error object) read."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    listed = {m.id: m.model_extra["max_model_len"] for m in client.models.list()}
+    assert listed == {n: lm_models.CONTEXT for n in ("chunked", "chunked:1", "gpt2",
+                                                     "gpt2:1", "llama", "llama:1")}
+    assert client.models.retrieve("llama:1").id == "llama:1"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("nope")
+    assert missing.value.body["type"] == "invalid_request_error"
+    assert "'nope'" in missing.value.body["message"]
+    want = lm_models.reference(served["hf"]["llama"], PROMPT, 6)
+    words = " ".join(WORDS[t] for t in PROMPT)
+    done = client.completions.create(model="llama", prompt=words, max_tokens=6, temperature=0,
+                                     frequency_penalty=0, presence_penalty=0.0, echo=False)
+    assert done.choices[0].text.split() == [WORDS[t] for t in want]
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (4, 6)
+    chunks = list(client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": words}], max_tokens=3,
+        stream=True, stream_options={"include_usage": True}, logprobs=False))
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    said = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == len(said.split()) <= 3
+    assert chunks[-1].usage.prompt_tokens == 7  # "w4 w1 <4 words> w2", the template's
+    for asked, why in (({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
+                       ({"logprobs": True}, "logprobs is not supported"),
+                       ({"stream_options": {"include_usage": True}}, "only allowed with"),
+                       ({"n": 2}, "n must be 1")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(
+                model="llama", messages=[{"role": "user", "content": words}], **asked)
+        assert why in bad.value.body["message"], asked
+    with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
+        client.completions.create(model="nope", prompt=words)
+
+
 def test_triton_stream_infer_streams_a_generations_tokens(daemon, served) -> None:  # noqa: ANN001
     """ModelStreamInfer, as tritonclient's start_stream / async_stream_infer and Triton's LLM
     backends use it: a prompt in, a response per token (the last final), transformers' tokens;
