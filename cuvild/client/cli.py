@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -574,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `cuvilctl partition m | head`: the reader has what it wanted
+        # (stdout pointed at /dev/null: the interpreter's own flush at exit would raise again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # (as a shell reports a process ended by SIGPIPE: 128 + 13)
     finally:
         client.close()
 

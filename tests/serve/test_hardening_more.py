@@ -104,6 +104,20 @@ def test_cuvilctl_clean_shm_removes_what_a_killed_client_left(tmp_path) -> None:
         mine.unlink(missing_ok=True)
 
 
+def test_cuvilctl_into_a_closed_pipe_ends_quietly() -> None:
+    """`cuvilctl ... | head -1`: a reader that has what it wanted closes the pipe; cuvilctl
+    ends as a shell's tools do (141: SIGPIPE's status), with no traceback."""
+    read, write = os.pipe()
+    os.close(read)  # every write to stdout fails: EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "clean-shm",
+                               "--dry-run"], stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and done.stderr == "", done.stderr[-2000:]
+
+
 def _private_shm(mib: int) -> list[str] | None:
     """A command prefix that runs under a /dev/shm of `mib` MiB of its own (a mount
     namespace), or None where this host cannot make one."""
