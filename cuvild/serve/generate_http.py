@@ -13,6 +13,8 @@
                                                       template (cuvild/serve/chat.py)
   GET  /v1/models, /v1/models/{model}                 OpenAI's model list: those that
                                                       generate, with their context
+  /openai/v1/...                                      the same, where KServe's model server
+                                                      has them
 
 Options: max_tokens, temperature (0: greedy), top_k, top_p, seed, stop (token ids, or strings
 with a tokenizer: the text ends before the first, which is not sent). A stream
@@ -50,6 +52,9 @@ OFF = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "echo":
 OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
           "stream_options", "n", "stop", "user", *OFF}
 CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens"}
+# where OpenAI's routes are: its own /v1, and KServe's model server's /openai/v1 (its
+# documentation's base_url for an OpenAI client of an InferenceService)
+PREFIXES = ("/v1", "/openai/v1")
 _DONE = object()
 
 
@@ -58,10 +63,16 @@ def register(app: web.Application, server: RestServer) -> None:
     for base in models:
         app.router.add_post(base + "/generate", lambda r: triton(server, r, stream=False))
         app.router.add_post(base + "/generate_stream", lambda r: triton(server, r, stream=True))
-    app.router.add_post("/v1/completions", lambda r: openai(server, r))
-    app.router.add_post("/v1/chat/completions", lambda r: openai(server, r, chat=True))
-    app.router.add_get("/v1/models", lambda r: openai_models(server, r))
-    app.router.add_get("/v1/models/{model}", lambda r: openai_models(server, r))
+    for base in PREFIXES:
+        app.router.add_post(base + "/completions", lambda r: openai(server, r))
+        app.router.add_post(base + "/chat/completions", lambda r: openai(server, r, chat=True))
+        app.router.add_get(base + "/models", lambda r: openai_models(server, r))
+        app.router.add_get(base + "/models/{model}", lambda r: openai_models(server, r))
+
+
+def is_openai(path: str) -> bool:
+    """Whether `path` is one of OpenAI's routes (its errors are OpenAI's error object)."""
+    return any(path.startswith(base + "/") for base in PREFIXES)
 
 
 def error_object(status: int, message: str) -> dict[str, Any]:

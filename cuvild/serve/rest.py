@@ -103,7 +103,7 @@ def reply(doc: Any, status: int = 200) -> web.Response:
 def error(status: int, message: str, path: str = "") -> web.Response:
     """An error answer: `{"error": message}`, or on OpenAI's routes (`path` /v1/...) its
     error object, which its clients read."""
-    if path.startswith("/v1/"):
+    if generate_http.is_openai(path):
         return reply({"error": generate_http.error_object(status, message)}, status)
     return reply({"error": message}, status)
 

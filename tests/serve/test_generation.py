@@ -380,8 +380,8 @@ def test_chat_completions_render_the_entrys_template_and_stop_strings_end_text(
 
 
 def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served) -> None:  # noqa: ANN001
-    """OpenAI's Python SDK, as a user of vLLM would point it at cuvild: the models that
-    generate listed (not the others), a completion and a chat as transformers' tokens,
+    """OpenAI's Python SDK, as a user of vLLM (or of KServe, /openai/v1) would point it at
+    cuvild: the models that generate listed, a completion and a chat as transformers' tokens,
     a stream that ends with its usage (stream_options), fields that ask for nothing taken and
     the same fields asking for something refused; its errors (OpenAI's error object) read."""
     import openai
@@ -419,6 +419,12 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
         assert why in bad.value.body["message"], asked
     with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
         client.completions.create(model="nope", prompt=words)
+    # where KServe's model server has them (its docs' base_url for an InferenceService)
+    kserve = openai.OpenAI(base_url=f"http://{daemon.http}/openai/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    assert {m.id for m in kserve.models.list()} == set(listed)
+    assert kserve.completions.create(model="llama", prompt=words, max_tokens=6,
+                                     temperature=0).choices[0].text == done.choices[0].text
 
 
 def test_triton_stream_infer_streams_a_generations_tokens(daemon, served) -> None:  # noqa: ANN001
