@@ -150,7 +150,7 @@ def _is_float(arg: object) -> bool:
 
 def prepared(module: fx.GraphModule, dtype: torch.dtype | None,
              inputs: Sequence[torch.Tensor] = (), attend: bool = True,
-             host: bool = True) -> fx.GraphModule:
+             host: bool = True, keys: bool = False) -> fx.GraphModule:
     """The part as the runtime runs it at `dtype` (None: as exported) on inputs shaped as
     `inputs` (none: any): its weights lowered (`lowered`), then its linears on oneDNN's
     packed weights where `packs` (one packing per weight and row count, shared by the
@@ -161,8 +161,9 @@ def prepared(module: fx.GraphModule, dtype: torch.dtype | None,
     Llama's decode step 39.1 -> 31.4 ms (packed for 128 rows it is faster from 4 rows up,
     and bf16 gains nothing). Its attentions first work on the keys they attend
     (runtimes/attention.py: a static cache's unwritten tail left out; not with `attend`
-    False). Nothing packed for a part that runs on a GPU (`host` False)."""
-    module = attended(module) if attend else module
+    False; with `keys`, their count an input's length: what inductor compiles). Nothing
+    packed for a part that runs on a GPU (`host` False)."""
+    module = attended(module, keys) if attend else module
     module = module if dtype is None else lowered(module, dtype)
     module = mixed.folded(module) if module.meta.get(mixed.META) else module
     if not host or not packs(dtype) or not any(n.target is _LINEAR for n in module.graph.nodes):
@@ -567,7 +568,7 @@ class TorchRuntime(Runtime):
                         compiled_step.WAITING if compiled_step.enabled() else compiled_step.OFF)
         if device is None and compiled_step.wanted(exe.state, rows):
             exe.tier_up = compiled_step.Sources(
-                lambda: batchable(prepared(part, dtype, inputs, attend=False), repack=False),
+                lambda: batchable(prepared(part, dtype, inputs, keys=True), repack=False),
                 lambda: prepared(part, dtype, inputs),
                 lambda: fx.GraphModule(part, copy.deepcopy(part.graph)))
         return exe

@@ -5,19 +5,22 @@ as exported."""
 
 from __future__ import annotations
 
+import copy
+
 import lm_models
 import pytest
 import torch
 from test_torch_lowered import one_part
 
-from runtimes.attention import _attended, attended
+from runtimes.attention import KEYS, _attended, attended, keyed
 from runtimes.torch_eager import TorchExecutable, drop_scope
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
-def keys_seen(module: torch.fx.GraphModule, ids: list[int], position: int) -> list[int]:
-    """The key lengths its attentions get on one run."""
+def keys_seen(module: torch.fx.GraphModule, ids: list[int], position: int,
+              *more: torch.Tensor) -> list[int]:
+    """The key lengths its attentions get on one run (`more`: inputs after the two)."""
     seen: list[int] = []
     hook = torch.fx.Interpreter(module)
     run_node = hook.run_node
@@ -30,7 +33,7 @@ def keys_seen(module: torch.fx.GraphModule, ids: list[int], position: int) -> li
 
     hook.run_node = watch  # type: ignore[method-assign]
     with torch.no_grad():
-        hook.run(torch.tensor([position]), torch.tensor([ids]))
+        hook.run(torch.tensor([position]), torch.tensor([ids]), *more)
     return seen
 
 
@@ -57,6 +60,30 @@ def test_attention_over_the_written_keys_gives_the_exported_logits(family: str) 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     drop_scope(f"attended-{family}")
     drop_scope(f"exported-{family}")
+
+
+def test_the_key_count_can_be_an_inputs_length_for_a_compiler() -> None:
+    """attended(..., keys=True): the count is a last input's length (what inductor compiles
+    as one dynamic size), made by `keyed` from cache_position (at least 2), the same logits;
+    a part without cache_position is left as it is."""
+    part = one_part(lm_models.export(lm_models.lm("llama")))
+    short, counted = attended(part), attended(part, keys=True)
+    assert counted.meta[KEYS] == ("position", 0, lm_models.CONTEXT)
+    assert [n.name for n in counted.graph.nodes if n.op == "placeholder"][-1] == KEYS
+    given = []
+    run = keyed(counted, lambda *inputs: given.append(inputs[-1].shape[0]) or counted(*inputs))
+    for position, token in enumerate([5, 17, 42, 99]):
+        inputs = [torch.tensor([position]), torch.tensor([[token]])]
+        with torch.no_grad():  # (the two share the cache: each writes the same at its step)
+            (want,), (got,) = short(*inputs), run(*inputs)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert given == [2, 2, 3, 4]
+    assert set(keys_seen(counted, [5], 6, torch.empty(7))) == {7}
+    named = torch.fx.GraphModule(part, copy.deepcopy(part.graph))
+    for node in named.graph.nodes:
+        if node.name == "cache_position":
+            node.name = "position"
+    assert attended(named, keys=True) is named
 
 
 def test_a_mask_that_attends_nothing_keeps_every_key() -> None:

@@ -1,7 +1,8 @@
 """runtimes/compiled_step.py: a language model's decode step compiled by inductor from the first
 step of a sequence on (in a thread, the steps eager meanwhile), serving only where it holds the
 eager step's error and is faster; what it serves gives the eager step's logits step after
-step, in two sequences; a prompt's chunk, a
+step, in two sequences, and to the end of the context with nothing compiled again; a
+prompt's chunk, a
 part without state, or the setting off compile nothing; a failed compile leaves it eager."""
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import lm_models
 import pytest
 import torch
 from test_torch_lowered import one_part
+from torch._dynamo.utils import counters
 
 from partitioner.profile import DeviceProfile
 from runtimes import compiled_step
+from runtimes.attention import KEYS
 from runtimes.base import CompileSpec
 from runtimes.torch_eager import TorchRuntime, drop_scope, remember_initial
 
@@ -71,6 +74,20 @@ def test_the_decode_step_compiles_at_a_sequences_first_step_and_matches_eager(
     assert tiered._call is not tiered._plain  # noqa: SLF001 - what single steps run now
     assert tiered.step.startswith("decode step compiled by inductor in ") and \
         " ms a step" in tiered.step, tiered.step
+    # it attends the keys written so far, their count one dynamic size: a sequence's later
+    # positions run what was compiled, nothing compiled again (runtimes/attention.py)
+    assert tiered.module.meta[KEYS] == ("position", 0, lm_models.CONTEXT)
+    graphs = counters["stats"]["unique_graphs"]
+    try:
+        for position, token in enumerate([5, 9, 17, 3, 8, 13, 21, 34, 55, 1, 2, 4] * 5):
+            tiered.use(1, "long")
+            eager.use(1, "long-eager")
+            (got,), (want,) = tiered.run(step(position, token)), eager.run(step(position, token))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        drop_scope("long")
+        drop_scope("long-eager")
+    assert counters["stats"]["unique_graphs"] == graphs
     # a compiled step that fails (a case its check did not meet): that step again eagerly,
     # and eager from then on
     monkeypatch.setattr(tiered, "_call", lambda *inputs: 1 / 0)
