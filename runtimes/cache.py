@@ -21,11 +21,13 @@ state directory's (~/.local/state/cuvild/cache.key), made on first use.
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import hmac
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -44,6 +46,33 @@ log = logging.getLogger(__name__)
 PRIOR_KEEP = 20  # times and compile times kept per runtime: recent ones, so upgrades show
 MANIFEST = "manifest.json"
 KEY_ENV = "CUVILD_CACHE_KEY_FILE"
+
+
+def keep_inductor_headers(tmp: str) -> None:
+    """inductor's precompiled headers kept in its cache directory (TORCHINDUCTOR_CACHE_DIR,
+    the daemon's cache_dir/inductor) for a process whose temporary directory is `tmp`:
+    inductor puts them under the temporary directory whatever that variable says (its
+    `default_cache_dir()`), and a daemon's is its scratch, made and removed with each
+    process, so every daemon's first C++ compile built them again (5 s of the 200M Llama's
+    28 s decode-step compile on the 2-core dev host). A link from where inductor looks; they
+    are content-addressed (the preprocessed header, the command line, the compiler), and
+    built under inductor's own lock. Were torch to name that place otherwise, the link goes
+    unused and they are built as before (tests/runtimes/test_select.py checks the name)."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not inductor or not tmp:
+        return
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    looked = Path(tmp) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    kept = Path(inductor) / "precompiled_headers"
+    try:
+        kept.mkdir(parents=True, exist_ok=True)
+        looked.mkdir(exist_ok=True)
+        (looked / "precompiled_headers").symlink_to(kept, target_is_directory=True)
+    except OSError as e:  # (built in the scratch, as before)
+        log.debug("inductor's precompiled headers stay in %s: %s", looked, e)
 
 
 def cache_key_file(path: Path | None = None) -> bytes:

@@ -44,7 +44,7 @@ from cuvild.serve.front import Front
 from cuvild.serve.limits import Gate, Uploads, quiet_grpc_logs, raise_nofile
 from cuvild.workers.worker import LOG_LEVEL_ENV, OMP_WAIT_ENV, shares_cores
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
-from runtimes.cache import KEY_ENV, cache_key_file
+from runtimes.cache import KEY_ENV, cache_key_file, keep_inductor_headers
 from runtimes.profiling import measure as profiles_mod
 
 if TYPE_CHECKING:
@@ -430,6 +430,7 @@ class Daemon:
         # and the workers' temporary files (an ONNX export, IREE's module), on disk: they
         # exit without finalizers, and left /tmp/cuvil-ort-* (a part's weights) at each stop
         os.environ["TMPDIR"] = self.front.scratch_dir
+        keep_inductor_headers(self.front.scratch_dir)  # (not rebuilt at every start)
         try:
             self.servers = [self._build_server(tcp=False)]
             if self.cfg.tcp:
