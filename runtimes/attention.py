@@ -90,7 +90,8 @@ def attended(module: fx.GraphModule, keys: bool = False) -> fx.GraphModule:
     """The part with its attentions on the keys they attend (the module itself where none
     is recognised; else a new module on the same tensors). With `keys`, the count is the
     length of a last input, KEYS (`keyed` gives it); the module itself where the part takes
-    no `cache_position` to count from."""
+    no `cache_position` to count from, or its caches differ in length (a sliding window's
+    beside the whole context's: one count would cut the longer one short)."""
     graph = copy.deepcopy(module.graph)
     given = _counted_from(graph) if keys else None
     if keys and given is None:
@@ -100,6 +101,7 @@ def attended(module: fx.GraphModule, keys: bool = False) -> fx.GraphModule:
         with graph.inserting_after([n for n in graph.nodes if n.op == "placeholder"][-1]):
             count = graph.placeholder(KEYS)
     ends: dict[fx.Node, fx.Node] = {}
+    lengths: set[int] = set()
     for node in list(graph.nodes):
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         mask_val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
@@ -115,10 +117,11 @@ def attended(module: fx.GraphModule, keys: bool = False) -> fx.GraphModule:
                 ends[mask] = graph.call_function(_attended, (mask,)) if count is None else \
                     graph.call_function(aten.sym_size.int, (count, 0))
         _attend(graph, node, mask, ends[mask], length, chains)  # type: ignore[arg-type]
-        if given is not None and given[0] == "position":  # (its count at most the cache's)
-            given = (*given[:2], length)
-    if not ends:
-        return module
+        lengths.add(length)
+    if not ends or (given is not None and len(lengths) > 1):
+        return module  # (caches of several lengths, a sliding window's: one count fits none)
+    if given is not None:  # (its count at most the cache's)
+        given = (*given[:2], lengths.pop())
     graph.eliminate_dead_code()  # the whole cache's repeated heads (in-place writes stay)
     out = fx.GraphModule(module, graph, class_name=type(module).__name__)
     out.meta.update(module.meta)

@@ -79,6 +79,24 @@ def test_the_key_count_can_be_an_inputs_length_for_a_compiler() -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert given == [2, 2, 3, 4]
     assert set(keys_seen(counted, [5], 6, torch.empty(7))) == {7}
+    # a sliding window's mask (Mistral's, 8 keys): the count from the position still holds
+    # every key it attends, past the window too
+    import transformers as tf
+
+    mistral = tf.MistralForCausalLM(tf.MistralConfig(
+        vocab_size=lm_models.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+        max_position_embeddings=lm_models.CONTEXT)).eval()
+    mistral.generation_config.cache_implementation = "static"
+    windowed = one_part(lm_models.export(mistral))
+    short, counted = attended(windowed), attended(windowed, keys=True)
+    run = keyed(counted, counted)
+    for position in range(20):
+        inputs = [torch.tensor([position]), torch.tensor([[position % 7 + 3]])]
+        with torch.no_grad():
+            (exact,), (want,), (got,) = windowed(*inputs), short(*inputs), run(*inputs)
+        torch.testing.assert_close(want, exact, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     named = torch.fx.GraphModule(part, copy.deepcopy(part.graph))
     for node in named.graph.nodes:
         if node.name == "cache_position":
