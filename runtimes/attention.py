@@ -180,4 +180,3 @@ def keyed(module: fx.GraphModule, call: Callable[..., Any]) -> Callable[..., Any
         return call(*inputs, keys)
 
     return run
-

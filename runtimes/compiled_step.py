@@ -25,9 +25,10 @@ What it compiles attends the keys written so far, as the eager step does
 size, once (a count read from the mask would compile again at every length): on the 200M
 Llama's fp16 step at context 2048, 14.4-19.7 ms from position 128 to 2046 against 18.2-24.4
 eager, where compiled over the whole static cache it ran 28-34 ms at every position and the
-timing kept the eager step. A part that takes neither its mask nor `cache_position` is
-compiled over the whole cache, as before. Steps of several sequences batched together
-(`run_batch`) run eagerly. `engine.sequences.compile_steps: false` turns it off (ENV).
+timing kept the eager step. A part without `cache_position` (one of a split), or whose caches
+differ in length, is compiled over the whole cache, as before. Steps of several sequences
+batched together (`run_batch`) run eagerly. `engine.sequences.compile_steps: false` turns it
+off (ENV).
 """
 
 from __future__ import annotations
