@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
+import tempfile
 
 import pytest
 import torch
@@ -20,11 +18,9 @@ from partitioner.profile import DeviceProfile
 from partitioner.split import split_program
 from runtimes import registry, select
 from runtimes.base import CompileError
-from runtimes.cache import CompileCache
+from runtimes.cache import CompileCache, keep_inductor_headers
 from runtimes.registry import allowed_runtimes
 from runtimes.select import build_part
-
-ROOT = Path(__file__).resolve().parents[2]
 
 CPU = DeviceProfile(id="cpu0", kind="cpu", cores=[0], runtimes=["openvino", "torch"])
 
@@ -405,19 +401,21 @@ def test_a_parts_digest_names_its_code_and_every_weights_bytes() -> None:
     assert key not in _WEIGHTS  # (gone with its tensor)
 
 
-def test_inductors_precompiled_headers_are_kept_in_its_cache_directory(tmp_path):
+def test_inductors_precompiled_headers_are_kept_in_its_cache_directory(tmp_path, monkeypatch):
     """A daemon's temporary directory is its scratch, gone with the process; inductor builds
     its precompiled headers under the temporary directory whatever TORCHINDUCTOR_CACHE_DIR
     says: `keep_inductor_headers` links them into that cache. Checked against this torch's
     own idea of where they go (a name it changed would leave the link unused)."""
+    from torch._inductor import codecache
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # where this torch puts them: its default cache directory's precompiled_headers
+    assert codecache._HEADER_DIR == os.path.join(  # noqa: SLF001 - the path it builds them in
+        default_cache_dir(), "precompiled_headers")
     scratch, cache = tmp_path / "scratch", tmp_path / "cache" / "inductor"
     scratch.mkdir()
-    env = {**os.environ, "TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    code = ("import os, sys; from runtimes.cache import keep_inductor_headers; "
-            "keep_inductor_headers(sys.argv[1]); "
-            "from torch._inductor import codecache; "
-            "print(os.path.realpath(codecache._HEADER_DIR))")
-    done = subprocess.run([sys.executable, "-c", code, str(scratch)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-1] == str((cache / "precompiled_headers").resolve())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    keep_inductor_headers(str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # (a daemon's TMPDIR)
+    looked = os.path.join(default_cache_dir(), "precompiled_headers")
+    assert os.path.realpath(looked) == str((cache / "precompiled_headers").resolve())
