@@ -26,7 +26,11 @@ from runtimes.cache import CompileCache
 from runtimes.select import BuiltPart, Candidate, build_part, time_in_turn
 from runtimes.torch_eager import remember_initial, reset
 
-_splits: dict[str, SplitProgram] = {}  # model key -> split, while its parts are being built
+# model key -> (what it was split from: archive and plan, its split), while its parts are
+# being built. The plan is part of it: a model planned again under its key (a build that
+# failed, fallback.py), or loaded again in this process (thread workers outlive an engine),
+# must not get the split of its last plan.
+_splits: dict[str, tuple[tuple[Any, ...], SplitProgram]] = {}
 # archive -> its program, read ahead of the Build that splits it (`preload`); the last PRELOADS
 _programs: dict[str, Any] = {}
 PRELOADS = 2
@@ -75,19 +79,23 @@ def calibration_inputs(path: str, specs: list[dict[str, Any]]) -> list[list[torc
 
 
 def load_split(model: str, archive: str, parts: list[tuple[str, list[str]]]) -> SplitProgram:
-    split = _splits.get(model)
+    made_of = (archive, tuple((pid, tuple(nodes)) for pid, nodes in parts))
+    kept = _splits.get(model)
+    if kept is not None and kept[0] == made_of:
+        return kept[1]
     base, _, variant = model.partition("@")
-    if split is None and variant == LAST:  # a generation twin: logits at the last position
+    if variant == LAST:  # a generation twin: logits at the last position
         whole = load_split(base, archive, parts)
-        split = _splits[model] = last_rows(whole) or whole
-    elif split is None:
+        split = last_rows(whole) or whole
+    else:
         from cuvild.intake.safe_load import load_exported_program
 
         ep = _programs.pop(archive, None)
         ep = load_exported_program(archive) if ep is None else ep
-        split = _splits[model] = split_program(ep, parts)
+        split = split_program(ep, parts)
         for p in split.parts:  # a stateful part's state before any run (its sequences')
             remember_initial(p.module)
+    _splits[model] = (made_of, split)
     return split
 
 

@@ -51,3 +51,18 @@ def test_a_preloaded_archive_is_read_once_and_taken_by_its_build(archives, tmp_p
     for path in archives:
         build.preload(path)
     assert list(build._programs) == archives[-build.PRELOADS:]  # noqa: SLF001
+
+
+def test_a_model_planned_again_under_its_key_is_split_by_its_new_plan(archives) -> None:  # noqa: ANN001
+    """A worker keeps a model's split while its parts build, under the model's key; a model
+    planned again under that key (a failed build, cuvild/load/fallback.py; a second engine's
+    thread workers in one process) gets its new plan's split, not the last one's."""
+    nodes = [n.name for n in safe_load.load_exported_program(archives[0]).graph.nodes
+             if n.op == "call_function"]
+    one = build.load_split("m:1", archives[0], [("p0", nodes)])
+    assert build.load_split("m:1", archives[0], [("p0", nodes)]) is one  # kept
+    two = build.load_split("m:1", archives[0], [("p0", nodes[:1]), ("p1", nodes[1:])])
+    assert [p.id for p in two.parts] == ["p0", "p1"]
+    assert [p.id for p in build.load_split("m:1", archives[1], [("p0", nodes)]).parts] == ["p0"]
+    build.forget("m:1")
+    assert "m:1" not in build._splits  # noqa: SLF001
