@@ -19,16 +19,18 @@ setup: $(STAMP) $(PROTO_OUT)
 # daemon, worker and client process would compile ~100 modules from source again
 # (0.48 -> 0.31 s to import the daemon, engine and worker modules on the 2-core dev host).
 
-# Reinstall only when the pinned dependencies change. pip byte-compiles what it installs one
-# file at a time; compileall does it on every core (a clean venv 94 -> 76 s on the 2-core dev
-# host: 50 s to install, 26 s to compile). Its errors are third-party files for newer Pythons
+# Reinstall only when the pinned dependencies change, with the pip pyproject.toml names
+# ([tool.cuvild]; setuptools' notice that an install is editable left out). pip byte-compiles
+# what it installs one file at a time; compileall does it on every core (a clean venv 94 -> 76
+# s on the 2-core dev host: 50 s to install, 26 s to compile). Its errors are third-party files for newer Pythons
 # (torch's py312 tests), which pip skips too. Not compiled: packages installed beside ours that
 # no process of cuvild, its clients or its tests imports (nncf's pandas and scikit-learn, pip,
 # setuptools, narwhals; 6.6 s of the 2-core host), compiled where they ever are.
 UNIMPORTED := pandas|sklearn|pip|setuptools|narwhals
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.$(EXTRAS)'
+	$(PY) -m pip install --quiet --disable-pip-version-check "$$($(PY) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['tool']['cuvild']['pip'])")"
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.$(EXTRAS)'
 	$(PY) -c "import compileall, re, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0, rx=re.compile(r'/site-packages/($(UNIMPORTED))/'))"
 	touch $@
 
