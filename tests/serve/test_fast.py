@@ -43,6 +43,7 @@ import cuvild
 from cuvild.client import Client, samples
 from cuvild.client.fast import FastPathError, FastSession
 from protos import fastpath as wire
+from runtimes.cache import KEY_ENV
 
 pytestmark = pytest.mark.daemon
 # Builds try one runtime (the fast path does not care which one runs a part); every daemon
@@ -89,11 +90,14 @@ class Served:
 
 def start(workdir: Path, state_root: Path, sock_dir: Path, cache: Path,
           **extra: Any) -> DaemonProcess:
-    """A started daemon with its own registry, seeded with the session's device profiles."""
+    """A started daemon with its own registry, seeded with the session's device profiles, on
+    the session's compile cache and its signing key (as make_daemon's: tests/conftest.py)."""
     engine = {"runtimes": RUNTIMES, **extra.pop("engine", {})}
     config = daemon_config(workdir, workdir / "state", sock_dir, cache_dir=str(cache),
                            engine=engine, **extra)
-    return DaemonProcess(workdir, config, profiles=state_root).start()
+    daemon = DaemonProcess(workdir, config, profiles=state_root)
+    daemon.env[KEY_ENV] = str(state_root / "cache.key")
+    return daemon.start()
 
 
 def load(daemon: DaemonProcess, models: dict[str, Any]) -> None:
@@ -104,8 +108,10 @@ def load(daemon: DaemonProcess, models: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("fast-cache")
+def cache(shared_cache: Path) -> Path:
+    """The session's compile cache: the daemons of the tests below that serve the seeded MLP
+    (seed 0, as `procs` loads it) restore it from its load record, no torch imported."""
+    return shared_cache
 
 
 @pytest.fixture(scope="module")
@@ -329,13 +335,13 @@ def test_killed_clients_leave_no_session_connection_or_memory(request, which):
     assert daemon.proc.poll() is None
 
 
-def test_a_restarted_daemon_serves_the_open_session(make_daemon, cache):
+def test_a_restarted_daemon_serves_the_open_session(make_daemon):
     """The daemon stops under an open session and a new one starts on its socket and state:
     the session's next request waits for it, re-opens once and is answered."""
-    torch.manual_seed(3)
+    torch.manual_seed(0)
     model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
     expected = eager(model, (x,))
-    settings = {"cache_dir": str(cache), "engine": {"runtimes": RUNTIMES}}
+    settings = {"engine": {"runtimes": RUNTIMES}}
     first = make_daemon(**settings)
     load(first, {"mlp": (model, (x,))})
     session = FastSession(str(first.socket_path), "mlp", timeout=120)
@@ -401,10 +407,10 @@ def test_a_model_loaded_again_reopens_the_session_and_an_unloaded_one_is_not_fou
     assert err.value.code == "NOT_FOUND"
 
 
-def test_the_fast_path_turned_off_is_unimplemented_and_grpc_serves(make_daemon, cache):
-    torch.manual_seed(5)
+def test_the_fast_path_turned_off_is_unimplemented_and_grpc_serves(make_daemon):
+    torch.manual_seed(0)
     model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
-    daemon = make_daemon(cache_dir=str(cache), engine={"runtimes": RUNTIMES},
+    daemon = make_daemon(engine={"runtimes": RUNTIMES},
                          shm={"fast_path": False})
     load(daemon, {"mlp": (model, (x,))})
     with pytest.raises(FastPathError) as err:
@@ -535,13 +541,13 @@ def test_a_silent_connection_is_closed_and_an_idle_session_opens_again(threads):
         assert session.opened == 2
 
 
-def test_idle_sessions_end_so_they_cannot_hold_the_connection_limits(make_daemon, cache):
+def test_idle_sessions_end_so_they_cannot_hold_the_connection_limits(make_daemon):
     """Sessions served by a worker process, idle past limits.idle_timeout_s, are ended by
     the daemon (an open session counts as one of its caller's connections): a caller at
     its limit is served again, and the idle clients open new sessions by themselves."""
-    torch.manual_seed(6)
+    torch.manual_seed(0)
     model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
-    daemon = make_daemon(cache_dir=str(cache), engine={"runtimes": RUNTIMES},
+    daemon = make_daemon(engine={"runtimes": RUNTIMES},
                          limits={"max_connections_per_uid": 2, "idle_timeout_s": 3})
     load(daemon, {"mlp": (model, (x,))})
     path = str(daemon.socket_path)
