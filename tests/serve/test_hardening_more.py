@@ -254,7 +254,7 @@ def test_an_open_nested_too_deep_is_refused_and_gives_its_slot_back(make_daemon)
     """JSON nested 5000 deep made json.loads raise RecursionError, which the open's handler
     did not catch: the thread died without releasing the caller's connection slot, and a few
     such opens locked the uid out of the daemon (gRPC too) until restart (issue 49)."""
-    torch.manual_seed(6)
+    torch.manual_seed(0)  # (the MLP the tests above load: restored from its load record)
     model, x = samples.MLP(width=16, depth=1).eval(), torch.randn(2, 16)
     daemon = make_daemon(limits={"max_connections_per_uid": 3})
     with Client(daemon.target) as client:
