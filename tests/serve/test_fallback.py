@@ -7,11 +7,13 @@ NPU's only runtime) and ONNX Runtime runs."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from daemons import DaemonProcess, suite_config
 
 import cuvild
 from cuvild.client import Client, LoadFailed
@@ -38,11 +40,24 @@ class Head(torch.nn.Module):
         return self.fc(self.pool(self.conv(x)).flatten(1))
 
 
-def test_a_part_its_device_cannot_build_is_planned_again_elsewhere(make_daemon: Any) -> None:
+@pytest.fixture(scope="module")
+def fast_npu(tmp_path_factory: pytest.TempPathFactory, state_root: Path,
+             sock_dir: Path) -> Iterator[DaemonProcess]:
+    """A daemon of the suite's devices, the CPU priced far slower than the NPU (FAST_NPU),
+    for the two tests below (one daemon, its torch imported once)."""
+    workdir = tmp_path_factory.mktemp("fallback")
+    config = suite_config(workdir, workdir / "state", sock_dir, engine={"runtimes": RUNTIMES},
+                          devices={"overrides": FAST_NPU})
+    daemon = DaemonProcess(workdir, config, profiles=state_root).start()
+    yield daemon
+    daemon.close()
+
+
+def test_a_part_its_device_cannot_build_is_planned_again_elsewhere(
+        fast_npu: DaemonProcess) -> None:
     torch.manual_seed(0)
     model, x = Head(strict=False).eval(), torch.randn(2, 3, 4, 4)
-    daemon = make_daemon(engine={"runtimes": RUNTIMES}, devices={"overrides": FAST_NPU})
-    with Client(daemon.target) as client:
+    with Client(fast_npu.target) as client:
         client.load("head", model, (x,), precision="fp32")
         plan = client.plan("head")["plan"]
         got = client.infer("head", x)["output0"]
@@ -52,10 +67,9 @@ def test_a_part_its_device_cannot_build_is_planned_again_elsewhere(make_daemon: 
     assert relative_error(got, model(x).detach()) <= 1e-4
 
 
-def test_a_part_pinned_there_fails_with_the_build_error(make_daemon: Any) -> None:
+def test_a_part_pinned_there_fails_with_the_build_error(fast_npu: DaemonProcess) -> None:
     model, x = Head(strict=True).eval(), torch.randn(2, 3, 4, 4)
-    daemon = make_daemon(engine={"runtimes": RUNTIMES})
-    with Client(daemon.target) as client, pytest.raises(LoadFailed,
+    with Client(fast_npu.target) as client, pytest.raises(LoadFailed,
                                                         match=r"for npu0 failed: .*openvino"):
         client.load("pinned", model, (x,), precision="fp32")
 
