@@ -4,6 +4,8 @@ the static KV cache as buffers, inputs `input_ids` [1, 1] and `cache_position` [
 
 from __future__ import annotations
 
+import copy
+import hashlib
 from typing import Any
 
 import torch
@@ -40,10 +42,30 @@ def lm(family: str) -> Any:
     return model
 
 
+# A pytest worker's exports, by what the model is (its class, config and weights) and how it
+# was exported: ~2 s of CPU each, asked for ~40 times by the suite, nearly always of the same
+# few models. Each caller gets a copy of its own (a program's buffers are its KV cache, which
+# a run updates in place).
+_exported: dict[tuple[Any, ...], torch.export.ExportedProgram] = {}
+
+
 def export(model: Any, context: int = CONTEXT,
            dynamic: bool = False) -> torch.export.ExportedProgram:
     """Exported for one token a step, or (`dynamic`) for any length from 1 to context - 1:
     then a prompt is taken in chunks (cuvild/run/generate.py)."""
+    weights = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        weights.update(name.encode())
+        weights.update(value.detach().reshape(-1).view(torch.uint8).numpy())
+    key = (type(model).__qualname__, model.config.to_json_string(),
+           model.generation_config.to_json_string(), model.training,
+           weights.hexdigest(), context, dynamic)
+    if key not in _exported:
+        _exported[key] = _export(model, context, dynamic)
+    return copy.deepcopy(_exported[key])
+
+
+def _export(model: Any, context: int, dynamic: bool) -> torch.export.ExportedProgram:
     wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=context)
     if not dynamic:
         return wrapper.export(input_ids=torch.tensor([[1]], dtype=torch.long),
