@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from small_models import small_model
 
-from cuvild.client import samples
 from partitioner.annotate import export
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
@@ -32,15 +32,6 @@ pytestmark = [
 
 CPU = DeviceProfile(id="cpu0", kind="cpu")
 THREADS = 2
-
-
-def small_model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    torch.manual_seed(0)
-    if name == "mlp":
-        return samples.MLP(width=512).eval(), (torch.randn(2, 512),)
-    if name == "encoder":  # attention goes through the SDPA decomposition
-        return samples.Encoder(layers=2, hidden=256, heads=4).eval(), (torch.randn(1, 128, 256),)
-    return samples.ResNet18(num_classes=10, width=16).eval(), (torch.randn(1, 3, 64, 64),)
 
 
 def split(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], n_parts: int) -> SplitProgram:
@@ -82,9 +73,9 @@ def mlp_part() -> Executable:
 
 
 # every model whole and split in two, but the ResNet split (two IREE compiles of its convolutions,
-# 18 s of the suite's time on the 2-core host; the split itself is what mlp-2 and encoder-2 test)
-@pytest.mark.parametrize(("name", "n_parts"), [("mlp", 1), ("mlp", 2), ("resnet", 1),
-                                               ("encoder", 1), ("encoder", 2)])
+# 18 s of the suite's time on the 2-core host; the split itself is what mlp-2 and bert4-2 test)
+@pytest.mark.parametrize(("name", "n_parts"), [("mlp", 1), ("mlp", 2), ("resnet18", 1),
+                                               ("bert4", 1), ("bert4", 2)])
 def test_parts_match_eager(name: str, n_parts: int) -> None:
     model, inputs = small_model(name)
     program = split(model, inputs, n_parts)
@@ -112,8 +103,8 @@ def test_inputs_that_need_a_copy(mlp_part: Executable) -> None:
 def test_inputs_are_freed_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """IREE's workers release imported inputs; a Python free there aborts an exiting process.
     (Without the wait in run(), about half of this encoder's inputs were freed on a worker.)"""
-    exe = one_part("encoder")
-    x = small_model("encoder")[1][0]
+    exe = one_part("bert4")
+    x = small_model("bert4")[1][0]
     freed_on: list[int] = []
     wrapped = llvm_cpu._importable  # noqa: SLF001 - white-box: the test reads _importable
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from small_models import small_model
 
-from cuvild.client.samples import reference
 from partitioner.annotate import export
 from partitioner.profile import DeviceProfile
 from partitioner.split import SplitProgram, split_program
@@ -70,10 +70,11 @@ def run_split(program: SplitProgram, executables: dict[str, Executable],
 
 
 class Case:
-    """One reference model at batch 1: eager outputs and its whole/half splits."""
+    """One reference model's architecture at batch 1 (narrower: small_models.py): eager
+    outputs and its whole/half splits."""
 
     def __init__(self, name: str) -> None:
-        model, self.inputs = reference(name, 1)
+        model, self.inputs = small_model(name)
         with torch.inference_mode():
             out = model(*self.inputs)
         self.expected = list(out) if isinstance(out, tuple) else [out]
@@ -216,7 +217,7 @@ def test_the_exporters_passes_say_nothing_below_a_warning(
     """onnx_ir's and onnxscript's passes log each step at INFO ("No unused functions to
     remove"): 54 of a daemon's 74 lines loading a split language model. Only their
     warnings reach cuvild's log."""
-    model, inputs = reference("mlp", 1)
+    model, inputs = small_model("mlp")
     caplog.set_level("DEBUG")
     compile_parts(whole(export(model, inputs)), inputs)
     said = [r for r in caplog.records if r.name.split(".")[0] in ("onnx_ir", "onnxscript")]
