@@ -47,7 +47,8 @@ from runtimes.cache import KEY_ENV
 
 pytestmark = pytest.mark.daemon
 # Builds try one runtime (the fast path does not care which one runs a part); every daemon
-# of the module shares one compile cache, so a model built once is not compiled again.
+# of the module is on the session's compile cache and key, so a model built once (the MLP of
+# seed 0 the `procs` daemon loads) is restored from its load record, not compiled again.
 RUNTIMES = {"cpu": ["openvino"]}
 PER_UID = 4  # the thread daemon's limits.max_connections_per_uid
 IDLE_S = 3  # and its limits.idle_timeout_s (gRPC connections and fast-path sessions alike)
@@ -108,18 +109,11 @@ def load(daemon: DaemonProcess, models: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def cache(shared_cache: Path) -> Path:
-    """The session's compile cache: the daemons of the tests below that serve the seeded MLP
-    (seed 0, as `procs` loads it) restore it from its load record, no torch imported."""
-    return shared_cache
-
-
-@pytest.fixture(scope="module")
 def procs(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir: Path,
-          cache: Path) -> Iterator[Served]:
+          shared_cache: Path) -> Iterator[Served]:
     """Process workers (the default): a one-part MLP, a wider one, a two-input model and
     (with two cores) a two-part model."""
-    daemon = start(tmp_path_factory.mktemp("fast"), state_root, sock_dir, cache)
+    daemon = start(tmp_path_factory.mktemp("fast"), state_root, sock_dir, shared_cache)
     torch.manual_seed(0)
     models = {"mlp": (samples.MLP(width=16, depth=1).eval(), (torch.randn(2, 16),)),
               "wide": (samples.MLP(width=64, depth=2).eval(), (torch.randn(4, 64),)),
@@ -135,10 +129,10 @@ def procs(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir: 
 
 @pytest.fixture(scope="module")
 def threads(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir: Path,
-            cache: Path) -> Iterator[Served]:
+            shared_cache: Path) -> Iterator[Served]:
     """Thread workers (parts run in the daemon), a small per-uid connection limit and a
     short idle timeout."""
-    daemon = start(tmp_path_factory.mktemp("fast-threads"), state_root, sock_dir, cache,
+    daemon = start(tmp_path_factory.mktemp("fast-threads"), state_root, sock_dir, shared_cache,
                    engine={"workers": "thread"},
                    limits={"max_connections_per_uid": PER_UID, "idle_timeout_s": IDLE_S})
     torch.manual_seed(0)
