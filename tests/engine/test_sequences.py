@@ -1,9 +1,9 @@
 """A stateful model's sequences (cuvild/run/sequences.py) and generation on them
-(cuvild/run/generate.py): tiny random-weight language models of three families, exported
-as a user would (transformers' static-cache export), generate greedily token for token as
-transformers' own `generate`; sequences keep their own state; a sequence that is unknown,
-ended, idle too long, over the model's context or whose worker died answers a clear error
-and leaves nothing behind."""
+(cuvild/run/generate.py): tiny random-weight language models of eight families
+(tests/models/lm_models.py), exported as a user would (transformers' static-cache export),
+generate greedily token for token as transformers' own `generate`; sequences keep their own
+state; a sequence that is unknown, ended, idle too long, over the model's context or whose
+worker died answers a clear error and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def greedy(engine: Engine, model: LoadedModel, tokens: int = 6) -> list[int]:
         engine.runner.sequences.end(live)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma"])
+@pytest.mark.parametrize("family", list(lm_models.FAMILIES))
 def test_greedy_generation_equals_transformers_token_for_token(tmp_path: Path,
                                                                 family: str) -> None:
     engine, arena, model, hf = served(tmp_path, family)

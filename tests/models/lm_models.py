@@ -25,6 +25,24 @@ FAMILIES = {
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=CONTEXT)),
+    # the families people run most beside those: biases on q/k/v (Qwen2), fused qkv and
+    # gate/up (Phi-3), partial rotary and a parallel residual (Phi, GPT-NeoX)
+    "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT)),
+    "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT)),
+    "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+        pad_token_id=0)),
+    "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=CONTEXT)),
+    "gptneox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=CONTEXT)),
 }
 
 
