@@ -425,11 +425,13 @@ class Client:
                  stop: Sequence[int] = (), version: str | None = None,
                  timeout: float | None = None,
                  messages: Sequence[Mapping[str, str]] | None = None,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  ) -> Iterator[dict[str, Any]]:
         """A language model's tokens as they come: {"token_id", "text", "index"} each (`text`
         is what the token adds, with the model's tokenizer; "" without one). `prompt`: token
         ids, or `text` for a model with a tokenizer; temperature 0 is greedy, `seed` makes
-        sampling repeatable, `stop` token ids end it (docs/GENERATION.md). `messages` (a
+        sampling repeatable, `stop` token ids end it, `frequency_penalty` and
+        `presence_penalty` are OpenAI's (docs/GENERATION.md). `messages` (a
         chat: [{"role", "content"}, ...], as OpenAI's) instead of a prompt: put in the
         prompt by the model's chat template, the answer ending at its eos token. Leaving the
         loop early ends the generation in the daemon."""
@@ -442,7 +444,8 @@ class Client:
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             stop=list(stop), messages=[cuvil_pb2.ChatMessage(role=m["role"],
                                                              content=m["content"])
-                                       for m in messages or ()])
+                                       for m in messages or ()],
+            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
         if seed is not None:
             request.seed = seed
         stream = self._control._stub.Generate(request, timeout=timeout)  # noqa: SLF001 - a server stream: its errors come as it is read

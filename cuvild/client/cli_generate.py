@@ -39,7 +39,9 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
                                  messages=messages, max_tokens=args.max_tokens,
                                  temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=args.seed, stop=stop,
-                                 version=args.version):
+                                 version=args.version,
+                                 frequency_penalty=args.frequency_penalty,
+                                 presence_penalty=args.presence_penalty):
         tokens.append(token)
         if not args.json:
             print(token["text"] if token["text"] or args.prompt is not None
@@ -69,5 +71,9 @@ def add_generate(sub: Any) -> None:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None, help="repeatable sampling")
     gen.add_argument("--stop", help="token ids that end it, e.g. 2")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="OpenAI's, in [-2, 2]: less a token's logit per time it was generated")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="OpenAI's, in [-2, 2]: less a token's logit once it was generated")
     gen.add_argument("--json", action="store_true", help="machine-readable output")
     gen.set_defaults(func=cmd_generate)

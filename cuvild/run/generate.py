@@ -5,8 +5,10 @@ whose first output is the logits [1, n, vocab] (transformers' TorchExportableMod
 OnlyLM export: its KV cache is buffers the graph updates in place, kept per sequence by the
 worker that runs it, cuvild/run/sequences.py). `generate` feeds the prompt (the prefill),
 then picks each next token from the last logits (`pick`: greedy, or sampled with
-temperature, top-k and top-p from a seeded generator, as transformers' `generate` does)
-until max_tokens, a stop token id or the end of the context.
+temperature, top-k and top-p from a seeded generator, as transformers' `generate` does;
+OpenAI's frequency and presence penalties first, where asked) until max_tokens, a stop token
+id or the end of the context. `logprobs` gives a token's log-probability and the likeliest
+others', for OpenAI's `logprobs` (cuvild/serve/generate_http.py).
 
 The prefill runs in chunks: a model exported with a dynamic length `n` (its buckets, built
 once each: cuvild/load/buckets.py) takes the prompt CHUNKS tokens at a time, the largest that
@@ -50,6 +52,10 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: Sequence[int] = field(default_factory=tuple)  # token ids that end it (included)
+    # OpenAI's: subtracted from a token's logit for each time it was generated before
+    # (frequency) and once if it was (presence), as vLLM does: the generated tokens only
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def check(self) -> Sampling:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -64,7 +70,19 @@ class Sampling:
             raise BadInput(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) for t in self.stop):
             raise BadInput(f"stop must be token ids (integers), got {list(self.stop)!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not -2 <= value <= 2):
+                raise BadInput(f"{name} must be a number in [-2, 2], got {value!r}")
         return self
+
+    def penalised(self, logits: np.ndarray, counts: np.ndarray | None) -> np.ndarray:
+        """`logits` less the penalties for the tokens generated so far (`counts` by id)."""
+        if counts is None or not (self.frequency_penalty or self.presence_penalty):
+            return logits
+        return (logits.astype(np.float64) - self.frequency_penalty * counts
+                - self.presence_penalty * (counts > 0))
 
 
 def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
@@ -89,6 +107,22 @@ def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> in
 
 
 Step = Callable[[list[int], int], np.ndarray]  # (token ids, first position) -> last logits
+Scores = Callable[[np.ndarray, int], None]  # (a position's logits, the token picked from them)
+
+
+def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` under the model's distribution at a position (the
+    softmax of its raw logits: before temperature and penalties, as vLLM reports them) and
+    the `top` most likely tokens' (id, log-probability), most likely first."""
+    scores = logits.astype(np.float64)
+    scores = scores - scores.max()
+    log_probs = scores - np.log(np.exp(scores).sum())
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        ids = np.argpartition(-log_probs, min(top, log_probs.size) - 1)[:top]
+        ids = ids[np.argsort(-log_probs[ids], kind="stable")]
+        best = [(int(i), float(log_probs[i])) for i in ids]
+    return float(log_probs[token]), best
 
 
 def served_step(runner: Any, model: LoadedModel, chunked: LoadedModel, live: Live) -> Step:
@@ -114,11 +148,12 @@ def served_step(runner: Any, model: LoadedModel, chunked: LoadedModel, live: Liv
 
 
 def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int,
-             chunks: Sequence[int] = (1,)) -> Iterator[int]:
+             chunks: Sequence[int] = (1,), scores: Scores | None = None) -> Iterator[int]:
     """The generated token ids, one at a time. `step(ids, position)` runs the model on `ids`
     at positions from `position` on the sequence's state and returns the logits of the last
     one [vocab]; `chunks`: the lengths a step may take, largest first, 1 among them;
-    `context`: the longest sequence the model's cache holds."""
+    `context`: the longest sequence the model's cache holds; `scores`, where given, is told
+    each position's logits and the token picked from them before the token is yielded."""
     sampling.check()
     if not prompt:
         raise BadInput("the prompt is empty: generation starts from at least one token")
@@ -132,9 +167,15 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
         logits = step(list(prompt[at:at + size]), at)
         at += size
     position = len(prompt)
+    counts: np.ndarray | None = None  # how often each token id was generated
     for _ in range(sampling.max_tokens):
-        token = pick(np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1])[-1],
-                     sampling, rng)
+        last = np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1])[-1]
+        token = pick(sampling.penalised(last, counts), sampling, rng)
+        if scores is not None:
+            scores(last, token)
+        if sampling.frequency_penalty or sampling.presence_penalty:
+            counts = np.zeros(last.size) if counts is None else counts
+            counts[token] += 1
         yield token
         if token in sampling.stop or position >= context:
             return

@@ -393,7 +393,9 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon serves no generation")
         options: dict[str, Any] = {
             "max_tokens": request.max_tokens or 16, "temperature": request.temperature,
-            "top_k": request.top_k, "top_p": request.top_p or 1.0, "stop": list(request.stop)}
+            "top_k": request.top_k, "top_p": request.top_p or 1.0, "stop": list(request.stop),
+            "frequency_penalty": request.frequency_penalty,
+            "presence_penalty": request.presence_penalty}
         if request.HasField("seed"):
             options["seed"] = request.seed
         try:

@@ -17,11 +17,13 @@
                                                       has them
 
 Options: max_tokens, temperature (0: greedy), top_k, top_p, seed, stop (token ids, or strings
-with a tokenizer: the text ends before the first, which is not sent). A stream
+with a tokenizer: the text ends before the first, which is not sent), frequency_penalty and
+presence_penalty. OpenAI's routes also give `logprobs` (a completion's count, a chat's
+`logprobs` with `top_logprobs`). A stream
 that fails after its first token ends with an event `{"error": ...}` (the status is sent);
 a caller that goes away ends its generation, and its sequence, at the next token.
 OpenAI's fields this does not do are refused, not ignored, but at the value that turns them
-off (OFF: a client that sends `frequency_penalty: 0` asks for nothing); its errors are OpenAI's
+off (OFF: a client that sends `echo: false` asks for nothing); its errors are OpenAI's
 error object (`error_object`), as its SDK and vLLM's clients read them.
 """
 
@@ -48,10 +50,12 @@ RestServer = Any
 
 FIELDS = {"input_ids", "text_input", "parameters", "stream", *OPTIONS}
 # OpenAI's fields, top_k as vLLM takes it; those of OFF only at the value that turns them off
-OFF = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "echo": False}
+OFF = {"echo": False}
 OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
-          "stream_options", "n", "stop", "user", *OFF}
-CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens"}
+          "stream_options", "n", "stop", "user", "frequency_penalty", "presence_penalty",
+          "logprobs", *OFF}
+CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens", "top_logprobs"}
+MAX_LOGPROBS = 20  # the likeliest tokens a token's logprobs may list (vLLM's default bound)
 # where OpenAI's routes are: its own /v1, and KServe's model server's /openai/v1 (its
 # documentation's base_url for an OpenAI client of an InferenceService)
 PREFIXES = ("/v1", "/openai/v1")
@@ -137,7 +141,7 @@ async def triton(server: RestServer, request: web.Request, stream: bool) -> web.
     gen = await _open(server, request, parse)
     head = {"model_name": gen.name, "model_version": gen.version}
     if not stream:
-        ids = await _all(server, gen)
+        ids = [token for token, _ in await _all(server, gen)]
         return _json({**head, "output_ids": ids, **({"text_output": gen.text}
                                                      if gen.tokenizer else {})})
     return await _events(server, request, gen, lambda token, piece: {
@@ -152,12 +156,12 @@ async def openai(server: RestServer, request: web.Request,
                                      lambda doc: _openai_open(server, doc, chat))
     answer = _Answer(gen, chat, usage)
     if not stream:
-        ids = await _all(server, gen)
-        body = answer.choice(gen.text, ids, _finish(gen), streamed=False)
+        made = await _all(server, gen)
+        body = answer.choice(gen.text, made, _finish(gen), streamed=False)
         body["usage"] = answer.usage()
         return _json(body)
     return await _events(server, request, gen, lambda token, piece: answer.choice(
-        piece, [token], None, first=len(gen.ids) == 1), done=answer.done, openai=True)
+        piece, [(token, piece)], None, first=len(gen.ids) == 1), done=answer.done, openai=True)
 
 
 def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[Generation, bool, bool]:
@@ -182,17 +186,45 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[Generation, 
     if doc.get("stream_options") is not None and not stream:
         raise BadInput("stream_options is only allowed with \"stream\": true")
     options = {k: doc[k] for k in ("max_tokens", "temperature", "top_k", "top_p", "seed",
-                                   "stop") if doc.get(k) is not None}
+                                   "stop", "frequency_penalty", "presence_penalty")
+               if doc.get(k) is not None}
     if doc.get("max_completion_tokens") is not None:
         options["max_tokens"] = doc["max_completion_tokens"]
+    top = _top_logprobs(doc, chat)
     name, _, version = doc["model"].partition(":")
     if chat:
-        return server.generator.open(name, version, messages=doc.get("messages"),
-                                     options=options), stream, usage
-    prompt = doc.get("prompt")
-    text = prompt if isinstance(prompt, str) else None
-    return server.generator.open(name, version, prompt=None if text else prompt, text=text,
-                                 options=options), stream, usage
+        gen = server.generator.open(name, version, messages=doc.get("messages"),
+                                    options=options)
+    else:
+        prompt = doc.get("prompt")
+        text = prompt if isinstance(prompt, str) else None
+        gen = server.generator.open(name, version, prompt=None if text else prompt, text=text,
+                                    options=options)
+    gen.top_logprobs = top
+    return gen, stream, usage
+
+
+def _top_logprobs(doc: dict[str, Any], chat: bool) -> int | None:
+    """How many likeliest tokens each token's logprobs lists (0: its own alone), None where
+    logprobs are not asked: a completion's `logprobs` (a count), a chat's `logprobs` (true
+    or false) with its `top_logprobs` (a count)."""
+    def count(key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+                0 <= value <= MAX_LOGPROBS):
+            raise BadInput(f"{key} must be an integer from 0 to {MAX_LOGPROBS}, got "
+                           f"{json.dumps(value)[:50]}")
+        return value
+
+    asked, top = doc.get("logprobs"), doc.get("top_logprobs")
+    if not chat:
+        return None if asked is None else count("logprobs", asked)
+    if asked is not None and not isinstance(asked, bool):
+        raise BadInput(f"logprobs must be true or false, got {json.dumps(asked)[:50]}")
+    if not asked:
+        if top is not None:
+            raise BadInput("top_logprobs needs \"logprobs\": true")
+        return None
+    return 0 if top is None else count("top_logprobs", top)
 
 
 def _include_usage(given: Any) -> bool:
@@ -213,6 +245,8 @@ class _Answer:
         self.gen, self.chat, self.created = gen, chat, int(time.time())
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{id(gen):x}"
         self.with_usage = usage  # a stream's chunks say "usage": null, the last the usage
+        self.answered = 0  # tokens answered so far (their logprobs are gen.scored's first)
+        self.offset = 0  # their text's length (a completion's logprobs' text_offset)
 
     def usage(self) -> dict[str, int]:
         prompt, made = len(self.gen.prompt), len(self.gen.ids)
@@ -231,11 +265,13 @@ class _Answer:
         return {"id": self.id, "object": kind, "created": self.created,
                 "model": self.gen.name}
 
-    def choice(self, text: str, ids: list[int], finish: str | None, first: bool = False,
-               streamed: bool = True) -> dict[str, Any]:
-        one: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    def choice(self, text: str, made: list[tuple[int, str]], finish: str | None,
+               first: bool = False, streamed: bool = True) -> dict[str, Any]:
+        """A choice of `text`, made of the tokens `made` (id, the text each added)."""
+        one: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(made),
+                               "finish_reason": finish}
         if not self.chat:
-            one.update(text=text, token_ids=ids)
+            one.update(text=text, token_ids=[token for token, _ in made])
             kind = "text_completion"
         elif streamed:
             one["delta"] = {**({"role": "assistant"} if first else {}),
@@ -248,6 +284,41 @@ class _Answer:
                 **({"usage": None} if streamed and self.with_usage else {})}
 
 
+    def _logprobs(self, made: list[tuple[int, str]]) -> dict[str, Any] | None:
+        """OpenAI's logprobs of the next tokens answered (`made`), None where not asked: a
+        chat's `content` (each token's text, bytes, logprob and top_logprobs), a
+        completion's tokens, token_logprobs, top_logprobs (text -> logprob) and
+        text_offset."""
+        if self.gen.top_logprobs is None or not made:
+            return None
+        rows = self.gen.scored[self.answered:self.answered + len(made)]
+        self.answered += len(made)
+        token = self._token_text
+        if self.chat:
+            def entry(i: int, logprob: float) -> dict[str, Any]:
+                text = token(i)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [{**entry(i, lp), "top_logprobs": [entry(j, p) for j, p in top]}
+                                for (i, _), (lp, top) in zip(made, rows, strict=True)],
+                    "refusal": None}
+        offsets = []
+        for _, piece in made:
+            offsets.append(self.offset)
+            self.offset += len(piece)
+        return {"tokens": [token(i) for i, _ in made],
+                "token_logprobs": [lp for lp, _ in rows],
+                "top_logprobs": [{token(j): p for j, p in top} for _, top in rows],
+                "text_offset": offsets}
+
+    def _token_text(self, token: int) -> str:
+        """A token's own text (its tokenizer's, special tokens too); without a tokenizer
+        "token_id:<id>", as vLLM writes it with return_tokens_as_token_ids."""
+        tokenizer = self.gen.tokenizer
+        return (f"token_id:{token}" if tokenizer is None
+                else tokenizer.decode([token], skip_special_tokens=False))
+
+
 def _finish(gen: Generation) -> str:
     return "stop" if gen.stopped else "length"
 
@@ -256,10 +327,11 @@ def _json(doc: Any) -> web.Response:
     return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
 
-async def _all(server: RestServer, gen: Generation) -> list[int]:
+async def _all(server: RestServer, gen: Generation) -> list[tuple[int, str]]:
+    """Every token and the text it added, once the generation ends."""
     loop = asyncio.get_running_loop()
     try:
-        return await loop.run_in_executor(server.pool, lambda: [t for t, _ in gen.tokens()])
+        return await loop.run_in_executor(server.pool, lambda: list(gen.tokens()))
     except Exception as e:  # noqa: BLE001 - its kind decides the status
         raise refused(e) from None
 

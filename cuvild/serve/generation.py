@@ -26,14 +26,15 @@ from cuvild.core.layout import BadInput
 from cuvild.core.loaded import LoadedModel
 from cuvild.load.buckets import last_logits, step_lengths
 from cuvild.load.models import ModelManager
-from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate, served_step
+from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate, logprobs, served_step
 from cuvild.run.runner import Runner
 from cuvild.serve import chat
 from cuvild.serve.errors import Refused, find, status
 
 TOKENIZER = "tokenizer.json"
 MAX_TOKENIZER_BYTES = 64 << 20
-OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "frequency_penalty",
+           "presence_penalty")
 
 
 @dataclass
@@ -52,6 +53,10 @@ class Generation:
     ids: list[int] = field(default_factory=list)  # generated so far
     stopped: bool = False  # ended by a stop token or string
     metrics: Any = None  # cuvild.serve.metrics.Metrics: its tokens' times and its end
+    # OpenAI's logprobs: None, none; else each generated token's log-probability and the
+    # `top_logprobs` likeliest tokens' (id, log-probability), in `scored` beside `ids`
+    top_logprobs: int | None = None
+    scored: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     _text: str = ""
     _sent: int = 0  # how much of _text was given out
 
@@ -66,10 +71,13 @@ class Generation:
         step = served_step(runner, model,
                            last_logits(model) if model.family is not None else model, live)
 
+        top = self.top_logprobs
+        scores = None if top is None else (
+            lambda logits, token: self.scored.append(logprobs(logits, token, top)))
         t0, last, code = time.perf_counter(), None, "CANCELLED"  # (its caller left)
         try:
             for token in self._released(generate(step, self.prompt, self.sampling,
-                                                 model.state.context, self.chunks)):
+                                                 model.state.context, self.chunks, scores)):
                 if self.metrics is not None:  # (before the caller takes it)
                     now = time.perf_counter()
                     self.metrics.token(self.name, self.version, now - (last or t0),
@@ -137,8 +145,9 @@ class Generator:
              messages: Any = None) -> Generation:
         """A checked generation: `prompt` token ids, `text` or a chat's `messages` (OpenAI's)
         with the model's tokenizer (and chat template); `options`: max_tokens, temperature,
-        top_k, top_p, seed, stop (token ids, or strings with a tokenizer). One refused counts
-        as a failed request (under model "" where no such model is served)."""
+        top_k, top_p, seed, stop (token ids, or strings with a tokenizer), frequency_penalty,
+        presence_penalty. One refused counts as a failed request (under model "" where no
+        such model is served)."""
         try:
             gen = self._open(name, version, prompt, text, options, messages)
         except Exception as e:
@@ -318,4 +327,6 @@ def sampling(options: Mapping[str, Any]) -> Sampling:
     return Sampling(max_tokens=options.get("max_tokens", 16),
                     temperature=options.get("temperature", 0.0),
                     top_k=options.get("top_k", 0), top_p=options.get("top_p", 1.0),
-                    seed=options.get("seed"), stop=tuple(stop)).check()
+                    seed=options.get("seed"), stop=tuple(stop),
+                    frequency_penalty=options.get("frequency_penalty", 0.0),
+                    presence_penalty=options.get("presence_penalty", 0.0)).check()

@@ -409,14 +409,18 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
     said = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
     assert chunks[-1].usage.completion_tokens == len(said.split()) <= 3
     assert chunks[-1].usage.prompt_tokens == 7  # "w4 w1 <4 words> w2", the template's
-    for asked, why in (({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
-                       ({"logprobs": True}, "logprobs is not supported"),
+    for asked, why in (({"frequency_penalty": 2.5}, "frequency_penalty must be a number in "
+                                                    "[-2, 2]"),
+                       ({"top_logprobs": 2}, "top_logprobs needs \"logprobs\": true"),
+                       ({"logprobs": True, "top_logprobs": 21}, "from 0 to 20"),
                        ({"stream_options": {"include_usage": True}}, "only allowed with"),
                        ({"n": 2}, "n must be 1")):
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(
                 model="llama", messages=[{"role": "user", "content": words}], **asked)
         assert why in bad.value.body["message"], asked
+    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
+        client.completions.create(model="llama", prompt=words, echo=True)
     with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
         client.completions.create(model="nope", prompt=words)
     # where KServe's model server has them (its docs' base_url for an InferenceService)
@@ -425,6 +429,106 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
     assert {m.id for m in kserve.models.list()} == set(listed)
     assert kserve.completions.create(model="llama", prompt=words, max_tokens=6,
                                      temperature=0).choices[0].text == done.choices[0].text
+
+
+def transformers_greedy(hf: Any, prompt: list[int], new: int, frequency: float = 0.0,
+                        presence: float = 0.0) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' model run whole on the tokens so far at each step, greedy on its last
+    logits less OpenAI's penalties for the tokens generated before: the tokens and each
+    step's log-probabilities (the softmax of its raw logits)."""
+    ids, made, scores = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(new):
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            counts = torch.bincount(torch.tensor(made, dtype=torch.long),
+                                    minlength=logits.numel()).double()
+            token = int(torch.argmax(logits - frequency * counts - presence * (counts > 0)))
+            scores.append(torch.log_softmax(logits, -1))
+            ids.append(token)
+            made.append(token)
+    return made, scores
+
+
+def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> None:  # noqa: ANN001
+    """`logprobs` through OpenAI's SDK: a completion's (tokens, token_logprobs, top_logprobs,
+    text_offset), a chat's (each token's text, bytes, logprob and top_logprobs), streamed and
+    not, each the log-softmax of transformers' logits at that step; frequency and presence
+    penalties steer greedy tokens as OpenAI defines them, on every surface (OpenAI's and
+    Triton's HTTP routes, the gRPC client, `cuvilctl generate`)."""
+    import openai
+
+    hf = served["hf"]["llama"]
+    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    words = " ".join(WORDS[t] for t in PROMPT)
+    want, scores = transformers_greedy(hf, PROMPT, 5)
+    done = client.completions.create(model="llama", prompt=words, max_tokens=5, temperature=0,
+                                     logprobs=3)
+    got = done.choices[0].logprobs
+    assert got.tokens == [WORDS[t] for t in want]
+    for step, (token, logprob, top) in enumerate(zip(want, got.token_logprobs,
+                                                     got.top_logprobs, strict=True)):
+        assert logprob == pytest.approx(float(scores[step][token]), abs=1e-4)
+        best = torch.topk(scores[step], 3)
+        assert list(top) == [WORDS[int(i)] for i in best.indices]
+        assert list(top.values()) == pytest.approx([float(v) for v in best.values], abs=1e-4)
+    text = done.choices[0].text
+    assert [text[at:].split()[0] for at in got.text_offset] == got.tokens
+    # streamed: each chunk its own token's logprobs
+    chunks = list(client.completions.create(model="llama", prompt=words, max_tokens=5,
+                                            temperature=0, logprobs=0, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [lp.tokens[0] for lp in streamed] == got.tokens
+    assert [lp.token_logprobs[0] for lp in streamed] == pytest.approx(got.token_logprobs,
+                                                                       abs=1e-6)
+    assert all(lp.top_logprobs == [{}] for lp in streamed)
+    # a chat's, the template's prompt before it (transformers' log-softmax on that prompt)
+    chat_prompt = [4, 1, *PROMPT, 2]  # "w4 w1 <words> w2"
+    chat_want, chat_scores = transformers_greedy(hf, chat_prompt, 3)
+    for stream in (False, True):
+        answer = client.chat.completions.create(
+            model="llama", messages=[{"role": "user", "content": words}], max_tokens=3,
+            logprobs=True, top_logprobs=2, stream=stream)
+        content = ([e for c in answer for e in (c.choices[0].logprobs.content
+                                                if c.choices and c.choices[0].logprobs
+                                                else [])]
+                   if stream else answer.choices[0].logprobs.content)
+        assert [e.token for e in content] == [WORDS[t] for t in chat_want[:len(content)]]
+        assert content and content[0].bytes == list(WORDS[chat_want[0]].encode())
+        for step, e in enumerate(content):
+            assert e.logprob == pytest.approx(float(chat_scores[step][chat_want[step]]),
+                                              abs=1e-4)
+            assert [t.token for t in e.top_logprobs] == [
+                WORDS[int(i)] for i in torch.topk(chat_scores[step], 2).indices]
+    # penalties: greedy less them, as transformers' logits give it
+    for frequency, presence in ((1.5, 0.0), (0.0, 2.0), (-1.0, 0.5)):
+        penalised, _ = transformers_greedy(hf, PROMPT, 8, frequency, presence)
+        done = client.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
+                                         temperature=0, frequency_penalty=frequency,
+                                         presence_penalty=presence)
+        assert done.choices[0].text.split() == [WORDS[t] for t in penalised], (frequency,
+                                                                                 presence)
+        status, body = post(daemon.http, "/v2/models/llama/generate", {
+            "input_ids": PROMPT, "max_tokens": 8, "frequency_penalty": frequency,
+            "presence_penalty": presence})
+        assert status == 200 and json.loads(body)["output_ids"] == penalised
+        with Client(daemon.target) as grpc_client:
+            assert [t["token_id"] for t in grpc_client.generate(
+                "llama", PROMPT, max_tokens=8, frequency_penalty=frequency,
+                presence_penalty=presence)] == penalised
+    done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
+                           daemon.target, "generate", "llama", "--ids",
+                           ",".join(map(str, PROMPT)), "--max-tokens", "8",
+                           "--frequency-penalty", "1.5", "--json"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["output_ids"] == transformers_greedy(hf, PROMPT, 8, 1.5)[0]
+    assert transformers_greedy(hf, PROMPT, 8, 1.5)[0] != transformers_greedy(hf, PROMPT, 8)[0]
+    # without a tokenizer a token is named by its id, as vLLM names it
+    done = client.completions.create(model="gpt2", prompt=PROMPT, max_tokens=2,
+                                     temperature=0, logprobs=1)
+    gpt2 = lm_models.reference(served["hf"]["gpt2"], PROMPT, 2)
+    assert done.choices[0].logprobs.tokens == [f"token_id:{t}" for t in gpt2]
 
 
 def test_triton_stream_infer_streams_a_generations_tokens(daemon, served) -> None:  # noqa: ANN001
