@@ -177,7 +177,8 @@ def generation_error(runner: Any, model: LoadedModel, program: Any, prompt_len: 
                                   sorted(model.parts_by_device))
     try:
         step = served_step(runner, model, last_logits(model), live)
-        got = [step(prompt, 0)] + [step([t], prompt_len + i) for i, t in enumerate(tokens)]
+        got = [step(prompt, 0)[-1]] + [step([t], prompt_len + i)[-1]
+                                       for i, t in enumerate(tokens)]
     finally:
         runner.sequences.end(live, "ended (the load's generation check)")
     return set_error([[g] for g in got], [[w] for w in want])

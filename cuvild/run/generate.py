@@ -106,8 +106,10 @@ def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> in
     return int(rng.choice(probs.size, p=probs))
 
 
-Step = Callable[[list[int], int], np.ndarray]  # (token ids, first position) -> last logits
+Step = Callable[[list[int], int], np.ndarray]  # (token ids, first position) -> their logits
 Scores = Callable[[np.ndarray, int], None]  # (a position's logits, the token picked from them)
+# (a prompt chunk's logits, one row a position, and its first position)
+PromptScores = Callable[[np.ndarray, int], None]
 
 
 def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -128,7 +130,8 @@ def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tupl
 def served_step(runner: Any, model: LoadedModel, chunked: LoadedModel, live: Live) -> Step:
     """The Step of a served model on sequence `live`: a prompt's chunks on `chunked` (its
     twin that computes the last position's logits alone: cuvild/load/buckets.py
-    last_logits), one token on `model`, each run on the bucket of its length."""
+    last_logits; or the model itself, for every position's), one token on `model`, each run
+    on the bucket of its length. It returns the logits it computed, a row a position."""
     order = [model.inputs.index(n) for n in INPUTS]
 
     def step(ids: list[int], position: int) -> np.ndarray:
@@ -142,18 +145,21 @@ def served_step(runner: Any, model: LoadedModel, chunked: LoadedModel, live: Liv
         target = runner.resolve(chunked if len(ids) > 1 else model, given)  # its bucket
         vocab = target.slots[target.outputs[0]].shape[-1]
         raw = runner.step(target, live, inputs, Out({}, raw=True))[0]
-        return np.frombuffer(raw, np.float32).reshape(-1, vocab)[-1]
+        return np.frombuffer(raw, np.float32).reshape(-1, vocab)
 
     return step
 
 
 def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int,
-             chunks: Sequence[int] = (1,), scores: Scores | None = None) -> Iterator[int]:
+             chunks: Sequence[int] = (1,), scores: Scores | None = None,
+             prompt_scores: PromptScores | None = None) -> Iterator[int]:
     """The generated token ids, one at a time. `step(ids, position)` runs the model on `ids`
     at positions from `position` on the sequence's state and returns the logits of the last
-    one [vocab]; `chunks`: the lengths a step may take, largest first, 1 among them;
-    `context`: the longest sequence the model's cache holds; `scores`, where given, is told
-    each position's logits and the token picked from them before the token is yielded."""
+    one [vocab] (or of each: [len(ids), vocab]); `chunks`: the lengths a step may take,
+    largest first, 1 among them; `context`: the longest sequence the model's cache holds;
+    `scores`, where given, is told each position's logits and the token picked from them
+    before the token is yielded; `prompt_scores` the logits of each chunk of the prompt and
+    its first position."""
     sampling.check()
     if not prompt:
         raise BadInput("the prompt is empty: generation starts from at least one token")
@@ -165,6 +171,8 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
     while at < len(prompt):
         size = next(c for c in chunks if c <= len(prompt) - at)
         logits = step(list(prompt[at:at + size]), at)
+        if prompt_scores is not None:
+            prompt_scores(np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1]), at)
         at += size
     position = len(prompt)
     counts: np.ndarray | None = None  # how often each token id was generated

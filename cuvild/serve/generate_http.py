@@ -6,8 +6,10 @@
   POST /v2/models/{m}[/versions/{v}]/generate_stream  the same, each token a server-sent
                                                       event (`data: {...}`) as it comes
   POST /v1/completions                                OpenAI's: {"model", "prompt" (text or
-                                                      token ids), "max_tokens", "temperature",
-                                                      "top_p", "seed", "stop", "stream"}
+                                                      token ids, or a list of either),
+                                                      "max_tokens", "temperature", "top_p",
+                                                      "seed", "stop", "stream", "logprobs",
+                                                      "echo", ...}
   POST /v1/chat/completions                           OpenAI's chat: {"model", "messages",
                                                       ...}: the prompt by the entry's chat
                                                       template (cuvild/serve/chat.py)
@@ -19,11 +21,11 @@
 Options: max_tokens, temperature (0: greedy), top_k, top_p, seed, stop (token ids, or strings
 with a tokenizer: the text ends before the first, which is not sent), frequency_penalty and
 presence_penalty. OpenAI's routes also give `logprobs` (a completion's count, a chat's
-`logprobs` with `top_logprobs`). A stream
+`logprobs` with `top_logprobs`), and a completion takes several prompts and `echo` (what
+lm-evaluation-harness's loglikelihood asks: the prompt's own logprobs). A stream
 that fails after its first token ends with an event `{"error": ...}` (the status is sent);
 a caller that goes away ends its generation, and its sequence, at the next token.
-OpenAI's fields this does not do are refused, not ignored, but at the value that turns them
-off (OFF: a client that sends `echo: false` asks for nothing); its errors are OpenAI's
+OpenAI's fields this does not do are refused, not ignored (`n` but at 1); its errors are OpenAI's
 error object (`error_object`), as its SDK and vLLM's clients read them.
 """
 
@@ -49,11 +51,10 @@ from cuvild.serve.generation import OPTIONS, Generation, generates
 RestServer = Any
 
 FIELDS = {"input_ids", "text_input", "parameters", "stream", *OPTIONS}
-# OpenAI's fields, top_k as vLLM takes it; those of OFF only at the value that turns them off
-OFF = {"echo": False}
+# OpenAI's fields, top_k as vLLM takes it
 OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
           "stream_options", "n", "stop", "user", "frequency_penalty", "presence_penalty",
-          "logprobs", *OFF}
+          "logprobs", "echo"}
 CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_LOGPROBS = 20  # the likeliest tokens a token's logprobs may list (vLLM's default bound)
 # where OpenAI's routes are: its own /v1, and KServe's model server's /openai/v1 (its
@@ -152,21 +153,25 @@ async def openai(server: RestServer, request: web.Request,
                  chat: bool = False) -> web.StreamResponse:
     """OpenAI's /v1/completions and (`chat`) /v1/chat/completions: the API vLLM, llama.cpp's
     server and Ollama serve."""
-    gen, stream, usage = await _open(server, request,
-                                     lambda doc: _openai_open(server, doc, chat))
-    answer = _Answer(gen, chat, usage)
-    if not stream:
-        made = await _all(server, gen)
-        body = answer.choice(gen.text, made, _finish(gen), streamed=False)
-        body["usage"] = answer.usage()
-        return _json(body)
+    answers, stream = await _open(server, request, lambda doc: _openai_open(server, doc, chat))
+    if not stream:  # each prompt's choice in turn (index i: the i-th prompt's)
+        choices = []
+        for answer in answers:
+            made = await _all(server, answer.gen)
+            choices += answer.choice(answer.gen.text, made, _finish(answer.gen),
+                                     streamed=False)["choices"]
+        counts = [a.usage() for a in answers]
+        return _json({**answers[0].head(streamed=False), "choices": choices,
+                      "usage": {k: sum(c[k] for c in counts) for k in counts[0]}})
+    answer = answers[0]
+    gen = answer.gen
     return await _events(server, request, gen, lambda token, piece: answer.choice(
         piece, [(token, piece)], None, first=len(gen.ids) == 1), done=answer.done, openai=True)
 
 
-def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[Generation, bool, bool]:
-    """An OpenAI request checked and opened; whether it streams, and whether a stream ends
-    with its usage (stream_options.include_usage)."""
+def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[list[_Answer], bool]:
+    """An OpenAI request checked and opened: an answer for each prompt (a completion may ask
+    for several: a list of texts or of token id lists), and whether it streams."""
     what = "messages" if chat else "prompt"
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
         raise BadInput(f"expected a JSON object with \"model\" and \"{what}\"")
@@ -175,13 +180,10 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[Generation, 
     if unknown:
         raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(known)}")
     if doc.get("n", 1) != 1:
-        raise BadInput("n must be 1 (one completion per request)")
-    for key, off in OFF.items():
-        value = doc.get(key)
-        if value is not None and (value != off or isinstance(value, bool) != isinstance(off,
-                                                                                     bool)):
-            raise BadInput(f"{key} is not supported: {json.dumps(off)} (or null) only, "
-                           f"got {json.dumps(value)}")
+        raise BadInput("n must be 1 (one completion per prompt)")
+    echo = doc.get("echo") or False
+    if not isinstance(echo, bool):
+        raise BadInput(f"echo must be true or false, got {json.dumps(echo)[:50]}")
     stream, usage = bool(doc.get("stream")), _include_usage(doc.get("stream_options"))
     if doc.get("stream_options") is not None and not stream:
         raise BadInput("stream_options is only allowed with \"stream\": true")
@@ -195,13 +197,27 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[Generation, 
     if chat:
         gen = server.generator.open(name, version, messages=doc.get("messages"),
                                     options=options)
-    else:
-        prompt = doc.get("prompt")
+        gen.top_logprobs = top
+        return [_Answer(gen, chat, usage)], stream
+    prompts = _prompts(doc.get("prompt"))
+    if stream and (len(prompts) > 1 or echo):
+        raise BadInput("a stream takes one prompt, without echo")
+    answers: list[_Answer] = []
+    for i, prompt in enumerate(prompts):
         text = prompt if isinstance(prompt, str) else None
         gen = server.generator.open(name, version, prompt=None if text else prompt, text=text,
                                     options=options)
-    gen.top_logprobs = top
-    return gen, stream, usage
+        gen.top_logprobs, gen.score_prompt = top, echo
+        answers.append(_Answer(gen, chat, usage, index=i, echo=echo, text=text,
+                               id_of=answers[0] if answers else None))
+    return answers, stream
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """A completion's prompts: OpenAI's `prompt` is a text, token ids, or a list of either."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    return [prompt]
 
 
 def _top_logprobs(doc: dict[str, Any], chat: bool) -> int | None:
@@ -238,15 +254,27 @@ def _include_usage(given: Any) -> bool:
 
 
 class _Answer:
-    """OpenAI's answer objects for one request: a completion's choices (text), a chat's
-    (a message, or in a stream each chunk's delta, the role in the first)."""
+    """OpenAI's answer objects for one prompt of a request: a completion's choices (text), a
+    chat's (a message, or in a stream each chunk's delta, the role in the first)."""
 
-    def __init__(self, gen: Generation, chat: bool, usage: bool = False) -> None:
-        self.gen, self.chat, self.created = gen, chat, int(time.time())
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{id(gen):x}"
+    def __init__(self, gen: Generation, chat: bool, usage: bool = False, index: int = 0,
+                 echo: bool = False, text: str | None = None,
+                 id_of: _Answer | None = None) -> None:
+        """`index`: the choice's (its prompt's place in the request); `echo`: a completion's
+        text starts with its prompt (`text`, as given; else its ids decoded), its logprobs
+        with the prompt tokens'; `id_of`: the answer whose id and time a response shares."""
+        self.gen, self.chat, self.index = gen, chat, index
+        self.created = id_of.created if id_of else int(time.time())
+        self.id = id_of.id if id_of else f"{'chatcmpl' if chat else 'cmpl'}-{id(gen):x}"
         self.with_usage = usage  # a stream's chunks say "usage": null, the last the usage
         self.answered = 0  # tokens answered so far (their logprobs are gen.scored's first)
         self.offset = 0  # their text's length (a completion's logprobs' text_offset)
+        self.echo = (text if text is not None else self._decoded(gen.prompt)) if echo else ""
+        self.prompt_due = echo  # (the prompt goes with the first choice that has tokens)
+
+    def _decoded(self, ids: list[int]) -> str:
+        tokenizer = self.gen.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
 
     def usage(self) -> dict[str, int]:
         prompt, made = len(self.gen.prompt), len(self.gen.ids)
@@ -257,42 +285,46 @@ class _Answer:
         """A stream's last chunks: the finish reason, and (with_usage) the usage, no choice."""
         last = [self.choice("", [], _finish(self.gen))]
         if self.with_usage:
-            kind = "chat.completion.chunk" if self.chat else "text_completion"
-            last.append({**self._head(kind), "choices": [], "usage": self.usage()})
+            last.append({**self.head(), "choices": [], "usage": self.usage()})
         return last
 
-    def _head(self, kind: str) -> dict[str, Any]:
+    def head(self, streamed: bool = True) -> dict[str, Any]:
+        kind = ("text_completion" if not self.chat else "chat.completion.chunk" if streamed
+                else "chat.completion")
         return {"id": self.id, "object": kind, "created": self.created,
                 "model": self.gen.name}
 
     def choice(self, text: str, made: list[tuple[int, str]], finish: str | None,
                first: bool = False, streamed: bool = True) -> dict[str, Any]:
         """A choice of `text`, made of the tokens `made` (id, the text each added)."""
-        one: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(made),
+        prompt, self.prompt_due = self.prompt_due and bool(made), self.prompt_due and not made
+        if prompt:
+            self.echo += self._separator([token for token, _ in made])
+        one: dict[str, Any] = {"index": self.index, "logprobs": self._logprobs(made, prompt),
                                "finish_reason": finish}
         if not self.chat:
-            one.update(text=text, token_ids=[token for token, _ in made])
-            kind = "text_completion"
+            one.update(text=self.echo + text if prompt else text,
+                       token_ids=[token for token, _ in made])
         elif streamed:
             one["delta"] = {**({"role": "assistant"} if first else {}),
                             **({"content": text} if text or first else {})}
-            kind = "chat.completion.chunk"
         else:
             one["message"] = {"role": "assistant", "content": text}
-            kind = "chat.completion"
-        return {**self._head(kind), "choices": [one],
+        return {**self.head(streamed), "choices": [one],
                 **({"usage": None} if streamed and self.with_usage else {})}
 
-
-    def _logprobs(self, made: list[tuple[int, str]]) -> dict[str, Any] | None:
-        """OpenAI's logprobs of the next tokens answered (`made`), None where not asked: a
-        chat's `content` (each token's text, bytes, logprob and top_logprobs), a
-        completion's tokens, token_logprobs, top_logprobs (text -> logprob) and
-        text_offset."""
+    def _logprobs(self, made: list[tuple[int, str]], prompt: bool) -> dict[str, Any] | None:
+        """OpenAI's logprobs of the next tokens answered (`made`; `prompt`: the prompt's
+        before them, the first scored by none), None where not asked: a chat's `content`
+        (each token's text, bytes, logprob and top_logprobs), a completion's tokens,
+        token_logprobs, top_logprobs (text -> logprob) and text_offset."""
         if self.gen.top_logprobs is None or not made:
             return None
-        rows = self.gen.scored[self.answered:self.answered + len(made)]
+        rows: list[Any] = self.gen.scored[self.answered:self.answered + len(made)]
         self.answered += len(made)
+        if prompt:
+            made = [*self._prompt_pieces(), *made]
+            rows = [None, *self.gen.prompt_scored, *rows]
         token = self._token_text
         if self.chat:
             def entry(i: int, logprob: float) -> dict[str, Any]:
@@ -307,9 +339,29 @@ class _Answer:
             offsets.append(self.offset)
             self.offset += len(piece)
         return {"tokens": [token(i) for i, _ in made],
-                "token_logprobs": [lp for lp, _ in rows],
-                "top_logprobs": [{token(j): p for j, p in top} for _, top in rows],
+                "token_logprobs": [row[0] if row else None for row in rows],
+                "top_logprobs": [{token(j): p for j, p in row[1]} if row else None
+                                 for row in rows],
                 "text_offset": offsets}
+
+    def _separator(self, ids: list[int]) -> str:
+        """What the tokenizer puts between the prompt's text and the tokens `ids`' when it
+        decodes them together (a space between words for some: the completion's text is
+        its tokens' decoded alone)."""
+        alone, before = self._decoded(ids), self._decoded(self.gen.prompt)
+        together = self._decoded([*self.gen.prompt, *ids])
+        if together.startswith(before) and together.endswith(alone):
+            return together[len(before):len(together) - len(alone)]
+        return ""
+
+    def _prompt_pieces(self) -> list[tuple[int, str]]:
+        """The prompt's tokens, each with the text it adds to the echoed prompt (its ids
+        decoded prefix by prefix; the last up to the generated text)."""
+        prompt = self.gen.prompt
+        ends = [len(self._decoded(prompt[:i + 1])) for i in range(len(prompt))]
+        ends[-1] = len(self.echo)
+        return [(t, self.echo[a:b]) for t, a, b in zip(prompt, [0, *ends[:-1]], ends,
+                                                         strict=True)]
 
     def _token_text(self, token: int) -> str:
         """A token's own text (its tokenizer's, special tokens too); without a tokenizer

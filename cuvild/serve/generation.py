@@ -57,6 +57,11 @@ class Generation:
     # `top_logprobs` likeliest tokens' (id, log-probability), in `scored` beside `ids`
     top_logprobs: int | None = None
     scored: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # and (OpenAI's `echo` with logprobs) each prompt token's after its first, in
+    # `prompt_scored`: the prompt's chunks then run on the model itself, every position's
+    # logits computed, not on its twin that computes the last one's alone
+    score_prompt: bool = False
+    prompt_scored: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     _text: str = ""
     _sent: int = 0  # how much of _text was given out
 
@@ -68,16 +73,17 @@ class Generation:
                                       sorted(model.parts_by_device))
         # a prompt's chunks on the model's twin that computes the last position's logits
         # alone (cuvild/load/buckets.py last_logits); decode steps (one position) on its own
-        step = served_step(runner, model,
-                           last_logits(model) if model.family is not None else model, live)
-
+        whole = model.family is None or (self.score_prompt and self.top_logprobs is not None)
+        step = served_step(runner, model, model if whole else last_logits(model), live)
         top = self.top_logprobs
         scores = None if top is None else (
             lambda logits, token: self.scored.append(logprobs(logits, token, top)))
+        prompt_scores = self._score_prompt if self.score_prompt and top is not None else None
         t0, last, code = time.perf_counter(), None, "CANCELLED"  # (its caller left)
         try:
             for token in self._released(generate(step, self.prompt, self.sampling,
-                                                 model.state.context, self.chunks, scores)):
+                                                 model.state.context, self.chunks, scores,
+                                                 prompt_scores)):
                 if self.metrics is not None:  # (before the caller takes it)
                     now = time.perf_counter()
                     self.metrics.token(self.name, self.version, now - (last or t0),
@@ -93,6 +99,15 @@ class Generation:
             if self.metrics is not None:
                 self.metrics.generation(self.name, self.version, len(self.prompt),
                                         time.perf_counter() - t0, code)
+
+    def _score_prompt(self, rows: Any, at: int) -> None:
+        """The prompt tokens' logprobs from a chunk's logits (`rows`, from position `at`):
+        a position's logits score the token after it."""
+        assert self.top_logprobs is not None
+        for j, row in enumerate(rows):
+            if at + j + 1 < len(self.prompt):
+                self.prompt_scored.append(logprobs(row, self.prompt[at + j + 1],
+                                                   self.top_logprobs))
 
     def _released(self, tokens: Iterator[int]) -> Iterator[tuple[int, str]]:
         """Each token with the text it lets go: text that may begin a stop string is held

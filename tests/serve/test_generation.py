@@ -21,42 +21,19 @@ import lm_models
 import pytest
 import torch
 from daemons import DaemonProcess, free_port, suite_config
+from generation_helpers import (
+    CHAT_TEMPLATE,
+    PROMPT,
+    WORDS,
+    events,
+    post,
+    tokenizer_json,
+    transformers_greedy,
+)
 
 from cuvild.client import Client
 from cuvild.client.errors import CuvildError
 from cuvild.serve.generation import release
-
-PROMPT = [5, 17, 42, 99]
-# a chat template over the tiny vocabulary: "w4 w1 <user's words> w2" for one user message
-CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'user' %}w1 "
-                 "{% else %}w3 {% endif %}{{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}w2{% endif %}")
-WORDS = [f"w{i}" for i in range(lm_models.VOCAB)]
-
-
-def tokenizer_json() -> str:
-    """A word-level tokenizer over the tiny vocabulary: "w5 w17" <-> [5, 17]."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
-    return tok.to_str()
-
-
-def post(address: str, path: str, doc: Any) -> tuple[int, bytes]:
-    request = urllib.request.Request(f"http://{address}{path}", data=json.dumps(doc).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, reply.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def events(body: bytes) -> list[Any]:
-    return [json.loads(line[6:]) if line[6:] != b"[DONE]" else "[DONE]"
-            for line in body.split(b"\n") if line.startswith(b"data: ")]
 
 
 @pytest.fixture(scope="module")
@@ -419,8 +396,8 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
             client.chat.completions.create(
                 model="llama", messages=[{"role": "user", "content": words}], **asked)
         assert why in bad.value.body["message"], asked
-    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
-        client.completions.create(model="llama", prompt=words, echo=True)
+    with pytest.raises(openai.BadRequestError, match="unsupported fields \\['best_of'\\]"):
+        client.completions.create(model="llama", prompt=words, best_of=2)
     with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
         client.completions.create(model="nope", prompt=words)
     # where KServe's model server has them (its docs' base_url for an InferenceService)
@@ -429,24 +406,6 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
     assert {m.id for m in kserve.models.list()} == set(listed)
     assert kserve.completions.create(model="llama", prompt=words, max_tokens=6,
                                      temperature=0).choices[0].text == done.choices[0].text
-
-
-def transformers_greedy(hf: Any, prompt: list[int], new: int, frequency: float = 0.0,
-                        presence: float = 0.0) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' model run whole on the tokens so far at each step, greedy on its last
-    logits less OpenAI's penalties for the tokens generated before: the tokens and each
-    step's log-probabilities (the softmax of its raw logits)."""
-    ids, made, scores = list(prompt), [], []
-    with torch.no_grad():
-        for _ in range(new):
-            logits = hf(torch.tensor([ids])).logits[0, -1].double()
-            counts = torch.bincount(torch.tensor(made, dtype=torch.long),
-                                    minlength=logits.numel()).double()
-            token = int(torch.argmax(logits - frequency * counts - presence * (counts > 0)))
-            scores.append(torch.log_softmax(logits, -1))
-            ids.append(token)
-            made.append(token)
-    return made, scores
 
 
 def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> None:  # noqa: ANN001
@@ -529,6 +488,54 @@ def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> N
                                      temperature=0, logprobs=1)
     gpt2 = lm_models.reference(served["hf"]["gpt2"], PROMPT, 2)
     assert done.choices[0].logprobs.tokens == [f"token_id:{t}" for t in gpt2]
+
+
+def test_lm_eval_harness_loglikelihood_requests_score_the_prompt(daemon, served) -> None:  # noqa: ANN001
+    """What lm-evaluation-harness's `local-completions` model sends for a loglikelihood
+    (multiple-choice) task: several prompts, each context + continuation as token ids, with
+    `echo` and `logprobs` and one token to generate; read as it reads it (each choice's
+    `token_logprobs[ctxlen:-1]` summed, greedy where each is its position's largest): the
+    continuation's log-likelihood as transformers' logits give it, on a model exported for
+    one token a step and on one whose prompt goes in chunks (every position's logits)."""
+    hf = served["hf"]["llama"]
+    requests = [(PROMPT, [7, 19, 23]), ([3, 8], [13, 21, 34, 55, 89])]
+    with torch.no_grad():
+        want = []
+        for context, continuation in requests:
+            ids = context + continuation
+            scores = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+            mine = [scores[i - 1, ids[i]] for i in range(len(context), len(ids))]
+            greedy = all(int(scores[i - 1].argmax()) == ids[i]
+                         for i in range(len(context), len(ids)))
+            want.append((float(sum(mine)), greedy))
+    for model in ("llama", "chunked"):
+        status, body = post(daemon.http, "/v1/completions", {
+            "model": model, "prompt": [c + k for c, k in requests], "temperature": 0,
+            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True})
+        assert status == 200, body
+        answer = json.loads(body)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == [0, 1]
+        got = []
+        for choice, (context, continuation) in zip(choices, requests, strict=True):
+            logprobs = choice["logprobs"]
+            assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+            assert len(logprobs["tokens"]) == len(context) + len(continuation) + 1
+            mine = logprobs["token_logprobs"][len(context):-1]
+            tops = logprobs["top_logprobs"][len(context):-1]
+            got.append((sum(mine), all(lp == max(top.values())
+                                       for lp, top in zip(mine, tops, strict=True))))
+            if model == "llama":  # (the entry with a tokenizer) the prompt echoed first
+                assert choice["text"].split()[:len(context) + len(continuation)] == [
+                    WORDS[t] for t in context + continuation]
+                offsets, text = logprobs["text_offset"], choice["text"]
+                assert [text[a:].split()[0] for a in offsets] == logprobs["tokens"]
+        for (lp, greedy), (want_lp, want_greedy) in zip(got, want, strict=True):
+            assert lp == pytest.approx(want_lp, abs=1e-3) and greedy == want_greedy, model
+        assert answer["usage"]["prompt_tokens"] == sum(len(c + k) for c, k in requests)
+    status, body = post(daemon.http, "/v1/completions", {
+        "model": "llama", "prompt": PROMPT, "echo": True, "stream": True})
+    assert status == 400 and b"a stream takes one prompt, without echo" in body
 
 
 def test_triton_stream_infer_streams_a_generations_tokens(daemon, served) -> None:  # noqa: ANN001

@@ -1,0 +1,62 @@
+"""What tests/serve/test_generation.py's tests share: the tiny vocabulary's words, a
+tokenizer and chat template over them, HTTP calls, and transformers' own greedy scores."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import lm_models
+import torch
+
+PROMPT = [5, 17, 42, 99]
+# a chat template over the tiny vocabulary: "w4 w1 <user's words> w2" for one user message
+CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'user' %}w1 "
+                 "{% else %}w3 {% endif %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w2{% endif %}")
+WORDS = [f"w{i}" for i in range(lm_models.VOCAB)]
+
+
+def tokenizer_json() -> str:
+    """A word-level tokenizer over the tiny vocabulary: "w5 w17" <-> [5, 17]."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
+    return tok.to_str()
+
+
+def post(address: str, path: str, doc: Any) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://{address}{path}", data=json.dumps(doc).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def events(body: bytes) -> list[Any]:
+    return [json.loads(line[6:]) if line[6:] != b"[DONE]" else "[DONE]"
+            for line in body.split(b"\n") if line.startswith(b"data: ")]
+
+
+def transformers_greedy(hf: Any, prompt: list[int], new: int, frequency: float = 0.0,
+                        presence: float = 0.0) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' model run whole on the tokens so far at each step, greedy on its last
+    logits less OpenAI's penalties for the tokens generated before: the tokens and each
+    step's log-probabilities (the softmax of its raw logits)."""
+    ids, made, scores = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(new):
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            counts = torch.bincount(torch.tensor(made, dtype=torch.long),
+                                    minlength=logits.numel()).double()
+            token = int(torch.argmax(logits - frequency * counts - presence * (counts > 0)))
+            scores.append(torch.log_softmax(logits, -1))
+            ids.append(token)
+            made.append(token)
+    return made, scores
