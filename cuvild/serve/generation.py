@@ -53,7 +53,7 @@ class Generation:
     ids: list[int] = field(default_factory=list)  # generated so far
     stopped: bool = False  # ended by a stop token or string
     metrics: Any = None  # cuvild.serve.metrics.Metrics: its tokens' times and its end
-    # OpenAI's logprobs: None, none; else each generated token's log-probability and the
+    # OpenAI's logprobs (None: not asked): each generated token's log-probability and the
     # `top_logprobs` likeliest tokens' (id, log-probability), in `scored` beside `ids`
     top_logprobs: int | None = None
     scored: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
@@ -72,7 +72,8 @@ class Generation:
         live = runner.sequences.begin(model.key, f"generate-{next(_ids)}",
                                       sorted(model.parts_by_device))
         # a prompt's chunks on the model's twin that computes the last position's logits
-        # alone (cuvild/load/buckets.py last_logits); decode steps (one position) on its own
+        # alone (cuvild/load/buckets.py last_logits), or where the prompt is scored on the
+        # model itself; decode steps (one position) on its own
         whole = model.family is None or (self.score_prompt and self.top_logprobs is not None)
         step = served_step(runner, model, model if whole else last_logits(model), live)
         top = self.top_logprobs
