@@ -298,8 +298,6 @@ class _Answer:
                first: bool = False, streamed: bool = True) -> dict[str, Any]:
         """A choice of `text`, made of the tokens `made` (id, the text each added)."""
         prompt, self.prompt_due = self.prompt_due and bool(made), self.prompt_due and not made
-        if prompt:
-            self.echo += self._separator([token for token, _ in made])
         one: dict[str, Any] = {"index": self.index, "logprobs": self._logprobs(made, prompt),
                                "finish_reason": finish}
         if not self.chat:
@@ -344,22 +342,12 @@ class _Answer:
                                  for row in rows],
                 "text_offset": offsets}
 
-    def _separator(self, ids: list[int]) -> str:
-        """What the tokenizer puts between the prompt's text and the tokens `ids`' when it
-        decodes them together (a space between words for some: the completion's text is
-        its tokens' decoded alone)."""
-        alone, before = self._decoded(ids), self._decoded(self.gen.prompt)
-        together = self._decoded([*self.gen.prompt, *ids])
-        if together.startswith(before) and together.endswith(alone):
-            return together[len(before):len(together) - len(alone)]
-        return ""
-
     def _prompt_pieces(self) -> list[tuple[int, str]]:
         """The prompt's tokens, each with the text it adds to the echoed prompt (its ids
-        decoded prefix by prefix; the last up to the generated text)."""
+        decoded prefix by prefix)."""
         prompt = self.gen.prompt
         ends = [len(self._decoded(prompt[:i + 1])) for i in range(len(prompt))]
-        ends[-1] = len(self.echo)
+        ends[-1] = len(self.echo)  # (a prompt given as text: its own)
         return [(t, self.echo[a:b]) for t, a, b in zip(prompt, [0, *ends[:-1]], ends,
                                                          strict=True)]
 

@@ -33,6 +33,7 @@ from cuvild.serve.errors import Refused, find, status
 
 TOKENIZER = "tokenizer.json"
 MAX_TOKENIZER_BYTES = 64 << 20
+CONTEXT_TOKENS = 5  # the prompt's last tokens a generation's text is decoded behind (vLLM's)
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "frequency_penalty",
            "presence_penalty")
 
@@ -121,7 +122,7 @@ class Generation:
             self.stopped = token in self.sampling.stop
             if self.tokenizer is not None:  # the whole output decoded: a token may complete
                 # a character another began
-                self._text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+                self._text = self.decoded(self.ids)
             piece, self._sent, hit = release(self._text, self._sent, self.stop_text)
             if held is not None:
                 yield held
@@ -137,6 +138,18 @@ class Generation:
         if held is not None:
             yield held[0], held[1] + self._text[self._sent:]
             self._sent = len(self._text)
+
+    def decoded(self, ids: list[int]) -> str:
+        """The text `ids` add after the prompt: decoded behind the prompt's last few tokens,
+        as the text continues it (a SentencePiece tokenizer drops a leading word's space
+        from tokens decoded alone: "Paris" where the prompt goes on " Paris"), as vLLM's
+        detokenizer does; alone where the prompt's text does not begin the whole's."""
+        before = self.prompt[-CONTEXT_TOKENS:]
+        head = self.tokenizer.decode(before, skip_special_tokens=True)
+        whole = self.tokenizer.decode([*before, *ids], skip_special_tokens=True)
+        if whole.startswith(head):
+            return whole[len(head):]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @property
     def text(self) -> str:

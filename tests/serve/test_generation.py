@@ -33,7 +33,6 @@ from generation_helpers import (
 
 from cuvild.client import Client
 from cuvild.client.errors import CuvildError
-from cuvild.serve.generation import release
 
 
 @pytest.fixture(scope="module")
@@ -580,11 +579,3 @@ def test_triton_stream_infer_streams_a_generations_tokens(daemon, served) -> Non
         result, error = got.get(timeout=120)
         assert error is not None and "nope" in str(error)
         triton.stop_stream()
-
-
-def test_text_that_may_begin_a_stop_string_is_held_back() -> None:
-    assert release("a w1", 0, ("w1 w2",)) == ("a ", 2, False)  # "w1" may begin it
-    assert release("a w1 w3", 2, ("w1 w2",)) == ("w1 w3", 7, False)  # it did not
-    assert release("a w1 w2 w9", 2, ("w1 w2",)) == ("", 2, True)  # it did: the text ends
-    assert release("hello", 0, ()) == ("hello", 5, False)
-    assert release("x END y", 0, ("END", "y")) == ("x ", 2, True)  # the first found
