@@ -44,7 +44,7 @@ from aiohttp import web
 
 from cuvild.core.layout import BadInput
 from cuvild.serve.errors import STATUS, Refused, status
-from cuvild.serve.generation import OPTIONS, Generation, generates
+from cuvild.serve.generation import OPTIONS, Generation, continued, generates
 
 # `server` below is the RestServer (cuvild/serve/rest.py) that registered the routes: its
 # `pool` runs the generation, `generator` opens it, `_body` reads a body within its limits.
@@ -343,13 +343,15 @@ class _Answer:
                 "text_offset": offsets}
 
     def _prompt_pieces(self) -> list[tuple[int, str]]:
-        """The prompt's tokens, each with the text it adds to the echoed prompt (its ids
-        decoded prefix by prefix)."""
+        """The prompt's tokens, each with the text it adds to the echoed prompt (decoded
+        behind the tokens before it, as generated text is: `continued`); the last takes what
+        is left of the echoed text (a prompt given as text: its own)."""
         prompt = self.gen.prompt
-        ends = [len(self._decoded(prompt[:i + 1])) for i in range(len(prompt))]
-        ends[-1] = len(self.echo)  # (a prompt given as text: its own)
-        return [(t, self.echo[a:b]) for t, a, b in zip(prompt, [0, *ends[:-1]], ends,
-                                                         strict=True)]
+        if self.gen.tokenizer is None:
+            return [(t, "") for t in prompt]
+        texts = [continued(self.gen.tokenizer, prompt[:i], [t]) for i, t in enumerate(prompt)]
+        texts[-1] = self.echo[sum(map(len, texts[:-1])):]
+        return list(zip(prompt, texts, strict=True))
 
     def _token_text(self, token: int) -> str:
         """A token's own text (its tokenizer's, special tokens too); without a tokenizer

@@ -140,16 +140,8 @@ class Generation:
             self._sent = len(self._text)
 
     def decoded(self, ids: list[int]) -> str:
-        """The text `ids` add after the prompt: decoded behind the prompt's last few tokens,
-        as the text continues it (a SentencePiece tokenizer drops a leading word's space
-        from tokens decoded alone: "Paris" where the prompt goes on " Paris"), as vLLM's
-        detokenizer does; alone where the prompt's text does not begin the whole's."""
-        before = self.prompt[-CONTEXT_TOKENS:]
-        head = self.tokenizer.decode(before, skip_special_tokens=True)
-        whole = self.tokenizer.decode([*before, *ids], skip_special_tokens=True)
-        if whole.startswith(head):
-            return whole[len(head):]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        """The text `ids` add after the prompt (`continued`)."""
+        return continued(self.tokenizer, self.prompt, ids)
 
     @property
     def text(self) -> str:
@@ -295,6 +287,19 @@ class Generator:
                                   f"library reads ({str(e)[:200]})") from None
                 self._tokenizers[real] = kept
         return kept[1]
+
+
+def continued(tokenizer: Any, before: list[int], ids: list[int]) -> str:
+    """The text `ids` add after `before`: decoded behind its last CONTEXT_TOKENS, as the text
+    continues it (a SentencePiece tokenizer drops a leading word's space from tokens decoded
+    alone: "Paris" where the prompt goes on " Paris"), as vLLM's detokenizer does; alone
+    where `before`'s text does not begin the whole's."""
+    before = before[-CONTEXT_TOKENS:]
+    head = tokenizer.decode(before, skip_special_tokens=True)
+    whole = tokenizer.decode([*before, *ids], skip_special_tokens=True)
+    if whole.startswith(head):
+        return whole[len(head):]
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def generates(model: LoadedModel | None) -> bool:
