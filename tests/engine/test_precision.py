@@ -19,6 +19,7 @@ from cuvild.engine.engine import Engine
 from cuvild.intake.summary import summarize
 from cuvild.workers.build import SEARCH_SAMPLES
 from partitioner.profile import DeviceProfile
+from runtimes import select
 from runtimes.base import INT8_MIXED, set_error
 from runtimes.profiling.hardware import cpuinfo
 
@@ -101,17 +102,29 @@ def test_a_loose_budget_runs_int8_and_stays_within_it_on_held_out_inputs(engine,
     assert held_out_error(engine, model, "loose") <= 0.25
 
 
-def test_a_budget_of_1e_2_serves_within_it_on_held_out_inputs(engine, model):
+def test_a_budget_of_1e_2_serves_within_it_on_held_out_inputs(model, cache_dir, monkeypatch):
     """int8 alone is ~3.7e-2 off here: the search builds int8+fp32 too, NNCF's accuracy
     control putting the ops that cost the most back to fp32 until the part holds half the
     budget; the model serves within the budget on held-out inputs, whichever variant ran
-    fastest (timing decides, so either may)."""
+    fastest (timing decides, so either may). On any CPU: a build slower than fp32 is
+    measured all the same here (runtimes/select.py SLOWER; the worker a thread of this
+    process, so that it sees it), where before this test skipped when int8 once ran slower
+    than fp32 on a busy host (0.5 vs 0.3 ms)."""
+    monkeypatch.setattr(select, "SLOWER", float("inf"))
+    arena = Arena(f"{os.getpid()}-tight")
+    engine = Engine([CPU], cache_dir, arena, workers="thread")
+    try:
+        tight(engine, model)
+    finally:
+        engine.close()
+        arena.close()
+
+
+def tight(engine, model):
     calibration = str(model[3])
     loaded = load(engine, model, "tight", PrecisionPolicy("auto", 1e-2, calibration, "t1"))
     tried = {c["precision"]: c for c in loaded.routes[0].built.candidates
              if c["runtime"] == "openvino"}
-    if "not faster" in tried["int8"]["reason"]:  # (its error not measured: nothing to back off)
-        pytest.skip(f"int8 runs no faster than fp32 on this CPU: {tried['int8']['reason']}")
     assert tried["int8"]["rel_error"] > 1e-2, tried["int8"]  # (else nothing to back off)
     assert tried["int8+fp32"]["status"] == "ok", tried["int8+fp32"]
     assert tried["int8+fp32"]["rel_error"] <= 1e-2  # (it aims at half, on half of them)
