@@ -22,11 +22,15 @@ Options: max_tokens, temperature (0: greedy), top_k, top_p, seed, stop (token id
 with a tokenizer: the text ends before the first, which is not sent), frequency_penalty and
 presence_penalty. OpenAI's routes also give `logprobs` (a completion's count, a chat's
 `logprobs` with `top_logprobs`), and a completion takes several prompts and `echo` (what
-lm-evaluation-harness's loglikelihood asks: the prompt's own logprobs). A stream
+lm-evaluation-harness's loglikelihood asks: the prompt's own logprobs), and `n` choices a
+prompt (not streamed): each its own sequence, with `seed`, choice j sampled from seed + j
+(vLLM's rule), the index of prompt i's choice j i * n + j. A request's choices generate
+a quarter of the HTTP threads at a time, so that their decode steps share runs
+(runtimes/together.py). A stream
 that fails after its first token ends with an event `{"error": ...}` (the status is sent);
 a caller that goes away ends its generation, and its sequence, at the next token.
-OpenAI's fields this does not do are refused, not ignored (`n` but at 1); its errors are OpenAI's
-error object (`error_object`), as its SDK and vLLM's clients read them.
+OpenAI's fields this does not do are refused, not ignored; its errors are OpenAI's error
+object (`error_object`), as its SDK and vLLM's clients read them.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "see
           "logprobs", "echo"}
 CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_LOGPROBS = 20  # the likeliest tokens a token's logprobs may list (vLLM's default bound)
+MAX_N = 128  # choices a prompt (OpenAI's own bound)
 # where OpenAI's routes are: its own /v1, and KServe's model server's /openai/v1 (its
 # documentation's base_url for an OpenAI client of an InferenceService)
 PREFIXES = ("/v1", "/openai/v1")
@@ -154,15 +159,15 @@ async def openai(server: RestServer, request: web.Request,
     """OpenAI's /v1/completions and (`chat`) /v1/chat/completions: the API vLLM, llama.cpp's
     server and Ollama serve."""
     answers, stream = await _open(server, request, lambda doc: _openai_open(server, doc, chat))
-    if not stream:  # each prompt's choice in turn (index i: the i-th prompt's)
+    if not stream:  # every prompt's choices, in the order asked
         choices = []
-        for answer in answers:
-            made = await _all(server, answer.gen)
+        for answer, made in zip(answers, await _together(server, answers), strict=True):
             choices += answer.choice(answer.gen.text, made, _finish(answer.gen),
                                      streamed=False)["choices"]
-        counts = [a.usage() for a in answers]
-        return _json({**answers[0].head(streamed=False), "choices": choices,
-                      "usage": {k: sum(c[k] for c in counts) for k in counts[0]}})
+        made = sum(len(a.gen.ids) for a in answers)
+        prompt = sum(len(a.gen.prompt) for a in answers if a.first)  # (once a prompt)
+        return _json({**answers[0].head(streamed=False), "choices": choices, "usage": {
+            "prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}})
     answer = answers[0]
     gen = answer.gen
     return await _events(server, request, gen, lambda token, piece: answer.choice(
@@ -170,8 +175,41 @@ async def openai(server: RestServer, request: web.Request,
 
 
 def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[list[_Answer], bool]:
-    """An OpenAI request checked and opened: an answer for each prompt (a completion may ask
-    for several: a list of texts or of token id lists), and whether it streams."""
+    """An OpenAI request checked and opened: its answers (`n` for each prompt; a completion
+    may ask for several: a list of texts or of token id lists), and whether it streams."""
+    n, echo, stream, usage, options = _checked(doc, chat)
+    top = _top_logprobs(doc, chat)
+    name, _, version = doc["model"].partition(":")
+    seed = options.get("seed")
+    answers: list[_Answer] = []
+
+    def choices(**given: Any) -> Iterator[tuple[int, Generation]]:
+        """The prompt's n generations, choice j sampled from seed + j (vLLM's rule)."""
+        for j in range(n):
+            own = options if seed is None or j == 0 else {**options, "seed": seed + j}
+            yield j, server.generator.open(name, version, options=own, **given)
+
+    if chat:
+        for j, gen in choices(messages=doc.get("messages")):
+            gen.top_logprobs = top
+            answers.append(_Answer(gen, chat, usage, index=j,
+                                   id_of=answers[0] if answers else None, first=j == 0))
+        return answers, stream
+    prompts = _prompts(doc.get("prompt"))
+    if stream and (len(prompts) > 1 or echo):
+        raise BadInput("a stream takes one prompt, without echo")
+    for i, prompt in enumerate(prompts):
+        text = prompt if isinstance(prompt, str) else None
+        for j, gen in choices(prompt=None if text else prompt, text=text):
+            gen.top_logprobs, gen.score_prompt = top, echo
+            answers.append(_Answer(gen, chat, usage, index=i * n + j, echo=echo, text=text,
+                                   id_of=answers[0] if answers else None, first=j == 0))
+    return answers, stream
+
+
+def _checked(doc: Any, chat: bool) -> tuple[int, bool, bool, bool, dict[str, Any]]:
+    """An OpenAI request's fields checked: n, echo, stream, whether a stream ends with the
+    usage, and the generation's options."""
     what = "messages" if chat else "prompt"
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
         raise BadInput(f"expected a JSON object with \"model\" and \"{what}\"")
@@ -179,38 +217,23 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[list[_Answer
     unknown = set(doc) - known
     if unknown:
         raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(known)}")
-    if doc.get("n", 1) != 1:
-        raise BadInput("n must be 1 (one completion per prompt)")
+    n = doc.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise BadInput(f"n must be an integer from 1 to {MAX_N}, got {json.dumps(n)[:50]}")
     echo = doc.get("echo") or False
     if not isinstance(echo, bool):
         raise BadInput(f"echo must be true or false, got {json.dumps(echo)[:50]}")
     stream, usage = bool(doc.get("stream")), _include_usage(doc.get("stream_options"))
     if doc.get("stream_options") is not None and not stream:
         raise BadInput("stream_options is only allowed with \"stream\": true")
+    if stream and n > 1:
+        raise BadInput("a stream takes n 1 (several choices are answered whole)")
     options = {k: doc[k] for k in ("max_tokens", "temperature", "top_k", "top_p", "seed",
                                    "stop", "frequency_penalty", "presence_penalty")
                if doc.get(k) is not None}
     if doc.get("max_completion_tokens") is not None:
         options["max_tokens"] = doc["max_completion_tokens"]
-    top = _top_logprobs(doc, chat)
-    name, _, version = doc["model"].partition(":")
-    if chat:
-        gen = server.generator.open(name, version, messages=doc.get("messages"),
-                                    options=options)
-        gen.top_logprobs = top
-        return [_Answer(gen, chat, usage)], stream
-    prompts = _prompts(doc.get("prompt"))
-    if stream and (len(prompts) > 1 or echo):
-        raise BadInput("a stream takes one prompt, without echo")
-    answers: list[_Answer] = []
-    for i, prompt in enumerate(prompts):
-        text = prompt if isinstance(prompt, str) else None
-        gen = server.generator.open(name, version, prompt=None if text else prompt, text=text,
-                                    options=options)
-        gen.top_logprobs, gen.score_prompt = top, echo
-        answers.append(_Answer(gen, chat, usage, index=i, echo=echo, text=text,
-                               id_of=answers[0] if answers else None))
-    return answers, stream
+    return n, echo, stream, usage, options
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -259,11 +282,12 @@ class _Answer:
 
     def __init__(self, gen: Generation, chat: bool, usage: bool = False, index: int = 0,
                  echo: bool = False, text: str | None = None,
-                 id_of: _Answer | None = None) -> None:
+                 id_of: _Answer | None = None, first: bool = True) -> None:
         """`index`: the choice's (its prompt's place in the request); `echo`: a completion's
         text starts with its prompt (`text`, as given; else its ids decoded), its logprobs
         with the prompt tokens'; `id_of`: the answer whose id and time a response shares."""
         self.gen, self.chat, self.index = gen, chat, index
+        self.first = first  # its prompt's first choice (the usage counts each prompt once)
         self.created = id_of.created if id_of else int(time.time())
         self.id = id_of.id if id_of else f"{'chatcmpl' if chat else 'cmpl'}-{id(gen):x}"
         self.with_usage = usage  # a stream's chunks say "usage": null, the last the usage
@@ -367,6 +391,22 @@ def _finish(gen: Generation) -> str:
 
 def _json(doc: Any) -> web.Response:
     return web.Response(body=orjson.dumps(doc), content_type="application/json")
+
+
+async def _together(server: RestServer, answers: list[_Answer]) -> list[list[tuple[int, str]]]:
+    """Every answer's tokens (`_all`), a quarter of the HTTP threads of them at a time; the
+    first error once all have ended (none left generating behind it)."""
+    limit = asyncio.Semaphore(max(1, server.threads // 4))
+
+    async def one(answer: _Answer) -> list[tuple[int, str]]:
+        async with limit:
+            return await _all(server, answer.gen)
+
+    done = await asyncio.gather(*(one(a) for a in answers), return_exceptions=True)
+    failed = [d for d in done if isinstance(d, BaseException)]
+    if failed:
+        raise failed[0]
+    return done  # type: ignore[return-value]
 
 
 async def _all(server: RestServer, gen: Generation) -> list[tuple[int, str]]:

@@ -121,6 +121,7 @@ class RestServer:
         host, _, port = address.rpartition(":")
         self.token = token
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http")
+        self.threads = threads
         self.bodies: asyncio.Semaphore | None = None  # made on the listener's loop
         self.listener = Listener(self.app(), host.strip("[]"), int(port), self.limits, "http",
                                  tls, drain_s)

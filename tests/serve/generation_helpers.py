@@ -1,11 +1,14 @@
-"""What tests/serve/test_generation.py's tests share: the tiny vocabulary's words, a
-tokenizer and chat template over them, HTTP calls, and transformers' own greedy scores."""
+"""What tests/serve/test_generation.py's tests share: the model repository they serve, the
+tiny vocabulary's words, a tokenizer and chat template over them, HTTP calls, and
+transformers' own greedy scores."""
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import lm_models
@@ -17,6 +20,37 @@ CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'use
                  "{% else %}w3 {% endif %}{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}w2{% endif %}")
 WORDS = [f"w{i}" for i in range(lm_models.VOCAB)]
+
+
+def lm_repository(root: Path) -> dict[str, Any]:
+    """A model repository under `root`: the tiny Llama (a tokenizer and chat template beside
+    it), GPT-2 without one, and the Llama exported with a dynamic length ("chunked": the
+    prompt in chunks); returns the transformers models by family."""
+    refs = {}
+    for family in ("llama", "gpt2"):
+        hf = lm_models.lm(family)
+        (root / family / "1").mkdir(parents=True)
+        torch.export.save(lm_models.export(hf), root / family / "1" / "model.pt2")
+        refs[family] = hf
+    (root / "llama" / "tokenizer.json").write_text(tokenizer_json())
+    (root / "llama" / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "w4"}, "eos_token": "w6", "chat_template": CHAT_TEMPLATE}))
+    (root / "chunked" / "1").mkdir(parents=True)
+    torch.export.save(lm_models.export(refs["llama"], dynamic=True),
+                      root / "chunked" / "1" / "model.pt2")
+    return refs
+
+
+def all_ready(target: str, names: tuple[str, ...], timeout: float = 300) -> None:
+    """Once the daemon at `target` serves every model of `names`."""
+    from cuvild.client import Client
+
+    with Client(target) as client:
+        deadline = time.monotonic() + timeout
+        while any({m["name"]: m["state"] for m in client.models()}.get(n) != "ready"
+                  for n in names):
+            assert time.monotonic() < deadline, client.models()
+            time.sleep(0.1)
 
 
 def tokenizer_json() -> str:

@@ -22,12 +22,12 @@ import pytest
 import torch
 from daemons import DaemonProcess, free_port, suite_config
 from generation_helpers import (
-    CHAT_TEMPLATE,
     PROMPT,
     WORDS,
+    all_ready,
     events,
+    lm_repository,
     post,
-    tokenizer_json,
     transformers_greedy,
 )
 
@@ -38,19 +38,7 @@ from cuvild.client.errors import CuvildError
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("lm-repo")
-    refs = {}
-    for family in ("llama", "gpt2"):
-        hf = lm_models.lm(family)
-        (root / family / "1").mkdir(parents=True)
-        torch.export.save(lm_models.export(hf), root / family / "1" / "model.pt2")
-        refs[family] = hf
-    (root / "llama" / "tokenizer.json").write_text(tokenizer_json())
-    (root / "llama" / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "w4"}, "eos_token": "w6", "chat_template": CHAT_TEMPLATE}))
-    (root / "chunked" / "1").mkdir(parents=True)  # a dynamic length: the prompt in chunks
-    torch.export.save(lm_models.export(refs["llama"], dynamic=True),
-                      root / "chunked" / "1" / "model.pt2")
-    return {"root": root, "hf": refs}
+    return {"root": root, "hf": lm_repository(root)}
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +55,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir:
     d = DaemonProcess(workdir, config, profiles=state_root).start()
     d.http = http
     try:
-        with Client(d.target) as client:
-            deadline = time.monotonic() + 300
-            while any({m["name"]: m["state"] for m in client.models()}.get(n) != "ready"
-                      for n in ("gpt2", "llama", "chunked")):
-                assert time.monotonic() < deadline, client.models()
-                time.sleep(0.1)
+        all_ready(d.target, ("gpt2", "llama", "chunked"))
         yield d
     finally:
         d.close()
@@ -174,6 +157,42 @@ def test_sampling_is_repeatable_with_a_seed(daemon) -> None:  # noqa: ANN001
                                                           stop=[runs[0][0]], temperature=0.9,
                                                           top_k=20, top_p=0.9, seed=7)]
         assert stopped == runs[0][:1]  # the stop token ends it (and is sent)
+
+
+def test_n_choices_a_prompt_each_its_own_sequence(daemon, served) -> None:  # noqa: ANN001
+    """OpenAI's `n`: greedy, every choice transformers' tokens; sampled with a seed, choice j
+    what n 1 with seed + j gives (vLLM's rule), so they differ; several prompts' choices
+    indexed prompt * n + j, the usage counting each prompt once; a chat's too; n in a
+    stream or out of range refused."""
+    hf, other = served["hf"]["llama"], [5, 17, 42]
+    status, body = post(daemon.http, "/v1/completions", {
+        "model": "llama", "prompt": [PROMPT, other], "max_tokens": 6, "temperature": 0, "n": 3})
+    assert status == 200, body
+    doc = json.loads(body)
+    assert [c["index"] for c in doc["choices"]] == list(range(6))
+    assert [c["token_ids"] for c in doc["choices"]] == (
+        [lm_models.reference(hf, PROMPT, 6)] * 3 + [lm_models.reference(hf, other, 6)] * 3)
+    assert doc["usage"] == {"prompt_tokens": 7, "completion_tokens": 36, "total_tokens": 43}
+    sampled = {"model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
+               "seed": 11}
+    choices = [c["token_ids"] for c in json.loads(post(daemon.http, "/v1/completions", {
+        **sampled, "n": 4})[1])["choices"]]
+    for j, got in enumerate(choices):
+        alone = json.loads(post(daemon.http, "/v1/completions", {**sampled, "seed": 11 + j})[1])
+        assert alone["choices"][0]["token_ids"] == got, j
+    assert len({tuple(c) for c in choices}) > 1, choices
+    status, body = post(daemon.http, "/v1/chat/completions", {
+        "model": "llama", "messages": [{"role": "user", "content": "w5 w17"}], "n": 2,
+        "max_tokens": 4, "temperature": 0})
+    doc = json.loads(body)
+    assert status == 200 and [c["index"] for c in doc["choices"]] == [0, 1], body
+    assert doc["choices"][0]["message"] == doc["choices"][1]["message"]
+    assert doc["usage"]["prompt_tokens"] == 5  # "w4 w1 w5 w17 w2", once
+    for bad, said in ((0, "n must be an integer from 1 to 128"), (129, "from 1 to 128"),
+                      ("2", "got \"2\""), (2, "a stream takes n 1")):
+        status, body = post(daemon.http, "/v1/completions", {
+            "model": "llama", "prompt": PROMPT, "n": bad, "stream": bad == 2})
+        assert status == 400 and said in json.loads(body)["error"]["message"], body
 
 
 def test_bad_requests_are_refused_clearly(daemon, served) -> None:  # noqa: ANN001
@@ -390,7 +409,7 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
                        ({"top_logprobs": 2}, "top_logprobs needs \"logprobs\": true"),
                        ({"logprobs": True, "top_logprobs": 21}, "from 0 to 20"),
                        ({"stream_options": {"include_usage": True}}, "only allowed with"),
-                       ({"n": 2}, "n must be 1")):
+                       ({"n": 2, "stream": True}, "a stream takes n 1")):
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(
                 model="llama", messages=[{"role": "user", "content": words}], **asked)
