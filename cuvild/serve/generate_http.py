@@ -23,12 +23,12 @@ with a tokenizer: the text ends before the first, which is not sent), frequency_
 presence_penalty. OpenAI's routes also give `logprobs` (a completion's count, a chat's
 `logprobs` with `top_logprobs`), and a completion takes several prompts and `echo` (what
 lm-evaluation-harness's loglikelihood asks: the prompt's own logprobs), and `n` choices a
-prompt (not streamed): each its own sequence, with `seed`, choice j sampled from seed + j
-(vLLM's rule), the index of prompt i's choice j i * n + j. A request's choices generate
-a quarter of the HTTP threads at a time, so that their decode steps share runs
-(runtimes/together.py). A stream
-that fails after its first token ends with an event `{"error": ...}` (the status is sent);
-a caller that goes away ends its generation, and its sequence, at the next token.
+prompt: each its own sequence, with `seed` choice j sampled from seed + j (vLLM's rule),
+the index of prompt i's choice j i * n + j; streamed interleaved, each chunk its choice's
+`index`. A request's choices generate a quarter of the HTTP threads at a time, so that
+their decode steps share runs (runtimes/together.py). A stream that fails after its first
+token ends with an event `{"error": ...}` (the status is sent); a caller that goes away
+ends its generation (all n), and its sequence, at the next token.
 OpenAI's fields this does not do are refused, not ignored; its errors are OpenAI's error
 object (`error_object`), as its SDK and vLLM's clients read them.
 """
@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -168,6 +169,8 @@ async def openai(server: RestServer, request: web.Request,
         prompt = sum(len(a.gen.prompt) for a in answers if a.first)  # (once a prompt)
         return _json({**answers[0].head(streamed=False), "choices": choices, "usage": {
             "prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}})
+    if len(answers) > 1:  # n choices of one prompt
+        return await _interleaved(server, request, answers)
     answer = answers[0]
     gen = answer.gen
     return await _events(server, request, gen, lambda token, piece: answer.choice(
@@ -226,8 +229,6 @@ def _checked(doc: Any, chat: bool) -> tuple[int, bool, bool, bool, dict[str, Any
     stream, usage = bool(doc.get("stream")), _include_usage(doc.get("stream_options"))
     if doc.get("stream_options") is not None and not stream:
         raise BadInput("stream_options is only allowed with \"stream\": true")
-    if stream and n > 1:
-        raise BadInput("a stream takes n 1 (several choices are answered whole)")
     options = {k: doc[k] for k in ("max_tokens", "temperature", "top_k", "top_p", "seed",
                                    "stop", "frequency_penalty", "presence_penalty")
                if doc.get(k) is not None}
@@ -407,6 +408,97 @@ async def _together(server: RestServer, answers: list[_Answer]) -> list[list[tup
     if failed:
         raise failed[0]
     return done  # type: ignore[return-value]
+
+
+async def _interleaved(server: RestServer, request: web.Request,
+                       answers: list[_Answer]) -> web.StreamResponse:
+    """A prompt's n choices streamed: each choice's chunks (its `index`) as its tokens come,
+    its finish chunk when it ends, then (asked for) the usage of all and `[DONE]`; they
+    generate as `_together`'s do. The first token or error of any decides the status; an
+    error after it ends the stream with an event `{"error": ...}`; a caller that goes away
+    ends every choice's generation at its next token."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    stop = threading.Event()
+    running = _pulled(server, [a.gen for a in answers], queue, stop)
+    try:
+        first = await queue.get()
+        if isinstance(first[1], Exception):
+            raise refused(first[1])
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        if await _choices_sent(response, answers, queue, first) and answers[0].with_usage:
+            made = sum(len(a.gen.ids) for a in answers)
+            prompt = len(answers[0].gen.prompt)
+            await _send(response, {**answers[0].head(), "choices": [], "usage": {
+                "prompt_tokens": prompt, "completion_tokens": made,
+                "total_tokens": prompt + made}})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    finally:  # done, failed or the caller gone: every choice's generation ends
+        stop.set()
+        for task in running:  # (their errors were said, or nobody is left to hear them)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _pulled(server: RestServer, gens: list[Generation], queue: asyncio.Queue[tuple[int, Any]],
+            stop: threading.Event) -> list[asyncio.Future[None]]:
+    """Each generation's tokens put on `queue` as (its place, the token), then (its place,
+    _DONE) or (its place, its error), a quarter of the HTTP threads of them at a time; one
+    that has not started when `stop` is set never starts, one running ends at its next token."""
+    loop = asyncio.get_running_loop()
+    limit = asyncio.Semaphore(max(1, server.threads // 4))
+
+    def pull(j: int, gen: Generation) -> None:  # (on a pool thread)
+        tokens = gen.tokens()
+        try:
+            for item in tokens:
+                loop.call_soon_threadsafe(queue.put_nowait, (j, item))
+                if stop.is_set():
+                    break
+            loop.call_soon_threadsafe(queue.put_nowait, (j, _DONE))
+        except Exception as e:  # noqa: BLE001 - said in the stream (or as the status)
+            loop.call_soon_threadsafe(queue.put_nowait, (j, e))
+        finally:
+            tokens.close()  # type: ignore[attr-defined]
+
+    async def one(j: int, gen: Generation) -> None:
+        async with limit:
+            if not stop.is_set():
+                await loop.run_in_executor(server.pool, pull, j, gen)
+
+    return [asyncio.ensure_future(one(j, gen)) for j, gen in enumerate(gens)]
+
+
+async def _choices_sent(response: web.StreamResponse, answers: list[_Answer],
+                        queue: asyncio.Queue[tuple[int, Any]], item: tuple[int, Any]) -> bool:
+    """Every choice's chunks from `queue` (`item` the first), as they come; whether all
+    ended (not: one failed, its error sent)."""
+    sent, left = [0] * len(answers), len(answers)
+    while True:
+        j, got = item
+        answer = answers[j]
+        if isinstance(got, Exception):
+            said = refused(got)
+            await _send(response, {"error": error_object(
+                said.http or STATUS.get(status(said), 500), str(said))})
+            return False
+        if got is _DONE:
+            await _send(response, answer.choice("", [], _finish(answer.gen)))
+            left -= 1
+            if not left:
+                return True
+        else:
+            sent[j] += 1
+            token, piece = got
+            await _send(response, answer.choice(piece, [(token, piece)], None,
+                                                first=sent[j] == 1))
+        item = await queue.get()
+
+
+async def _send(response: web.StreamResponse, doc: Any) -> None:
+    await response.write(b"data: " + orjson.dumps(doc) + b"\n\n")
 
 
 async def _all(server: RestServer, gen: Generation) -> list[tuple[int, str]]:

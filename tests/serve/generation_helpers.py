@@ -94,3 +94,15 @@ def transformers_greedy(hf: Any, prompt: list[int], new: int, frequency: float =
             ids.append(token)
             made.append(token)
     return made, scores
+
+
+def transformers_loglikelihood(hf: Any, context: list[int],
+                               continuation: list[int]) -> tuple[float, bool]:
+    """The continuation's log-likelihood after the context by transformers' logits, and
+    whether each of its tokens is its position's likeliest (lm-eval's `is_greedy`)."""
+    ids = context + continuation
+    with torch.no_grad():
+        scores = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    at = range(len(context), len(ids))
+    return (float(sum(scores[i - 1, ids[i]] for i in at)),
+            all(int(scores[i - 1].argmax()) == ids[i] for i in at))

@@ -29,6 +29,7 @@ from generation_helpers import (
     lm_repository,
     post,
     transformers_greedy,
+    transformers_loglikelihood,
 )
 
 from cuvild.client import Client
@@ -161,9 +162,8 @@ def test_sampling_is_repeatable_with_a_seed(daemon) -> None:  # noqa: ANN001
 
 def test_n_choices_a_prompt_each_its_own_sequence(daemon, served) -> None:  # noqa: ANN001
     """OpenAI's `n`: greedy, every choice transformers' tokens; sampled with a seed, choice j
-    what n 1 with seed + j gives (vLLM's rule), so they differ; several prompts' choices
-    indexed prompt * n + j, the usage counting each prompt once; a chat's too; n in a
-    stream or out of range refused."""
+    what n 1 with seed + j gives (vLLM's rule), so they differ, streamed too; several
+    prompts' choices indexed prompt * n + j, the usage counting each prompt once; a chat's."""
     hf, other = served["hf"]["llama"], [5, 17, 42]
     status, body = post(daemon.http, "/v1/completions", {
         "model": "llama", "prompt": [PROMPT, other], "max_tokens": 6, "temperature": 0, "n": 3})
@@ -181,6 +181,14 @@ def test_n_choices_a_prompt_each_its_own_sequence(daemon, served) -> None:  # no
         alone = json.loads(post(daemon.http, "/v1/completions", {**sampled, "seed": 11 + j})[1])
         assert alone["choices"][0]["token_ids"] == got, j
     assert len({tuple(c) for c in choices}) > 1, choices
+    chunks = events(post(daemon.http, "/v1/completions", {  # streamed: interleaved by index
+        **sampled, "n": 4, "stream": True, "stream_options": {"include_usage": True}})[1])
+    streamed = [[t for c in chunks[:-2] for t in c["choices"][0]["token_ids"]
+                 if c["choices"][0]["index"] == j] for j in range(4)]
+    assert streamed == choices and chunks[-1] == "[DONE]"
+    assert sum(c["choices"][0]["finish_reason"] == "length" for c in chunks[:-2]) == 4
+    assert chunks[-2]["usage"] == {"prompt_tokens": 4, "completion_tokens": 32,
+                                   "total_tokens": 36}
     status, body = post(daemon.http, "/v1/chat/completions", {
         "model": "llama", "messages": [{"role": "user", "content": "w5 w17"}], "n": 2,
         "max_tokens": 4, "temperature": 0})
@@ -189,9 +197,9 @@ def test_n_choices_a_prompt_each_its_own_sequence(daemon, served) -> None:  # no
     assert doc["choices"][0]["message"] == doc["choices"][1]["message"]
     assert doc["usage"]["prompt_tokens"] == 5  # "w4 w1 w5 w17 w2", once
     for bad, said in ((0, "n must be an integer from 1 to 128"), (129, "from 1 to 128"),
-                      ("2", "got \"2\""), (2, "a stream takes n 1")):
-        status, body = post(daemon.http, "/v1/completions", {
-            "model": "llama", "prompt": PROMPT, "n": bad, "stream": bad == 2})
+                      ("2", "got \"2\"")):
+        status, body = post(daemon.http, "/v1/completions",
+                            {"model": "llama", "prompt": PROMPT, "n": bad})
         assert status == 400 and said in json.loads(body)["error"]["message"], body
 
 
@@ -409,7 +417,7 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
                        ({"top_logprobs": 2}, "top_logprobs needs \"logprobs\": true"),
                        ({"logprobs": True, "top_logprobs": 21}, "from 0 to 20"),
                        ({"stream_options": {"include_usage": True}}, "only allowed with"),
-                       ({"n": 2, "stream": True}, "a stream takes n 1")):
+                       ({"n": 0}, "n must be an integer from 1")):
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(
                 model="llama", messages=[{"role": "user", "content": words}], **asked)
@@ -517,15 +525,7 @@ def test_lm_eval_harness_loglikelihood_requests_score_the_prompt(daemon, served)
     one token a step and on one whose prompt goes in chunks (every position's logits)."""
     hf = served["hf"]["llama"]
     requests = [(PROMPT, [7, 19, 23]), ([3, 8], [13, 21, 34, 55, 89])]
-    with torch.no_grad():
-        want = []
-        for context, continuation in requests:
-            ids = context + continuation
-            scores = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
-            mine = [scores[i - 1, ids[i]] for i in range(len(context), len(ids))]
-            greedy = all(int(scores[i - 1].argmax()) == ids[i]
-                         for i in range(len(context), len(ids)))
-            want.append((float(sum(mine)), greedy))
+    want = [transformers_loglikelihood(hf, c, k) for c, k in requests]
     for model in ("llama", "chunked"):
         status, body = post(daemon.http, "/v1/completions", {
             "model": model, "prompt": [c + k for c, k in requests], "temperature": 0,
