@@ -12,11 +12,13 @@ recognise (no boolean mask, a key or value that is not the cache's view), run as
 
 For a compiler (runtimes/compiled_step.py), a count read from the mask is a value it would
 specialise on, compiling again at every length: `attended(module, keys=True)` takes the count
-as the length of a last input instead (KEYS, made by `keyed` from the part's
-`cache_position`: a causal query at position p attends no key past p), one dimension
-inductor compiles dynamic, once. On the 200M Llama's fp16 decode step at context 2048 (2-core
-EPYC): 14.4 / 16.3 / 19.7 ms at positions 128 / 1024 / 2046, against 18.2 / 19.5 / 24.4 ms
-eager and 28-34 ms compiled over the whole cache.
+as the length of a last input instead (KEYS, made by `keyed` before the compiled call, from
+the part's `cache_position`: a causal query at position p attends no key past p; or, for a
+later part of a split model, which gets its mask made by an earlier part, from that mask
+input as the eager part reads it), one dimension inductor compiles dynamic, once. On the
+200M Llama's fp16 decode step at context 2048 (2-core EPYC): 14.4 / 16.3 / 19.7 ms at
+positions 128 / 1024 / 2046, against 18.2 / 19.5 / 24.4 ms eager and 28-34 ms compiled over
+the whole cache.
 """
 
 from __future__ import annotations
@@ -89,17 +91,15 @@ def _grouped(chain: list[fx.Node]) -> bool:
 def attended(module: fx.GraphModule, keys: bool = False) -> fx.GraphModule:
     """The part with its attentions on the keys they attend (the module itself where none
     is recognised; else a new module on the same tensors). With `keys`, the count is the
-    length of a last input, KEYS (`keyed` gives it); the module itself where the part takes
-    no `cache_position` to count from, or its caches differ in length (a sliding window's
-    beside the whole context's: one count would cut the longer one short)."""
+    length of a last input, KEYS (`keyed` gives it); the module itself where the part has
+    nothing to count from (no `cache_position`, nor one mask input that every attention
+    reads as it is), or its caches differ in length (a sliding window's beside the whole
+    context's: one count would cut the longer one short)."""
     graph = copy.deepcopy(module.graph)
     given = _counted_from(graph) if keys else None
     if keys and given is None:
         return module
-    count = None
-    if given is not None:
-        with graph.inserting_after([n for n in graph.nodes if n.op == "placeholder"][-1]):
-            count = graph.placeholder(KEYS)
+    count = _count_input(graph) if given is not None else None
     ends: dict[fx.Node, fx.Node] = {}
     lengths: set[int] = set()
     for node in list(graph.nodes):
@@ -128,6 +128,17 @@ def attended(module: fx.GraphModule, keys: bool = False) -> fx.GraphModule:
     if given is not None:
         out.meta[KEYS] = given
     return out
+
+
+def _count_input(graph: fx.Graph) -> fx.Node:
+    """KEYS, a new last input, after all the others (moved first: a split's part places each
+    where it is first read)."""
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for place in places:
+        first.prepend(place)
+    with graph.inserting_after(places[-1]):
+        return graph.placeholder(KEYS)
 
 
 def _attend(graph: fx.Graph, node: fx.Node, mask: fx.Node, end: fx.Node, length: int,
@@ -160,22 +171,36 @@ def _sliced(graph: fx.Graph, chain: list[fx.Node], end: fx.Node, length: int) ->
 
 
 def _counted_from(graph: fx.Graph) -> tuple[str, int, int] | None:
-    """Where `keyed` counts the keys from: the part's `cache_position` input (one past the
-    largest), as ("position", its input's index, the cache's length: filled in by
-    `attended`); None for a part without it (one of a split that gets its mask made)."""
-    names = [n.name for n in graph.nodes if n.op == "placeholder"]
-    return ("position", names.index(POSITION), 0) if POSITION in names else None
+    """Where `keyed` counts the keys from, as (how, its input's index, the cache's length:
+    filled in by `attended`): the part's `cache_position` input ("position": one past the
+    largest); else, for a later part of a split (its mask made by an earlier one), the one
+    boolean mask input that every attention with a mask reads as it is ("mask": one past its
+    last key some query attends, `_attended`); None where it has neither."""
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    names = [n.name for n in places]
+    if POSITION in names:
+        return ("position", names.index(POSITION), 0)
+    masks = {node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+             for node in graph.nodes if node.target is _SDPA}
+    masks.discard(None)
+    mask = masks.pop() if len(masks) == 1 else None
+    val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+    if mask in places and isinstance(val, torch.Tensor) and val.dtype == torch.bool:
+        return ("mask", places.index(mask), 0)
+    return None
 
 
 def keyed(module: fx.GraphModule, call: Callable[..., Any]) -> Callable[..., Any]:
     """`call` (a compiled `attended(module, keys=True)`) on a part's inputs: KEYS made from
-    them, a tensor as long as the keys attended, one past the largest position (at least 2:
-    a size of 1 would be compiled apart; a key more than attended adds nothing: its mask
-    leaves it out), its length marked dynamic."""
-    _, index, length = module.meta[KEYS]
+    them, a tensor as long as the keys attended, one past the largest position or the mask
+    input's last attended key (at least 2: a size of 1 would be compiled apart; a key more
+    than attended adds nothing: its mask leaves it out), its length marked dynamic."""
+    how, index, length = module.meta[KEYS]
 
     def run(*inputs: torch.Tensor) -> Any:
-        keys = torch.empty(max(min(int(inputs[index].max()) + 1, length), 2))
+        count = (int(inputs[index].max()) + 1 if how == "position"
+                 else _attended(inputs[index]))
+        keys = torch.empty(max(min(count, length), 2))
         torch._dynamo.mark_dynamic(keys, 0)  # noqa: SLF001 - the one dynamic size
         return call(*inputs, keys)
 

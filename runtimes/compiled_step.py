@@ -25,8 +25,10 @@ What it compiles attends the keys written so far, as the eager step does
 size, once (a count read from the mask would compile again at every length): on the 200M
 Llama's fp16 step at context 2048, 14.4-19.7 ms from position 128 to 2046 against 18.2-24.4
 eager, where compiled over the whole static cache it ran 28-34 ms at every position and the
-timing kept the eager step. A part without `cache_position` (one of a split), or whose caches
-differ in length, is compiled over the whole cache, as before. Steps of several sequences
+timing kept the eager step. A later part of a split (no `cache_position`) counts from its mask
+input (the second half of that model split in two, fp16 at context 2048: 7.8-11.7 ms against
+10.0-13.4 eager, 14.3-15.6 compiled over the whole cache); a part whose caches differ in
+length is compiled over the whole cache, as before. Steps of several sequences
 batched together (`run_batch`) run eagerly. `engine.sequences.compile_steps: false` turns it
 off (ENV).
 """

@@ -104,6 +104,35 @@ def test_the_key_count_can_be_an_inputs_length_for_a_compiler() -> None:
     assert attended(named, keys=True) is named
 
 
+def test_a_later_part_of_a_split_counts_the_keys_from_its_mask_input() -> None:
+    """A split's later part gets its mask made by the first (no cache_position): with
+    `keys`, its count is that mask input's last attended key (`keyed`, before the compiled
+    call), so it too is compiled over the keys written, not the whole cache; the same
+    logits as the part attending as it runs eagerly."""
+    from partitioner.split import split_program
+
+    ep = lm_models.export(lm_models.lm("llama"))
+    compute = [n.name for n in ep.graph.nodes if n.op == "call_function"]
+    half = len(compute) // 2
+    split = split_program(ep, [("p0", compute[:half]), ("p1", compute[half:])])
+    first, later = (p.module for p in split.parts)
+    counted = attended(later, keys=True)
+    how, mask, length = counted.meta[KEYS]
+    places = [n for n in later.graph.nodes if n.op == "placeholder"]
+    assert (how, length) == ("mask", lm_models.CONTEXT)
+    assert places[mask].meta["val"].dtype == torch.bool
+    short, given = attended(later), []
+    run = keyed(counted, lambda *inputs: given.append(inputs[-1].shape[0]) or counted(*inputs))
+    for position, token in enumerate([5, 17, 42, 99, 3]):
+        with torch.no_grad():
+            sent = first(torch.tensor([position]), torch.tensor([[token]]))
+            values = dict(zip(split.parts[0].outputs, sent, strict=True))
+            inputs = [values[name] for name in split.parts[1].inputs]
+            (want,), (got,) = short(*inputs), run(*inputs)  # (the two share the cache)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert given == [2, 2, 3, 4, 5]
+
+
 def test_a_mask_that_attends_nothing_keeps_every_key() -> None:
     mask = torch.zeros(1, 1, 3, 8, dtype=torch.bool)
     assert _attended(mask) == 8
