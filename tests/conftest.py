@@ -25,13 +25,15 @@ DAEMON_FIXTURES = {"daemon", "make_daemon", "env"}
 
 # Files that share a session daemon run on one worker, so that it is started (and its models
 # built) once: test_oip_shm.py uses test_oip.py's `env`, test_fuzz.py test_hardening.py's
-# `hardened` (both in tests/serve/conftest.py).
+# `hardened`, test_openai_generation.py test_generation.py's `lm_daemon` (all in
+# tests/serve/conftest.py).
 # test_docs.py (2 tests, ~40 s) goes with test_transformers.py: sent out by its own count it
 # came last, one worker running it alone at the end of the suite (530 s against 504).
 SAME_WORKER = {"tests/serve/test_oip_shm.py": "tests/serve/test_oip.py",
                "tests/serve/test_newcomer.py": "tests/serve/test_oip.py",
                "tests/serve/test_fuzz.py": "tests/serve/test_hardening.py",
-               "tests/serve/test_docs.py": "tests/models/test_transformers.py"}
+               "tests/serve/test_docs.py": "tests/models/test_transformers.py",
+               "tests/serve/test_openai_generation.py": "tests/serve/test_generation.py"}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

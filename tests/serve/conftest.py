@@ -1,7 +1,8 @@
 """The daemon the OIP tests run against: one for the session, with three small models loaded
 once: an MLP (one part), the demo model (backbone pinned to the emulated NPU: two parts in two
 worker processes) and a two-input model (for requests that mix shared memory and raw
-inputs)."""
+inputs); the hardening tests' daemon; and the generation tests' (`lm_daemon`: language
+models from a model repository, with an HTTP listener)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
-from daemons import DaemonProcess, own_registry_daemon, suite_config
+from daemons import DaemonProcess, free_port, own_registry_daemon, suite_config
+from generation_helpers import all_ready, lm_repository
 from oip_helpers import (
     KEY_PREFIX,
     LIMITS,
@@ -143,3 +145,33 @@ def _wait_ready(client: Client, name: str, timeout: float = 240) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"{name} not ready in {timeout} s")
+
+
+@pytest.fixture(scope="session")
+def lm_served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The generation tests' model repository (generation_helpers.lm_repository) and the
+    transformers models in it."""
+    root = tmp_path_factory.mktemp("lm-repo")
+    return {"root": root, "hf": lm_repository(root)}
+
+
+@pytest.fixture(scope="session")
+def lm_daemon(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_dir: Path,
+              shared_cache: Path, lm_served: dict[str, Any]) -> Iterator[DaemonProcess]:
+    """One daemon for test_generation.py and test_openai_generation.py (one worker runs both:
+    tests/conftest.py SAME_WORKER), serving `lm_served`'s repository, an HTTP listener at
+    its `http`: its three models build once."""
+    http = f"127.0.0.1:{free_port()}"
+    torch_too = {"cpu": ["openvino", "torch"], "npu": ["openvino", "torch"]}
+    workdir = tmp_path_factory.mktemp("generation")
+    config = suite_config(workdir, workdir / "state", sock_dir, cache_dir=str(shared_cache),
+                          model_repository=str(lm_served["root"]),
+                          engine={"runtimes": torch_too},
+                          listen={"http": http, "insecure_loopback": True})
+    d = DaemonProcess(workdir, config, profiles=state_root).start()
+    d.http = http  # type: ignore[attr-defined]
+    try:
+        all_ready(d.target, ("gpt2", "llama", "chunked"))
+        yield d
+    finally:
+        d.close()

@@ -1,0 +1,253 @@
+"""OpenAI's routes for generation (cuvild/serve/generate_http.py), as its own SDK and
+lm-evaluation-harness call them: model lists and errors, logprobs and penalties, `n` choices,
+several prompts with `echo`, on test_generation.py's daemon (tests/serve/conftest.py
+`lm_daemon`: the tiny Llama with a tokenizer, GPT-2 without one)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import lm_models
+import pytest
+import torch
+from daemons import DaemonProcess
+from generation_helpers import (
+    PROMPT,
+    WORDS,
+    events,
+    post,
+    transformers_greedy,
+    transformers_loglikelihood,
+)
+
+from cuvild.client import Client
+
+
+@pytest.fixture
+def served(lm_served: dict[str, Any]) -> dict[str, Any]:
+    return lm_served
+
+
+@pytest.fixture
+def daemon(lm_daemon: DaemonProcess) -> DaemonProcess:
+    return lm_daemon
+
+
+def test_n_choices_a_prompt_each_its_own_sequence(daemon, served) -> None:  # noqa: ANN001
+    """OpenAI's `n`: greedy, every choice transformers' tokens; sampled with a seed, choice j
+    what n 1 with seed + j gives (vLLM's rule), so they differ, streamed too; several
+    prompts' choices indexed prompt * n + j, the usage counting each prompt once; a chat's."""
+    hf, other = served["hf"]["llama"], [5, 17, 42]
+    status, body = post(daemon.http, "/v1/completions", {
+        "model": "llama", "prompt": [PROMPT, other], "max_tokens": 6, "temperature": 0, "n": 3})
+    assert status == 200, body
+    doc = json.loads(body)
+    assert [c["index"] for c in doc["choices"]] == list(range(6))
+    assert [c["token_ids"] for c in doc["choices"]] == (
+        [lm_models.reference(hf, PROMPT, 6)] * 3 + [lm_models.reference(hf, other, 6)] * 3)
+    assert doc["usage"] == {"prompt_tokens": 7, "completion_tokens": 36, "total_tokens": 43}
+    sampled = {"model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
+               "seed": 11}
+    choices = [c["token_ids"] for c in json.loads(post(daemon.http, "/v1/completions", {
+        **sampled, "n": 4})[1])["choices"]]
+    for j, got in enumerate(choices):
+        alone = json.loads(post(daemon.http, "/v1/completions", {**sampled, "seed": 11 + j})[1])
+        assert alone["choices"][0]["token_ids"] == got, j
+    assert len({tuple(c) for c in choices}) > 1, choices
+    chunks = events(post(daemon.http, "/v1/completions", {  # streamed: interleaved by index
+        **sampled, "n": 4, "stream": True, "stream_options": {"include_usage": True}})[1])
+    streamed = [[t for c in chunks[:-2] for t in c["choices"][0]["token_ids"]
+                 if c["choices"][0]["index"] == j] for j in range(4)]
+    assert streamed == choices and chunks[-1] == "[DONE]"
+    assert sum(c["choices"][0]["finish_reason"] == "length" for c in chunks[:-2]) == 4
+    assert chunks[-2]["usage"] == {"prompt_tokens": 4, "completion_tokens": 32,
+                                   "total_tokens": 36}
+    status, body = post(daemon.http, "/v1/chat/completions", {
+        "model": "llama", "messages": [{"role": "user", "content": "w5 w17"}], "n": 2,
+        "max_tokens": 4, "temperature": 0})
+    doc = json.loads(body)
+    assert status == 200 and [c["index"] for c in doc["choices"]] == [0, 1], body
+    assert doc["choices"][0]["message"] == doc["choices"][1]["message"]
+    assert doc["usage"]["prompt_tokens"] == 5  # "w4 w1 w5 w17 w2", once
+    for bad, said in ((0, "n must be an integer from 1 to 128"), (129, "from 1 to 128"),
+                      ("2", "got \"2\"")):
+        status, body = post(daemon.http, "/v1/completions",
+                            {"model": "llama", "prompt": PROMPT, "n": bad})
+        assert status == 400 and said in json.loads(body)["error"]["message"], body
+
+
+def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served) -> None:  # noqa: ANN001
+    """OpenAI's Python SDK, as a user of vLLM (or of KServe, /openai/v1) would point it at
+    cuvild: the models that generate listed, a completion and a chat as transformers' tokens,
+    a stream that ends with its usage (stream_options), fields that ask for nothing taken and
+    the same fields asking for something refused; its errors (OpenAI's error object) read."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    listed = {m.id: m.model_extra["max_model_len"] for m in client.models.list()}
+    assert listed == {n: lm_models.CONTEXT for n in ("chunked", "chunked:1", "gpt2",
+                                                     "gpt2:1", "llama", "llama:1")}
+    assert client.models.retrieve("llama:1").id == "llama:1"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("nope")
+    assert missing.value.body["type"] == "invalid_request_error"
+    assert "'nope'" in missing.value.body["message"]
+    want = lm_models.reference(served["hf"]["llama"], PROMPT, 6)
+    words = " ".join(WORDS[t] for t in PROMPT)
+    done = client.completions.create(model="llama", prompt=words, max_tokens=6, temperature=0,
+                                     frequency_penalty=0, presence_penalty=0.0, echo=False)
+    assert done.choices[0].text.split() == [WORDS[t] for t in want]
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (4, 6)
+    chunks = list(client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": words}], max_tokens=3,
+        stream=True, stream_options={"include_usage": True}, logprobs=False))
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    said = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == len(said.split()) <= 3
+    assert chunks[-1].usage.prompt_tokens == 7  # "w4 w1 <4 words> w2", the template's
+    for asked, why in (({"frequency_penalty": 2.5}, "frequency_penalty must be a number in "
+                                                    "[-2, 2]"),
+                       ({"top_logprobs": 2}, "top_logprobs needs \"logprobs\": true"),
+                       ({"logprobs": True, "top_logprobs": 21}, "from 0 to 20"),
+                       ({"stream_options": {"include_usage": True}}, "only allowed with"),
+                       ({"n": 0}, "n must be an integer from 1")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(
+                model="llama", messages=[{"role": "user", "content": words}], **asked)
+        assert why in bad.value.body["message"], asked
+    with pytest.raises(openai.BadRequestError, match="unsupported fields \\['best_of'\\]"):
+        client.completions.create(model="llama", prompt=words, best_of=2)
+    with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
+        client.completions.create(model="nope", prompt=words)
+    # where KServe's model server has them (its docs' base_url for an InferenceService)
+    kserve = openai.OpenAI(base_url=f"http://{daemon.http}/openai/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    assert {m.id for m in kserve.models.list()} == set(listed)
+    assert kserve.completions.create(model="llama", prompt=words, max_tokens=6,
+                                     temperature=0).choices[0].text == done.choices[0].text
+
+
+def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> None:  # noqa: ANN001
+    """`logprobs` through OpenAI's SDK: a completion's (tokens, token_logprobs, top_logprobs,
+    text_offset), a chat's (each token's text, bytes, logprob and top_logprobs), streamed and
+    not, each the log-softmax of transformers' logits at that step; frequency and presence
+    penalties steer greedy tokens as OpenAI defines them, on every surface (OpenAI's and
+    Triton's HTTP routes, the gRPC client, `cuvilctl generate`)."""
+    import openai
+
+    hf = served["hf"]["llama"]
+    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    words = " ".join(WORDS[t] for t in PROMPT)
+    want, scores = transformers_greedy(hf, PROMPT, 5)
+    done = client.completions.create(model="llama", prompt=words, max_tokens=5, temperature=0,
+                                     logprobs=3)
+    got = done.choices[0].logprobs
+    assert got.tokens == [WORDS[t] for t in want]
+    for step, (token, logprob, top) in enumerate(zip(want, got.token_logprobs,
+                                                     got.top_logprobs, strict=True)):
+        assert logprob == pytest.approx(float(scores[step][token]), abs=1e-4)
+        best = torch.topk(scores[step], 3)
+        assert list(top) == [WORDS[int(i)] for i in best.indices]
+        assert list(top.values()) == pytest.approx([float(v) for v in best.values], abs=1e-4)
+    text = done.choices[0].text
+    assert [text[at:].split()[0] for at in got.text_offset] == got.tokens
+    # streamed: each chunk its own token's logprobs
+    chunks = list(client.completions.create(model="llama", prompt=words, max_tokens=5,
+                                            temperature=0, logprobs=0, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [lp.tokens[0] for lp in streamed] == got.tokens
+    assert [lp.token_logprobs[0] for lp in streamed] == pytest.approx(got.token_logprobs,
+                                                                       abs=1e-6)
+    assert all(lp.top_logprobs == [{}] for lp in streamed)
+    # a chat's, the template's prompt before it (transformers' log-softmax on that prompt)
+    chat_prompt = [4, 1, *PROMPT, 2]  # "w4 w1 <words> w2"
+    chat_want, chat_scores = transformers_greedy(hf, chat_prompt, 3)
+    for stream in (False, True):
+        answer = client.chat.completions.create(
+            model="llama", messages=[{"role": "user", "content": words}], max_tokens=3,
+            logprobs=True, top_logprobs=2, stream=stream)
+        content = ([e for c in answer for e in (c.choices[0].logprobs.content
+                                                if c.choices and c.choices[0].logprobs
+                                                else [])]
+                   if stream else answer.choices[0].logprobs.content)
+        assert [e.token for e in content] == [WORDS[t] for t in chat_want[:len(content)]]
+        assert content and content[0].bytes == list(WORDS[chat_want[0]].encode())
+        for step, e in enumerate(content):
+            assert e.logprob == pytest.approx(float(chat_scores[step][chat_want[step]]),
+                                              abs=1e-4)
+            assert [t.token for t in e.top_logprobs] == [
+                WORDS[int(i)] for i in torch.topk(chat_scores[step], 2).indices]
+    # penalties: greedy less them, as transformers' logits give it
+    for frequency, presence in ((1.5, 0.0), (0.0, 2.0), (-1.0, 0.5)):
+        penalised, _ = transformers_greedy(hf, PROMPT, 8, frequency, presence)
+        done = client.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
+                                         temperature=0, frequency_penalty=frequency,
+                                         presence_penalty=presence)
+        assert done.choices[0].text.split() == [WORDS[t] for t in penalised], (frequency,
+                                                                                 presence)
+        status, body = post(daemon.http, "/v2/models/llama/generate", {
+            "input_ids": PROMPT, "max_tokens": 8, "frequency_penalty": frequency,
+            "presence_penalty": presence})
+        assert status == 200 and json.loads(body)["output_ids"] == penalised
+        with Client(daemon.target) as grpc_client:
+            assert [t["token_id"] for t in grpc_client.generate(
+                "llama", PROMPT, max_tokens=8, frequency_penalty=frequency,
+                presence_penalty=presence)] == penalised
+    done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
+                           daemon.target, "generate", "llama", "--ids",
+                           ",".join(map(str, PROMPT)), "--max-tokens", "8",
+                           "--frequency-penalty", "1.5", "--json"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["output_ids"] == transformers_greedy(hf, PROMPT, 8, 1.5)[0]
+    assert transformers_greedy(hf, PROMPT, 8, 1.5)[0] != transformers_greedy(hf, PROMPT, 8)[0]
+    # without a tokenizer a token is named by its id, as vLLM names it
+    done = client.completions.create(model="gpt2", prompt=PROMPT, max_tokens=2,
+                                     temperature=0, logprobs=1)
+    gpt2 = lm_models.reference(served["hf"]["gpt2"], PROMPT, 2)
+    assert done.choices[0].logprobs.tokens == [f"token_id:{t}" for t in gpt2]
+
+
+def test_lm_eval_harness_loglikelihood_requests_score_the_prompt(daemon, served) -> None:  # noqa: ANN001
+    """What lm-evaluation-harness's `local-completions` model sends for a loglikelihood
+    (multiple-choice) task: several prompts, each context + continuation as token ids, with
+    `echo` and `logprobs` and one token to generate; read as it reads it (each choice's
+    `token_logprobs[ctxlen:-1]` summed, greedy where each is its position's largest): the
+    continuation's log-likelihood as transformers' logits give it, on a model exported for
+    one token a step and on one whose prompt goes in chunks (every position's logits)."""
+    hf = served["hf"]["llama"]
+    requests = [(PROMPT, [7, 19, 23]), ([3, 8], [13, 21, 34, 55, 89])]
+    want = [transformers_loglikelihood(hf, c, k) for c, k in requests]
+    for model in ("llama", "chunked"):
+        status, body = post(daemon.http, "/v1/completions", {
+            "model": model, "prompt": [c + k for c, k in requests], "temperature": 0,
+            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True})
+        assert status == 200, body
+        answer = json.loads(body)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == [0, 1]
+        got = []
+        for choice, (context, continuation) in zip(choices, requests, strict=True):
+            logprobs = choice["logprobs"]
+            assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+            assert len(logprobs["tokens"]) == len(context) + len(continuation) + 1
+            mine = logprobs["token_logprobs"][len(context):-1]
+            tops = logprobs["top_logprobs"][len(context):-1]
+            got.append((sum(mine), all(lp == max(top.values())
+                                       for lp, top in zip(mine, tops, strict=True))))
+            if model == "llama":  # (the entry with a tokenizer) the prompt echoed first
+                assert choice["text"].split()[:len(context) + len(continuation)] == [
+                    WORDS[t] for t in context + continuation]
+                offsets, text = logprobs["text_offset"], choice["text"]
+                assert [text[a:].split()[0] for a in offsets] == logprobs["tokens"]
+        for (lp, greedy), (want_lp, want_greedy) in zip(got, want, strict=True):
+            assert lp == pytest.approx(want_lp, abs=1e-3) and greedy == want_greedy, model
+        assert answer["usage"]["prompt_tokens"] == sum(len(c + k) for c, k in requests)
+    status, body = post(daemon.http, "/v1/completions", {
+        "model": "llama", "prompt": PROMPT, "echo": True, "stream": True})
+    assert status == 400 and b"a stream takes one prompt, without echo" in body
