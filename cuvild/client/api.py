@@ -426,12 +426,14 @@ class Client:
                  timeout: float | None = None,
                  messages: Sequence[Mapping[str, str]] | None = None,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 logit_bias: Mapping[int, float] | None = None,
                  ) -> Iterator[dict[str, Any]]:
         """A language model's tokens as they come: {"token_id", "text", "index"} each (`text`
         is what the token adds, with the model's tokenizer; "" without one). `prompt`: token
         ids, or `text` for a model with a tokenizer; temperature 0 is greedy, `seed` makes
-        sampling repeatable, `stop` token ids end it, `frequency_penalty` and
-        `presence_penalty` are OpenAI's (docs/GENERATION.md). `messages` (a
+        sampling repeatable, `stop` token ids end it, `frequency_penalty`,
+        `presence_penalty` and `logit_bias` ({token id: bias}) are OpenAI's
+        (docs/GENERATION.md). `messages` (a
         chat: [{"role", "content"}, ...], as OpenAI's) instead of a prompt: put in the
         prompt by the model's chat template, the answer ending at its eos token. Leaving the
         loop early ends the generation in the daemon."""
@@ -445,7 +447,8 @@ class Client:
             stop=list(stop), messages=[cuvil_pb2.ChatMessage(role=m["role"],
                                                              content=m["content"])
                                        for m in messages or ()],
-            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+            logit_bias=dict(logit_bias or {}))
         if seed is not None:
             request.seed = seed
         stream = self._control._stub.Generate(request, timeout=timeout)  # noqa: SLF001 - a server stream: its errors come as it is read

@@ -34,6 +34,13 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
         messages = [*([{"role": "system", "content": args.system}] if args.system else []),
                     {"role": "user", "content": args.prompt}]
     stop = [int(t) for t in args.stop.replace(",", " ").split()] if args.stop else []
+    try:
+        bias = {int(t): float(b) for t, _, b in (pair.partition(":") for pair in
+                                                  args.logit_bias.replace(",", " ").split())}
+    except ValueError:
+        print(f"cuvilctl: --logit-bias takes ID:BIAS pairs, e.g. 2:-100,7:5, got "
+              f"{args.logit_bias!r}", file=sys.stderr)
+        return 1
     tokens: list[dict[str, Any]] = []
     for token in client.generate(args.name, ids, text=None if messages else args.prompt,
                                  messages=messages, max_tokens=args.max_tokens,
@@ -41,7 +48,8 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
                                  top_p=args.top_p, seed=args.seed, stop=stop,
                                  version=args.version,
                                  frequency_penalty=args.frequency_penalty,
-                                 presence_penalty=args.presence_penalty):
+                                 presence_penalty=args.presence_penalty,
+                                 logit_bias=bias):
         tokens.append(token)
         if not args.json:
             print(token["text"] if token["text"] or args.prompt is not None
@@ -75,5 +83,7 @@ def add_generate(sub: Any) -> None:
                      help="OpenAI's, in [-2, 2]: less a token's logit per time it was generated")
     gen.add_argument("--presence-penalty", type=float, default=0.0,
                      help="OpenAI's, in [-2, 2]: less a token's logit once it was generated")
+    gen.add_argument("--logit-bias", default="", metavar="ID:BIAS,...",
+                     help="OpenAI's, each bias in [-100, 100]: added to that token's logit")
     gen.add_argument("--json", action="store_true", help="machine-readable output")
     gen.set_defaults(func=cmd_generate)

@@ -6,7 +6,8 @@ OnlyLM export: its KV cache is buffers the graph updates in place, kept per sequ
 worker that runs it, cuvild/run/sequences.py). `generate` feeds the prompt (the prefill),
 then picks each next token from the last logits (`pick`: greedy, or sampled with
 temperature, top-k and top-p from a seeded generator, as transformers' `generate` does;
-OpenAI's frequency and presence penalties first, where asked) until max_tokens, a stop token
+OpenAI's logit bias and frequency and presence penalties first, where asked) until
+max_tokens, a stop token
 id or the end of the context. `logprobs` gives a token's log-probability and the likeliest
 others', for OpenAI's `logprobs` (cuvild/serve/generate_http.py).
 
@@ -24,7 +25,7 @@ Plain numpy: the daemon needs no torch to generate.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,8 @@ class Sampling:
     # (frequency) and once if it was (presence), as vLLM does: the generated tokens only
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # OpenAI's: token id -> a number in [-100, 100] added to its logit at every step
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
 
     def check(self) -> Sampling:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -75,14 +78,30 @@ class Sampling:
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not -2 <= value <= 2):
                 raise BadInput(f"{name} must be a number in [-2, 2], got {value!r}")
+        return self._check_bias()
+
+    def _check_bias(self) -> Sampling:
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise BadInput(f"logit_bias keys must be token ids, got {token!r}")
+            if (not isinstance(bias, (int, float)) or isinstance(bias, bool)
+                    or not -100 <= bias <= 100):
+                raise BadInput(f"logit_bias values must be numbers in [-100, 100], got "
+                               f"{bias!r} for token {token}")
         return self
 
-    def penalised(self, logits: np.ndarray, counts: np.ndarray | None) -> np.ndarray:
-        """`logits` less the penalties for the tokens generated so far (`counts` by id)."""
-        if counts is None or not (self.frequency_penalty or self.presence_penalty):
+    def adjusted(self, logits: np.ndarray, counts: np.ndarray | None) -> np.ndarray:
+        """`logits` with the logit bias added and the penalties for the tokens generated so
+        far (`counts` by id) taken off."""
+        penalties = counts is not None and bool(self.frequency_penalty or self.presence_penalty)
+        if not penalties and not self.logit_bias:
             return logits
-        return (logits.astype(np.float64) - self.frequency_penalty * counts
-                - self.presence_penalty * (counts > 0))
+        out = logits.astype(np.float64)
+        if self.logit_bias:
+            out[list(self.logit_bias)] += list(self.logit_bias.values())
+        if penalties:
+            out -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0)
+        return out
 
 
 def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
@@ -178,7 +197,7 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
     counts: np.ndarray | None = None  # how often each token id was generated
     for _ in range(sampling.max_tokens):
         last = np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1])[-1]
-        token = pick(sampling.penalised(last, counts), sampling, rng)
+        token = pick(sampling.adjusted(last, counts), sampling, rng)
         if scores is not None:
             scores(last, token)
         if sampling.frequency_penalty or sampling.presence_penalty:

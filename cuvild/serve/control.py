@@ -395,7 +395,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             "max_tokens": request.max_tokens or 16, "temperature": request.temperature,
             "top_k": request.top_k, "top_p": request.top_p or 1.0, "stop": list(request.stop),
             "frequency_penalty": request.frequency_penalty,
-            "presence_penalty": request.presence_penalty}
+            "presence_penalty": request.presence_penalty,
+            "logit_bias": dict(request.logit_bias)}
         if request.HasField("seed"):
             options["seed"] = request.seed
         try:

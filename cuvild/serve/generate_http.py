@@ -19,9 +19,9 @@
                                                       has them
 
 Options: max_tokens, temperature (0: greedy), top_k, top_p, seed, stop (token ids, or strings
-with a tokenizer: the text ends before the first, which is not sent), frequency_penalty and
-presence_penalty. OpenAI's routes also give `logprobs` (a completion's count, a chat's
-`logprobs` with `top_logprobs`), and a completion takes several prompts and `echo` (what
+with a tokenizer: the text ends before the first, which is not sent), frequency_penalty,
+presence_penalty and logit_bias. OpenAI's routes also give `logprobs` (a completion's count,
+a chat's `logprobs` with `top_logprobs`), and a completion takes several prompts and `echo` (what
 lm-evaluation-harness's loglikelihood asks: the prompt's own logprobs), and `n` choices a
 prompt: each its own sequence, with `seed` choice j sampled from seed + j (vLLM's rule),
 the index of prompt i's choice j i * n + j; streamed interleaved, each chunk its choice's
@@ -59,7 +59,7 @@ FIELDS = {"input_ids", "text_input", "parameters", "stream", *OPTIONS}
 # OpenAI's fields, top_k as vLLM takes it
 OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
           "stream_options", "n", "stop", "user", "frequency_penalty", "presence_penalty",
-          "logprobs", "echo"}
+          "logit_bias", "logprobs", "echo"}
 CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_LOGPROBS = 20  # the likeliest tokens a token's logprobs may list (vLLM's default bound)
 MAX_N = 128  # choices a prompt (OpenAI's own bound)
@@ -230,7 +230,8 @@ def _checked(doc: Any, chat: bool) -> tuple[int, bool, bool, bool, dict[str, Any
     if doc.get("stream_options") is not None and not stream:
         raise BadInput("stream_options is only allowed with \"stream\": true")
     options = {k: doc[k] for k in ("max_tokens", "temperature", "top_k", "top_p", "seed",
-                                   "stop", "frequency_penalty", "presence_penalty")
+                                   "stop", "frequency_penalty", "presence_penalty",
+                                   "logit_bias")
                if doc.get(k) is not None}
     if doc.get("max_completion_tokens") is not None:
         options["max_tokens"] = doc["max_completion_tokens"]

@@ -15,6 +15,7 @@ repository; a link out of the repository or a file over MAX_TOKENIZER_BYTES is r
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -35,7 +36,7 @@ TOKENIZER = "tokenizer.json"
 MAX_TOKENIZER_BYTES = 64 << 20
 CONTEXT_TOKENS = 5  # the prompt's last tokens a generation's text is decoded behind (vLLM's)
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "frequency_penalty",
-           "presence_penalty")
+           "presence_penalty", "logit_bias")
 
 
 @dataclass
@@ -167,8 +168,8 @@ class Generator:
         """A checked generation: `prompt` token ids, `text` or a chat's `messages` (OpenAI's)
         with the model's tokenizer (and chat template); `options`: max_tokens, temperature,
         top_k, top_p, seed, stop (token ids, or strings with a tokenizer), frequency_penalty,
-        presence_penalty. One refused counts as a failed request (under model "" where no
-        such model is served)."""
+        presence_penalty, logit_bias ({token id: bias}). One refused counts as a failed
+        request (under model "" where no such model is served)."""
         try:
             gen = self._open(name, version, prompt, text, options, messages)
         except Exception as e:
@@ -214,8 +215,11 @@ class Generator:
         vocab = int(served.record.outputs[0]["shape"][-1])
         if any(not 0 <= t < vocab for t in prompt):
             raise BadInput(f"a prompt token id is outside the vocabulary [0, {vocab})")
+        chosen = sampling(options)
+        if any(t >= vocab for t in chosen.logit_bias):
+            raise BadInput(f"a logit_bias token id is outside the vocabulary [0, {vocab})")
         return Generation(self.runner, model, served.record.name, served.record.version,
-                          list(prompt), sampling(options), tokenizer,
+                          list(prompt), chosen, tokenizer,
                           chunks_of(model, served.key, self.runner.max_dim), stop_text)
 
     def _chat(self, served: Any, messages: Any, tokenizer: Any) -> tuple[str, list[int]]:
@@ -363,4 +367,25 @@ def sampling(options: Mapping[str, Any]) -> Sampling:
                     top_k=options.get("top_k", 0), top_p=options.get("top_p", 1.0),
                     seed=options.get("seed"), stop=tuple(stop),
                     frequency_penalty=options.get("frequency_penalty", 0.0),
-                    presence_penalty=options.get("presence_penalty", 0.0)).check()
+                    presence_penalty=options.get("presence_penalty", 0.0),
+                    logit_bias=_bias(options.get("logit_bias"))).check()
+
+
+def _bias(given: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: {token id: bias}, its ids JSON's strings ("50256") or integers;
+    a JSON object's text too (Triton's stream parameters hold no maps)."""
+    if given is None:
+        return {}
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except ValueError:
+            given = None
+    if not isinstance(given, dict):
+        raise BadInput("logit_bias must be a map of token ids to numbers in [-100, 100], e.g. "
+                       "{\"50256\": -100}")
+    out = {}
+    for key, bias in given.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        out[token] = bias
+    return out

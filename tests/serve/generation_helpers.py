@@ -79,17 +79,22 @@ def events(body: bytes) -> list[Any]:
 
 
 def transformers_greedy(hf: Any, prompt: list[int], new: int, frequency: float = 0.0,
-                        presence: float = 0.0) -> tuple[list[int], list[torch.Tensor]]:
+                        presence: float = 0.0, bias: dict[int, float] | None = None,
+                        ) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' model run whole on the tokens so far at each step, greedy on its last
-    logits less OpenAI's penalties for the tokens generated before: the tokens and each
-    step's log-probabilities (the softmax of its raw logits)."""
+    logits plus OpenAI's logit `bias` less its penalties for the tokens generated before:
+    the tokens and each step's log-probabilities (the softmax of its raw logits)."""
     ids, made, scores = list(prompt), [], []
     with torch.no_grad():
         for _ in range(new):
             logits = hf(torch.tensor([ids])).logits[0, -1].double()
             counts = torch.bincount(torch.tensor(made, dtype=torch.long),
                                     minlength=logits.numel()).double()
-            token = int(torch.argmax(logits - frequency * counts - presence * (counts > 0)))
+            added = torch.zeros_like(logits)
+            for t, b in (bias or {}).items():
+                added[t] = b
+            token = int(torch.argmax(logits + added - frequency * counts
+                                     - presence * (counts > 0)))
             scores.append(torch.log_softmax(logits, -1))
             ids.append(token)
             made.append(token)

@@ -114,10 +114,14 @@ def test_the_plan_says_how_each_decode_step_runs(daemon) -> None:  # noqa: ANN00
     steps = {tuple(map(tuple, b["shapes"])): [p.get("step") for p in b["parts"]]
              for b in buckets}
     # one token a step: the decode step (of each part that keeps state, where the plan split
-    # the model); a prompt's chunk none
-    assert off in steps[((1, 1), (1,))] and set(steps[((1, 1), (1,))]) <= {off, None}, steps
+    # the model; and how its sequences' steps shared runs, where other tests' did); a
+    # prompt's chunk none
+    decode = steps[((1, 1), (1,))]
+    assert any(s and s.startswith(off) for s in decode), steps
+    assert all(s is None or s.startswith(off) for s in decode), steps
     assert all(set(s) == {None} for shapes, s in steps.items() if shapes[0] != (1, 1)), steps
-    assert off in [m.get("step") for m in static["measured"].values()], static["measured"]
+    assert any((m.get("step") or "").startswith(off) for m in static["measured"].values()), \
+        static["measured"]
     assert f": {off}" in static["explain"]
     done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
                            daemon.target, "partition", "chunked"], capture_output=True,

@@ -213,6 +213,44 @@ def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> N
     assert done.choices[0].logprobs.tokens == [f"token_id:{t}" for t in gpt2]
 
 
+def test_logit_bias_steers_every_surface_as_openai_defines_it(daemon, served) -> None:  # noqa: ANN001
+    """OpenAI's logit_bias ({token id: bias in [-100, 100]}, added to the logits before the
+    pick, greedy too): -100 bans transformers' own greedy tokens, +bias favours another, the
+    tokens those of a transformers loop applying the same rule, on OpenAI's and Triton's
+    HTTP routes, the gRPC client and `cuvilctl generate`; bad biases refused naming them."""
+    import openai
+
+    hf = served["hf"]["llama"]
+    plain = transformers_greedy(hf, PROMPT, 6)[0]
+    bias = {plain[0]: -100.0, plain[1]: -100.0, 7: 3.5}
+    want = transformers_greedy(hf, PROMPT, 6, bias=bias)[0]
+    assert want != plain and plain[0] not in want and plain[1] not in want
+    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    done = client.completions.create(model="llama", prompt=PROMPT, max_tokens=6, temperature=0,
+                                     logit_bias={str(t): b for t, b in bias.items()})
+    assert done.choices[0].text.split() == [WORDS[t] for t in want]
+    status, body = post(daemon.http, "/v2/models/llama/generate", {
+        "input_ids": PROMPT, "max_tokens": 6, "logit_bias": {str(t): b for t, b in bias.items()}})
+    assert status == 200 and json.loads(body)["output_ids"] == want, body
+    with Client(daemon.target) as grpc_client:
+        assert [t["token_id"] for t in grpc_client.generate(
+            "llama", PROMPT, max_tokens=6, logit_bias=bias)] == want
+    done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
+                           daemon.target, "generate", "llama", "--ids",
+                           ",".join(map(str, PROMPT)), "--max-tokens", "6", "--logit-bias",
+                           ",".join(f"{t}:{b}" for t, b in bias.items()), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["output_ids"] == want, done.stderr
+    for bad, said in (({"5": 101}, "numbers in [-100, 100], got 101"),
+                      ({"x": 1}, "keys must be token ids, got 'x'"),
+                      ({str(lm_models.VOCAB): 1}, "outside the vocabulary"),
+                      ([5], "must be a map of token ids")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="llama", prompt=PROMPT, logit_bias=bad)
+        assert said in refused.value.body["message"], bad
+
+
 def test_lm_eval_harness_loglikelihood_requests_score_the_prompt(daemon, served) -> None:  # noqa: ANN001
     """What lm-evaluation-harness's `local-completions` model sends for a loglikelihood
     (multiple-choice) task: several prompts, each context + continuation as token ids, with
