@@ -212,12 +212,8 @@ class Generator:
                 or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             raise BadInput("the prompt must be a non-empty list of token ids (integers), or "
                            "text for a model with a tokenizer")
-        vocab = int(served.record.outputs[0]["shape"][-1])
-        if any(not 0 <= t < vocab for t in prompt):
-            raise BadInput(f"a prompt token id is outside the vocabulary [0, {vocab})")
-        chosen = sampling(options)
-        if any(t >= vocab for t in chosen.logit_bias):
-            raise BadInput(f"a logit_bias token id is outside the vocabulary [0, {vocab})")
+        chosen = _sampling_for(options, prompt, int(served.record.outputs[0]["shape"][-1]),
+                               model.state.context if messages is not None else None)
         return Generation(self.runner, model, served.record.name, served.record.version,
                           list(prompt), chosen, tokenizer,
                           chunks_of(model, served.key, self.runner.max_dim), stop_text)
@@ -369,6 +365,21 @@ def sampling(options: Mapping[str, Any]) -> Sampling:
                     frequency_penalty=options.get("frequency_penalty", 0.0),
                     presence_penalty=options.get("presence_penalty", 0.0),
                     logit_bias=_bias(options.get("logit_bias"))).check()
+
+
+def _sampling_for(options: dict[str, Any], prompt: list[int], vocab: int,
+                  chat_context: int | None) -> Sampling:
+    """`sampling(options)` for `prompt`, its ids and the bias's within `vocab`; a chat's
+    (`chat_context`: its model's context) answer unbounded by its caller runs to its end or
+    the context's, as OpenAI's and vLLM's do (a completion's default is 16, as theirs)."""
+    if any(not 0 <= t < vocab for t in prompt):
+        raise BadInput(f"a prompt token id is outside the vocabulary [0, {vocab})")
+    if chat_context is not None and options.get("max_tokens") is None:
+        options["max_tokens"] = max(chat_context - len(prompt), 1)
+    chosen = sampling(options)
+    if any(t >= vocab for t in chosen.logit_bias):
+        raise BadInput(f"a logit_bias token id is outside the vocabulary [0, {vocab})")
+    return chosen
 
 
 def _bias(given: Any) -> dict[int, float]:

@@ -131,6 +131,23 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
                                      temperature=0).choices[0].text == done.choices[0].text
 
 
+def test_a_chat_without_a_token_bound_answers_to_its_end(daemon, served) -> None:  # noqa: ANN001
+    """OpenAI's chat (and vLLM's) bounds an answer by the context alone where its caller
+    gives no max_tokens: until the eos token or the context's end, not a completion's 16."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    prompt = [4, 1, *PROMPT, 2]  # the template's "w4 w1 <words> w2"
+    full = lm_models.reference(served["hf"]["llama"], prompt, lm_models.CONTEXT - len(prompt))
+    want = full[:full.index(6) + 1] if 6 in full else full  # (6: its eos token)
+    answer = client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": " ".join(WORDS[t] for t in PROMPT)}],
+        temperature=0)
+    assert answer.usage.completion_tokens == len(want) > 16, answer.usage
+    assert answer.choices[0].finish_reason == ("stop" if 6 in full else "length")
+
+
 def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> None:  # noqa: ANN001
     """`logprobs` through OpenAI's SDK: a completion's (tokens, token_logprobs, top_logprobs,
     text_offset), a chat's (each token's text, bytes, logprob and top_logprobs), streamed and
