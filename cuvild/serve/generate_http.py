@@ -55,11 +55,14 @@ from cuvild.serve.generation import OPTIONS, Generation, continued, generates
 # `pool` runs the generation, `generator` opens it, `_body` reads a body within its limits.
 RestServer = Any
 
-FIELDS = {"input_ids", "text_input", "parameters", "stream", *OPTIONS}
+# (accumulate_tokens: TensorRT-LLM's, which vLLM's serving benchmark sends: each streamed
+# text_output is the whole text so far)
+FIELDS = {"input_ids", "text_input", "parameters", "stream", "accumulate_tokens", *OPTIONS}
 # OpenAI's fields, top_k as vLLM takes it
+# (and vLLM's ignore_eos, and best_of where it is n: vLLM's serving benchmark sends both)
 OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
           "stream_options", "n", "stop", "user", "frequency_penalty", "presence_penalty",
-          "logit_bias", "logprobs", "echo"}
+          "logit_bias", "logprobs", "echo", "ignore_eos", "best_of"}
 CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_LOGPROBS = 20  # the likeliest tokens a token's logprobs may list (vLLM's default bound)
 MAX_N = 128  # choices a prompt (OpenAI's own bound)
@@ -132,7 +135,7 @@ async def triton(server: RestServer, request: web.Request, stream: bool) -> web.
     m = request.match_info
     name, version = m["name"], m.get("version", "")
 
-    def parse(doc: Any) -> Generation:
+    def parse(doc: Any) -> tuple[Generation, bool]:
         if not isinstance(doc, dict):
             raise BadInput("expected a JSON object: {\"input_ids\": [...]} or "
                            "{\"text_input\": \"...\"}, with generation options")
@@ -142,17 +145,26 @@ async def triton(server: RestServer, request: web.Request, stream: bool) -> web.
         options = dict(doc.get("parameters") or {})
         options.pop("stream", None)
         options.update({k: doc[k] for k in OPTIONS if k in doc})
+        whole = options.pop("accumulate_tokens", doc.get("accumulate_tokens", False))
+        if not isinstance(whole, bool):
+            raise BadInput(f"accumulate_tokens must be true or false, got {whole!r}")
         return server.generator.open(name, version, prompt=doc.get("input_ids"),
-                                     text=doc.get("text_input"), options=options)
+                                     text=doc.get("text_input"), options=options), whole
 
-    gen = await _open(server, request, parse)
+    gen, whole = await _open(server, request, parse)
     head = {"model_name": gen.name, "model_version": gen.version}
     if not stream:
         ids = [token for token, _ in await _all(server, gen)]
         return _json({**head, "output_ids": ids, **({"text_output": gen.text}
                                                      if gen.tokenizer else {})})
-    return await _events(server, request, gen, lambda token, piece: {
-        **head, "output_ids": [token], **({"text_output": piece} if gen.tokenizer else {})})
+    said: list[str] = []  # (accumulate_tokens: the text so far in each event)
+
+    def event(token: int, piece: str) -> dict[str, Any]:
+        said.append(piece)
+        text = "".join(said) if whole else piece
+        return {**head, "output_ids": [token], **({"text_output": text} if gen.tokenizer else {})}
+
+    return await _events(server, request, gen, event)
 
 
 async def openai(server: RestServer, request: web.Request,
@@ -229,9 +241,12 @@ def _checked(doc: Any, chat: bool) -> tuple[int, bool, bool, bool, dict[str, Any
     stream, usage = bool(doc.get("stream")), _include_usage(doc.get("stream_options"))
     if doc.get("stream_options") is not None and not stream:
         raise BadInput("stream_options is only allowed with \"stream\": true")
+    if doc.get("best_of") not in (None, n):
+        raise BadInput(f"best_of must be n ({n}): every choice made is returned, none ranked "
+                       f"out, got {json.dumps(doc['best_of'])[:50]}")
     options = {k: doc[k] for k in ("max_tokens", "temperature", "top_k", "top_p", "seed",
                                    "stop", "frequency_penalty", "presence_penalty",
-                                   "logit_bias")
+                                   "logit_bias", "ignore_eos")
                if doc.get(k) is not None}
     if doc.get("max_completion_tokens") is not None:
         options["max_tokens"] = doc["max_completion_tokens"]

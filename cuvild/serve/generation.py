@@ -36,7 +36,7 @@ TOKENIZER = "tokenizer.json"
 MAX_TOKENIZER_BYTES = 64 << 20
 CONTEXT_TOKENS = 5  # the prompt's last tokens a generation's text is decoded behind (vLLM's)
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "frequency_penalty",
-           "presence_penalty", "logit_bias")
+           "presence_penalty", "logit_bias", "ignore_eos")
 
 
 @dataclass
@@ -168,8 +168,9 @@ class Generator:
         """A checked generation: `prompt` token ids, `text` or a chat's `messages` (OpenAI's)
         with the model's tokenizer (and chat template); `options`: max_tokens, temperature,
         top_k, top_p, seed, stop (token ids, or strings with a tokenizer), frequency_penalty,
-        presence_penalty, logit_bias ({token id: bias}). One refused counts as a failed
-        request (under model "" where no such model is served)."""
+        presence_penalty, logit_bias ({token id: bias}), ignore_eos (vLLM's: a chat's answer
+        does not end at its eos token). One refused counts as a failed request (under model
+        "" where no such model is served)."""
         try:
             gen = self._open(name, version, prompt, text, options, messages)
         except Exception as e:
@@ -193,13 +194,14 @@ class Generator:
                           "TorchExportableModuleForDecoderOnlyLM); docs/GENERATION.md")
         tokenizer = self.tokenizer(served.record.name, served.record.version)
         options, stop_text = split_stops(options or {})
+        ignore_eos = _flag(options, "ignore_eos")
         if stop_text and tokenizer is None:
             raise Refused("invalid", f"model {served.key} has no tokenizer: stop strings need "
                           "one (stop token ids do not)")
         special = True
         if messages is not None:
             text, eos = self._chat(served, messages, tokenizer)
-            options["stop"] = [*options.get("stop", ()), *eos]
+            options["stop"] = [*options.get("stop", ()), *(() if ignore_eos else eos)]
             special = False  # (the template writes them)
         if text is not None:
             if tokenizer is None:
@@ -365,6 +367,14 @@ def sampling(options: Mapping[str, Any]) -> Sampling:
                     frequency_penalty=options.get("frequency_penalty", 0.0),
                     presence_penalty=options.get("presence_penalty", 0.0),
                     logit_bias=_bias(options.get("logit_bias"))).check()
+
+
+def _flag(options: dict[str, Any], name: str) -> bool:
+    """A true-or-false option taken out of `options` (False where not given)."""
+    value = options.pop(name, False)
+    if not isinstance(value, bool):
+        raise BadInput(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 def _sampling_for(options: dict[str, Any], prompt: list[int], vocab: int,

@@ -119,8 +119,8 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
             client.chat.completions.create(
                 model="llama", messages=[{"role": "user", "content": words}], **asked)
         assert why in bad.value.body["message"], asked
-    with pytest.raises(openai.BadRequestError, match="unsupported fields \\['best_of'\\]"):
-        client.completions.create(model="llama", prompt=words, best_of=2)
+    with pytest.raises(openai.BadRequestError, match="unsupported fields \\['suffix'\\]"):
+        client.completions.create(model="llama", prompt=words, suffix=" the end")
     with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
         client.completions.create(model="nope", prompt=words)
     # where KServe's model server has them (its docs' base_url for an InferenceService)
@@ -146,6 +146,43 @@ def test_a_chat_without_a_token_bound_answers_to_its_end(daemon, served) -> None
         temperature=0)
     assert answer.usage.completion_tokens == len(want) > 16, answer.usage
     assert answer.choices[0].finish_reason == ("stop" if 6 in full else "length")
+
+
+def test_vllms_serving_benchmark_requests_are_served(daemon, served) -> None:  # noqa: ANN001
+    """What vLLM's serving benchmark (`vllm bench serve`) sends, as it sends it: completions
+    with `best_of` 1 and `ignore_eos`, streamed; a chat with `max_completion_tokens`,
+    `include_usage` and `ignore_eos` (its answer past the eos token, where without it the
+    eos token ends it); TensorRT-LLM's generate_stream with `accumulate_tokens` (each
+    text_output the text so far). best_of other than n is refused."""
+    hf = served["hf"]["llama"]
+    want = lm_models.reference(hf, PROMPT, 8)
+    words = " ".join(WORDS[t] for t in PROMPT)
+    status, body = post(daemon.http, "/v1/completions", {
+        "model": "llama", "prompt": words, "temperature": 0.0, "best_of": 1, "max_tokens": 8,
+        "logprobs": None, "stream": True, "ignore_eos": False})
+    assert status == 200, body
+    assert [t for c in events(body)[:-1] for t in c["choices"][0]["token_ids"]] == want
+    full = lm_models.reference(hf, [4, 1, 5, 2], 10)  # the chat of "w5": eos (6) 5th
+    assert 6 in full[:5]
+    for ignore in (True, False):
+        status, body = post(daemon.http, "/v1/chat/completions", {
+            "model": "llama", "messages": [{"role": "user", "content": "w5"}],
+            "temperature": 0.0, "max_completion_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore})
+        chunks = events(body)
+        said = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-2])
+        made = full if ignore else full[:full.index(6) + 1]
+        assert chunks[-2]["usage"]["completion_tokens"] == len(made), (ignore, chunks[-2])
+        assert said.split() == [WORDS[t] for t in made], (ignore, said)
+    status, body = post(daemon.http, "/v2/models/llama/generate_stream", {
+        "accumulate_tokens": True, "text_input": words, "temperature": 0.0, "top_p": 1.0,
+        "ignore_eos": False, "stream": True, "max_tokens": 8})
+    texts = [e["text_output"] for e in events(body)]
+    assert texts[-1].split() == [WORDS[t] for t in want], texts
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False)), texts
+    status, body = post(daemon.http, "/v1/completions",
+                        {"model": "llama", "prompt": words, "best_of": 2})
+    assert status == 400 and b"best_of must be n (1)" in body, body
 
 
 def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> None:  # noqa: ANN001
