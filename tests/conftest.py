@@ -19,8 +19,9 @@ from runtimes.cache import KEY_ENV
 # and workers (inductor, ~10 s a model): tests/runtimes/test_compiled_step.py turns it on.
 os.environ["CUVILD_COMPILE_STEPS"] = "0"
 
-# Fixtures that start a cuvild and serve it to a test (the `env` of tests/serve/ included).
-DAEMON_FIXTURES = {"daemon", "make_daemon", "env"}
+# Fixtures that start a cuvild and serve it to a test (the `env` and `lm_daemon` of
+# tests/serve/ included).
+DAEMON_FIXTURES = {"daemon", "make_daemon", "env", "lm_daemon"}
 
 
 # Files that share a session daemon run on one worker, so that it is started (and its models

@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import Any
 
 import lm_models
 import pytest
 import torch
-from daemons import DaemonProcess
 from generation_helpers import (
     PROMPT,
     WORDS,
@@ -26,22 +24,12 @@ from generation_helpers import (
 from cuvild.client import Client
 
 
-@pytest.fixture
-def served(lm_served: dict[str, Any]) -> dict[str, Any]:
-    return lm_served
-
-
-@pytest.fixture
-def daemon(lm_daemon: DaemonProcess) -> DaemonProcess:
-    return lm_daemon
-
-
-def test_n_choices_a_prompt_each_its_own_sequence(daemon, served) -> None:  # noqa: ANN001
+def test_n_choices_a_prompt_each_its_own_sequence(lm_daemon, lm_served) -> None:  # noqa: ANN001
     """OpenAI's `n`: greedy, every choice transformers' tokens; sampled with a seed, choice j
     what n 1 with seed + j gives (vLLM's rule), so they differ, streamed too; several
     prompts' choices indexed prompt * n + j, the usage counting each prompt once; a chat's."""
-    hf, other = served["hf"]["llama"], [5, 17, 42]
-    status, body = post(daemon.http, "/v1/completions", {
+    hf, other = lm_served["hf"]["llama"], [5, 17, 42]
+    status, body = post(lm_daemon.http, "/v1/completions", {
         "model": "llama", "prompt": [PROMPT, other], "max_tokens": 6, "temperature": 0, "n": 3})
     assert status == 200, body
     doc = json.loads(body)
@@ -51,13 +39,13 @@ def test_n_choices_a_prompt_each_its_own_sequence(daemon, served) -> None:  # no
     assert doc["usage"] == {"prompt_tokens": 7, "completion_tokens": 36, "total_tokens": 43}
     sampled = {"model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
                "seed": 11}
-    choices = [c["token_ids"] for c in json.loads(post(daemon.http, "/v1/completions", {
+    choices = [c["token_ids"] for c in json.loads(post(lm_daemon.http, "/v1/completions", {
         **sampled, "n": 4})[1])["choices"]]
     for j, got in enumerate(choices):
-        alone = json.loads(post(daemon.http, "/v1/completions", {**sampled, "seed": 11 + j})[1])
+        alone = json.loads(post(lm_daemon.http, "/v1/completions", {**sampled, "seed": 11 + j})[1])
         assert alone["choices"][0]["token_ids"] == got, j
     assert len({tuple(c) for c in choices}) > 1, choices
-    chunks = events(post(daemon.http, "/v1/completions", {  # streamed: interleaved by index
+    chunks = events(post(lm_daemon.http, "/v1/completions", {  # streamed: interleaved by index
         **sampled, "n": 4, "stream": True, "stream_options": {"include_usage": True}})[1])
     streamed = [[t for c in chunks[:-2] for t in c["choices"][0]["token_ids"]
                  if c["choices"][0]["index"] == j] for j in range(4)]
@@ -65,7 +53,7 @@ def test_n_choices_a_prompt_each_its_own_sequence(daemon, served) -> None:  # no
     assert sum(c["choices"][0]["finish_reason"] == "length" for c in chunks[:-2]) == 4
     assert chunks[-2]["usage"] == {"prompt_tokens": 4, "completion_tokens": 32,
                                    "total_tokens": 36}
-    status, body = post(daemon.http, "/v1/chat/completions", {
+    status, body = post(lm_daemon.http, "/v1/chat/completions", {
         "model": "llama", "messages": [{"role": "user", "content": "w5 w17"}], "n": 2,
         "max_tokens": 4, "temperature": 0})
     doc = json.loads(body)
@@ -74,19 +62,19 @@ def test_n_choices_a_prompt_each_its_own_sequence(daemon, served) -> None:  # no
     assert doc["usage"]["prompt_tokens"] == 5  # "w4 w1 w5 w17 w2", once
     for bad, said in ((0, "n must be an integer from 1 to 128"), (129, "from 1 to 128"),
                       ("2", "got \"2\"")):
-        status, body = post(daemon.http, "/v1/completions",
+        status, body = post(lm_daemon.http, "/v1/completions",
                             {"model": "llama", "prompt": PROMPT, "n": bad})
         assert status == 400 and said in json.loads(body)["error"]["message"], body
 
 
-def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served) -> None:  # noqa: ANN001
+def test_openais_own_client_lists_generates_and_reads_the_errors(lm_daemon, lm_served) -> None:  # noqa: ANN001
     """OpenAI's Python SDK, as a user of vLLM (or of KServe, /openai/v1) would point it at
     cuvild: the models that generate listed, a completion and a chat as transformers' tokens,
     a stream that ends with its usage (stream_options), fields that ask for nothing taken and
     the same fields asking for something refused; its errors (OpenAI's error object) read."""
     import openai
 
-    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+    client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     listed = {m.id: m.model_extra["max_model_len"] for m in client.models.list()}
     assert listed == {n: lm_models.CONTEXT for n in ("chunked", "chunked:1", "gpt2",
@@ -96,7 +84,7 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
         client.models.retrieve("nope")
     assert missing.value.body["type"] == "invalid_request_error"
     assert "'nope'" in missing.value.body["message"]
-    want = lm_models.reference(served["hf"]["llama"], PROMPT, 6)
+    want = lm_models.reference(lm_served["hf"]["llama"], PROMPT, 6)
     words = " ".join(WORDS[t] for t in PROMPT)
     done = client.completions.create(model="llama", prompt=words, max_tokens=6, temperature=0,
                                      frequency_penalty=0, presence_penalty=0.0, echo=False)
@@ -124,22 +112,22 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(daemon, served)
     with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
         client.completions.create(model="nope", prompt=words)
     # where KServe's model server has them (its docs' base_url for an InferenceService)
-    kserve = openai.OpenAI(base_url=f"http://{daemon.http}/openai/v1", api_key="unused",
+    kserve = openai.OpenAI(base_url=f"http://{lm_daemon.http}/openai/v1", api_key="unused",
                            max_retries=0, timeout=120)
     assert {m.id for m in kserve.models.list()} == set(listed)
     assert kserve.completions.create(model="llama", prompt=words, max_tokens=6,
                                      temperature=0).choices[0].text == done.choices[0].text
 
 
-def test_a_chat_without_a_token_bound_answers_to_its_end(daemon, served) -> None:  # noqa: ANN001
+def test_a_chat_without_a_token_bound_answers_to_its_end(lm_daemon, lm_served) -> None:  # noqa: ANN001
     """OpenAI's chat (and vLLM's) bounds an answer by the context alone where its caller
     gives no max_tokens: until the eos token or the context's end, not a completion's 16."""
     import openai
 
-    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+    client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     prompt = [4, 1, *PROMPT, 2]  # the template's "w4 w1 <words> w2"
-    full = lm_models.reference(served["hf"]["llama"], prompt, lm_models.CONTEXT - len(prompt))
+    full = lm_models.reference(lm_served["hf"]["llama"], prompt, lm_models.CONTEXT - len(prompt))
     want = full[:full.index(6) + 1] if 6 in full else full  # (6: its eos token)
     answer = client.chat.completions.create(
         model="llama", messages=[{"role": "user", "content": " ".join(WORDS[t] for t in PROMPT)}],
@@ -148,16 +136,16 @@ def test_a_chat_without_a_token_bound_answers_to_its_end(daemon, served) -> None
     assert answer.choices[0].finish_reason == ("stop" if 6 in full else "length")
 
 
-def test_vllms_serving_benchmark_requests_are_served(daemon, served) -> None:  # noqa: ANN001
+def test_vllms_serving_benchmark_requests_are_served(lm_daemon, lm_served) -> None:  # noqa: ANN001
     """What vLLM's serving benchmark (`vllm bench serve`) sends, as it sends it: completions
     with `best_of` 1 and `ignore_eos`, streamed; a chat with `max_completion_tokens`,
     `include_usage` and `ignore_eos` (its answer past the eos token, where without it the
     eos token ends it); TensorRT-LLM's generate_stream with `accumulate_tokens` (each
     text_output the text so far). best_of other than n is refused."""
-    hf = served["hf"]["llama"]
+    hf = lm_served["hf"]["llama"]
     want = lm_models.reference(hf, PROMPT, 8)
     words = " ".join(WORDS[t] for t in PROMPT)
-    status, body = post(daemon.http, "/v1/completions", {
+    status, body = post(lm_daemon.http, "/v1/completions", {
         "model": "llama", "prompt": words, "temperature": 0.0, "best_of": 1, "max_tokens": 8,
         "logprobs": None, "stream": True, "ignore_eos": False})
     assert status == 200, body
@@ -165,7 +153,7 @@ def test_vllms_serving_benchmark_requests_are_served(daemon, served) -> None:  #
     full = lm_models.reference(hf, [4, 1, 5, 2], 10)  # the chat of "w5": eos (6) 5th
     assert 6 in full[:5]
     for ignore in (True, False):
-        status, body = post(daemon.http, "/v1/chat/completions", {
+        status, body = post(lm_daemon.http, "/v1/chat/completions", {
             "model": "llama", "messages": [{"role": "user", "content": "w5"}],
             "temperature": 0.0, "max_completion_tokens": 10, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": ignore})
@@ -174,18 +162,18 @@ def test_vllms_serving_benchmark_requests_are_served(daemon, served) -> None:  #
         made = full if ignore else full[:full.index(6) + 1]
         assert chunks[-2]["usage"]["completion_tokens"] == len(made), (ignore, chunks[-2])
         assert said.split() == [WORDS[t] for t in made], (ignore, said)
-    status, body = post(daemon.http, "/v2/models/llama/generate_stream", {
+    status, body = post(lm_daemon.http, "/v2/models/llama/generate_stream", {
         "accumulate_tokens": True, "text_input": words, "temperature": 0.0, "top_p": 1.0,
         "ignore_eos": False, "stream": True, "max_tokens": 8})
     texts = [e["text_output"] for e in events(body)]
     assert texts[-1].split() == [WORDS[t] for t in want], texts
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False)), texts
-    status, body = post(daemon.http, "/v1/completions",
+    status, body = post(lm_daemon.http, "/v1/completions",
                         {"model": "llama", "prompt": words, "best_of": 2})
     assert status == 400 and b"best_of must be n (1)" in body, body
 
 
-def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> None:  # noqa: ANN001
+def test_openai_logprobs_and_penalties_are_transformers_own(lm_daemon, lm_served) -> None:  # noqa: ANN001
     """`logprobs` through OpenAI's SDK: a completion's (tokens, token_logprobs, top_logprobs,
     text_offset), a chat's (each token's text, bytes, logprob and top_logprobs), streamed and
     not, each the log-softmax of transformers' logits at that step; frequency and presence
@@ -193,8 +181,8 @@ def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> N
     Triton's HTTP routes, the gRPC client, `cuvilctl generate`)."""
     import openai
 
-    hf = served["hf"]["llama"]
-    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+    hf = lm_served["hf"]["llama"]
+    client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     words = " ".join(WORDS[t] for t in PROMPT)
     want, scores = transformers_greedy(hf, PROMPT, 5)
@@ -244,16 +232,16 @@ def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> N
                                          presence_penalty=presence)
         assert done.choices[0].text.split() == [WORDS[t] for t in penalised], (frequency,
                                                                                  presence)
-        status, body = post(daemon.http, "/v2/models/llama/generate", {
+        status, body = post(lm_daemon.http, "/v2/models/llama/generate", {
             "input_ids": PROMPT, "max_tokens": 8, "frequency_penalty": frequency,
             "presence_penalty": presence})
         assert status == 200 and json.loads(body)["output_ids"] == penalised
-        with Client(daemon.target) as grpc_client:
+        with Client(lm_daemon.target) as grpc_client:
             assert [t["token_id"] for t in grpc_client.generate(
                 "llama", PROMPT, max_tokens=8, frequency_penalty=frequency,
                 presence_penalty=presence)] == penalised
     done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
-                           daemon.target, "generate", "llama", "--ids",
+                           lm_daemon.target, "generate", "llama", "--ids",
                            ",".join(map(str, PROMPT)), "--max-tokens", "8",
                            "--frequency-penalty", "1.5", "--json"], capture_output=True,
                           text=True, timeout=120)
@@ -263,35 +251,35 @@ def test_openai_logprobs_and_penalties_are_transformers_own(daemon, served) -> N
     # without a tokenizer a token is named by its id, as vLLM names it
     done = client.completions.create(model="gpt2", prompt=PROMPT, max_tokens=2,
                                      temperature=0, logprobs=1)
-    gpt2 = lm_models.reference(served["hf"]["gpt2"], PROMPT, 2)
+    gpt2 = lm_models.reference(lm_served["hf"]["gpt2"], PROMPT, 2)
     assert done.choices[0].logprobs.tokens == [f"token_id:{t}" for t in gpt2]
 
 
-def test_logit_bias_steers_every_surface_as_openai_defines_it(daemon, served) -> None:  # noqa: ANN001
+def test_logit_bias_steers_every_surface_as_openai_defines_it(lm_daemon, lm_served) -> None:  # noqa: ANN001
     """OpenAI's logit_bias ({token id: bias in [-100, 100]}, added to the logits before the
     pick, greedy too): -100 bans transformers' own greedy tokens, +bias favours another, the
     tokens those of a transformers loop applying the same rule, on OpenAI's and Triton's
     HTTP routes, the gRPC client and `cuvilctl generate`; bad biases refused naming them."""
     import openai
 
-    hf = served["hf"]["llama"]
+    hf = lm_served["hf"]["llama"]
     plain = transformers_greedy(hf, PROMPT, 6)[0]
     bias = {plain[0]: -100.0, plain[1]: -100.0, 7: 3.5}
     want = transformers_greedy(hf, PROMPT, 6, bias=bias)[0]
     assert want != plain and plain[0] not in want and plain[1] not in want
-    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused",
+    client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     done = client.completions.create(model="llama", prompt=PROMPT, max_tokens=6, temperature=0,
                                      logit_bias={str(t): b for t, b in bias.items()})
     assert done.choices[0].text.split() == [WORDS[t] for t in want]
-    status, body = post(daemon.http, "/v2/models/llama/generate", {
+    status, body = post(lm_daemon.http, "/v2/models/llama/generate", {
         "input_ids": PROMPT, "max_tokens": 6, "logit_bias": {str(t): b for t, b in bias.items()}})
     assert status == 200 and json.loads(body)["output_ids"] == want, body
-    with Client(daemon.target) as grpc_client:
+    with Client(lm_daemon.target) as grpc_client:
         assert [t["token_id"] for t in grpc_client.generate(
             "llama", PROMPT, max_tokens=6, logit_bias=bias)] == want
     done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
-                           daemon.target, "generate", "llama", "--ids",
+                           lm_daemon.target, "generate", "llama", "--ids",
                            ",".join(map(str, PROMPT)), "--max-tokens", "6", "--logit-bias",
                            ",".join(f"{t}:{b}" for t, b in bias.items()), "--json"],
                           capture_output=True, text=True, timeout=120)
@@ -305,18 +293,18 @@ def test_logit_bias_steers_every_surface_as_openai_defines_it(daemon, served) ->
         assert said in refused.value.body["message"], bad
 
 
-def test_lm_eval_harness_loglikelihood_requests_score_the_prompt(daemon, served) -> None:  # noqa: ANN001
+def test_lm_eval_harness_loglikelihood_requests_score_the_prompt(lm_daemon, lm_served) -> None:  # noqa: ANN001
     """What lm-evaluation-harness's `local-completions` model sends for a loglikelihood
     (multiple-choice) task: several prompts, each context + continuation as token ids, with
     `echo` and `logprobs` and one token to generate; read as it reads it (each choice's
     `token_logprobs[ctxlen:-1]` summed, greedy where each is its position's largest): the
     continuation's log-likelihood as transformers' logits give it, on a model exported for
     one token a step and on one whose prompt goes in chunks (every position's logits)."""
-    hf = served["hf"]["llama"]
+    hf = lm_served["hf"]["llama"]
     requests = [(PROMPT, [7, 19, 23]), ([3, 8], [13, 21, 34, 55, 89])]
     want = [transformers_loglikelihood(hf, c, k) for c, k in requests]
     for model in ("llama", "chunked"):
-        status, body = post(daemon.http, "/v1/completions", {
+        status, body = post(lm_daemon.http, "/v1/completions", {
             "model": model, "prompt": [c + k for c, k in requests], "temperature": 0,
             "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True})
         assert status == 200, body
@@ -340,6 +328,6 @@ def test_lm_eval_harness_loglikelihood_requests_score_the_prompt(daemon, served)
         for (lp, greedy), (want_lp, want_greedy) in zip(got, want, strict=True):
             assert lp == pytest.approx(want_lp, abs=1e-3) and greedy == want_greedy, model
         assert answer["usage"]["prompt_tokens"] == sum(len(c + k) for c, k in requests)
-    status, body = post(daemon.http, "/v1/completions", {
+    status, body = post(lm_daemon.http, "/v1/completions", {
         "model": "llama", "prompt": PROMPT, "echo": True, "stream": True})
     assert status == 400 and b"a stream takes one prompt, without echo" in body
