@@ -49,7 +49,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
                                  version=args.version,
                                  frequency_penalty=args.frequency_penalty,
                                  presence_penalty=args.presence_penalty,
-                                 logit_bias=bias):
+                                 logit_bias=bias, ignore_eos=args.ignore_eos):
         tokens.append(token)
         if not args.json:
             print(token["text"] if token["text"] or args.prompt is not None
@@ -85,5 +85,7 @@ def add_generate(sub: Any) -> None:
                      help="OpenAI's, in [-2, 2]: less a token's logit once it was generated")
     gen.add_argument("--logit-bias", default="", metavar="ID:BIAS,...",
                      help="OpenAI's, each bias in [-100, 100]: added to that token's logit")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="go on past the model's end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="machine-readable output")
     gen.set_defaults(func=cmd_generate)

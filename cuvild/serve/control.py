@@ -396,7 +396,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             "top_k": request.top_k, "top_p": request.top_p or 1.0, "stop": list(request.stop),
             "frequency_penalty": request.frequency_penalty,
             "presence_penalty": request.presence_penalty,
-            "logit_bias": dict(request.logit_bias)}
+            "logit_bias": dict(request.logit_bias), "ignore_eos": request.ignore_eos}
         if request.HasField("seed"):
             options["seed"] = request.seed
         try:

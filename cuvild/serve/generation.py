@@ -9,7 +9,10 @@ it ends (finished, failed, or its caller gone).
 
 A tokenizer is the model repository entry's `tokenizer.json` (`<repository>/<name>/<version>/`
 or `<repository>/<name>/`), read with the `tokenizers` library: JSON, never code from the
-repository; a link out of the repository or a file over MAX_TOKENIZER_BYTES is refused.
+repository; a link out of the repository or a file over MAX_TOKENIZER_BYTES is refused. The
+entry's end-of-sequence tokens (`generation_config.json`'s `eos_token_id`, an id or a list,
+and `tokenizer_config.json`'s `eos_token`) end every generation, as vLLM's and OpenAI's do,
+unless it asks `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from cuvild.serve import chat
 from cuvild.serve.errors import Refused, find, status
 
 TOKENIZER = "tokenizer.json"
+GENERATION_CONFIG = "generation_config.json"  # transformers' (its eos_token_id)
 MAX_TOKENIZER_BYTES = 64 << 20
 CONTEXT_TOKENS = 5  # the prompt's last tokens a generation's text is decoded behind (vLLM's)
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "frequency_penalty",
@@ -168,9 +172,9 @@ class Generator:
         """A checked generation: `prompt` token ids, `text` or a chat's `messages` (OpenAI's)
         with the model's tokenizer (and chat template); `options`: max_tokens, temperature,
         top_k, top_p, seed, stop (token ids, or strings with a tokenizer), frequency_penalty,
-        presence_penalty, logit_bias ({token id: bias}), ignore_eos (vLLM's: a chat's answer
-        does not end at its eos token). One refused counts as a failed request (under model
-        "" where no such model is served)."""
+        presence_penalty, logit_bias ({token id: bias}), ignore_eos (vLLM's: the answer does
+        not end at the entry's eos tokens, `eos`). One refused counts as a failed request
+        (under model "" where no such model is served)."""
         try:
             gen = self._open(name, version, prompt, text, options, messages)
         except Exception as e:
@@ -194,14 +198,15 @@ class Generator:
                           "TorchExportableModuleForDecoderOnlyLM); docs/GENERATION.md")
         tokenizer = self.tokenizer(served.record.name, served.record.version)
         options, stop_text = split_stops(options or {})
-        ignore_eos = _flag(options, "ignore_eos")
+        eos = [] if _flag(options, "ignore_eos") else self.eos(served.record.name,
+                                                               served.record.version, tokenizer)
+        options["stop"] = [*options.get("stop", ()), *eos]
         if stop_text and tokenizer is None:
             raise Refused("invalid", f"model {served.key} has no tokenizer: stop strings need "
                           "one (stop token ids do not)")
         special = True
         if messages is not None:
-            text, eos = self._chat(served, messages, tokenizer)
-            options["stop"] = [*options.get("stop", ()), *(() if ignore_eos else eos)]
+            text = self._chat(served, messages, tokenizer)
             special = False  # (the template writes them)
         if text is not None:
             if tokenizer is None:
@@ -220,9 +225,9 @@ class Generator:
                           list(prompt), chosen, tokenizer,
                           chunks_of(model, served.key, self.runner.max_dim), stop_text)
 
-    def _chat(self, served: Any, messages: Any, tokenizer: Any) -> tuple[str, list[int]]:
-        """A chat's prompt text, by the entry's chat template, and the ids that end an
-        answer (its eos token's)."""
+    def _chat(self, served: Any, messages: Any, tokenizer: Any) -> str:
+        """A chat's prompt text, by the entry's chat template (its eos token ends the answer,
+        as every generation's: `eos`)."""
         checked = chat.messages_of(messages)
         template = self.chat_template(served.record.name, served.record.version)
         if tokenizer is None or template is None:
@@ -231,9 +236,29 @@ class Generator:
                           f"beside {TOKENIZER} in its model repository entry): send a "
                           "prompt instead of messages (/v1/completions over HTTP, "
                           "`cuvilctl generate` without --chat)")
-        eos = template.special.get("eos_token")
-        found = tokenizer.token_to_id(eos) if eos else None
-        return template.render(checked), [found] if found is not None else []
+        return template.render(checked)
+
+    def eos(self, name: str, version: str, tokenizer: Any) -> list[int]:
+        """The entry's end-of-sequence ids, which end a generation (vLLM stops at them too):
+        `generation_config.json`'s eos_token_id (an id or a list) and, with a tokenizer,
+        `tokenizer_config.json`'s eos_token; none where it has neither."""
+        ids: list[int] = []
+        for file in (GENERATION_CONFIG, chat.CONFIG_FILE):
+            found = self._entry_file(name, version, file, chat.MAX_TEMPLATE_BYTES)
+            try:
+                doc = json.loads(found.read_text()) if found else {}
+            except (OSError, ValueError) as e:
+                raise Refused("invalid", f"model {name}: its {file} does not read "
+                              f"({str(e)[:200]})") from None
+            given = doc.get("eos_token_id" if file == GENERATION_CONFIG else "eos_token") \
+                if isinstance(doc, dict) else None
+            if isinstance(given, dict):  # (an AddedToken)
+                given = given.get("content")
+            if isinstance(given, str):
+                given = tokenizer.token_to_id(given) if tokenizer is not None else None
+            ids += [i for i in (given if isinstance(given, list) else [given])
+                    if isinstance(i, int) and not isinstance(i, bool)]
+        return sorted(set(ids))
 
     def chat_template(self, name: str, version: str) -> chat.Chat | None:
         """The entry's chat template (read again when its files change), None without one."""

@@ -34,3 +34,32 @@ def test_a_generations_text_continues_its_prompt() -> None:
     pieces = [piece for _, piece in gen._released(iter([4, 5]))]  # noqa: SLF001
     assert pieces == [" Paris", "."] and gen.text == " Paris."
     assert tok.decode(prompt) + gen.text == tok.decode([*prompt, 4, 5])
+
+
+def test_an_entrys_end_of_sequence_ids_come_from_its_configs(tmp_path) -> None:  # noqa: ANN001
+    """Generator.eos: generation_config.json's eos_token_id (an id or a list, as transformers
+    writes it) and tokenizer_config.json's eos_token (a string or an AddedToken, by the
+    tokenizer); none for an entry without them; a config that does not read is refused."""
+    import json
+
+    import pytest
+    from generation_helpers import tokenizer_json
+
+    from cuvild.serve.errors import Refused
+    from cuvild.serve.generation import Generator
+
+    (tmp_path / "lm" / "1").mkdir(parents=True)
+    (tmp_path / "lm" / "tokenizer.json").write_text(tokenizer_json())
+    generator = Generator(None, None, tmp_path)  # type: ignore[arg-type] - (files only)
+    tokenizer = generator.tokenizer("lm", "1")
+    assert generator.eos("lm", "1", tokenizer) == []
+    (tmp_path / "lm" / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "w6", "special": True}}))
+    assert generator.eos("lm", "1", tokenizer) == [6]
+    assert generator.eos("lm", "1", None) == []  # (a token's name needs the tokenizer)
+    (tmp_path / "lm" / "1" / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [9, 6, 12], "bos_token_id": 1}))
+    assert generator.eos("lm", "1", tokenizer) == [6, 9, 12]
+    (tmp_path / "lm" / "1" / "generation_config.json").write_text("{not json")
+    with pytest.raises(Refused, match="its generation_config.json does not read"):
+        generator.eos("lm", "1", tokenizer)

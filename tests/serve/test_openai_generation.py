@@ -50,9 +50,10 @@ def test_n_choices_a_prompt_each_its_own_sequence(lm_daemon, lm_served) -> None:
     streamed = [[t for c in chunks[:-2] for t in c["choices"][0]["token_ids"]
                  if c["choices"][0]["index"] == j] for j in range(4)]
     assert streamed == choices and chunks[-1] == "[DONE]"
-    assert sum(c["choices"][0]["finish_reason"] == "length" for c in chunks[:-2]) == 4
-    assert chunks[-2]["usage"] == {"prompt_tokens": 4, "completion_tokens": 32,
-                                   "total_tokens": 36}
+    made = sum(map(len, choices))  # (8 each, but where one met the eos token: "stop")
+    assert sum(c["choices"][0]["finish_reason"] in ("length", "stop") for c in chunks[:-2]) == 4
+    assert chunks[-2]["usage"] == {"prompt_tokens": 4, "completion_tokens": made,
+                                   "total_tokens": 4 + made}
     status, body = post(lm_daemon.http, "/v1/chat/completions", {
         "model": "llama", "messages": [{"role": "user", "content": "w5 w17"}], "n": 2,
         "max_tokens": 4, "temperature": 0})
@@ -140,8 +141,9 @@ def test_vllms_serving_benchmark_requests_are_served(lm_daemon, lm_served) -> No
     """What vLLM's serving benchmark (`vllm bench serve`) sends, as it sends it: completions
     with `best_of` 1 and `ignore_eos`, streamed; a chat with `max_completion_tokens`,
     `include_usage` and `ignore_eos` (its answer past the eos token, where without it the
-    eos token ends it); TensorRT-LLM's generate_stream with `accumulate_tokens` (each
-    text_output the text so far). best_of other than n is refused."""
+    eos token ends it, as a completion's); TensorRT-LLM's generate_stream with
+    `accumulate_tokens` (each text_output the text so far). best_of other than n is
+    refused."""
     hf = lm_served["hf"]["llama"]
     want = lm_models.reference(hf, PROMPT, 8)
     words = " ".join(WORDS[t] for t in PROMPT)
@@ -168,6 +170,16 @@ def test_vllms_serving_benchmark_requests_are_served(lm_daemon, lm_served) -> No
     texts = [e["text_output"] for e in events(body)]
     assert texts[-1].split() == [WORDS[t] for t in want], texts
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False)), texts
+    for ignore in (False, True):  # a completion ends at the entry's eos token too
+        status, body = post(lm_daemon.http, "/v1/completions", {
+            "model": "llama", "prompt": [4, 1, 5, 2], "temperature": 0.0, "max_tokens": 10,
+            "ignore_eos": ignore})
+        choice = json.loads(body)["choices"][0]
+        assert choice["token_ids"] == (full if ignore else full[:full.index(6) + 1]), choice
+        assert choice["finish_reason"] == ("length" if ignore else "stop")
+        with Client(lm_daemon.target) as grpc_client:  # (and over gRPC, cuvilctl's path)
+            assert [t["token_id"] for t in grpc_client.generate(
+                "llama", [4, 1, 5, 2], max_tokens=10, ignore_eos=ignore)] == choice["token_ids"]
     status, body = post(lm_daemon.http, "/v1/completions",
                         {"model": "llama", "prompt": words, "best_of": 2})
     assert status == 400 and b"best_of must be n (1)" in body, body
