@@ -112,6 +112,17 @@ class EndSequence:
 
 
 @dataclass(frozen=True, slots=True)
+class CopySequence:
+    """A sequence starts from another's state (n choices of one prompt: the prompt ran once,
+    cuvild/serve/generation.py): the parts here copy the state they keep for slot `source`
+    into slot `slot`'s."""
+
+    model: str
+    source: int
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
 class Describe:
     """How a built part runs now, in a line (`cuvilctl partition`): a language model's decode
     step compiled by inductor or eager, and why; answered between runs."""
@@ -143,8 +154,8 @@ class Attach:
     layout: dict[str, Any]  # as the session's open reply gave it to the client
 
 
-Order = (Build | Preload | Unload | Forget | Choose | Restore | Attach | EndSequence | Describe
-         | LogLevel)
+Order = (Build | Preload | Unload | Forget | Choose | Restore | Attach | EndSequence
+         | CopySequence | Describe | LogLevel)
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,17 @@ def drop_sequence(scope: str, slot: int) -> None:
                 del _POOLS[key]
 
 
+def copy_sequence(scope: str, source: int, slot: int) -> None:
+    """Sequence `slot` of model `scope` starts from sequence `source`'s state, in each pool
+    that holds it: its row a copy of the source's (between runs: the worker's lock)."""
+    with _LOCK:
+        found = [p for k, p in _POOLS.items() if k[0] == scope and source in p.rows]
+    for held in found:
+        at = held.row(slot)  # (may grow the pool: the source's row is read after)
+        for tensor in held.tensors.values():
+            tensor[at].copy_(tensor[held.rows[source]])
+
+
 def drop_scope(scope: str) -> None:
     """Model `scope` was unloaded: every sequence's state of it goes."""
     with _LOCK:

@@ -44,11 +44,11 @@ from runtimes import compiled_step, mixed, packed_linear, torch_cuda
 from runtimes.attention import attended
 from runtimes.base import INITIAL, CompileError, CompileSpec, Executable, Runtime, reset
 from runtimes.derived import derived
-from runtimes.state import drop_scope, drop_sequence, holds, layout_of, pool, runs
+from runtimes.state import copy_sequence, drop_scope, drop_sequence, holds, layout_of, pool, runs
 from runtimes.together import Together
 
-__all__ = ["drop_scope", "drop_sequence", "reset"]  # (the worker's, with the state:
-# runtimes/state.py; a part's state reset: runtimes/base.py)
+# (the worker's, with the state: runtimes/state.py; a part's state reset: runtimes/base.py)
+__all__ = ["copy_sequence", "drop_scope", "drop_sequence", "reset"]
 
 log = logging.getLogger(__name__)
 

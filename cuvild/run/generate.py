@@ -169,16 +169,20 @@ def served_step(runner: Any, model: LoadedModel, chunked: LoadedModel, live: Liv
     return step
 
 
-def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int,
+def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int,  # noqa: C901 - the prompt, then the loop
              chunks: Sequence[int] = (1,), scores: Scores | None = None,
-             prompt_scores: PromptScores | None = None) -> Iterator[int]:
+             prompt_scores: PromptScores | None = None,
+             prefilled: Callable[[np.ndarray], None] | None = None,
+             start: np.ndarray | None = None) -> Iterator[int]:
     """The generated token ids, one at a time. `step(ids, position)` runs the model on `ids`
     at positions from `position` on the sequence's state and returns the logits of the last
     one [vocab] (or of each: [len(ids), vocab]); `chunks`: the lengths a step may take,
     largest first, 1 among them; `context`: the longest sequence the model's cache holds;
     `scores`, where given, is told each position's logits and the token picked from them
     before the token is yielded; `prompt_scores` the logits of each chunk of the prompt and
-    its first position."""
+    its first position; `prefilled` the prompt's last logits once it ran (the sequence's
+    state then holds the prompt); with `start` (those logits), the state already holds the
+    prompt (a copy of another sequence's that ran it) and the prompt does not run again."""
     sampling.check()
     if not prompt:
         raise BadInput("the prompt is empty: generation starts from at least one token")
@@ -186,13 +190,15 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
         raise BadInput(f"the prompt is {len(prompt)} tokens; the model's context is {context} "
                        "(its cache's length), and at least one must be left to generate")
     rng = np.random.default_rng(sampling.seed)
-    logits, at = np.empty(0), 0
+    logits, at = (np.empty(0), 0) if start is None else (start, len(prompt))
     while at < len(prompt):
         size = next(c for c in chunks if c <= len(prompt) - at)
         logits = step(list(prompt[at:at + size]), at)
         if prompt_scores is not None:
             prompt_scores(np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1]), at)
         at += size
+    if prefilled is not None and start is None:
+        prefilled(np.asarray(logits))
     position = len(prompt)
     counts: np.ndarray | None = None  # how often each token id was generated
     for _ in range(sampling.max_tokens):

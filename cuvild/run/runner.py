@@ -48,7 +48,7 @@ from cuvild.run.bells import Bells, Rung
 from cuvild.run.request import FEEDBACK_RUNS, run_parts
 from cuvild.run.sequences import Live, Sequences
 from cuvild.workers.clientmem import DaemonRegions
-from protos.orders import EndSequence, RawTensor, TensorRef
+from protos.orders import CopySequence, EndSequence, RawTensor, TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -139,6 +139,19 @@ class Runner:
                 self.sequences.end(live, "its state was lost: its worker died during a step "
                                          "(start it again)")
                 raise
+
+    def copy_sequence(self, source: Live, to: Live, timeout_s: float = 60.0) -> None:
+        """Sequence `to` starts from `source`'s state (its steps so far), on every worker
+        that keeps it; once they all have it."""
+        for device in source.workers:
+            worker = self.workers.ready(device)
+            if worker is None:
+                raise WorkerUnavailable(f"{device}: its worker is restarting; the state to "
+                                        "copy went with it")
+            reply = worker.call(CopySequence(source.key, source.slot, to.slot)).result(
+                timeout_s)
+            if not reply.ok:
+                raise RuntimeError(f"{device}: the state did not copy: {reply.error}")
 
     def _end_slot(self, key: str, slot: int, devices: list[str]) -> None:
         for device in devices:

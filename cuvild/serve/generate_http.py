@@ -23,7 +23,8 @@ with a tokenizer: the text ends before the first, which is not sent), frequency_
 presence_penalty and logit_bias. OpenAI's routes also give `logprobs` (a completion's count,
 a chat's `logprobs` with `top_logprobs`), and a completion takes several prompts and `echo` (what
 lm-evaluation-harness's loglikelihood asks: the prompt's own logprobs), and `n` choices a
-prompt: each its own sequence, with `seed` choice j sampled from seed + j (vLLM's rule),
+prompt: the prompt run once, each choice then on its own copy of the state it left
+(generation.py `share`), with `seed` choice j sampled from seed + j (vLLM's rule),
 the index of prompt i's choice j i * n + j; streamed interleaved, each chunk its choice's
 `index`. A request's choices generate a quarter of the HTTP threads at a time, so that
 their decode steps share runs (runtimes/together.py). A stream that fails after its first
@@ -49,7 +50,7 @@ from aiohttp import web
 
 from cuvild.core.layout import BadInput
 from cuvild.serve.errors import STATUS, Refused, status
-from cuvild.serve.generation import OPTIONS, Generation, continued, generates
+from cuvild.serve.generation import OPTIONS, Generation, continued, generates, share
 
 # `server` below is the RestServer (cuvild/serve/rest.py) that registered the routes: its
 # `pool` runs the generation, `generator` opens it, `_body` reads a body within its limits.
@@ -198,15 +199,19 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[list[_Answer
     seed = options.get("seed")
     answers: list[_Answer] = []
 
-    def choices(**given: Any) -> Iterator[tuple[int, Generation]]:
-        """The prompt's n generations, choice j sampled from seed + j (vLLM's rule)."""
-        for j in range(n):
-            own = options if seed is None or j == 0 else {**options, "seed": seed + j}
-            yield j, server.generator.open(name, version, options=own, **given)
+    def choices(**given: Any) -> list[tuple[int, Generation]]:
+        """The prompt's n generations, choice j sampled from seed + j (vLLM's rule), the
+        prompt run once for all (`share`)."""
+        gens = [server.generator.open(name, version, options=options if seed is None or j == 0
+                                      else {**options, "seed": seed + j}, **given)
+                for j in range(n)]
+        for gen in gens:
+            gen.top_logprobs, gen.score_prompt = top, echo
+        share(gens)
+        return list(enumerate(gens))
 
     if chat:
         for j, gen in choices(messages=doc.get("messages")):
-            gen.top_logprobs = top
             answers.append(_Answer(gen, chat, usage, index=j,
                                    id_of=answers[0] if answers else None, first=j == 0))
         return answers, stream
@@ -216,7 +221,6 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[list[_Answer
     for i, prompt in enumerate(prompts):
         text = prompt if isinstance(prompt, str) else None
         for j, gen in choices(prompt=None if text else prompt, text=text):
-            gen.top_logprobs, gen.score_prompt = top, echo
             answers.append(_Answer(gen, chat, usage, index=i * n + j, echo=echo, text=text,
                                    id_of=answers[0] if answers else None, first=j == 0))
     return answers, stream
@@ -416,8 +420,12 @@ async def _together(server: RestServer, answers: list[_Answer]) -> list[list[tup
     limit = asyncio.Semaphore(max(1, server.threads // 4))
 
     async def one(answer: _Answer) -> list[tuple[int, str]]:
-        async with limit:
-            return await _all(server, answer.gen)
+        try:
+            async with limit:
+                return await _all(server, answer.gen)
+        except asyncio.CancelledError:  # (the caller went: one not run yet never runs)
+            answer.gen.abandon()
+            raise
 
     done = await asyncio.gather(*(one(a) for a in answers), return_exceptions=True)
     failed = [d for d in done if isinstance(d, BaseException)]
@@ -481,7 +489,9 @@ def _pulled(server: RestServer, gens: list[Generation], queue: asyncio.Queue[tup
 
     async def one(j: int, gen: Generation) -> None:
         async with limit:
-            if not stop.is_set():
+            if stop.is_set():
+                gen.abandon()
+            else:
                 await loop.run_in_executor(server.pool, pull, j, gen)
 
     return [asyncio.ensure_future(one(j, gen)) for j, gen in enumerate(gens)]

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from cuvild.load.buckets import last_logits, step_lengths
 from cuvild.load.models import ModelManager
 from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate, logprobs, served_step
 from cuvild.run.runner import Runner
+from cuvild.run.sequences import Live
 from cuvild.serve import chat
 from cuvild.serve.errors import Refused, find, status
 
@@ -68,6 +70,14 @@ class Generation:
     # logits computed, not on its twin that computes the last one's alone
     score_prompt: bool = False
     prompt_scored: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # n choices of one prompt (`share`): the first runs the prompt and hands each other a
+    # sequence of its own holding a copy of the state it left, and the prompt's last logits
+    followers: list[Generation] = field(default_factory=list)
+    handed: threading.Event | None = None  # (a follower's: set once it was handed its start)
+    start: tuple[Live, Any] | None = None
+    failed: BaseException | None = None  # (why none was handed: the first one's error)
+    abandoned: bool = False  # (a follower its caller will not run: `abandon`)
+    _started: bool = False
     _text: str = ""
     _sent: int = 0  # how much of _text was given out
 
@@ -75,8 +85,12 @@ class Generation:
         """(token id, the text it adds: "" without a tokenizer), one at a time."""
         model, runner = self.model, self.runner
         assert model.state is not None
-        live = runner.sequences.begin(model.key, f"generate-{next(_ids)}",
-                                      sorted(model.parts_by_device))
+        self._started = True
+        try:
+            live, given = self._begin()
+        except BaseException as e:
+            self._hand_over(None, e)  # (its followers told why none starts)
+            raise
         # a prompt's chunks on the model's twin that computes the last position's logits
         # alone (cuvild/load/buckets.py last_logits), or where the prompt is scored on the
         # model itself; decode steps (one position) on its own
@@ -88,9 +102,11 @@ class Generation:
         prompt_scores = self._score_prompt if self.score_prompt and top is not None else None
         t0, last, code = time.perf_counter(), None, "CANCELLED"  # (its caller left)
         try:
-            for token in self._released(generate(step, self.prompt, self.sampling,
-                                                 model.state.context, self.chunks, scores,
-                                                 prompt_scores)):
+            for token in self._released(generate(
+                    step, self.prompt, self.sampling, model.state.context, self.chunks, scores,
+                    prompt_scores, start=given, prefilled=(
+                        lambda logits: self._hand_over(live, logits)) if self.followers
+                    else None)):
                 if self.metrics is not None:  # (before the caller takes it)
                     now = time.perf_counter()
                     self.metrics.token(self.name, self.version, now - (last or t0),
@@ -100,12 +116,66 @@ class Generation:
             code = None
         except Exception as e:
             code = status(e).name
+            self._hand_over(None, e)  # (where the prompt did not run to its end)
             raise
         finally:
+            self._hand_over(None, RuntimeError("the first of its n choices ended first"))
             runner.sequences.end(live, "ended (its generation ended)")
             if self.metrics is not None:
                 self.metrics.generation(self.name, self.version, len(self.prompt),
                                         time.perf_counter() - t0, code)
+
+    def _begin(self) -> tuple[Live, Any]:
+        """The sequence this generation runs on, and the prompt's last logits where another
+        ran the prompt (a follower: the sequence is a copy of the state that one left)."""
+        if self.handed is None:
+            model = self.model
+            return self.runner.sequences.begin(model.key, f"generate-{next(_ids)}",
+                                               sorted(model.parts_by_device)), None
+        if not self.handed.wait(FOLLOW_S):
+            raise RuntimeError(f"its prompt did not run in {FOLLOW_S:g} s (the first of its "
+                               "n choices runs it for all)")
+        if self.start is None:  # (the first one's error itself: its status, its words)
+            raise self.failed or RuntimeError("its prompt did not run")
+        return self.start
+
+    def _hand_over(self, live: Live | None, logits: Any) -> None:
+        """Give each follower a sequence of its own holding a copy of `live`'s state (the
+        prompt ran on it) and the prompt's last logits; with `live` None, tell those not
+        handed one yet that none comes, and why (`logits` is then the error)."""
+        model, runner = self.model, self.runner
+        for follower in self.followers:
+            if follower.handed is None or follower.handed.is_set():
+                continue
+            if live is None or follower.abandoned:
+                follower.failed = logits if isinstance(logits, Exception) else RuntimeError(
+                    f"the first of its n choices ended ({type(logits).__name__})")
+                follower.handed.set()
+                continue
+            try:
+                own = runner.sequences.begin(model.key, f"generate-{next(_ids)}",
+                                             sorted(model.parts_by_device))
+                try:
+                    runner.copy_sequence(live, own)
+                except BaseException:
+                    runner.sequences.end(own, "ended (its state did not copy)")
+                    raise
+                follower.start = (own, logits)
+            except Exception as e:  # noqa: BLE001 - the follower raises it
+                follower.failed = e
+            follower.handed.set()
+        if live is not None:
+            log.debug("model %s: a prompt of %d tokens ran once for %d choices (its state "
+                      "copied for the others)", model.key, len(self.prompt),
+                      len(self.followers) + 1)
+
+    def abandon(self) -> None:
+        """A generation its caller will not run (the request went before its turn): a
+        follower's handed sequence ends now, not after the idle timeout; one not handed yet
+        is handed none (`_hand_over`)."""
+        self.abandoned = True
+        if self.start is not None and not self._started:
+            self.runner.sequences.end(self.start[0], "ended (its choice was not run)")
 
     def _score_prompt(self, rows: Any, at: int) -> None:
         """The prompt tokens' logprobs from a chunk's logits (`rows`, from position `at`):
@@ -153,7 +223,21 @@ class Generation:
         return self._text
 
 
+log = logging.getLogger(__name__)
 _ids = itertools.count(1)
+FOLLOW_S = 600.0  # how long a follower waits for its prompt to run (`share`)
+
+
+def share(gens: Sequence[Generation]) -> None:
+    """n choices of one prompt: the first runs it, the others start from a copy of the state
+    it left (`Generation.followers`), as vLLM's prefix cache shares it; each then samples on
+    its own. Not for one that scores its prompt (echo: each scores it as it runs)."""
+    if len(gens) < 2 or any(g.score_prompt for g in gens):
+        return
+    first, *rest = gens
+    first.followers = list(rest)
+    for follower in rest:
+        follower.handed = threading.Event()
 
 
 class Generator:

@@ -40,6 +40,7 @@ from protos.orders import (
     Build,
     Built,
     Choose,
+    CopySequence,
     Describe,
     Described,
     EndSequence,
@@ -110,8 +111,8 @@ class Worker:
             return self.choose(order)
         if isinstance(order, Unload):
             return self.unload(order)
-        if isinstance(order, EndSequence):
-            return self.end_sequence(order)
+        if isinstance(order, (EndSequence, CopySequence)):
+            return self.sequence_state(order)
         if isinstance(order, Describe):
             return self.describe(order)
         if isinstance(order, LogLevel):  # (a thread worker's is the daemon's: the same)
@@ -273,11 +274,16 @@ class Worker:
         said = getattr(self.parts.get((order.model, order.part)), "describe", None)
         return Described(said() if callable(said) else "")
 
-    def end_sequence(self, order: EndSequence) -> None:
-        """The sequence's state goes from every part of its model here."""
-        if "runtimes.torch_eager" in sys.modules:  # (the runtime that keeps state)
-            from runtimes.torch_eager import drop_sequence
+    def sequence_state(self, order: EndSequence | CopySequence) -> None:
+        """A sequence's state on every part of its model here: gone (it ended), or copied
+        from another's (it starts from that one's steps)."""
+        if "runtimes.torch_eager" not in sys.modules:  # (the runtime that keeps state)
+            return
+        from runtimes.torch_eager import copy_sequence, drop_sequence
 
+        if isinstance(order, CopySequence):
+            copy_sequence(order.model, order.source, order.slot)
+        else:
             drop_sequence(order.model, order.slot)
 
     def unload(self, order: Unload) -> None:

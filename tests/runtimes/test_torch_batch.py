@@ -96,6 +96,20 @@ def test_the_pool_grows_keeps_its_rows_and_goes_with_its_last_sequence() -> None
     assert state.runs([5, 0, 3, 1]) == [(0, 2), (3, 1), (5, 1)]
 
 
+def test_a_sequence_copied_from_another_starts_from_its_state() -> None:
+    """state.copy_sequence (n choices of one prompt): the new slot's row a copy of the
+    source's, the pool grown for it where full, each then its own."""
+    held = state.pool("copied", {"cache": torch.zeros(2, 3)})
+    held.views(held.row(1))["cache"].fill_(5.0)
+    state.copy_sequence("copied", 1, 2)  # (the pool grows from 1 row to 2 for it)
+    assert bool((held.views(held.row(2))["cache"] == 5).all())
+    held.views(held.row(2))["cache"].fill_(9.0)
+    assert bool((held.views(held.row(1))["cache"] == 5).all())  # (a copy, not a view)
+    state.copy_sequence("other-model", 1, 3)  # (a model with no such sequence here: nothing)
+    assert 3 not in held.rows
+    state.drop_scope("copied")
+
+
 def test_a_dynamic_length_part_batches_its_decode_steps() -> None:
     """A part exported with a dynamic length (a bucket of it runs one token a step) reads its
     sizes under vmap as one sequence's step sees them."""

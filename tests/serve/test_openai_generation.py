@@ -45,6 +45,9 @@ def test_n_choices_a_prompt_each_its_own_sequence(lm_daemon, lm_served) -> None:
         alone = json.loads(post(lm_daemon.http, "/v1/completions", {**sampled, "seed": 11 + j})[1])
         assert alone["choices"][0]["token_ids"] == got, j
     assert len({tuple(c) for c in choices}) > 1, choices
+    # (the prompt ran once, the others started from a copy of its state: their tokens are
+    # those of requests that ran it each)
+    assert "a prompt of 4 tokens ran once for 4 choices" in lm_daemon.log()
     chunks = events(post(lm_daemon.http, "/v1/completions", {  # streamed: interleaved by index
         **sampled, "n": 4, "stream": True, "stream_options": {"include_usage": True}})[1])
     streamed = [[t for c in chunks[:-2] for t in c["choices"][0]["token_ids"]
@@ -61,6 +64,9 @@ def test_n_choices_a_prompt_each_its_own_sequence(lm_daemon, lm_served) -> None:
     assert status == 200 and [c["index"] for c in doc["choices"]] == [0, 1], body
     assert doc["choices"][0]["message"] == doc["choices"][1]["message"]
     assert doc["usage"]["prompt_tokens"] == 5  # "w4 w1 w5 w17 w2", once
+    status, body = post(lm_daemon.http, "/v1/completions", {  # the first fails: all answer
+        "model": "llama", "prompt": list(range(lm_models.CONTEXT)), "n": 3, "stream": True})
+    assert status == 400 and b"the model's context is 64" in body, body
     for bad, said in ((0, "n must be an integer from 1 to 128"), (129, "from 1 to 128"),
                       ("2", "got \"2\"")):
         status, body = post(lm_daemon.http, "/v1/completions",
