@@ -506,9 +506,7 @@ async def _choices_sent(response: web.StreamResponse, answers: list[_Answer],
         j, got = item
         answer = answers[j]
         if isinstance(got, Exception):
-            said = refused(got)
-            await _send(response, {"error": error_object(
-                said.http or STATUS.get(status(said), 500), str(said))})
+            await _send(response, _error_event(got, openai=True))
             return False
         if got is _DONE:
             await _send(response, answer.choice("", [], _finish(answer.gen)))
@@ -525,6 +523,13 @@ async def _choices_sent(response: web.StreamResponse, answers: list[_Answer],
 
 async def _send(response: web.StreamResponse, doc: Any) -> None:
     await response.write(b"data: " + orjson.dumps(doc) + b"\n\n")
+
+
+def _error_event(e: Exception, openai: bool) -> dict[str, Any]:
+    """A stream's event for an error after its first token (its status already sent)."""
+    said = refused(e)
+    return {"error": error_object(said.http or STATUS.get(status(said), 500), str(said))
+            if openai else str(said)}
 
 
 async def _all(server: RestServer, gen: Generation) -> list[tuple[int, str]]:
@@ -553,19 +558,16 @@ async def _events(server: RestServer, request: web.Request, gen: Generation,
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         while item is not _DONE:
-            await response.write(b"data: " + orjson.dumps(event(*item)) + b"\n\n")
+            await _send(response, event(*item))
             pending = server.pool.submit(next, tokens, _DONE)
             try:
                 item = await asyncio.wrap_future(pending)
             except Exception as e:  # noqa: BLE001 - said in the stream: the status is sent
-                said = refused(e)
-                await response.write(b"data: " + orjson.dumps({"error": error_object(
-                    said.http or STATUS.get(status(said), 500), str(said)) if openai
-                    else str(said)}) + b"\n\n")
+                await _send(response, _error_event(e, openai))
                 break
         if done is not None and item is _DONE:
             for last in done():
-                await response.write(b"data: " + orjson.dumps(last) + b"\n\n")
+                await _send(response, last)
         if openai:
             await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

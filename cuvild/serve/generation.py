@@ -149,7 +149,8 @@ class Generation:
                 continue
             if live is None or follower.abandoned:
                 follower.failed = logits if isinstance(logits, Exception) else RuntimeError(
-                    f"the first of its n choices ended ({type(logits).__name__})")
+                    "its caller went" if follower.abandoned
+                    else f"the first of its n choices ended ({type(logits).__name__})")
                 follower.handed.set()
                 continue
             try:
@@ -247,6 +248,7 @@ class Generator:
         self.repository = Path(repository).resolve() if repository else None
         self._tokenizers: dict[Path, tuple[float, Any]] = {}
         self._chats: dict[Any, chat.Chat | None] = {}
+        self._eos: dict[Any, list[int]] = {}  # (by the files' mtimes, as the templates)
         self._lock = threading.Lock()
         self.metrics: Any = None  # cuvild.serve.metrics.Metrics, when metrics.enabled
 
@@ -325,24 +327,19 @@ class Generator:
     def eos(self, name: str, version: str, tokenizer: Any) -> list[int]:
         """The entry's end-of-sequence ids, which end a generation (vLLM stops at them too):
         `generation_config.json`'s eos_token_id (an id or a list) and, with a tokenizer,
-        `tokenizer_config.json`'s eos_token; none where it has neither."""
-        ids: list[int] = []
-        for file in (GENERATION_CONFIG, chat.CONFIG_FILE):
-            found = self._entry_file(name, version, file, chat.MAX_TEMPLATE_BYTES)
-            try:
-                doc = json.loads(found.read_text()) if found else {}
-            except (OSError, ValueError) as e:
-                raise Refused("invalid", f"model {name}: its {file} does not read "
-                              f"({str(e)[:200]})") from None
-            given = doc.get("eos_token_id" if file == GENERATION_CONFIG else "eos_token") \
-                if isinstance(doc, dict) else None
-            if isinstance(given, dict):  # (an AddedToken)
-                given = given.get("content")
-            if isinstance(given, str):
-                given = tokenizer.token_to_id(given) if tokenizer is not None else None
-            ids += [i for i in (given if isinstance(given, list) else [given])
-                    if isinstance(i, int) and not isinstance(i, bool)]
-        return sorted(set(ids))
+        `tokenizer_config.json`'s eos_token; none where it has neither. Read again only when
+        a file changes (not on every request)."""
+        files = {f: self._entry_file(name, version, f, chat.MAX_TEMPLATE_BYTES)
+                 for f in (GENERATION_CONFIG, chat.CONFIG_FILE)}
+        key = (tuple((p, p.stat().st_mtime) if p else None for p in files.values()),
+               id(tokenizer))
+        with self._lock:
+            kept = self._eos.get(key)
+        if kept is None:
+            kept = _eos_of(name, files, tokenizer)
+            with self._lock:
+                self._eos[key] = kept
+        return kept
 
     def chat_template(self, name: str, version: str) -> chat.Chat | None:
         """The entry's chat template (read again when its files change), None without one."""
@@ -484,6 +481,26 @@ def _flag(options: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise BadInput(f"{name} must be true or false, got {value!r}")
     return value
+
+
+def _eos_of(name: str, files: dict[str, Path | None], tokenizer: Any) -> list[int]:
+    """`Generator.eos` read from the entry's files (file name -> its path, None: none)."""
+    ids: list[int] = []
+    for file, found in files.items():
+        try:
+            doc = json.loads(found.read_text()) if found else {}
+        except (OSError, ValueError) as e:
+            raise Refused("invalid", f"model {name}: its {file} does not read "
+                          f"({str(e)[:200]})") from None
+        given = doc.get("eos_token_id" if file == GENERATION_CONFIG else "eos_token") \
+            if isinstance(doc, dict) else None
+        if isinstance(given, dict):  # (an AddedToken)
+            given = given.get("content")
+        if isinstance(given, str):
+            given = tokenizer.token_to_id(given) if tokenizer is not None else None
+        ids += [i for i in (given if isinstance(given, list) else [given])
+                if isinstance(i, int) and not isinstance(i, bool)]
+    return sorted(set(ids))
 
 
 def _sampling_for(options: dict[str, Any], prompt: list[int], vocab: int,
