@@ -167,6 +167,9 @@ class Config:  # a key per field; `path` alone is not one (the file it was read 
                                  positive=True)
     sequence_idle_s: float = setting("engine.sequences.idle_timeout_s", 300.0, "a sequence "
                                      "idle this long ends", positive=True)
+    prefix_cache_mib: int = setting("engine.sequences.prefix_cache_mib", 1024, "finished "
+                                    "generations' state kept for later prompts that begin "
+                                    "with their tokens (a chat's next turn; 0: none)")
     compile_steps: bool = setting("engine.sequences.compile_steps", True, "compile a "
                                   "language model's decode step at its first use (inductor), "
                                   "served where it measures faster")

@@ -114,12 +114,14 @@ class EndSequence:
 @dataclass(frozen=True, slots=True)
 class CopySequence:
     """A sequence starts from another's state (n choices of one prompt: the prompt ran once,
-    cuvild/serve/generation.py): the parts here copy the state they keep for slot `source`
-    into slot `slot`'s."""
+    cuvild/serve/generation.py; a kept prefix, cuvild/run/prefixes.py): the parts here copy
+    the state they keep for slot `source` into slot `slot`'s; with `length`, cut back to its
+    first `length` positions (its written counts set to it: runtimes/state.py)."""
 
     model: str
     source: int
     slot: int
+    length: int = 0  # 0: all of it
 
 
 @dataclass(frozen=True, slots=True)

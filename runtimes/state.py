@@ -81,15 +81,27 @@ def drop_sequence(scope: str, slot: int) -> None:
                 del _POOLS[key]
 
 
-def copy_sequence(scope: str, source: int, slot: int) -> None:
+def copy_sequence(scope: str, source: int, slot: int, length: int = 0) -> None:
     """Sequence `slot` of model `scope` starts from sequence `source`'s state, in each pool
-    that holds it: its row a copy of the source's (between runs: the worker's lock)."""
+    that holds it: its row a copy of the source's (between runs: the worker's lock). With
+    `length`, the state is cut back to its first `length` positions, as transformers'
+    `StaticLayer.crop` does: its written counts (the 0-d integer buffers) set to `length`
+    (transformers' export sets them from `cache_position` at each call too), the positions
+    after it left to be written over (a static KV cache; the load checks the model's state
+    is nothing else: cuvild/core/loaded.py State.croppable). A source held
+    by none of the model's pools here is an error (the copy would start from nothing); a
+    worker without any (its parts keep no state) has nothing to copy."""
     with _LOCK:
-        found = [p for k, p in _POOLS.items() if k[0] == scope and source in p.rows]
+        pools = [p for k, p in _POOLS.items() if k[0] == scope]
+        found = [p for p in pools if source in p.rows]
+    if pools and not found:
+        raise KeyError(f"model {scope}: sequence slot {source} holds no state here")
     for held in found:
         at = held.row(slot)  # (may grow the pool: the source's row is read after)
         for tensor in held.tensors.values():
             tensor[at].copy_(tensor[held.rows[source]])
+            if length and tensor.dim() == 1 and not tensor.dtype.is_floating_point:
+                tensor[at].fill_(length)
 
 
 def drop_scope(scope: str) -> None:

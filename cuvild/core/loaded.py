@@ -148,11 +148,15 @@ class Bucket:
 class State:
     """What a stateful model keeps between the steps of a sequence (cuvild/run/sequences.py):
     its buffers updated in place, their bytes per sequence, and the longest sequence they
-    hold (a KV cache's length, dim 2 of its [batch, heads, length, dim] tensors; 0: none)."""
+    hold (a KV cache's length, dim 2 of its [batch, heads, length, dim] tensors; 0: none).
+    `croppable`: a static KV cache, every layer's as long as the context, and the counts of
+    positions written (0-d integers), nothing else: cut back to its first n positions by
+    setting the counts to n (cuvild/run/prefixes.py; not a sliding window's rolling one)."""
 
     buffers: int
     nbytes: int
     context: int
+    croppable: bool = False
 
 
 @dataclass

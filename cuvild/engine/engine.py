@@ -21,7 +21,7 @@ from cuvild.core.loaded import LoadedModel
 from cuvild.load import prepare, warm
 from cuvild.load.buckets import Buckets
 from cuvild.load.builder import Builder
-from cuvild.run.runner import Runner
+from cuvild.run.runner import PREFIX_CACHE, Runner
 from cuvild.workers.workers import Workers
 from partitioner.profile import DeviceProfile
 
@@ -36,17 +36,18 @@ class Engine:
                  corrections_path: Path | None = None, run_timeout_s: float = 60.0,
                  max_buckets: int = 8, max_dim: int = 4096,
                  runtimes: dict[str, list[str]] | None = None, max_sequences: int = 64,
-                 sequence_idle_s: float = 300.0) -> None:
+                 sequence_idle_s: float = 300.0, prefix_cache_bytes: int = PREFIX_CACHE) -> None:
         """`workers`: "process" or "thread" (`engine.workers`); `run_timeout_s`: a request's
         deadline when its caller gives none, and how long a worker may give no reply before
         it is restarted; `max_buckets`: input shapes kept per dynamic-shape model, up to
         `max_dim`; `runtimes`: device id or kind -> runtimes; `max_sequences` of stateful
-        models live at once, each ended after `sequence_idle_s` idle."""
+        models live at once, each ended after `sequence_idle_s` idle, and finished ones kept
+        up to `prefix_cache_bytes` of state for later prompts (cuvild/run/prefixes.py)."""
         self.workers = Workers({d.id: d for d in devices}, cache_dir, workers,
                                run_timeout_s, lambda device, worker: warm.revive(
                                    self.builder, device, worker))
         self.runner = Runner(arena, self.workers, max_in_flight, run_timeout_s, max_dim,
-                             max_sequences, sequence_idle_s)
+                             max_sequences, sequence_idle_s, prefix_cache_bytes)
         self.builder = Builder(devices, cache_dir, self.workers, self.runner,
                                build_timeout_s, compile_timeout_s, corrections_path, runtimes)
         self.buckets = Buckets(self.builder, max_buckets)

@@ -234,8 +234,11 @@ def state_of(ep: Any) -> State | None:
     tensors = dict(ep.named_buffers())
     kept = [tensors[n] for n in mutated if n in tensors]
     lengths = [t.shape[2] for t in kept if t.dim() == 4]
+    croppable = bool(lengths) and all(
+        (t.dim() == 4 and t.shape[2] == lengths[0])
+        or (t.dim() == 0 and not t.dtype.is_floating_point) for t in kept)
     return State(len(kept), sum(t.numel() * t.element_size() for t in kept),
-                 min(lengths) if lengths else 0)
+                 min(lengths) if lengths else 0, croppable)
 
 
 def _alternative(builder: Builder, ep: Any, plan: Any, objective: str, policy: PrecisionPolicy,

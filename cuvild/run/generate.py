@@ -173,7 +173,7 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
              chunks: Sequence[int] = (1,), scores: Scores | None = None,
              prompt_scores: PromptScores | None = None,
              prefilled: Callable[[np.ndarray], None] | None = None,
-             start: np.ndarray | None = None) -> Iterator[int]:
+             start: np.ndarray | None = None, held: int = 0) -> Iterator[int]:
     """The generated token ids, one at a time. `step(ids, position)` runs the model on `ids`
     at positions from `position` on the sequence's state and returns the logits of the last
     one [vocab] (or of each: [len(ids), vocab]); `chunks`: the lengths a step may take,
@@ -182,15 +182,21 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
     before the token is yielded; `prompt_scores` the logits of each chunk of the prompt and
     its first position; `prefilled` the prompt's last logits once it ran (the sequence's
     state then holds the prompt); with `start` (those logits), the state already holds the
-    prompt (a copy of another sequence's that ran it) and the prompt does not run again."""
+    prompt (a copy of another sequence's that ran it) and the prompt does not run again;
+    `held`: the prompt's first tokens the state holds already (a kept prefix:
+    cuvild/run/prefixes.py), the rest runs. Once it ends (or its caller stops taking
+    tokens), the state holds the prompt and every token yielded but the last."""
     sampling.check()
     if not prompt:
         raise BadInput("the prompt is empty: generation starts from at least one token")
     if len(prompt) >= context:
         raise BadInput(f"the prompt is {len(prompt)} tokens; the model's context is {context} "
                        "(its cache's length), and at least one must be left to generate")
+    if not 0 <= held < len(prompt) or (held and prompt_scores is not None):
+        raise ValueError(f"held {held}: the state holds less than the prompt, and none of a "
+                         "prompt whose every position is scored")
     rng = np.random.default_rng(sampling.seed)
-    logits, at = (np.empty(0), 0) if start is None else (start, len(prompt))
+    logits, at = (np.empty(0), held) if start is None else (start, len(prompt))
     while at < len(prompt):
         size = next(c for c in chunks if c <= len(prompt) - at)
         logits = step(list(prompt[at:at + size]), at)
@@ -201,7 +207,7 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
         prefilled(np.asarray(logits))
     position = len(prompt)
     counts: np.ndarray | None = None  # how often each token id was generated
-    for _ in range(sampling.max_tokens):
+    for made in range(1, sampling.max_tokens + 1):
         last = np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1])[-1]
         token = pick(sampling.adjusted(last, counts), sampling, rng)
         if scores is not None:
@@ -210,7 +216,7 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
             counts = np.zeros(last.size) if counts is None else counts
             counts[token] += 1
         yield token
-        if token in sampling.stop or position >= context:
-            return
+        if token in sampling.stop or position >= context or made == sampling.max_tokens:
+            return  # (the last token never runs: nothing reads its logits)
         logits = step([token], position)
         position += 1

@@ -45,8 +45,9 @@ from cuvild.core.layout import check_inputs
 from cuvild.core.loaded import Out, check_dims
 from cuvild.core.served import Monitor, Served, Timeline
 from cuvild.run.bells import Bells, Rung
+from cuvild.run.prefixes import Prefixes
 from cuvild.run.request import FEEDBACK_RUNS, run_parts
-from cuvild.run.sequences import Live, Sequences
+from cuvild.run.sequences import Live, SequenceError, Sequences
 from cuvild.workers.clientmem import DaemonRegions
 from protos.orders import CopySequence, EndSequence, RawTensor, TensorRef
 
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     Input = torch.Tensor | TensorRef | RawTensor  # a request's input, as it comes
 
 log = logging.getLogger(__name__)
+PREFIX_CACHE = 1 << 30  # bytes of kept sequences' state (engine.sequences.prefix_cache_mib)
 # A bucket miss: the Builder's future for `model`'s bucket at these shapes.
 Miss = Callable[["LoadedModel", "Shapes"], "Future[LoadedModel]"]
 
@@ -67,11 +69,12 @@ Miss = Callable[["LoadedModel", "Shapes"], "Future[LoadedModel]"]
 class Runner:
     def __init__(self, arena: Arena, workers: Workers, max_in_flight: int = 4,
                  run_timeout_s: float = 60.0, max_dim: int = 4096, max_sequences: int = 64,
-                 sequence_idle_s: float = 300.0) -> None:
+                 sequence_idle_s: float = 300.0, prefix_cache_bytes: int = PREFIX_CACHE) -> None:
         """`run_timeout_s`: a request's deadline when its caller gives none, and how long a
         worker may give no reply before it is restarted; `max_dim`: the largest size built
         for a dynamic dimension (larger is refused before anything is built);
-        `max_sequences` live at once, each ended after `sequence_idle_s` idle."""
+        `max_sequences` live at once, each ended after `sequence_idle_s` idle; finished
+        generations' sequences kept up to `prefix_cache_bytes` of state (prefixes.py)."""
         self.arena = arena
         self.workers = workers
         self.served = Served()  # replaced whole by the Builder, never written here
@@ -87,6 +90,7 @@ class Runner:
         # a stateful model's sequences: their state is in its workers, by slot
         self.sequences = Sequences(lambda device: self.workers.of(device).generation,
                                    self._end_slot, max_sequences, sequence_idle_s)
+        self.prefixes = Prefixes(self.sequences, self.copy_sequence, prefix_cache_bytes)
 
     # -- the verbs ---------------------------------------------------------------------------
     def resolve(self, model: LoadedModel, given: Sequence[tuple[str, tuple[int, ...]]],
@@ -133,6 +137,11 @@ class Runner:
         """One request of sequence `live` (cuvild/run/sequences.py): on its state, one step
         at a time. Its worker dying under it ends the sequence (the state was there)."""
         with live.lock:
+            if not self.sequences.alive(live):  # (ended between its steps: its state went)
+                raise SequenceError(f"sequence {live.id!r} of model {live.key} ended before "
+                                    "this step (engine.sequences.idle_timeout_s, its model's "
+                                    "unload or its worker's restart)")
+            live.last, live.holds = time.monotonic(), True
             try:
                 return self.execute(model, inputs, out, timeline, deadline, live.slot)
             except WorkerUnavailable:
@@ -140,18 +149,21 @@ class Runner:
                                          "(start it again)")
                 raise
 
-    def copy_sequence(self, source: Live, to: Live, timeout_s: float = 60.0) -> None:
-        """Sequence `to` starts from `source`'s state (its steps so far), on every worker
-        that keeps it; once they all have it."""
+    def copy_sequence(self, source: Live, to: Live, length: int = 0,
+                      timeout_s: float = 60.0) -> None:
+        """Sequence `to` starts from `source`'s state (its steps so far; with `length`, cut
+        back to its first `length` positions: `State.croppable`), on every worker that keeps
+        it; once they all have it."""
         for device in source.workers:
             worker = self.workers.ready(device)
             if worker is None:
                 raise WorkerUnavailable(f"{device}: its worker is restarting; the state to "
                                         "copy went with it")
-            reply = worker.call(CopySequence(source.key, source.slot, to.slot)).result(
-                timeout_s)
+            order = CopySequence(source.key, source.slot, to.slot, length)
+            reply = worker.call(order).result(timeout_s)
             if not reply.ok:
                 raise RuntimeError(f"{device}: the state did not copy: {reply.error}")
+        to.holds = True
 
     def _end_slot(self, key: str, slot: int, devices: list[str]) -> None:
         for device in devices:

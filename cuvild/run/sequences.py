@@ -11,6 +11,7 @@ runs on a fresh state). Here the daemon keeps which slot each live sequence has:
 - `get` it for a step: an unknown id, one ended, timed out or whose worker restarted since
   it began (its state went with the worker) each answer a clear error;
 - `end` it (its last step, an idle timeout, the model's unload): the workers drop its state.
+At the cap, a sequence the prefix cache keeps (cuvild/run/prefixes.py) ends first.
 A sequence runs one step at a time (its lock): its steps are ordered by their callers.
 """
 
@@ -50,6 +51,7 @@ class Live:
     workers: dict[str, int]  # device -> the worker's generation when it began
     last: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    holds: bool = False  # whether its workers hold state of it yet (a step ran, or a copy)
 
 
 class Sequences:
@@ -62,6 +64,9 @@ class Sequences:
         self.generation, self.drop = generation, drop
         self.cap, self.idle_s = cap, idle_s
         self._live: dict[tuple[str, str], Live] = {}
+        # at the cap, end a sequence nobody runs (the prefix cache's: cuvild/run/prefixes.py)
+        # before refusing a new one: False where there is none
+        self.spare: Callable[[], bool] = lambda: False
         self._gone: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -71,6 +76,8 @@ class Sequences:
     def begin(self, key: str, seq_id: str, devices: list[str]) -> Live:
         """A new sequence of model `key` on the workers of `devices`."""
         self.reap()
+        while self._full(key, seq_id) and self.spare():
+            pass
         with self._lock:
             old = self._live.pop((key, seq_id), None)
             if old is None and len(self._live) >= self.cap:
@@ -85,6 +92,10 @@ class Sequences:
             self.drop(key, old.slot, list(old.workers))
         return live
 
+    def _full(self, key: str, seq_id: str) -> bool:
+        with self._lock:
+            return (key, seq_id) not in self._live and len(self._live) >= self.cap
+
     def get(self, key: str, seq_id: str) -> Live:
         """The live sequence for a step, or SequenceError saying why it is not."""
         self.reap()
@@ -94,13 +105,27 @@ class Sequences:
         if live is None:
             raise SequenceError(f"sequence {seq_id!r} of model {key}: "
                                 + (reason or "unknown (start it with sequence_start)"))
-        lost = [d for d, g in live.workers.items() if self.generation(d) != g]
+        lost = self._lost(live)
         if lost:
             self.end(live, f"its state was lost: the worker of {', '.join(lost)} restarted "
                            "since it began (start it again)")
             return self.get(key, seq_id)
         live.last = time.monotonic()
         return live
+
+    def alive(self, live: Live) -> bool:
+        """Whether `live` is live and its state still in its workers."""
+        with self._lock:
+            if self._live.get((live.key, live.id)) is not live:
+                return False
+        return not self._lost(live)
+
+    def _lost(self, live: Live) -> list[str]:
+        """The devices whose worker restarted since `live` began holding state there (one
+        that holds none yet is on the workers there are now: begun while one restarted)."""
+        if not live.holds:
+            live.workers = {d: self.generation(d) for d in live.workers}
+        return [d for d, g in live.workers.items() if self.generation(d) != g]
 
     def end(self, live: Live, reason: str = "ended (sequence_end)") -> None:
         with self._lock:

@@ -262,6 +262,7 @@ class Daemon:
                         max_dim=self.cfg.max_dim, runtimes=self.cfg.runtimes,
                         max_sequences=self.cfg.max_sequences,
                         sequence_idle_s=self.cfg.sequence_idle_s,
+                        prefix_cache_bytes=self.cfg.prefix_cache_mib << 20,
                         workers=self.cfg.workers,
                         build_timeout_s=config_mod.build_timeout_s(self.cfg),
                         compile_timeout_s=self.cfg.compile_timeout_s,

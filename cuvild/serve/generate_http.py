@@ -178,10 +178,8 @@ async def openai(server: RestServer, request: web.Request,
         for answer, made in zip(answers, await _together(server, answers), strict=True):
             choices += answer.choice(answer.gen.text, made, _finish(answer.gen),
                                      streamed=False)["choices"]
-        made = sum(len(a.gen.ids) for a in answers)
-        prompt = sum(len(a.gen.prompt) for a in answers if a.first)  # (once a prompt)
-        return _json({**answers[0].head(streamed=False), "choices": choices, "usage": {
-            "prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}})
+        return _json({**answers[0].head(streamed=False), "choices": choices,
+                      "usage": _usage(answers)})
     if len(answers) > 1:  # n choices of one prompt
         return await _interleaved(server, request, answers)
     answer = answers[0]
@@ -297,6 +295,16 @@ def _include_usage(given: Any) -> bool:
     return given.get("include_usage", False)
 
 
+def _usage(answers: list[_Answer]) -> dict[str, Any]:
+    """OpenAI's usage of a response's answers: each prompt counted once (its first choice's),
+    `cached_tokens` of them held by a kept sequence (cuvild/run/prefixes.py), not run."""
+    made = sum(len(a.gen.ids) for a in answers)
+    prompt = sum(len(a.gen.prompt) for a in answers if a.first)
+    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made,
+            "prompt_tokens_details": {"cached_tokens": sum(a.gen.cached for a in answers
+                                                           if a.first)}}
+
+
 class _Answer:
     """OpenAI's answer objects for one prompt of a request: a completion's choices (text), a
     chat's (a message, or in a stream each chunk's delta, the role in the first)."""
@@ -321,16 +329,11 @@ class _Answer:
         tokenizer = self.gen.tokenizer
         return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
 
-    def usage(self) -> dict[str, int]:
-        prompt, made = len(self.gen.prompt), len(self.gen.ids)
-        return {"prompt_tokens": prompt, "completion_tokens": made,
-                "total_tokens": prompt + made}
-
     def done(self) -> list[dict[str, Any]]:
         """A stream's last chunks: the finish reason, and (with_usage) the usage, no choice."""
         last = [self.choice("", [], _finish(self.gen))]
         if self.with_usage:
-            last.append({**self.head(), "choices": [], "usage": self.usage()})
+            last.append({**self.head(), "choices": [], "usage": _usage([self])})
         return last
 
     def head(self, streamed: bool = True) -> dict[str, Any]:
@@ -452,11 +455,8 @@ async def _interleaved(server: RestServer, request: web.Request,
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         if await _choices_sent(response, answers, queue, first) and answers[0].with_usage:
-            made = sum(len(a.gen.ids) for a in answers)
-            prompt = len(answers[0].gen.prompt)
-            await _send(response, {**answers[0].head(), "choices": [], "usage": {
-                "prompt_tokens": prompt, "completion_tokens": made,
-                "total_tokens": prompt + made}})
+            await _send(response, {**answers[0].head(), "choices": [],
+                                   "usage": _usage(answers)})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

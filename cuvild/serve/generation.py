@@ -77,6 +77,7 @@ class Generation:
     start: tuple[Live, Any] | None = None
     failed: BaseException | None = None  # (why none was handed: the first one's error)
     abandoned: bool = False  # (a follower its caller will not run: `abandon`)
+    cached: int = 0  # the prompt's first tokens a kept sequence held (cuvild/run/prefixes.py)
     _started: bool = False
     _text: str = ""
     _sent: int = 0  # how much of _text was given out
@@ -94,17 +95,18 @@ class Generation:
         # a prompt's chunks on the model's twin that computes the last position's logits
         # alone (cuvild/load/buckets.py last_logits), or where the prompt is scored on the
         # model itself; decode steps (one position) on its own
-        whole = model.family is None or (self.score_prompt and self.top_logprobs is not None)
+        whole = model.family is None or self.scores_prompt
         step = served_step(runner, model, model if whole else last_logits(model), live)
         top = self.top_logprobs
         scores = None if top is None else (
             lambda logits, token: self.scored.append(logprobs(logits, token, top)))
-        prompt_scores = self._score_prompt if self.score_prompt and top is not None else None
+        prompt_scores = self._score_prompt if self.scores_prompt else None
         t0, last, code = time.perf_counter(), None, "CANCELLED"  # (its caller left)
+        failed = False
         try:
             for token in self._released(generate(
                     step, self.prompt, self.sampling, model.state.context, self.chunks, scores,
-                    prompt_scores, start=given, prefilled=(
+                    prompt_scores, start=given, held=self.cached, prefilled=(
                         lambda logits: self._hand_over(live, logits)) if self.followers
                     else None)):
                 if self.metrics is not None:  # (before the caller takes it)
@@ -115,23 +117,46 @@ class Generation:
                 yield token
             code = None
         except Exception as e:
-            code = status(e).name
+            code, failed = status(e).name, True
             self._hand_over(None, e)  # (where the prompt did not run to its end)
             raise
         finally:
             self._hand_over(None, RuntimeError("the first of its n choices ended first"))
-            runner.sequences.end(live, "ended (its generation ended)")
+            self._end(live, not failed)
             if self.metrics is not None:
                 self.metrics.generation(self.name, self.version, len(self.prompt),
-                                        time.perf_counter() - t0, code)
+                                        time.perf_counter() - t0, code, self.cached)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether every prompt position's logits are scored (echo with logprobs)."""
+        return self.score_prompt and self.top_logprobs is not None
+
+    def _end(self, live: Live, whole: bool) -> None:
+        """The generation ended: its sequence kept for a later prompt that begins with the
+        tokens its state holds (the prompt and each token but the last: `generate`), where
+        it ended `whole` (no step failed), else ended."""
+        held = [*self.prompt, *self.ids[:-1]]
+        if not (whole and self.ids and self.runner.prefixes.keep(self.model, live, held)):
+            self.runner.sequences.end(live, "ended (its generation ended)")
 
     def _begin(self) -> tuple[Live, Any]:
         """The sequence this generation runs on, and the prompt's last logits where another
         ran the prompt (a follower: the sequence is a copy of the state that one left)."""
         if self.handed is None:
-            model = self.model
-            return self.runner.sequences.begin(model.key, f"generate-{next(_ids)}",
-                                               sorted(model.parts_by_device)), None
+            model, runner = self.model, self.runner
+
+            def begin() -> Live:
+                return runner.sequences.begin(model.key, f"generate-{next(_ids)}",
+                                              sorted(model.parts_by_device))
+
+            hit = None if self.scores_prompt else runner.prefixes.take(model, self.prompt, begin)
+            if hit is None:
+                return begin(), None
+            live, self.cached = hit
+            log.debug("model %s: %d of a prompt's %d tokens held by a kept sequence",
+                      model.key, self.cached, len(self.prompt))
+            return live, None
         if not self.handed.wait(FOLLOW_S):
             raise RuntimeError(f"its prompt did not run in {FOLLOW_S:g} s (the first of its "
                                "n choices runs it for all)")

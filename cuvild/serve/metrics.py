@@ -106,6 +106,9 @@ class Metrics:
         self.prompt_tokens = Counter("cuvil_generation_prompt_tokens", "Prompt tokens of "
                                      "generation requests", MODEL, registry=r)
         self.tokens = Counter("cuvil_generation_tokens", "Tokens generated", MODEL, registry=r)
+        self.cached_tokens = Counter("cuvil_generation_prompt_cached_tokens", "Prompt tokens "
+                                     "a kept sequence held already (the prefix cache): not run "
+                                     "again", MODEL, registry=r)
         self._recent: dict[tuple[str, str], collections.deque[float]] = {}
         # (kind, model, version) -> recent generation times: "first" token, "between" tokens
         self._recent_tokens: dict[tuple[str, str, str], collections.deque[float]] = {}
@@ -153,10 +156,12 @@ class Metrics:
         recent.append(seconds)
 
     def generation(self, name: str, version: str, prompt: int, seconds: float,
-                   code: str | None) -> None:
-        """A generation's end: its prompt's tokens, and the request, succeeded (`code`
-        None) or failed (a gRPC status name; CANCELLED: its caller left)."""
+                   code: str | None, cached: int = 0) -> None:
+        """A generation's end: its prompt's tokens (`cached` of them held by a kept
+        sequence), and the request, succeeded (`code` None) or failed (a gRPC status name;
+        CANCELLED: its caller left)."""
         self._child(self.prompt_tokens, name, version).inc(prompt)
+        self._child(self.cached_tokens, name, version).inc(cached)
         if code is None:
             self.succeeded(name, version, seconds, 1)
         else:
@@ -348,9 +353,11 @@ class _State(Collector):
         states: dict[str, int] = collections.Counter(m.state for m in served)
         yield _gauge("cuvil_models", "Models by state", [([s], n) for s, n in states.items()],
                      ["state"])
-        yield _gauge("cuvil_sequences_live", "Sequences live (generations, and clients' "
-                     "sequence_id ones), their state held in the workers",
-                     [([], len(engine.sequences))])
+        yield _gauge("cuvil_sequences_live", "Sequences live (generations, clients' "
+                     "sequence_id ones and those the prefix cache keeps), their state held in "
+                     "the workers", [([], len(engine.sequences))])
+        yield _gauge("cuvil_sequences_kept", "Finished generations' sequences the prefix "
+                     "cache keeps for later prompts", [([], len(engine.prefixes))])
         if self.fast is not None:
             yield _gauge("cuvil_fast_path_sessions", "Same-host fast-path sessions open",
                          [([], self.fast.sessions())])

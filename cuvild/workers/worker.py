@@ -282,7 +282,7 @@ class Worker:
         from runtimes.torch_eager import copy_sequence, drop_sequence
 
         if isinstance(order, CopySequence):
-            copy_sequence(order.model, order.source, order.slot)
+            copy_sequence(order.model, order.source, order.slot, order.length)
         else:
             drop_sequence(order.model, order.slot)
 

@@ -74,7 +74,8 @@ def test_every_surface_generates_as_transformers(daemon, served) -> None:  # noq
     assert status == 200, body
     doc = json.loads(body)
     assert doc["choices"][0]["text"].split() == [WORDS[t] for t in want["llama"]]
-    assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+    assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     status, body = post(daemon.http, "/v1/completions",
                         {"model": "llama", "prompt": text, "max_tokens": 8, "stream": True})
     streamed = events(body)

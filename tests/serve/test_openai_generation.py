@@ -36,7 +36,8 @@ def test_n_choices_a_prompt_each_its_own_sequence(lm_daemon, lm_served) -> None:
     assert [c["index"] for c in doc["choices"]] == list(range(6))
     assert [c["token_ids"] for c in doc["choices"]] == (
         [lm_models.reference(hf, PROMPT, 6)] * 3 + [lm_models.reference(hf, other, 6)] * 3)
-    assert doc["usage"] == {"prompt_tokens": 7, "completion_tokens": 36, "total_tokens": 43}
+    assert doc["usage"] == {"prompt_tokens": 7, "completion_tokens": 36, "total_tokens": 43,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     sampled = {"model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
                "seed": 11}
     choices = [c["token_ids"] for c in json.loads(post(lm_daemon.http, "/v1/completions", {
@@ -56,7 +57,8 @@ def test_n_choices_a_prompt_each_its_own_sequence(lm_daemon, lm_served) -> None:
     made = sum(map(len, choices))  # (8 each, but where one met the eos token: "stop")
     assert sum(c["choices"][0]["finish_reason"] in ("length", "stop") for c in chunks[:-2]) == 4
     assert chunks[-2]["usage"] == {"prompt_tokens": 4, "completion_tokens": made,
-                                   "total_tokens": 4 + made}
+                                   "total_tokens": 4 + made,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     status, body = post(lm_daemon.http, "/v1/chat/completions", {
         "model": "llama", "messages": [{"role": "user", "content": "w5 w17"}], "n": 2,
         "max_tokens": 4, "temperature": 0})
@@ -349,3 +351,37 @@ def test_lm_eval_harness_loglikelihood_requests_score_the_prompt(lm_daemon, lm_s
     status, body = post(lm_daemon.http, "/v1/completions", {
         "model": "llama", "prompt": PROMPT, "echo": True, "stream": True})
     assert status == 400 and b"a stream takes one prompt, without echo" in body
+
+
+def test_a_prompt_that_begins_as_an_earlier_one_runs_only_the_rest(lm_daemon, lm_served) -> None:  # noqa: ANN001
+    """The prefix cache (cuvild/run/prefixes.py): a conversation's next turn takes its last
+    turn's kept sequence, another question after the same first 18 tokens a copy cut back
+    to them; each answers transformers' tokens on its whole prompt, token by token and in
+    chunks, and the usage says how many prompt tokens were held; a chat's next turn too."""
+    hf, first = lm_served["hf"]["llama"], list(range(40, 60))  # (20 tokens, this test's own)
+
+    def completion(model: str, prompt: list[int]) -> tuple[list[int], int]:
+        status, body = post(lm_daemon.http, "/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+        assert status == 200, body
+        doc = json.loads(body)
+        return doc["choices"][0]["token_ids"], doc["usage"]["prompt_tokens_details"][
+            "cached_tokens"]
+
+    for model in ("llama", "chunked"):
+        said, cached = completion(model, first)
+        assert said == lm_models.reference(hf, first, 4) and cached == 0
+        turn = first + said + [7, 8]
+        assert completion(model, turn) == (lm_models.reference(hf, turn, 4), 23)
+        other = first[:18] + [90, 91]
+        assert completion(model, other) == (lm_models.reference(hf, other, 4), 18)
+    question = {"role": "user", "content": " ".join(WORDS[40:60])}
+    status, body = post(lm_daemon.http, "/v1/chat/completions", {
+        "model": "llama", "messages": [question], "max_tokens": 4, "temperature": 0})
+    answer = json.loads(body)["choices"][0]["message"]
+    assert status == 200 and answer["role"] == "assistant", body
+    status, body = post(lm_daemon.http, "/v1/chat/completions", {
+        "model": "llama", "max_tokens": 4, "temperature": 0, "messages": [
+            question, answer, {"role": "user", "content": "w61 w62"}]})
+    usage = json.loads(body)["usage"]  # "w4 w1" and the 20 words held: "w3", not "w2", next
+    assert status == 200 and usage["prompt_tokens_details"] == {"cached_tokens": 22}, body
