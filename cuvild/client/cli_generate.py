@@ -34,12 +34,8 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
         messages = [*([{"role": "system", "content": args.system}] if args.system else []),
                     {"role": "user", "content": args.prompt}]
     stop = [int(t) for t in args.stop.replace(",", " ").split()] if args.stop else []
-    try:
-        bias = {int(t): float(b) for t, _, b in (pair.partition(":") for pair in
-                                                  args.logit_bias.replace(",", " ").split())}
-    except ValueError:
-        print(f"cuvilctl: --logit-bias takes ID:BIAS pairs, e.g. 2:-100,7:5, got "
-              f"{args.logit_bias!r}", file=sys.stderr)
+    bias, structured = _bias(args), _structured(args)
+    if bias is None or structured is None:
         return 1
     tokens: list[dict[str, Any]] = []
     for token in client.generate(args.name, ids, text=None if messages else args.prompt,
@@ -49,7 +45,8 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
                                  version=args.version,
                                  frequency_penalty=args.frequency_penalty,
                                  presence_penalty=args.presence_penalty,
-                                 logit_bias=bias, ignore_eos=args.ignore_eos):
+                                 logit_bias=bias, ignore_eos=args.ignore_eos,
+                                 structured=structured or None):
         tokens.append(token)
         if not args.json:
             print(token["text"] if token["text"] or args.prompt is not None
@@ -60,6 +57,35 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     else:
         print()
     return 0
+
+
+def _bias(args: argparse.Namespace) -> dict[int, float] | None:
+    """--logit-bias's {token id: bias}; None (said) where it does not read."""
+    try:
+        return {int(t): float(b) for t, _, b in (pair.partition(":") for pair in
+                                                 args.logit_bias.replace(",", " ").split())}
+    except ValueError:
+        print(f"cuvilctl: --logit-bias takes ID:BIAS pairs, e.g. 2:-100,7:5, got "
+              f"{args.logit_bias!r}", file=sys.stderr)
+        return None
+
+
+def _structured(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The structured output asked ({}: none); None (said) where --json-schema's file is
+    not JSON."""
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": args.choice.split(",")}
+    if args.json_schema is None:
+        return {}
+    try:
+        with open(args.json_schema) as f:
+            return {"json": json.load(f)}
+    except (OSError, ValueError) as e:
+        print(f"cuvilctl: --json-schema {args.json_schema}: not a JSON file ({e})",
+              file=sys.stderr)
+        return None
 
 
 def add_generate(sub: Any) -> None:
@@ -87,5 +113,10 @@ def add_generate(sub: Any) -> None:
                      help="OpenAI's, each bias in [-100, 100]: added to that token's logit")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="go on past the model's end-of-sequence tokens")
+    held = gen.add_mutually_exclusive_group()
+    held.add_argument("--json-schema", metavar="FILE", help="the answer is JSON valid for the "
+                      "schema in FILE (structured output)")
+    held.add_argument("--regex", help="the answer matches this regular expression")
+    held.add_argument("--choice", metavar="A,B,...", help="the answer is one of these")
     gen.add_argument("--json", action="store_true", help="machine-readable output")
     gen.set_defaults(func=cmd_generate)

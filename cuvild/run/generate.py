@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -125,6 +125,16 @@ def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> in
     return int(rng.choice(probs.size, p=probs))
 
 
+class Constraint(Protocol):
+    """A grammar the output is held to (cuvild/serve/structured.py): the logits with the
+    tokens that cannot come next at -inf, each token picked taken in, and whether the output
+    is complete (it ends there)."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray: ...
+    def accept(self, token: int) -> None: ...
+    def done(self) -> bool: ...
+
+
 Step = Callable[[list[int], int], np.ndarray]  # (token ids, first position) -> their logits
 Scores = Callable[[np.ndarray, int], None]  # (a position's logits, the token picked from them)
 # (a prompt chunk's logits, one row a position, and its first position)
@@ -173,7 +183,8 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
              chunks: Sequence[int] = (1,), scores: Scores | None = None,
              prompt_scores: PromptScores | None = None,
              prefilled: Callable[[np.ndarray], None] | None = None,
-             start: np.ndarray | None = None, held: int = 0) -> Iterator[int]:
+             start: np.ndarray | None = None, held: int = 0,
+             constraint: Constraint | None = None) -> Iterator[int]:
     """The generated token ids, one at a time. `step(ids, position)` runs the model on `ids`
     at positions from `position` on the sequence's state and returns the logits of the last
     one [vocab] (or of each: [len(ids), vocab]); `chunks`: the lengths a step may take,
@@ -184,8 +195,9 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
     state then holds the prompt); with `start` (those logits), the state already holds the
     prompt (a copy of another sequence's that ran it) and the prompt does not run again;
     `held`: the prompt's first tokens the state holds already (a kept prefix:
-    cuvild/run/prefixes.py), the rest runs. Once it ends (or its caller stops taking
-    tokens), the state holds the prompt and every token yielded but the last."""
+    cuvild/run/prefixes.py), the rest runs; `constraint`: a grammar each token is picked
+    within, the output ending where it is complete. Once it ends (or its caller stops
+    taking tokens), the state holds the prompt and every token yielded but the last."""
     sampling.check()
     if not prompt:
         raise BadInput("the prompt is empty: generation starts from at least one token")
@@ -209,14 +221,20 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
     counts: np.ndarray | None = None  # how often each token id was generated
     for made in range(1, sampling.max_tokens + 1):
         last = np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1])[-1]
-        token = pick(sampling.adjusted(last, counts), sampling, rng)
+        adjusted = sampling.adjusted(last, counts)
+        if constraint is not None:
+            adjusted = constraint.mask(adjusted)
+        token = pick(adjusted, sampling, rng)
+        if constraint is not None:
+            constraint.accept(token)
         if scores is not None:
             scores(last, token)
         if sampling.frequency_penalty or sampling.presence_penalty:
             counts = np.zeros(last.size) if counts is None else counts
             counts[token] += 1
         yield token
-        if token in sampling.stop or position >= context or made == sampling.max_tokens:
+        if (token in sampling.stop or position >= context or made == sampling.max_tokens
+                or (constraint is not None and constraint.done())):
             return  # (the last token never runs: nothing reads its logits)
         logits = step([token], position)
         position += 1

@@ -397,6 +397,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             "frequency_penalty": request.frequency_penalty,
             "presence_penalty": request.presence_penalty,
             "logit_bias": dict(request.logit_bias), "ignore_eos": request.ignore_eos}
+        if request.structured:
+            options["structured"] = request.structured
         if request.HasField("seed"):
             options["seed"] = request.seed
         try:

@@ -49,6 +49,7 @@ import orjson
 from aiohttp import web
 
 from cuvild.core.layout import BadInput
+from cuvild.serve import structured
 from cuvild.serve.errors import STATUS, Refused, status
 from cuvild.serve.generation import OPTIONS, Generation, continued, generates, share
 
@@ -63,7 +64,8 @@ FIELDS = {"input_ids", "text_input", "parameters", "stream", "accumulate_tokens"
 # (and vLLM's ignore_eos, and best_of where it is n: vLLM's serving benchmark sends both)
 OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
           "stream_options", "n", "stop", "user", "frequency_penalty", "presence_penalty",
-          "logit_bias", "logprobs", "echo", "ignore_eos", "best_of"}
+          "logit_bias", "logprobs", "echo", "ignore_eos", "best_of", "response_format",
+          "structured_outputs", *structured.GUIDED}
 CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_LOGPROBS = 20  # the likeliest tokens a token's logprobs may list (vLLM's default bound)
 MAX_N = 128  # choices a prompt (OpenAI's own bound)
@@ -252,6 +254,9 @@ def _checked(doc: Any, chat: bool) -> tuple[int, bool, bool, bool, dict[str, Any
                if doc.get(k) is not None}
     if doc.get("max_completion_tokens") is not None:
         options["max_tokens"] = doc["max_completion_tokens"]
+    asked = structured.from_openai(doc)
+    if asked is not None:
+        options["structured"] = asked
     return n, echo, stream, usage, options
 
 

@@ -35,6 +35,7 @@ from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate, logprobs, se
 from cuvild.run.runner import Runner
 from cuvild.run.sequences import Live
 from cuvild.serve import chat
+from cuvild.serve import structured as structured_output
 from cuvild.serve.errors import Refused, find, status
 
 TOKENIZER = "tokenizer.json"
@@ -42,7 +43,7 @@ GENERATION_CONFIG = "generation_config.json"  # transformers' (its eos_token_id)
 MAX_TOKENIZER_BYTES = 64 << 20
 CONTEXT_TOKENS = 5  # the prompt's last tokens a generation's text is decoded behind (vLLM's)
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "frequency_penalty",
-           "presence_penalty", "logit_bias", "ignore_eos")
+           "presence_penalty", "logit_bias", "ignore_eos", "structured")
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Generation:
     failed: BaseException | None = None  # (why none was handed: the first one's error)
     abandoned: bool = False  # (a follower its caller will not run: `abandon`)
     cached: int = 0  # the prompt's first tokens a kept sequence held (cuvild/run/prefixes.py)
+    constraint: Any = None  # the grammar its output is held to (cuvild/serve/structured.py)
     _started: bool = False
     _text: str = ""
     _sent: int = 0  # how much of _text was given out
@@ -106,7 +108,8 @@ class Generation:
         try:
             for token in self._released(generate(
                     step, self.prompt, self.sampling, model.state.context, self.chunks, scores,
-                    prompt_scores, start=given, held=self.cached, prefilled=(
+                    prompt_scores, start=given, held=self.cached, constraint=self.constraint,
+                    prefilled=(
                         lambda logits: self._hand_over(live, logits)) if self.followers
                     else None)):
                 if self.metrics is not None:  # (before the caller takes it)
@@ -220,7 +223,8 @@ class Generation:
         held: tuple[int, str] | None = None
         for token in tokens:
             self.ids.append(token)
-            self.stopped = token in self.sampling.stop
+            self.stopped = token in self.sampling.stop or (
+                self.constraint is not None and self.constraint.done())
             if self.tokenizer is not None:  # the whole output decoded: a token may complete
                 # a character another began
                 self._text = self.decoded(self.ids)
@@ -274,6 +278,7 @@ class Generator:
         self._tokenizers: dict[Path, tuple[float, Any]] = {}
         self._chats: dict[Any, chat.Chat | None] = {}
         self._eos: dict[Any, list[int]] = {}  # (by the files' mtimes, as the templates)
+        self._guides = structured_output.Guides()
         self._lock = threading.Lock()
         self.metrics: Any = None  # cuvild.serve.metrics.Metrics, when metrics.enabled
 
@@ -309,9 +314,9 @@ class Generator:
                           "TorchExportableModuleForDecoderOnlyLM); docs/GENERATION.md")
         tokenizer = self.tokenizer(served.record.name, served.record.version)
         options, stop_text = split_stops(options or {})
-        eos = [] if _flag(options, "ignore_eos") else self.eos(served.record.name,
-                                                               served.record.version, tokenizer)
-        options["stop"] = [*options.get("stop", ()), *eos]
+        eos = self.eos(served.record.name, served.record.version, tokenizer)
+        options["stop"] = [*options.get("stop", ()), *([] if _flag(options, "ignore_eos")
+                                                        else eos)]
         if stop_text and tokenizer is None:
             raise Refused("invalid", f"model {served.key} has no tokenizer: stop strings need "
                           "one (stop token ids do not)")
@@ -330,11 +335,27 @@ class Generator:
                 or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             raise BadInput("the prompt must be a non-empty list of token ids (integers), or "
                            "text for a model with a tokenizer")
-        chosen = _sampling_for(options, prompt, int(served.record.outputs[0]["shape"][-1]),
+        vocab = int(served.record.outputs[0]["shape"][-1])
+        constraint = self._constraint(served, options.pop("structured", None), vocab, eos)
+        chosen = _sampling_for(options, prompt, vocab,
                                model.state.context if messages is not None else None)
         return Generation(self.runner, model, served.record.name, served.record.version,
                           list(prompt), chosen, tokenizer,
-                          chunks_of(model, served.key, self.runner.max_dim), stop_text)
+                          chunks_of(model, served.key, self.runner.max_dim), stop_text,
+                          constraint=constraint)
+
+    def _constraint(self, served: Any, structured: Any, vocab: int,
+                    eos: list[int]) -> structured_output.Constrained | None:
+        """The grammar a request's output is held to (`structured`: cuvild/serve/
+        structured.py), by the entry's tokenizer; None where none is asked."""
+        if structured is None:
+            return None
+        path = self._entry_file(served.record.name, served.record.version, TOKENIZER,
+                                MAX_TOKENIZER_BYTES)
+        if path is None:
+            raise Refused("invalid", f"model {served.key} has no tokenizer ({TOKENIZER} in its "
+                          "model repository entry): structured output needs one")
+        return self._guides.constrained(path, structured, vocab, eos)
 
     def _chat(self, served: Any, messages: Any, tokenizer: Any) -> str:
         """A chat's prompt text, by the entry's chat template (its eos token ends the answer,

@@ -160,7 +160,7 @@ def lm_daemon(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_d
               shared_cache: Path, lm_served: dict[str, Any]) -> Iterator[DaemonProcess]:
     """One daemon for test_generation.py and test_openai_generation.py (one worker runs both:
     tests/conftest.py SAME_WORKER), serving `lm_served`'s repository, an HTTP listener at
-    its `http`: its three models build once."""
+    its `http`: its four models build once."""
     http = f"127.0.0.1:{free_port()}"
     torch_too = {"cpu": ["openvino", "torch"], "npu": ["openvino", "torch"]}
     workdir = tmp_path_factory.mktemp("generation")
@@ -171,7 +171,7 @@ def lm_daemon(tmp_path_factory: pytest.TempPathFactory, state_root: Path, sock_d
     d = DaemonProcess(workdir, config, profiles=state_root).start()
     d.http = http  # type: ignore[attr-defined]
     try:
-        all_ready(d.target, ("gpt2", "llama", "chunked"))
+        all_ready(d.target, ("gpt2", "llama", "chunked", "bytes"))
         yield d
     finally:
         d.close()

@@ -5,6 +5,7 @@ transformers' own greedy scores."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +39,10 @@ def lm_repository(root: Path) -> dict[str, Any]:
     (root / "chunked" / "1").mkdir(parents=True)
     torch.export.save(lm_models.export(refs["llama"], dynamic=True),
                       root / "chunked" / "1" / "model.pt2")
+    (root / "bytes" / "1").mkdir(parents=True)  # the Llama, with a byte-level tokenizer
+    shutil.copy(root / "llama" / "1" / "model.pt2", root / "bytes" / "1" / "model.pt2")
+    (root / "bytes" / "tokenizer.json").write_text(byte_tokenizer_json())
+    (root / "bytes" / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
     return refs
 
 
@@ -60,6 +65,21 @@ def tokenizer_json() -> str:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
+    return tok.to_str()
+
+
+def byte_tokenizer_json() -> str:
+    """A byte-level BPE tokenizer (GPT-2's kind, which llguidance reads) of one token a
+    printable ASCII character: "<s>" 0, "</s>" 1 (end of sequence), "!" .. "~" 2 .. 95, a
+    space 96, a newline 97 (of the model's 128 logits, 98 .. 127 are no token)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, **{chr(b): b - 31 for b in range(33, 127)},
+             "\u0120": 96, "\u010a": 97}  # (the byte-level alphabet's space and newline)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
     return tok.to_str()
 
 

@@ -6,15 +6,20 @@ several prompts with `echo`, on test_generation.py's daemon (tests/serve/conftes
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import lm_models
+import numpy as np
 import pytest
 import torch
 from generation_helpers import (
     PROMPT,
     WORDS,
+    byte_tokenizer_json,
     events,
     post,
     transformers_greedy,
@@ -86,8 +91,8 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(lm_daemon, lm_s
     client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     listed = {m.id: m.model_extra["max_model_len"] for m in client.models.list()}
-    assert listed == {n: lm_models.CONTEXT for n in ("chunked", "chunked:1", "gpt2",
-                                                     "gpt2:1", "llama", "llama:1")}
+    assert listed == {n: lm_models.CONTEXT for n in ("bytes", "bytes:1", "chunked", "chunked:1",
+                                                     "gpt2", "gpt2:1", "llama", "llama:1")}
     assert client.models.retrieve("llama:1").id == "llama:1"
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("nope")
@@ -385,3 +390,84 @@ def test_a_prompt_that_begins_as_an_earlier_one_runs_only_the_rest(lm_daemon, lm
             question, answer, {"role": "user", "content": "w61 w62"}]})
     usage = json.loads(body)["usage"]  # "w4 w1" and the 20 words held: "w3", not "w2", next
     assert status == 200 and usage["prompt_tokens_details"] == {"cached_tokens": 22}, body
+
+
+def transformers_constrained(hf: Any, prompt: list[int], grammar: str, new: int) -> list[int]:
+    """transformers' model run whole on the tokens so far, greedy among the tokens
+    llguidance allows next (the test entry's byte-level tokenizer), until the grammar ends."""
+    import llguidance
+
+    tokenizer = llguidance.LLTokenizer(byte_tokenizer_json(), n_vocab=lm_models.VOCAB,
+                                       eos_token=[1])
+    matcher, ids, made = llguidance.LLMatcher(tokenizer, grammar), list(prompt), []
+    with torch.no_grad():
+        while len(made) < new and not matcher.is_stopped():
+            bits = np.frombuffer(matcher.compute_bitmask(), np.uint8)
+            allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:lm_models.VOCAB])
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+            token = int(torch.argmax(logits.masked_fill(allowed == 0, -torch.inf)))
+            assert matcher.consume_token(token), matcher.get_error()
+            ids.append(token)
+            made.append(token)
+    return made
+
+
+def test_structured_output_holds_the_answer_to_a_schema_a_regex_or_choices(
+        lm_daemon, lm_served, tmp_path: Path) -> None:  # noqa: ANN001
+    """OpenAI's response_format and vLLM's structured_outputs / guided_* (cuvild/serve/
+    structured.py, llguidance): the answer is valid for its schema, regex or choices and
+    ends where they do, greedy the tokens of transformers' model picking among the tokens
+    llguidance allows, over HTTP, gRPC and cuvilctl; a schema that does not compile, a
+    model without a tokenizer, two ways at once and an unknown format are refused, naming
+    why."""
+    import llguidance
+
+    hf = lm_served["hf"]["llama"]
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "n": {"type": "integer", "maximum": 9}},
+              "required": ["answer", "n"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}
+    asks = [({"response_format": {"type": "json_schema",
+                                  "json_schema": {"name": "a", "schema": schema}}},
+             llguidance.grammar_from("json", schema)),
+            ({"structured_outputs": {"regex": "[a-f]{3}-[0-9]"}},
+             llguidance.grammar_from("regex", "[a-f]{3}-[0-9]")),
+            ({"guided_choice": ["red", "green", "blue"]},
+             llguidance.grammar_from("choice", ["red", "green", "blue"]))]
+    prompt = [40, 41, 66, 3]
+    for ask, grammar in asks:
+        status, body = post(lm_daemon.http, "/v1/completions", {
+            "model": "bytes", "prompt": prompt, "max_tokens": 40, **ask})
+        assert status == 200, body
+        choice = json.loads(body)["choices"][0]
+        assert choice["token_ids"] == transformers_constrained(hf, prompt, grammar, 40), ask
+        assert choice["finish_reason"] == "stop", choice
+        text = choice["text"]
+        if "response_format" in ask:
+            answer = json.loads(text)
+            assert answer["answer"] in ("yes", "no") and 0 <= answer["n"] <= 9, text
+        else:
+            assert re.fullmatch("[a-f]{3}-[0-9]|red|green|blue", text), text
+    # over gRPC (Client.generate(structured=...)) and `cuvilctl generate --json-schema`
+    with Client(lm_daemon.target) as client:
+        got = [t["token_id"] for t in client.generate(
+            "bytes", prompt, max_tokens=40, structured={"choice": ["red", "green", "blue"]})]
+    assert got == transformers_constrained(hf, prompt, asks[2][1], 40)
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    done = subprocess.run([sys.executable, "-m", "cuvild.client.cli", "--target",
+                           lm_daemon.target, "generate", "bytes", "--ids", "40,41,66,3",
+                           "--max-tokens", "40", "--json-schema", str(tmp_path / "schema.json"),
+                           "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["output_ids"] == transformers_constrained(
+        hf, prompt, asks[0][1], 40)
+    for ask, said in (
+            ({"response_format": {"type": "json_schema", "json_schema": {
+                "name": "a", "schema": {"type": "nonsense"}}}}, "nonsense"),
+            ({"model": "gpt2", "response_format": {"type": "json_object"}}, "has no tokenizer"),
+            ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
+             "one way of structuring"),
+            ({"response_format": {"type": "yaml"}}, "response_format must be")):
+        status, body = post(lm_daemon.http, "/v1/completions",
+                            {"model": "bytes", "prompt": prompt, **ask})
+        assert status == 400 and said in json.loads(body)["error"]["message"], body
