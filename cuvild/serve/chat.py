@@ -5,9 +5,12 @@ The template is the model repository entry's: `chat_template.jinja` (as transfor
 saves it) or the `chat_template` of its `tokenizer_config.json` (a string, or named templates:
 "default" is used), beside its `tokenizer.json`. It is Jinja, rendered in jinja2's immutable
 sandbox (no attribute of a Python object outside the template's own values is reachable, no
-value is changed), with what transformers gives it: `messages`, `add_generation_prompt`
-(true: the prompt ends where the assistant's answer begins), the special tokens of the
-config (`bos_token`, `eos_token`, ...), `raise_exception` and `strftime_now`. The rendered
+value is changed), with what transformers gives it: `messages`, `tools` (OpenAI's function
+tools, or None: cuvild/serve/tools.py), `add_generation_prompt` (true: the prompt ends where
+the assistant's answer begins), the special tokens of the config (`bos_token`,
+`eos_token`, ...), `raise_exception`, `strftime_now` and transformers' `tojson` (jinja's
+own escapes HTML and sorts keys). transformers' `{% generation %}` tag (assistant masks
+for training) is not known: a template with it does not load. The rendered
 text is tokenized without adding special tokens again (the template writes them), and the
 config's `eos_token` ends the answer (a stop token, not sent as text).
 """
@@ -28,6 +31,7 @@ MAX_TEMPLATE_BYTES = 1 << 20
 MAX_MESSAGES = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+SHAPE = '{"id", "type": "function", "function": {"name", "arguments": JSON\'s text}}'
 
 
 @dataclass
@@ -35,13 +39,14 @@ class Chat:
     template: Any  # a compiled jinja2 Template
     special: dict[str, str]  # bos_token, eos_token, ... as the config names them
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for `messages`, ending where the assistant's answer begins."""
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+        """The prompt text for `messages`, ending where the assistant's answer begins;
+        `tools` (OpenAI's function tools) given to the template as transformers gives them."""
         from jinja2 import TemplateError
 
         try:
-            return str(self.template.render(messages=messages, add_generation_prompt=True,
-                                            **self.special))
+            return str(self.template.render(messages=messages, tools=tools,
+                                            add_generation_prompt=True, **self.special))
         except TemplateError as e:  # (the template's own raise_exception too)
             raise BadInput(f"the model's chat template refused the messages: {e}") from None
 
@@ -81,14 +86,24 @@ def _environment() -> Any:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[loopcontrols])
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        """transformers' `tojson` (jinja's own escapes HTML and sorts keys: not the text the
+        model was trained on)."""
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
     env.globals.update(raise_exception=raise_exception,
                        strftime_now=lambda fmt: time.strftime(fmt))
+    env.filters["tojson"] = tojson
     return env
 
 
-def messages_of(given: Any) -> list[dict[str, str]]:
+def messages_of(given: Any) -> list[dict[str, Any]]:
     """OpenAI's `messages` checked: a non-empty list of {"role", "content"} where content is
-    text or a list of text parts ({"type": "text", "text": ...})."""
+    text or a list of text parts ({"type": "text", "text": ...}); an assistant's may be
+    null beside its `tool_calls` (their arguments, JSON's text, given to the template as
+    objects, as vLLM gives them), a tool's names its `tool_call_id` (cuvild/serve/tools.py)."""
     if not isinstance(given, list) or not given:
         raise BadInput("messages must be a non-empty list of {\"role\", \"content\"}")
     if len(given) > MAX_MESSAGES:
@@ -98,14 +113,48 @@ def messages_of(given: Any) -> list[dict[str, str]]:
         if not isinstance(message, Mapping) or message.get("role") not in ROLES:
             raise BadInput(f"messages[{i}]: expected {{\"role\": one of {list(ROLES)}, "
                            "\"content\": ...}")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, Mapping) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise BadInput(f"messages[{i}].content: only text parts "
-                               "({\"type\": \"text\", \"text\": ...}) are read")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise BadInput(f"messages[{i}].content must be text")
-        out.append({"role": str(message["role"]), "content": content})
+        calls = _calls(i, message) if message["role"] == "assistant" else None
+        content = _content(i, message.get("content"), bool(calls))
+        one: dict[str, Any] = {"role": str(message["role"]), "content": content}
+        if calls:
+            one["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                one[key] = message[key]
+        out.append(one)
+    return out
+
+
+def _content(i: int, content: Any, calls: bool) -> str:
+    """A message's text: its content, or its text parts joined ("" beside tool calls)."""
+    if content is None and calls:
+        return ""
+    if isinstance(content, list):
+        if not all(isinstance(p, Mapping) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise BadInput(f"messages[{i}].content: only text parts "
+                           "({\"type\": \"text\", \"text\": ...}) are read")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise BadInput(f"messages[{i}].content must be text")
+    return content
+
+
+def _calls(i: int, message: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """An assistant message's `tool_calls`, their arguments read as objects."""
+    given = message.get("tool_calls")
+    if given is None:
+        return None
+    out = []
+    for call in given if isinstance(given, list) else [None]:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise BadInput(f"messages[{i}].tool_calls: each {SHAPE}")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise BadInput(f"messages[{i}].tool_calls: arguments not JSON ({SHAPE})") from None
+        out.append({"id": call.get("id"), "type": "function",  # type: ignore[union-attr]
+                    "function": {"name": function["name"], "arguments": arguments}})
     return out

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,9 +48,10 @@ import orjson
 from aiohttp import web
 
 from cuvild.core.layout import BadInput
-from cuvild.serve import structured
+from cuvild.serve import openai_request
+from cuvild.serve import tools as tools_mod
 from cuvild.serve.errors import STATUS, Refused, status
-from cuvild.serve.generation import OPTIONS, Generation, continued, generates, share
+from cuvild.serve.generation import OPTIONS, Generation, continued, generates, release, share
 
 # `server` below is the RestServer (cuvild/serve/rest.py) that registered the routes: its
 # `pool` runs the generation, `generator` opens it, `_body` reads a body within its limits.
@@ -60,15 +60,6 @@ RestServer = Any
 # (accumulate_tokens: TensorRT-LLM's, which vLLM's serving benchmark sends: each streamed
 # text_output is the whole text so far)
 FIELDS = {"input_ids", "text_input", "parameters", "stream", "accumulate_tokens", *OPTIONS}
-# OpenAI's fields, top_k as vLLM takes it
-# (and vLLM's ignore_eos, and best_of where it is n: vLLM's serving benchmark sends both)
-OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
-          "stream_options", "n", "stop", "user", "frequency_penalty", "presence_penalty",
-          "logit_bias", "logprobs", "echo", "ignore_eos", "best_of", "response_format",
-          "structured_outputs", *structured.GUIDED}
-CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens", "top_logprobs"}
-MAX_LOGPROBS = 20  # the likeliest tokens a token's logprobs may list (vLLM's default bound)
-MAX_N = 128  # choices a prompt (OpenAI's own bound)
 # where OpenAI's routes are: its own /v1, and KServe's model server's /openai/v1 (its
 # documentation's base_url for an OpenAI client of an InferenceService)
 PREFIXES = ("/v1", "/openai/v1")
@@ -193,8 +184,8 @@ async def openai(server: RestServer, request: web.Request,
 def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[list[_Answer], bool]:
     """An OpenAI request checked and opened: its answers (`n` for each prompt; a completion
     may ask for several: a list of texts or of token id lists), and whether it streams."""
-    n, echo, stream, usage, options = _checked(doc, chat)
-    top = _top_logprobs(doc, chat)
+    n, echo, stream, usage, options = openai_request.checked(doc, chat)
+    top = openai_request.top_logprobs(doc, chat)
     name, _, version = doc["model"].partition(":")
     seed = options.get("seed")
     answers: list[_Answer] = []
@@ -211,11 +202,13 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[list[_Answer
         return list(enumerate(gens))
 
     if chat:
-        for j, gen in choices(messages=doc.get("messages")):
+        calls = openai_request.tools_of(doc, options)
+        for j, gen in choices(messages=doc.get("messages"), tools=calls and calls.tools):
             answers.append(_Answer(gen, chat, usage, index=j,
                                    id_of=answers[0] if answers else None, first=j == 0))
+            answers[-1].tools = calls
         return answers, stream
-    prompts = _prompts(doc.get("prompt"))
+    prompts = openai_request.prompts(doc.get("prompt"))
     if stream and (len(prompts) > 1 or echo):
         raise BadInput("a stream takes one prompt, without echo")
     for i, prompt in enumerate(prompts):
@@ -224,80 +217,6 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[list[_Answer
             answers.append(_Answer(gen, chat, usage, index=i * n + j, echo=echo, text=text,
                                    id_of=answers[0] if answers else None, first=j == 0))
     return answers, stream
-
-
-def _checked(doc: Any, chat: bool) -> tuple[int, bool, bool, bool, dict[str, Any]]:
-    """An OpenAI request's fields checked: n, echo, stream, whether a stream ends with the
-    usage, and the generation's options."""
-    what = "messages" if chat else "prompt"
-    if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
-        raise BadInput(f"expected a JSON object with \"model\" and \"{what}\"")
-    known = CHAT if chat else OPENAI
-    unknown = set(doc) - known
-    if unknown:
-        raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(known)}")
-    n = doc.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise BadInput(f"n must be an integer from 1 to {MAX_N}, got {json.dumps(n)[:50]}")
-    echo = doc.get("echo") or False
-    if not isinstance(echo, bool):
-        raise BadInput(f"echo must be true or false, got {json.dumps(echo)[:50]}")
-    stream, usage = bool(doc.get("stream")), _include_usage(doc.get("stream_options"))
-    if doc.get("stream_options") is not None and not stream:
-        raise BadInput("stream_options is only allowed with \"stream\": true")
-    if doc.get("best_of") not in (None, n):
-        raise BadInput(f"best_of must be n ({n}): every choice made is returned, none ranked "
-                       f"out, got {json.dumps(doc['best_of'])[:50]}")
-    options = {k: doc[k] for k in ("max_tokens", "temperature", "top_k", "top_p", "seed",
-                                   "stop", "frequency_penalty", "presence_penalty",
-                                   "logit_bias", "ignore_eos")
-               if doc.get(k) is not None}
-    if doc.get("max_completion_tokens") is not None:
-        options["max_tokens"] = doc["max_completion_tokens"]
-    asked = structured.from_openai(doc)
-    if asked is not None:
-        options["structured"] = asked
-    return n, echo, stream, usage, options
-
-
-def _prompts(prompt: Any) -> list[Any]:
-    """A completion's prompts: OpenAI's `prompt` is a text, token ids, or a list of either."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return prompt
-    return [prompt]
-
-
-def _top_logprobs(doc: dict[str, Any], chat: bool) -> int | None:
-    """How many likeliest tokens each token's logprobs lists (0: its own alone), None where
-    logprobs are not asked: a completion's `logprobs` (a count), a chat's `logprobs` (true
-    or false) with its `top_logprobs` (a count)."""
-    def count(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not (
-                0 <= value <= MAX_LOGPROBS):
-            raise BadInput(f"{key} must be an integer from 0 to {MAX_LOGPROBS}, got "
-                           f"{json.dumps(value)[:50]}")
-        return value
-
-    asked, top = doc.get("logprobs"), doc.get("top_logprobs")
-    if not chat:
-        return None if asked is None else count("logprobs", asked)
-    if asked is not None and not isinstance(asked, bool):
-        raise BadInput(f"logprobs must be true or false, got {json.dumps(asked)[:50]}")
-    if not asked:
-        if top is not None:
-            raise BadInput("top_logprobs needs \"logprobs\": true")
-        return None
-    return 0 if top is None else count("top_logprobs", top)
-
-
-def _include_usage(given: Any) -> bool:
-    if given is None:
-        return False
-    if (not isinstance(given, dict) or set(given) - {"include_usage"}
-            or not isinstance(given.get("include_usage", False), bool)):
-        raise BadInput("stream_options must be {\"include_usage\": true or false}, got "
-                       f"{json.dumps(given)[:200]}")
-    return given.get("include_usage", False)
 
 
 def _usage(answers: list[_Answer]) -> dict[str, Any]:
@@ -329,17 +248,35 @@ class _Answer:
         self.offset = 0  # their text's length (a completion's logprobs' text_offset)
         self.echo = (text if text is not None else self._decoded(gen.prompt)) if echo else ""
         self.prompt_due = echo  # (the prompt goes with the first choice that has tokens)
+        self.tools: tools_mod.Tools | None = None  # a chat's (its answer read for calls)
+        # a stream's text so far, how much of it went out, whether a call began (`_delta`)
+        self.said, self.sent, self.calling = "", 0, False
 
     def _decoded(self, ids: list[int]) -> str:
         tokenizer = self.gen.tokenizer
         return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
 
     def done(self) -> list[dict[str, Any]]:
-        """A stream's last chunks: the finish reason, and (with_usage) the usage, no choice."""
-        last = [self.choice("", [], _finish(self.gen))]
+        """A stream's last chunks: `ending`'s, and (with_usage) the usage, no choice."""
+        last = self.ending()
         if self.with_usage:
             last.append({**self.head(), "choices": [], "usage": _usage([self])})
         return last
+
+    def ending(self) -> list[dict[str, Any]]:
+        """A streamed choice's last chunks: what its tools held back (`_delta`), read for
+        calls (their `tool_calls`, each with its index), then its finish reason."""
+        held, finish = self.said[self.sent:], _finish(self.gen)
+        if self.tools is None or self.tools.choice == "none":
+            return [self.choice("", [], finish)]
+        message = self.tools.message(held) if held else {}
+        delta = {k: v for k, v in message.items() if k in ("content", "tool_calls") and v}
+        if delta.get("tool_calls"):
+            finish = "tool_calls"
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+        chunk = self.choice("", [], None)
+        chunk["choices"][0]["delta"] = delta
+        return [*([chunk] if delta else []), self.choice("", [], finish)]
 
     def head(self, streamed: bool = True) -> dict[str, Any]:
         kind = ("text_completion" if not self.chat else "chat.completion.chunk" if streamed
@@ -357,12 +294,28 @@ class _Answer:
             one.update(text=self.echo + text if prompt else text,
                        token_ids=[token for token, _ in made])
         elif streamed:
+            text = self._delta(text)
             one["delta"] = {**({"role": "assistant"} if first else {}),
                             **({"content": text} if text or first else {})}
         else:
-            one["message"] = {"role": "assistant", "content": text}
+            one["message"] = (self.tools.message(text) if self.tools is not None
+                              else {"role": "assistant", "content": text})
+            if one["message"].get("tool_calls"):
+                one["finish_reason"] = "tool_calls"
         return {**self.head(streamed), "choices": [one],
                 **({"usage": None} if streamed and self.with_usage else {})}
+
+    def _delta(self, text: str) -> str:
+        """What of a streamed chat's next `text` goes out now: all of it without tools; with
+        a tool_choice that holds the answer to calls, none (`ending` reads it); with "auto",
+        the text up to a "<tool_call>" (held from its first character that may begin one)."""
+        if self.tools is None or self.tools.choice == "none":
+            return text
+        self.said += text
+        if self.tools.choice != "auto" or self.calling:
+            return ""
+        piece, self.sent, self.calling = release(self.said, self.sent, (tools_mod.MARK,))
+        return piece
 
     def _logprobs(self, made: list[tuple[int, str]], prompt: bool) -> dict[str, Any] | None:
         """OpenAI's logprobs of the next tokens answered (`made`; `prompt`: the prompt's
@@ -514,7 +467,8 @@ async def _choices_sent(response: web.StreamResponse, answers: list[_Answer],
             await _send(response, _error_event(got, openai=True))
             return False
         if got is _DONE:
-            await _send(response, answer.choice("", [], _finish(answer.gen)))
+            for chunk in answer.ending():
+                await _send(response, chunk)
             left -= 1
             if not left:
                 return True

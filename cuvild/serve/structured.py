@@ -8,8 +8,8 @@ tokenizer (`tokenizer.json` of its repository entry) and, before each token is p
 gives the tokens that can continue a valid output; the others' logits are set to -inf
 (`Constrained.mask`, in cuvild/run/generate.py's loop). The output ends where the grammar
 does (a closed JSON object, a full match), or at an end-of-sequence token where the grammar
-may end. JSON whitespace between items is free, as vLLM's default (a schema's
-`"x-guidance": {"whitespace_flexible": false}` makes it compact). A schema, regex or grammar
+may end. JSON is laid out as json.dumps lays it out (JSON_LAYOUT; a schema's
+"x-guidance" may free its whitespace, as vLLM's default does). A schema, regex or grammar
 that does not compile is the request's error, with llguidance's words.
 """
 
@@ -26,6 +26,10 @@ import numpy as np
 from cuvild.core.layout import BadInput
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")  # the option `structured`'s
+# JSON laid out as Python's json.dumps writes it ({"a": 1, "b": [2, 3]}), the layout models
+# see most; a schema's "x-guidance" may say otherwise ({"whitespace_flexible": true}: any
+# whitespace between items, vLLM's default, where a model may emit spaces until max_tokens)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}  # vLLM's older fields
 
@@ -90,6 +94,8 @@ def grammar_of(structured: Any) -> str:
         except ValueError as e:
             raise BadInput(f"structured json: the schema is not JSON ({e})") from None
     try:
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_LAYOUT)
         return llguidance.grammar_from(kind, value)
     except (ValueError, TypeError) as e:
         raise BadInput(f"structured {kind}: {str(e)[:300]}") from None

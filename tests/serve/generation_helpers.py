@@ -5,7 +5,6 @@ transformers' own greedy scores."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +20,14 @@ CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'use
                  "{% else %}w3 {% endif %}{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}w2{% endif %}")
 WORDS = [f"w{i}" for i in range(lm_models.VOCAB)]
+BYTES_CONTEXT = 1024  # the byte-level entry's context: a character a token
+# the byte-level entry's: Hermes-like, the tools and earlier calls written as JSON by tojson
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<tools>{% for t in tools %}{{ t.function | tojson }}"
+    "{% endfor %}</tools>\n{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def lm_repository(root: Path) -> dict[str, Any]:
@@ -40,9 +47,12 @@ def lm_repository(root: Path) -> dict[str, Any]:
     torch.export.save(lm_models.export(refs["llama"], dynamic=True),
                       root / "chunked" / "1" / "model.pt2")
     (root / "bytes" / "1").mkdir(parents=True)  # the Llama, with a byte-level tokenizer
-    shutil.copy(root / "llama" / "1" / "model.pt2", root / "bytes" / "1" / "model.pt2")
+    torch.export.save(lm_models.export(refs["llama"], BYTES_CONTEXT),  # (tools' JSON is long)
+                      root / "bytes" / "1" / "model.pt2")
     (root / "bytes" / "tokenizer.json").write_text(byte_tokenizer_json())
     (root / "bytes" / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    (root / "bytes" / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": TOOLS_TEMPLATE}))
     return refs
 
 

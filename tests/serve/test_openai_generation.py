@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from generation_helpers import (
+    BYTES_CONTEXT,
     PROMPT,
     WORDS,
     byte_tokenizer_json,
@@ -27,6 +28,7 @@ from generation_helpers import (
 )
 
 from cuvild.client import Client
+from cuvild.serve.structured import JSON_LAYOUT
 
 
 def test_n_choices_a_prompt_each_its_own_sequence(lm_daemon, lm_served) -> None:  # noqa: ANN001
@@ -91,8 +93,9 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(lm_daemon, lm_s
     client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     listed = {m.id: m.model_extra["max_model_len"] for m in client.models.list()}
-    assert listed == {n: lm_models.CONTEXT for n in ("bytes", "bytes:1", "chunked", "chunked:1",
-                                                     "gpt2", "gpt2:1", "llama", "llama:1")}
+    assert listed == {**{n: lm_models.CONTEXT for n in ("chunked", "chunked:1", "gpt2",
+                                                        "gpt2:1", "llama", "llama:1")},
+                      "bytes": BYTES_CONTEXT, "bytes:1": BYTES_CONTEXT}
     assert client.models.retrieve("llama:1").id == "llama:1"
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("nope")
@@ -425,11 +428,10 @@ def test_structured_output_holds_the_answer_to_a_schema_a_regex_or_choices(
     hf = lm_served["hf"]["llama"]
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
                                                "n": {"type": "integer", "maximum": 9}},
-              "required": ["answer", "n"], "additionalProperties": False,
-              "x-guidance": {"whitespace_flexible": False}}
+              "required": ["answer", "n"], "additionalProperties": False}
     asks = [({"response_format": {"type": "json_schema",
                                   "json_schema": {"name": "a", "schema": schema}}},
-             llguidance.grammar_from("json", schema)),
+             llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)),
             ({"structured_outputs": {"regex": "[a-f]{3}-[0-9]"}},
              llguidance.grammar_from("regex", "[a-f]{3}-[0-9]")),
             ({"guided_choice": ["red", "green", "blue"]},
@@ -444,8 +446,9 @@ def test_structured_output_holds_the_answer_to_a_schema_a_regex_or_choices(
         assert choice["finish_reason"] == "stop", choice
         text = choice["text"]
         if "response_format" in ask:
-            answer = json.loads(text)
+            answer = json.loads(text)  # (laid out as json.dumps lays it out)
             assert answer["answer"] in ("yes", "no") and 0 <= answer["n"] <= 9, text
+            assert text == json.dumps(answer), text
         else:
             assert re.fullmatch("[a-f]{3}-[0-9]|red|green|blue", text), text
     # over gRPC (Client.generate(structured=...)) and `cuvilctl generate --json-schema`
@@ -471,3 +474,58 @@ def test_structured_output_holds_the_answer_to_a_schema_a_regex_or_choices(
         status, body = post(lm_daemon.http, "/v1/completions",
                             {"model": "bytes", "prompt": prompt, **ask})
         assert status == 400 and said in json.loads(body)["error"]["message"], body
+
+
+def test_a_chat_calls_the_tools_its_choice_holds_it_to(lm_daemon) -> None:  # noqa: ANN001
+    """tool_choice naming a function, or "required" (cuvild/serve/tools.py): the answer is
+    held to the calls' schemas by structured output and comes back as OpenAI's `tool_calls`
+    (finish reason "tool_calls"), as the OpenAI SDK reads them; the tools are in the prompt
+    (the template renders them: more prompt tokens), an earlier call and its answer too;
+    streamed, the call comes in the stream's last delta."""
+    import openai
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                         "days": {"type": "integer", "minimum": 1,
+                                                  "maximum": 7}},
+        "required": ["unit", "days"], "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}}}
+    client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    question = [{"role": "user", "content": "What is the weather?"}]
+    named = client.chat.completions.create(
+        model="bytes", messages=question, tools=[weather, clock], max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["unit"] in ("c", "f")
+    assert 1 <= arguments["days"] <= 7 and call.id.startswith("call_")
+    required = client.chat.completions.create(
+        model="bytes", messages=question, tools=[weather, clock], max_tokens=200,
+        tool_choice="required", parallel_tool_calls=False)
+    (call,) = required.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time"), call
+    assert set(json.loads(call.function.arguments)) <= {"unit", "days", "zone"}
+    plain = client.chat.completions.create(model="bytes", messages=question, max_tokens=2)
+    told = client.chat.completions.create(model="bytes", messages=question, max_tokens=2,
+                                          tools=[weather], tool_choice="none")
+    assert told.usage.prompt_tokens > plain.usage.prompt_tokens + 50
+    assert told.choices[0].message.tool_calls is None
+    later = [*question, {"role": "assistant", "content": None, "tool_calls": [
+        call.model_dump(include={"id", "type", "function"})]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    after = client.chat.completions.create(model="bytes", messages=later, max_tokens=2)
+    assert after.usage.prompt_tokens > plain.usage.prompt_tokens + len(call.function.arguments)
+    chunks = list(client.chat.completions.create(  # streamed: the call in one delta, at the end
+        model="bytes", messages=question, tools=[weather, clock], max_tokens=60, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert not "".join(d.content or "" for d in deltas)
+    (streamed,) = [t for d in deltas for t in d.tool_calls or []]
+    assert (streamed.index, streamed.function.name, streamed.function.arguments) == (
+        0, "get_weather", named.choices[0].message.tool_calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -1,0 +1,128 @@
+"""Tool calling without a daemon (cuvild/serve/tools.py, cuvild/serve/chat.py): a chat's
+tools and earlier calls rendered by its template as transformers' `apply_chat_template`
+renders them; an answer's calls read as OpenAI's `tool_calls`; what each tool_choice holds
+the answer to; a request's tools checked, naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from generation_helpers import TOOLS_TEMPLATE, byte_tokenizer_json
+
+from cuvild.core.layout import BadInput
+from cuvild.serve import chat, tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather <now>, by city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["c", "f"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+
+
+def test_tools_and_earlier_calls_render_as_transformers_renders_them() -> None:
+    """The tools and an assistant's earlier call (its arguments JSON's text, given to the
+    template as an object, as vLLM gives them) and the tool's answer: the same prompt text
+    as transformers' apply_chat_template, whose `tojson` neither escapes HTML nor sorts keys
+    (jinja's own would write "\\u003cnow\\u003e" and reorder the keys)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function", "function": {
+                        "name": "get_weather", "arguments": '{"unit": "c", "city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3, snow"}]
+    ours = chat.load(None, json.dumps({"bos_token": "<s>", "chat_template": TOOLS_TEMPLATE}))
+    assert ours is not None
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(byte_tokenizer_json()),
+                                 bos_token="<s>", eos_token="</s>")
+    hf.chat_template = TOOLS_TEMPLATE
+    as_objects = [dict(m) for m in messages]
+    as_objects[1]["tool_calls"] = [{**messages[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"unit": "c", "city": "Oslo"}}}]
+    want = hf.apply_chat_template(as_objects, tools=[WEATHER, TIME], tokenize=False,
+                                  add_generation_prompt=True)
+    got = ours.render(chat.messages_of(messages), [WEATHER, TIME])
+    assert got == want and "<now>" in got and '{"unit": "c", "city": "Oslo"}' in got, got
+    with pytest.raises(BadInput, match="arguments not JSON"):
+        chat.messages_of([{"role": "assistant", "tool_calls": [
+            {"function": {"name": "f", "arguments": "{oops"}}]}])
+
+
+def test_an_answers_calls_are_read_as_openais_tool_calls() -> None:
+    """auto: the Hermes format's calls, the text around them the content (a call that does
+    not read stays text; parallel_tool_calls false keeps the first); named: the answer is
+    the arguments; required: a list of {"name", "parameters"}."""
+    auto = tools.asked({"tools": [WEATHER, TIME]})
+    assert auto is not None and auto.choice == "auto" and auto.structured() is None
+    text = ('Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    message = auto.message(text)
+    assert message["content"] == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]] == [("get_weather", {"city": "Oslo"}),
+                                                 ("get_time", {})]
+    assert len({c["id"] for c in message["tool_calls"]}) == 2
+    assert auto.message("no call here") == {"role": "assistant", "content": "no call here"}
+    broken = "<tool_call>{not json}</tool_call>"
+    assert auto.message(broken) == {"role": "assistant", "content": broken}
+    one = tools.asked({"tools": [WEATHER, TIME], "parallel_tool_calls": False})
+    assert one is not None and len(one.message(text)["tool_calls"]) == 1
+    named = tools.asked({"tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}})
+    assert named is not None
+    assert named.structured() == {"json": WEATHER["function"]["parameters"]}
+    call = named.message('{"city": "Oslo"}')
+    assert call["content"] is None and call["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    required = tools.asked({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    assert required is not None
+    schema = required.structured()["json"]  # type: ignore[index]
+    assert schema["minItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    calls = required.message('[{"name": "get_time", "parameters": {"zone": "UTC"}}]')
+    assert calls["tool_calls"][0]["function"] == {"name": "get_time",
+                                                   "arguments": '{"zone": "UTC"}'}
+    assert required.message('[{"name": "get_ti')["content"] == '[{"name": "get_ti'  # cut
+
+
+@pytest.mark.parametrize(("doc", "said"), [
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": [{"type": "function"}]}, r"tools\[0\] must be"),
+    ({"tools": [WEATHER, WEATHER]}, "given twice"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice must be"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "not one of the tools"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls must be"),
+])
+def test_a_requests_tools_are_checked(doc: dict, said: str) -> None:
+    with pytest.raises(BadInput, match=said):
+        tools.asked(doc)
+
+
+def test_a_stream_holds_back_what_may_be_a_call_and_sends_the_calls_at_its_end() -> None:
+    """auto, streamed (generate_http's _Answer): the text before a "<tool_call>" goes out as
+    it comes, held back from the first character that may begin one; the calls go in the
+    stream's last delta, with their indexes, the finish reason then "tool_calls"; a "<" that
+    began no call goes out once it shows it."""
+    from types import SimpleNamespace
+
+    from cuvild.serve.generate_http import _Answer
+
+    def streamed(pieces: list[str]) -> tuple[list[str], list[dict]]:
+        gen = SimpleNamespace(name="m", stopped=True, top_logprobs=None, tokenizer=None)
+        answer = _Answer(gen, chat=True)  # type: ignore[arg-type]
+        answer.tools = tools.asked({"tools": [WEATHER, TIME]})
+        sent = [answer.choice(p, [(0, p)], None, first=i == 0)["choices"][0]["delta"].get(
+            "content", "") for i, p in enumerate(pieces)]
+        return sent, [c["choices"][0] for c in answer.ending()]
+
+    sent, end = streamed(["Let me ", "look <", "tool_call>", '{"name": "get_time", ',
+                          '"arguments": {}}</tool_call>'])
+    assert sent == ["Let me ", "look ", "", "", ""]
+    (call,) = end[0]["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "get_time", "arguments": "{}"}
+    assert end[-1]["finish_reason"] == "tool_calls"
+    sent, end = streamed(["a <", "b"])
+    assert sent == ["a ", "<b"] and end[-1]["finish_reason"] == "stop"
