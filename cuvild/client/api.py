@@ -428,6 +428,7 @@ class Client:
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False,
                  structured: Mapping[str, Any] | None = None,
+                 repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
                  ) -> Iterator[dict[str, Any]]:
         """A language model's tokens as they come: {"token_id", "text", "index"} each (`text`
         is what the token adds, with the model's tokenizer; "" without one). `prompt`: token
@@ -436,7 +437,8 @@ class Client:
         do unless `ignore_eos`; `frequency_penalty`, `presence_penalty` and `logit_bias`
         ({token id: bias}) are OpenAI's (docs/GENERATION.md); `structured` holds the output
         to a grammar: {"json": a JSON schema}, {"json_object": True}, {"regex": ...},
-        {"choice": [...]} or {"grammar": a Lark or GBNF grammar}. `messages` (a chat: [{"role",
+        {"choice": [...]} or {"grammar": a Lark or GBNF grammar}; `repetition_penalty`,
+        `min_p` and `min_tokens` are vLLM's. `messages` (a chat: [{"role",
         "content"}, ...], as OpenAI's) instead of a prompt: put in the prompt by the model's
         chat template. Leaving the loop early ends the generation in the daemon."""
         import grpc
@@ -451,7 +453,8 @@ class Client:
                                        for m in messages or ()],
             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
             logit_bias=dict(logit_bias or {}), ignore_eos=ignore_eos,
-            structured=json.dumps(structured) if structured is not None else "")
+            structured=json.dumps(structured) if structured is not None else "",
+            repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens)
         if seed is not None:
             request.seed = seed
         stream = self._control._stub.Generate(request, timeout=timeout)  # noqa: SLF001 - a server stream: its errors come as it is read

@@ -46,7 +46,9 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
                                  frequency_penalty=args.frequency_penalty,
                                  presence_penalty=args.presence_penalty,
                                  logit_bias=bias, ignore_eos=args.ignore_eos,
-                                 structured=structured or None):
+                                 structured=structured or None,
+                                 repetition_penalty=args.repetition_penalty,
+                                 min_p=args.min_p, min_tokens=args.min_tokens):
         tokens.append(token)
         if not args.json:
             print(token["text"] if token["text"] or args.prompt is not None
@@ -111,6 +113,12 @@ def add_generate(sub: Any) -> None:
                      help="OpenAI's, in [-2, 2]: less a token's logit once it was generated")
     gen.add_argument("--logit-bias", default="", metavar="ID:BIAS,...",
                      help="OpenAI's, each bias in [-100, 100]: added to that token's logit")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="a seen token's logit divided by it (> 1: repeat less)")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="never pick a token less likely than this x the likeliest's")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="no end-of-sequence or stop token before this many")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="go on past the model's end-of-sequence tokens")
     held = gen.add_mutually_exclusive_group()

@@ -59,6 +59,11 @@ class Sampling:
     presence_penalty: float = 0.0
     # OpenAI's: token id -> a number in [-100, 100] added to its logit at every step
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    # vLLM's and transformers': the logit of a token of the prompt or the output divided by
+    # it where positive, multiplied where negative (1: none)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # a token less likely than min_p x the likeliest's is never picked
+    min_tokens: int = 0  # the stop tokens (eos among them) held off until this many
 
     def check(self) -> Sampling:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -78,6 +83,21 @@ class Sampling:
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not -2 <= value <= 2):
                 raise BadInput(f"{name} must be a number in [-2, 2], got {value!r}")
+        return self._check_more()
+
+    def _check_more(self) -> Sampling:
+        number, penalty = (int, float), self.repetition_penalty
+        if (not isinstance(penalty, number) or isinstance(penalty, bool)
+                or not penalty > 0):
+            raise BadInput(f"repetition_penalty must be a number > 0, got "
+                           f"{self.repetition_penalty!r}")
+        if not isinstance(self.min_p, number) or isinstance(self.min_p, bool) or not (
+                0 <= self.min_p <= 1):
+            raise BadInput(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise BadInput(f"min_tokens must be an integer from 0 to max_tokens "
+                           f"({self.max_tokens}), got {self.min_tokens!r}")
         return self._check_bias()
 
     def _check_bias(self) -> Sampling:
@@ -90,18 +110,53 @@ class Sampling:
                                f"{bias!r} for token {token}")
         return self
 
-    def adjusted(self, logits: np.ndarray, counts: np.ndarray | None) -> np.ndarray:
-        """`logits` with the logit bias added and the penalties for the tokens generated so
-        far (`counts` by id) taken off."""
+    def adjusted(self, logits: np.ndarray, history: History) -> np.ndarray:
+        """`logits` with the repetition penalty of the tokens seen, the logit bias added,
+        the frequency and presence penalties of those generated taken off, and the stop
+        tokens held off before min_tokens (`history`: the generation's so far)."""
+        counts, seen = history.counts, history.seen
         penalties = counts is not None and bool(self.frequency_penalty or self.presence_penalty)
-        if not penalties and not self.logit_bias:
+        early = history.made < self.min_tokens and bool(self.stop)
+        if not (penalties or self.logit_bias or early or seen is not None):
             return logits
         out = logits.astype(np.float64)
+        if seen is not None:
+            out[seen] = np.where(out[seen] > 0, out[seen] / self.repetition_penalty,
+                                 out[seen] * self.repetition_penalty)
         if self.logit_bias:
             out[list(self.logit_bias)] += list(self.logit_bias.values())
         if penalties:
             out -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0)
+        if early:
+            out[[t for t in self.stop if 0 <= t < out.size]] = -np.inf
         return out
+
+
+@dataclass
+class History:
+    """What the penalties read of a generation so far: how often each token id was
+    generated (frequency, presence), which ids the prompt and the output hold (repetition),
+    how many were generated (min_tokens)."""
+
+    sampling: Sampling
+    prompt: Sequence[int]
+    counts: np.ndarray | None = None
+    seen: np.ndarray | None = None
+    made: int = 0
+
+    def start(self, vocab: int) -> History:
+        if self.sampling.repetition_penalty != 1:
+            self.seen = np.zeros(vocab, bool)
+            self.seen[[t for t in self.prompt if 0 <= t < vocab]] = True
+        return self
+
+    def add(self, token: int, vocab: int) -> None:
+        self.made += 1
+        if self.seen is not None:
+            self.seen[token] = True
+        if self.sampling.frequency_penalty or self.sampling.presence_penalty:
+            self.counts = np.zeros(vocab) if self.counts is None else self.counts
+            self.counts[token] += 1
 
 
 def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
@@ -121,6 +176,9 @@ def pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> in
         mask = np.zeros_like(probs, dtype=bool)
         mask[order[keep]] = True
         probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    if sampling.min_p > 0:  # (after top-k and top-p, as transformers' warpers)
+        probs = np.where(probs < sampling.min_p * probs.max(), 0.0, probs)
         probs /= probs.sum()
     return int(rng.choice(probs.size, p=probs))
 
@@ -218,10 +276,11 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
     if prefilled is not None and start is None:
         prefilled(np.asarray(logits))
     position = len(prompt)
-    counts: np.ndarray | None = None  # how often each token id was generated
+    history: History | None = None
     for made in range(1, sampling.max_tokens + 1):
         last = np.asarray(logits).reshape(-1, np.asarray(logits).shape[-1])[-1]
-        adjusted = sampling.adjusted(last, counts)
+        history = history or History(sampling, prompt).start(last.size)
+        adjusted = sampling.adjusted(last, history)
         if constraint is not None:
             adjusted = constraint.mask(adjusted)
         token = pick(adjusted, sampling, rng)
@@ -229,9 +288,7 @@ def generate(step: Step, prompt: Sequence[int], sampling: Sampling, context: int
             constraint.accept(token)
         if scores is not None:
             scores(last, token)
-        if sampling.frequency_penalty or sampling.presence_penalty:
-            counts = np.zeros(last.size) if counts is None else counts
-            counts[token] += 1
+        history.add(token, last.size)
         yield token
         if (token in sampling.stop or position >= context or made == sampling.max_tokens
                 or (constraint is not None and constraint.done())):

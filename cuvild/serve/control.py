@@ -396,7 +396,9 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
             "top_k": request.top_k, "top_p": request.top_p or 1.0, "stop": list(request.stop),
             "frequency_penalty": request.frequency_penalty,
             "presence_penalty": request.presence_penalty,
-            "logit_bias": dict(request.logit_bias), "ignore_eos": request.ignore_eos}
+            "logit_bias": dict(request.logit_bias), "ignore_eos": request.ignore_eos,
+            "repetition_penalty": request.repetition_penalty or 1.0, "min_p": request.min_p,
+            "min_tokens": request.min_tokens}
         if request.structured:
             options["structured"] = request.structured
         if request.HasField("seed"):

@@ -43,7 +43,8 @@ GENERATION_CONFIG = "generation_config.json"  # transformers' (its eos_token_id)
 MAX_TOKENIZER_BYTES = 64 << 20
 CONTEXT_TOKENS = 5  # the prompt's last tokens a generation's text is decoded behind (vLLM's)
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "frequency_penalty",
-           "presence_penalty", "logit_bias", "ignore_eos", "structured")
+           "presence_penalty", "logit_bias", "ignore_eos", "structured", "repetition_penalty",
+           "min_p", "min_tokens")
 
 
 @dataclass
@@ -520,7 +521,10 @@ def sampling(options: Mapping[str, Any]) -> Sampling:
                     seed=options.get("seed"), stop=tuple(stop),
                     frequency_penalty=options.get("frequency_penalty", 0.0),
                     presence_penalty=options.get("presence_penalty", 0.0),
-                    logit_bias=_bias(options.get("logit_bias"))).check()
+                    logit_bias=_bias(options.get("logit_bias")),
+                    repetition_penalty=options.get("repetition_penalty", 1.0),
+                    min_p=options.get("min_p", 0.0),
+                    min_tokens=options.get("min_tokens", 0)).check()
 
 
 def _flag(options: dict[str, Any], name: str) -> bool:

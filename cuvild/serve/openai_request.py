@@ -16,7 +16,7 @@ from cuvild.serve import tools as tools_mod
 OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
           "stream_options", "n", "stop", "user", "frequency_penalty", "presence_penalty",
           "logit_bias", "logprobs", "echo", "ignore_eos", "best_of", "response_format",
-          "structured_outputs", *structured.GUIDED}
+          "structured_outputs", *structured.GUIDED, "repetition_penalty", "min_p", "min_tokens"}
 CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens", "top_logprobs",
                                       "tools", "tool_choice", "parallel_tool_calls"}
 MAX_LOGPROBS = 20  # the likeliest tokens a token's logprobs may list (vLLM's default bound)
@@ -62,7 +62,8 @@ def checked(doc: Any, chat: bool) -> tuple[int, bool, bool, bool, dict[str, Any]
                        f"out, got {json.dumps(doc['best_of'])[:50]}")
     options = {k: doc[k] for k in ("max_tokens", "temperature", "top_k", "top_p", "seed",
                                    "stop", "frequency_penalty", "presence_penalty",
-                                   "logit_bias", "ignore_eos")
+                                   "logit_bias", "ignore_eos", "repetition_penalty", "min_p",
+                                   "min_tokens")
                if doc.get(k) is not None}
     if doc.get("max_completion_tokens") is not None:
         options["max_tokens"] = doc["max_completion_tokens"]

@@ -11,7 +11,9 @@ in turn on the same weights:
   client (gRPC streaming) and HTTP generate_stream (server-sent events);
 - cuvild with 4 and 8 sequences at once (4, 8 clients) against 1, at fp32 and under the
   budget (where the decode step runs below fp32, several sequences' steps run on its fp32
-  twin where that measures faster: docs/GENERATION.md).
+  twin where that measures faster: docs/GENERATION.md);
+- cuvild's prefix cache: a conversation's second turn to its first token, against a cold
+  prompt as long.
 
 Each figure: time to first token (TTFT: request sent to first token back; the median of
 TTFT_RUNS requests, each on a prompt of its own, as every row takes it), decode tokens/s
@@ -53,9 +55,10 @@ def variant(prompt: list[int], i: int) -> list[int]:
     return [(t + i) % 32000 for t in prompt]
 
 
-def median_ttft(first: float, ttft: Any, prompt: list[int]) -> dict[str, Any]:
-    """`first` (a whole run's TTFT) and TTFT_RUNS - 1 more (`ttft(prompt)`), their median."""
-    runs = [first] + [ttft(variant(prompt, 100 + i)) for i in range(TTFT_RUNS - 1)]
+def median_ttft(ttft: Any, prompt: list[int]) -> dict[str, Any]:
+    """TTFT_RUNS TTFTs (`ttft(prompt)`) of prompts never seen, their median (a prompt seen
+    before begins with tokens a kept sequence holds: cuvild's prefix cache, GenAI's)."""
+    runs = [ttft(variant(prompt, 100 + i)) for i in range(TTFT_RUNS)]
     return {"ttft_s": round(statistics.median(runs), 3), "ttft_runs_s": [round(t, 3)
                                                                        for t in runs]}
 
@@ -143,7 +146,7 @@ def concurrent_row(target: str, name: str, prompt: list[int], new: int,
 
     def one(i: int) -> None:
         with Client(target, timeout=3600) as client:
-            for _ in client.generate(name, [*prompt[:-1], prompt[-1] + i], max_tokens=new):
+            for _ in client.generate(name, variant(prompt, 200 + i), max_tokens=new):
                 counts[i] += 1
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
@@ -229,7 +232,7 @@ def served(home: Path, label: str, engine: dict[str, Any], prompt: list[int], ne
                                                                   n)),
                                ("http_stream", lambda p, n: http_row(http, "llama", p, n))):
             got = row(prompt, new)
-            got.update(median_ttft(got["ttft_s"], lambda p, row=row: row(p, 2)["ttft_s"], prompt))
+            got.update(median_ttft(lambda p, row=row: row(p, 2)["ttft_s"], prompt))
             got["same_tokens_as_transformers"] = round(statistics.mean(
                 a == b for a, b in zip(got.pop("ids"), reference, strict=True)), 3)
             report[row_label] = got
@@ -240,10 +243,38 @@ def served(home: Path, label: str, engine: dict[str, Any], prompt: list[int], ne
             report["concurrent"] = {"one": one, "four": four, "eight": eight,
                                     "ratio_eight": round(eight["tok_s"] / one["tok_s"], 2),
                                     "ratio": round(four["tok_s"] / one["tok_s"], 2)}
+        report["prefix_cache"] = prefix_row(http, prompt)
         report["decode_step"] = decided(daemon.log_path, 0.0)
     finally:
         daemon.stop()
     return report
+
+
+def prefix_row(address: str, prompt: list[int]) -> dict[str, Any]:
+    """The prefix cache (docs/GENERATION.md): a conversation's second turn (a 192-token
+    system prompt, a 16-token question, its 32-token answer, another question: 256 tokens),
+    its time to one token against a cold prompt as long, TTFT_RUNS conversations each."""
+    def first_token(doc: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        request = urllib.request.Request(f"http://{address}/v1/completions",
+                                         data=json.dumps({"model": "llama", **doc}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=3600) as reply:
+            return time.perf_counter() - t0, json.loads(reply.read())
+
+    cold, warm, held = [], [], 0
+    for i in range(TTFT_RUNS):
+        system = variant(prompt, 300 + 2 * i) + variant(prompt, 301 + 2 * i)[:64]
+        turn = system + variant(prompt, 400 + i)[:16]
+        _, said = first_token({"prompt": turn, "max_tokens": 32, "ignore_eos": True})
+        second = turn + said["choices"][0]["token_ids"] + variant(prompt, 500 + i)[:16]
+        took, said = first_token({"prompt": second, "max_tokens": 1})
+        warm.append(took)
+        held = said["usage"]["prompt_tokens_details"]["cached_tokens"]
+        cold.append(first_token({"prompt": variant(second, 600 + i), "max_tokens": 1})[0])
+    return {"prompt": len(second), "held": held, "cold_s": round(statistics.median(cold), 3),
+            "turn_s": round(statistics.median(warm), 3),
+            "ratio": round(statistics.median(cold) / statistics.median(warm), 2)}
 
 
 def decided(log: Path, timeout_s: float = 600.0) -> list[str]:
@@ -315,6 +346,10 @@ def show(r: dict[str, Any]) -> None:
             print(f"    {label:<12} TTFT {c['ttft_s']:.3f} s ({c['ttft_s'] / t['ttft_s']:.2f}x), "
                   f"decode {c['decode_tok_s']:.2f} tok/s ({decode:.2f}x), tokens as "
                   f"transformers' {c['same_tokens_as_transformers']:.0%}")
+        x = p["prefix_cache"]
+        print(f"    prefix cache: a {x['prompt']}-token second turn ({x['held']} held) to its "
+              f"first token {x['turn_s']:.3f} s, a cold prompt as long {x['cold_s']:.3f} s "
+              f"({x['ratio']}x)")
         for why in (w for v in p["buckets"].values() for w in v["why"]):
             print(f"    {why}")
         for said in p.get("decode_step", []):

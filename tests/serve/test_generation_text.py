@@ -63,3 +63,18 @@ def test_an_entrys_end_of_sequence_ids_come_from_its_configs(tmp_path) -> None: 
     (tmp_path / "lm" / "1" / "generation_config.json").write_text("{not json")
     with pytest.raises(Refused, match="its generation_config.json does not read"):
         generator.eos("lm", "1", tokenizer)
+
+
+def test_min_p_never_picks_a_token_less_likely_than_its_share_of_the_likeliest() -> None:
+    """min_p 0.2 of probabilities 0.5, 0.3, 0.15, 0.05: the last (under 0.1) is never
+    picked, the others are; without it, it is."""
+    import numpy as np
+
+    from cuvild.run.generate import Sampling, pick
+
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    held = Sampling(temperature=1.0, min_p=0.2)
+    picked = {pick(logits, held, rng) for _ in range(2000)}
+    assert picked == {0, 1, 2}
+    assert 3 in {pick(logits, Sampling(temperature=1.0), rng) for _ in range(2000)}

@@ -529,3 +529,34 @@ def test_a_chat_calls_the_tools_its_choice_holds_it_to(lm_daemon) -> None:  # no
     assert (streamed.index, streamed.function.name, streamed.function.arguments) == (
         0, "get_weather", named.choices[0].message.tool_calls[0].function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_vllms_repetition_penalty_min_tokens_and_min_p(lm_daemon, lm_served) -> None:  # noqa: ANN001
+    """vLLM's sampling fields: repetition_penalty gives transformers' generate(
+    repetition_penalty=...) tokens (the prompt's and the output's logits divided or
+    multiplied); min_tokens holds the eos token off that long (here pushed by a bias: it
+    comes at once after); values out of range are refused naming them."""
+    hf = lm_served["hf"]["llama"]
+    prompt = [5, 17, 42, 99, 5, 17]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                           do_sample=False, repetition_penalty=1.8, pad_token_id=0)
+    status, body = post(lm_daemon.http, "/v1/completions", {
+        "model": "llama", "prompt": prompt, "max_tokens": 12, "repetition_penalty": 1.8,
+        "ignore_eos": True})
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["token_ids"] == want[0, len(prompt):].tolist()
+    eos = 6  # (the entry's tokenizer_config.json: "w6")
+    for least, made in ((0, 1), (3, 4)):
+        status, body = post(lm_daemon.http, "/v1/completions", {
+            "model": "llama", "prompt": prompt, "max_tokens": 8, "min_tokens": least,
+            "logit_bias": {str(eos): 100}, "min_p": 0.1})
+        ids = json.loads(body)["choices"][0]["token_ids"]
+        assert status == 200 and len(ids) == made and ids[-1] == eos, body
+        assert ids[:-1] == transformers_greedy(hf, prompt, least, bias={eos: -100})[0]
+    for bad, said in (({"repetition_penalty": 0}, "repetition_penalty must be"),
+                      ({"min_p": 1.5}, "min_p must be"),
+                      ({"min_tokens": 9, "max_tokens": 8}, "min_tokens must be")):
+        status, body = post(lm_daemon.http, "/v1/completions",
+                            {"model": "llama", "prompt": prompt, **bad})
+        assert status == 400 and said in json.loads(body)["error"]["message"], body
