@@ -308,11 +308,15 @@ class _Answer:
     def _delta(self, text: str) -> str:
         """What of a streamed chat's next `text` goes out now: all of it without tools; with
         a tool_choice that holds the answer to calls, none (`ending` reads it); with "auto",
-        the text up to a "<tool_call>" (held from its first character that may begin one)."""
+        the text up to a "<tool_call>" (held from its first character that may begin one),
+        none of an answer that begins as calls as JSON alone may ("{", "[TOOL_CALLS]")."""
         if self.tools is None or self.tools.choice == "none":
             return text
         self.said += text
         if self.tools.choice != "auto" or self.calling:
+            return ""
+        if self.sent == 0 and tools_mod.may_be_calls(self.said):
+            self.calling = bool(self.said.strip())  # (calls as JSON alone: held to the end)
             return ""
         piece, self.sent, self.calling = release(self.said, self.sent, (tools_mod.MARK,))
         return piece

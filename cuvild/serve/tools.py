@@ -5,7 +5,9 @@
   them), so that the model sees them;
 - `tool_choice`: "none" (a text answer), "auto" (the default with tools: the answer is read
   for calls in the Hermes format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  which Qwen2.5, Qwen3 and the Hermes models write; the text around them is the content),
+  which Qwen2.5, Qwen3 and the Hermes models write, the text around them the content; or,
+  an answer that is nothing but calls as JSON naming the tools, Llama 3's `{"name": ...,
+  "parameters": {...}}` and Mistral's `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`),
   "required" (one call or more: the answer held by structured output to a JSON list of
   {"name", "parameters"} of the given tools, as vLLM holds it) or {"type": "function",
   "function": {"name": N}} (one call of N: the answer held to its parameters' schema);
@@ -28,6 +30,7 @@ from cuvild.core.layout import BadInput
 
 MAX_TOOLS = 128
 MARK = "<tool_call>"  # where a call begins (the Hermes format)
+PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")  # before calls as JSON (Llama 3's, Mistral's)
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -67,12 +70,45 @@ class Tools:
                 calls = []
         elif self.choice == "auto":
             calls, content = _hermes(text)
+            if not calls:
+                calls, content = self._whole(text), None
             calls = calls if self.parallel else calls[:1]
         if not calls:
             return {"role": "assistant", "content": text}
         return {"role": "assistant", "content": content, "tool_calls": [
             {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": name, "arguments": arguments}} for name, arguments in calls]}
+
+
+    def _whole(self, text: str) -> list[tuple[str, str]]:
+        """The calls of an answer that is nothing but calls as JSON: Llama 3's
+        ({"name": ..., "parameters": {...}}, after "<|python_tag|>" or not) and Mistral's
+        ("[TOOL_CALLS]" and a list of {"name", "arguments"}), each naming one of the tools;
+        none where anything else is said."""
+        body = text.strip()
+        for prefix in PREFIXES:
+            body = body.removeprefix(prefix).strip()
+        try:
+            given = json.loads(body)
+        except ValueError:
+            return []
+        names = {t["function"]["name"] for t in self.tools}
+        out = []
+        for call in given if isinstance(given, list) else [given]:
+            arguments = call.get("parameters", call.get("arguments")) if isinstance(
+                call, dict) else None
+            if not isinstance(arguments, (dict, str)) or call.get("name") not in names:
+                return []
+            out.append((call["name"], arguments if isinstance(arguments, str)
+                        else json.dumps(arguments)))
+        return out
+
+
+def may_be_calls(text: str) -> bool:
+    """Whether an answer beginning `text` may be calls as JSON alone (`Tools._whole`): a
+    stream holds it back until it ends."""
+    begun = text.lstrip()
+    return any(begun.startswith(s) or s.startswith(begun) for s in ("{", "[", *PREFIXES))
 
 
 def _hermes(text: str) -> tuple[list[tuple[str, str]], str | None]:

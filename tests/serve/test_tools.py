@@ -53,7 +53,8 @@ def test_tools_and_earlier_calls_render_as_transformers_renders_them() -> None:
 
 def test_an_answers_calls_are_read_as_openais_tool_calls() -> None:
     """auto: the Hermes format's calls, the text around them the content (a call that does
-    not read stays text; parallel_tool_calls false keeps the first); named: the answer is
+    not read stays text; parallel_tool_calls false keeps the first), or an answer that is
+    nothing but calls as JSON naming the tools (Llama 3's, Mistral's); named: the answer is
     the arguments; required: a list of {"name", "parameters"}."""
     auto = tools.asked({"tools": [WEATHER, TIME]})
     assert auto is not None and auto.choice == "auto" and auto.structured() is None
@@ -68,6 +69,14 @@ def test_an_answers_calls_are_read_as_openais_tool_calls() -> None:
     assert auto.message("no call here") == {"role": "assistant", "content": "no call here"}
     broken = "<tool_call>{not json}</tool_call>"
     assert auto.message(broken) == {"role": "assistant", "content": broken}
+    for whole in ('{"name": "get_time", "parameters": {"zone": "UTC"}}',  # Llama 3's
+                  '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}',
+                  '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}]'):
+        (call,) = auto.message(whole)["tool_calls"]  # Mistral's last
+        assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}, whole
+    for said in ('{"name": "not_a_tool", "parameters": {}}', '{"name": "get_time"}',
+                 '[1, 2] and more'):
+        assert auto.message(said) == {"role": "assistant", "content": said}
     one = tools.asked({"tools": [WEATHER, TIME], "parallel_tool_calls": False})
     assert one is not None and len(one.message(text)["tool_calls"]) == 1
     named = tools.asked({"tools": [WEATHER], "tool_choice": {
@@ -126,3 +135,8 @@ def test_a_stream_holds_back_what_may_be_a_call_and_sends_the_calls_at_its_end()
     assert end[-1]["finish_reason"] == "tool_calls"
     sent, end = streamed(["a <", "b"])
     assert sent == ["a ", "<b"] and end[-1]["finish_reason"] == "stop"
+    sent, end = streamed(['{"name": ', '"get_time", "parameters": {}}'])  # Llama 3's: held
+    assert sent == ["", ""] and end[0]["delta"]["tool_calls"][0]["function"]["name"] == (
+        "get_time")
+    sent, end = streamed(["[1, 2]", " and more"])  # held, then said as text at its end
+    assert sent == ["", ""] and end[0]["delta"] == {"content": "[1, 2] and more"}
