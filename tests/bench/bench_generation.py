@@ -55,10 +55,11 @@ def variant(prompt: list[int], i: int) -> list[int]:
     return [(t + i) % 32000 for t in prompt]
 
 
-def median_ttft(ttft: Any, prompt: list[int]) -> dict[str, Any]:
-    """TTFT_RUNS TTFTs (`ttft(prompt)`) of prompts never seen, their median (a prompt seen
-    before begins with tokens a kept sequence holds: cuvild's prefix cache, GenAI's)."""
-    runs = [ttft(variant(prompt, 100 + i)) for i in range(TTFT_RUNS)]
+def median_ttft(ttft: Any, prompt: list[int], first: int) -> dict[str, Any]:
+    """TTFT_RUNS TTFTs (`ttft(prompt)`) of prompts never seen (variants `first` on: each row
+    its own), their median (a prompt seen before begins with tokens a kept sequence holds:
+    cuvild's prefix cache, GenAI's)."""
+    runs = [ttft(variant(prompt, first + i)) for i in range(TTFT_RUNS)]
     return {"ttft_s": round(statistics.median(runs), 3), "ttft_runs_s": [round(t, 3)
                                                                        for t in runs]}
 
@@ -139,14 +140,16 @@ def _row(t0: float, stamps: list[float], ids: list[int]) -> dict[str, Any]:
 
 def concurrent_row(target: str, name: str, prompt: list[int], new: int,
                    clients: int) -> dict[str, Any]:
-    """`clients` sequences at once: tokens/s of them all."""
+    """`clients` sequences at once, each on a prompt of its own never seen: tokens/s of them
+    all."""
     from cuvild.client import Client
 
     counts = [0] * clients
 
     def one(i: int) -> None:
         with Client(target, timeout=3600) as client:
-            for _ in client.generate(name, variant(prompt, 200 + i), max_tokens=new):
+            for _ in client.generate(name, variant(prompt, 200 + 10 * clients + i),
+                                     max_tokens=new):
                 counts[i] += 1
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
@@ -228,11 +231,12 @@ def served(home: Path, label: str, engine: dict[str, Any], prompt: list[int], ne
         report["buckets"] = {"x".join(map(str, b["shapes"][0])): {
             "precision": b["parts"][0]["precision"], "why": b.get("precision", [])}
             for b in buckets}
-        for row_label, row in (("client", lambda p, n: client_row(daemon.target, "llama", p,
-                                                                  n)),
-                               ("http_stream", lambda p, n: http_row(http, "llama", p, n))):
+        for k, (row_label, row) in enumerate((
+                ("client", lambda p, n: client_row(daemon.target, "llama", p, n)),
+                ("http_stream", lambda p, n: http_row(http, "llama", p, n)))):
             got = row(prompt, new)
-            got.update(median_ttft(lambda p, row=row: row(p, 2)["ttft_s"], prompt))
+            got.update(median_ttft(lambda p, row=row: row(p, 2)["ttft_s"], prompt,
+                                   100 + 10 * k))
             got["same_tokens_as_transformers"] = round(statistics.mean(
                 a == b for a, b in zip(got.pop("ids"), reference, strict=True)), 3)
             report[row_label] = got
