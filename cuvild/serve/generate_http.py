@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -251,6 +252,7 @@ class _Answer:
         self.tools: tools_mod.Tools | None = None  # a chat's (its answer read for calls)
         # a stream's text so far, how much of it went out, whether a call began (`_delta`)
         self.said, self.sent, self.calling = "", 0, False
+        self.call_id = f"call_{uuid.uuid4().hex[:24]}"  # (a streamed named call's)
 
     def _decoded(self, ids: list[int]) -> str:
         tokenizer = self.gen.tokenizer
@@ -269,6 +271,8 @@ class _Answer:
         held, finish = self.said[self.sent:], _finish(self.gen)
         if self.tools is None or self.tools.choice == "none":
             return [self.choice("", [], finish)]
+        if self.tools.choice == "named":  # (its arguments went as they came)
+            return [self.choice("", [], "tool_calls" if finish == "stop" else finish)]
         message = self.tools.message(held) if held else {}
         delta = {k: v for k, v in message.items() if k in ("content", "tool_calls") and v}
         if delta.get("tool_calls"):
@@ -294,9 +298,7 @@ class _Answer:
             one.update(text=self.echo + text if prompt else text,
                        token_ids=[token for token, _ in made])
         elif streamed:
-            text = self._delta(text)
-            one["delta"] = {**({"role": "assistant"} if first else {}),
-                            **({"content": text} if text or first else {})}
+            one["delta"] = self._streamed(text, first)
         else:
             one["message"] = (self.tools.message(text) if self.tools is not None
                               else {"role": "assistant", "content": text})
@@ -304,6 +306,22 @@ class _Answer:
                 one["finish_reason"] = "tool_calls"
         return {**self.head(streamed), "choices": [one],
                 **({"usage": None} if streamed and self.with_usage else {})}
+
+    def _streamed(self, text: str, first: bool) -> dict[str, Any]:
+        """A streamed chat's delta for its next `text`: its content (`_delta`); with a
+        named tool_choice, the call's arguments as they are written (its id and name in the
+        first), as OpenAI and vLLM stream them."""
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if self.tools is None or self.tools.choice != "named":
+            text = self._delta(text)
+            return {**delta, **({"content": text} if text or first else {})}
+        self.said += text
+        self.sent = len(self.said)
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if first:
+            call.update(id=self.call_id, type="function",
+                        function={"name": self.tools.name, "arguments": text})
+        return {**delta, **({"tool_calls": [call]} if text or first else {})}
 
     def _delta(self, text: str) -> str:
         """What of a streamed chat's next `text` goes out now: all of it without tools; with

@@ -481,7 +481,7 @@ def test_a_chat_calls_the_tools_its_choice_holds_it_to(lm_daemon) -> None:  # no
     held to the calls' schemas by structured output and comes back as OpenAI's `tool_calls`
     (finish reason "tool_calls"), as the OpenAI SDK reads them; the tools are in the prompt
     (the template renders them: more prompt tokens), an earlier call and its answer too;
-    streamed, the call comes in the stream's last delta."""
+    streamed, a named call's arguments come as they are written."""
     import openai
 
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -520,14 +520,17 @@ def test_a_chat_calls_the_tools_its_choice_holds_it_to(lm_daemon) -> None:  # no
         {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
     after = client.chat.completions.create(model="bytes", messages=later, max_tokens=2)
     assert after.usage.prompt_tokens > plain.usage.prompt_tokens + len(call.function.arguments)
-    chunks = list(client.chat.completions.create(  # streamed: the call in one delta, at the end
+    chunks = list(client.chat.completions.create(  # streamed: the arguments as they come
         model="bytes", messages=question, tools=[weather, clock], max_tokens=60, stream=True,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     deltas = [c.choices[0].delta for c in chunks]
     assert not "".join(d.content or "" for d in deltas)
-    (streamed,) = [t for d in deltas for t in d.tool_calls or []]
-    assert (streamed.index, streamed.function.name, streamed.function.arguments) == (
-        0, "get_weather", named.choices[0].message.tool_calls[0].function.arguments)
+    parts = [t for d in deltas for t in d.tool_calls or []]
+    assert len(parts) > 3 and {t.index for t in parts} == {0}
+    assert parts[0].function.name == "get_weather" and parts[0].id.startswith("call_")
+    assert all(t.id is None and t.function.name is None for t in parts[1:])
+    assert "".join(t.function.arguments for t in parts) == (
+        named.choices[0].message.tool_calls[0].function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
