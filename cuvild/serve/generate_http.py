@@ -51,8 +51,9 @@ from aiohttp import web
 from cuvild.core.layout import BadInput
 from cuvild.serve import openai_request
 from cuvild.serve import tools as tools_mod
+from cuvild.serve.detokenize import continued, release
 from cuvild.serve.errors import STATUS, Refused, status
-from cuvild.serve.generation import OPTIONS, Generation, continued, generates, release, share
+from cuvild.serve.generation import OPTIONS, Generation, generates, share
 
 # `server` below is the RestServer (cuvild/serve/rest.py) that registered the routes: its
 # `pool` runs the generation, `generator` opens it, `_body` reads a body within its limits.

@@ -36,12 +36,13 @@ from cuvild.run.runner import Runner
 from cuvild.run.sequences import Live
 from cuvild.serve import chat
 from cuvild.serve import structured as structured_output
+from cuvild.serve.detokenize import continued, release
 from cuvild.serve.errors import Refused, find, status
 
 TOKENIZER = "tokenizer.json"
 GENERATION_CONFIG = "generation_config.json"  # transformers' (its eos_token_id)
 MAX_TOKENIZER_BYTES = 64 << 20
-CONTEXT_TOKENS = 5  # the prompt's last tokens a generation's text is decoded behind (vLLM's)
+REMEMBERED = 64  # entries of each of the Generator's caches (`_remember`)
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "frequency_penalty",
            "presence_penalty", "logit_bias", "ignore_eos", "structured", "repetition_penalty",
            "min_p", "min_tokens")
@@ -387,7 +388,7 @@ class Generator:
         if kept is None:
             kept = _eos_of(name, files, tokenizer)
             with self._lock:
-                self._eos[key] = kept
+                _remember(self._eos, key, kept)
         return kept
 
     def chat_template(self, name: str, version: str) -> chat.Chat | None:
@@ -406,7 +407,7 @@ class Generator:
                 raise Refused("invalid", f"model {name}: its chat template does not read "
                               f"({str(e)[:200]})") from None
             with self._lock:
-                self._chats[key] = kept
+                _remember(self._chats, key, kept)
         return kept
 
     def _entry_file(self, name: str, version: str, file: str, most: int) -> Path | None:
@@ -446,17 +447,13 @@ class Generator:
         return kept[1]
 
 
-def continued(tokenizer: Any, before: list[int], ids: list[int]) -> str:
-    """The text `ids` add after `before`: decoded behind its last CONTEXT_TOKENS, as the text
-    continues it (a SentencePiece tokenizer drops a leading word's space from tokens decoded
-    alone: "Paris" where the prompt goes on " Paris"), as vLLM's detokenizer does; alone
-    where `before`'s text does not begin the whole's."""
-    before = before[-CONTEXT_TOKENS:]
-    head = tokenizer.decode(before, skip_special_tokens=True)
-    whole = tokenizer.decode([*before, *ids], skip_special_tokens=True)
-    if whole.startswith(head):
-        return whole[len(head):]
-    return tokenizer.decode(ids, skip_special_tokens=True)
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    """Keep `value` under `key`, the oldest out past REMEMBERED (a cache keyed by files'
+    mtimes gains one each time a file changes)."""
+    cache[key] = value
+    while len(cache) > REMEMBERED:
+        cache.pop(next(iter(cache)))
+
 
 
 def generates(model: LoadedModel | None) -> bool:
@@ -475,19 +472,6 @@ def chunks_of(model: LoadedModel, key: str, max_dim: int) -> tuple[int, ...]:
                       "or a dynamic one from 1")
     return sizes
 
-
-def release(text: str, sent: int, stops: tuple[str, ...]) -> tuple[str, int, bool]:
-    """(the text after `sent` that can go out now, how much has gone then, whether a stop
-    string ends it there): all of it but a tail that could begin a stop string; up to the
-    first stop string found."""
-    at = min((i for i in (text.find(s, max(0, sent - len(s) + 1)) for s in stops) if i >= 0),
-             default=-1)
-    if at >= 0:
-        return text[sent:at], max(sent, at), True
-    tail = max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])),
-               default=0)
-    end = max(sent, len(text) - tail)
-    return text[sent:end], end, False
 
 
 def split_stops(options: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:

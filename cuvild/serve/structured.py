@@ -25,6 +25,7 @@ import numpy as np
 
 from cuvild.core.layout import BadInput
 
+KEPT = 16  # llguidance tokenizers kept (`Guides`)
 KINDS = ("json", "json_object", "regex", "choice", "grammar")  # the option `structured`'s
 # JSON laid out as Python's json.dumps writes it ({"a": 1, "b": [2, 3]}), the layout models
 # see most; a schema's "x-guidance" may say otherwise ({"whitespace_flexible": true}: any
@@ -129,6 +130,8 @@ class Guides:
                                f"({str(e)[:200]})") from None
             with self._lock:
                 self._kept[key] = kept
+                while len(self._kept) > KEPT:  # (one more each time a tokenizer changes)
+                    self._kept.pop(next(iter(self._kept)))
         return Constrained(kept, grammar)
 
 

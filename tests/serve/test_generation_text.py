@@ -1,9 +1,9 @@
-"""A generation's text (cuvild/serve/generation.py), without a daemon: what may begin a stop
+"""A generation's text (cuvild/serve/detokenize.py), without a daemon: what may begin a stop
 string is held back, and the text continues its prompt as the tokenizer spaces it."""
 
 from __future__ import annotations
 
-from cuvild.serve.generation import release
+from cuvild.serve.detokenize import release
 
 
 def test_text_that_may_begin_a_stop_string_is_held_back() -> None:
