@@ -136,6 +136,7 @@ class Prefixes:
                 return None, 0
             if n == len(best.tokens):
                 del self._kept[best.live.slot]
+                best.live.last = time.monotonic()  # (not reaped as idle before its step)
             else:
                 self._kept.move_to_end(best.live.slot)
         return best, n
