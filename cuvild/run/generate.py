@@ -5,11 +5,12 @@ whose first output is the logits [1, n, vocab] (transformers' TorchExportableMod
 OnlyLM export: its KV cache is buffers the graph updates in place, kept per sequence by the
 worker that runs it, cuvild/run/sequences.py). `generate` feeds the prompt (the prefill),
 then picks each next token from the last logits (`pick`: greedy, or sampled with
-temperature, top-k and top-p from a seeded generator, as transformers' `generate` does;
-OpenAI's logit bias and frequency and presence penalties first, where asked) until
-max_tokens, a stop token
-id or the end of the context. `logprobs` gives a token's log-probability and the likeliest
-others', for OpenAI's `logprobs` (cuvild/serve/generate_http.py).
+temperature, top-k, top-p and min-p from a seeded generator, as transformers' `generate`
+does; the repetition penalty, OpenAI's logit bias and frequency and presence penalties
+first, and a grammar's mask, where asked) until max_tokens, a stop token (none before
+min_tokens), the grammar's end or the end of the context. `logprobs` gives a token's
+log-probability and the likeliest others', for OpenAI's `logprobs`
+(cuvild/serve/generate_http.py).
 
 The prefill runs in chunks: a model exported with a dynamic length `n` (its buckets, built
 once each: cuvild/load/buckets.py) takes the prompt CHUNKS tokens at a time, the largest that
