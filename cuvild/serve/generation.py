@@ -4,8 +4,10 @@ own (cuvild/run/sequences.py, cuvild/run/generate.py).
 `Generator.open` checks the request once (the model is served and generative, the prompt is
 token ids or text and the model has a tokenizer, the sampling options are sane) and
 `Generation.tokens` yields each token (its id and, with a tokenizer, the text it adds) until
-max_tokens, a stop token or the context's end; the sequence ends with the generator, however
-it ends (finished, failed, or its caller gone).
+max_tokens, a stop token, its grammar's end (cuvild/serve/structured.py) or the context's
+end. Its sequence may start as a kept one that holds the prompt's first tokens, and is kept
+when the generation ends without a failed step, finished or its caller gone
+(cuvild/run/prefixes.py); else it ends with the generator.
 
 A tokenizer is the model repository entry's `tokenizer.json` (`<repository>/<name>/<version>/`
 or `<repository>/<name>/`), read with the `tokenizers` library: JSON, never code from the
