@@ -9,8 +9,8 @@ value is changed), with what transformers gives it: `messages`, `tools` (OpenAI'
 tools, or None: cuvild/serve/tools.py), `add_generation_prompt` (true: the prompt ends where
 the assistant's answer begins), the special tokens of the config (`bos_token`,
 `eos_token`, ...), `raise_exception`, `strftime_now` and transformers' `tojson` (jinja's
-own escapes HTML and sorts keys). transformers' `{% generation %}` tag (assistant masks
-for training) is not known: a template with it does not load. The rendered
+own escapes HTML and sorts keys), and its `{% generation %}...{% endgeneration %}` tag
+(which marks the assistant's text for training masks: its body rendered as written). The rendered
 text is tokenized without adding special tokens again (the template writes them), and the
 config's `eos_token` ends the answer (a stop token, not sent as text).
 """
@@ -76,8 +76,18 @@ def load(template_text: str | None, config_text: str | None) -> Chat | None:
 
 
 def _environment() -> Any:
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """transformers' `{% generation %}` block (its AssistantTracker, which also notes
+        where the block's text falls: a training mask, of no use to a prompt): its body."""
+
+        tags = {"generation"}  # noqa: RUF012 - jinja's own class attribute
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     def raise_exception(message: str) -> None:
         from jinja2 import TemplateError
@@ -85,7 +95,7 @@ def _environment() -> Any:
         raise TemplateError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+                                        extensions=[loopcontrols, Generation])
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                separators: Any = None, sort_keys: bool = False) -> str:
         """transformers' `tojson` (jinja's own escapes HTML and sorts keys: not the text the

@@ -51,6 +51,31 @@ def test_tools_and_earlier_calls_render_as_transformers_renders_them() -> None:
             {"function": {"name": "f", "arguments": "{oops"}}]}])
 
 
+# a training template's marks (what TRL's assistant_only_loss asks of a template): the
+# assistant's text in a generation block
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<a>{% generation %}{{ m.content }}"
+    "{% endgeneration %}</a>\n{% else %}<{{ m.role }}>{{ m.content }}\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<a>{% endif %}")
+
+
+def test_a_template_with_generation_blocks_renders_as_transformers_renders_it() -> None:
+    """transformers' `{% generation %}` tag (assistant masks for training) renders its body;
+    a template with it did not load."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "And?"}]
+    ours = chat.load(GENERATION_TEMPLATE, None)
+    assert ours is not None
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(byte_tokenizer_json()))
+    hf.chat_template = GENERATION_TEMPLATE
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.render(chat.messages_of(messages)) == want == (
+        "<user>Hi\n<a>Hello</a>\n<user>And?\n<a>")
+
+
 def test_an_answers_calls_are_read_as_openais_tool_calls() -> None:
     """auto: the Hermes format's calls, the text around them the content (a call that does
     not read stays text; parallel_tool_calls false keeps the first), or an answer that is
