@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -51,9 +50,10 @@ from aiohttp import web
 from cuvild.core.layout import BadInput
 from cuvild.serve import openai_request
 from cuvild.serve import tools as tools_mod
-from cuvild.serve.detokenize import continued, release
+from cuvild.serve.detokenize import continued
 from cuvild.serve.errors import STATUS, Refused, status
 from cuvild.serve.generation import OPTIONS, Generation, generates, share
+from cuvild.serve.tool_stream import ToolStream
 
 # `server` below is the RestServer (cuvild/serve/rest.py) that registered the routes: its
 # `pool` runs the generation, `generator` opens it, `_body` reads a body within its limits.
@@ -251,9 +251,7 @@ class _Answer:
         self.echo = (text if text is not None else self._decoded(gen.prompt)) if echo else ""
         self.prompt_due = echo  # (the prompt goes with the first choice that has tokens)
         self.tools: tools_mod.Tools | None = None  # a chat's (its answer read for calls)
-        # a stream's text so far, how much of it went out, whether a call began (`_delta`)
-        self.said, self.sent, self.calling = "", 0, False
-        self.call_id = f"call_{uuid.uuid4().hex[:24]}"  # (a streamed named call's)
+        self.stream: ToolStream | None = None  # its stream's calls (cuvild/serve/tool_stream.py)
 
     def _decoded(self, ids: list[int]) -> str:
         tokenizer = self.gen.tokenizer
@@ -267,18 +265,14 @@ class _Answer:
         return last
 
     def ending(self) -> list[dict[str, Any]]:
-        """A streamed choice's last chunks: what its tools held back (`_delta`), read for
-        calls (their `tool_calls`, each with its index), then its finish reason."""
-        held, finish = self.said[self.sent:], _finish(self.gen)
-        if self.tools is None or self.tools.choice == "none":
+        """A streamed choice's last chunks: what its tools held back (calls as JSON alone,
+        text that may have begun a call: cuvild/serve/tool_stream.py), then its finish reason
+        ("tool_calls" where it made calls and stopped)."""
+        finish = _finish(self.gen)
+        if self.stream is None:
             return [self.choice("", [], finish)]
-        if self.tools.choice == "named":  # (its arguments went as they came)
-            return [self.choice("", [], "tool_calls" if finish == "stop" else finish)]
-        message = self.tools.message(held) if held else {}
-        delta = {k: v for k, v in message.items() if k in ("content", "tool_calls") and v}
-        if delta.get("tool_calls"):
-            finish = "tool_calls"
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+        delta, called = self.stream.end()
+        finish = "tool_calls" if called and finish == "stop" else finish
         chunk = self.choice("", [], None)
         chunk["choices"][0]["delta"] = delta
         return [*([chunk] if delta else []), self.choice("", [], finish)]
@@ -309,36 +303,16 @@ class _Answer:
                 **({"usage": None} if streamed and self.with_usage else {})}
 
     def _streamed(self, text: str, first: bool) -> dict[str, Any]:
-        """A streamed chat's delta for its next `text`: its content (`_delta`); with a
-        named tool_choice, the call's arguments as they are written (its id and name in the
-        first), as OpenAI and vLLM stream them."""
+        """A streamed chat's delta for its next `text`: its content; with tools, its content
+        and its calls as they are written (cuvild/serve/tool_stream.py), each call's id and
+        name in its first delta, its arguments in the next, as OpenAI and vLLM stream them."""
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if self.tools is None or self.tools.choice != "named":
-            text = self._delta(text)
+        if self.tools is None:
             return {**delta, **({"content": text} if text or first else {})}
-        self.said += text
-        self.sent = len(self.said)
-        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-        if first:
-            call.update(id=self.call_id, type="function",
-                        function={"name": self.tools.name, "arguments": text})
-        return {**delta, **({"tool_calls": [call]} if text or first else {})}
-
-    def _delta(self, text: str) -> str:
-        """What of a streamed chat's next `text` goes out now: all of it without tools; with
-        a tool_choice that holds the answer to calls, none (`ending` reads it); with "auto",
-        the text up to a "<tool_call>" (held from its first character that may begin one),
-        none of an answer that begins as calls as JSON alone may ("{", "[TOOL_CALLS]")."""
-        if self.tools is None or self.tools.choice == "none":
-            return text
-        self.said += text
-        if self.tools.choice != "auto" or self.calling:
-            return ""
-        if self.sent == 0 and tools_mod.may_be_calls(self.said):
-            self.calling = bool(self.said.strip())  # (calls as JSON alone: held to the end)
-            return ""
-        piece, self.sent, self.calling = release(self.said, self.sent, (tools_mod.MARK,))
-        return piece
+        if self.stream is None:
+            self.stream = ToolStream(self.tools)
+        more = self.stream.feed(text)
+        return {**delta, **({"content": ""} if first and not more else {}), **more}
 
     def _logprobs(self, made: list[tuple[int, str]], prompt: bool) -> dict[str, Any] | None:
         """OpenAI's logprobs of the next tokens answered (`made`; `prompt`: the prompt's

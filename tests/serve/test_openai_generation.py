@@ -481,7 +481,7 @@ def test_a_chat_calls_the_tools_its_choice_holds_it_to(lm_daemon) -> None:  # no
     held to the calls' schemas by structured output and comes back as OpenAI's `tool_calls`
     (finish reason "tool_calls"), as the OpenAI SDK reads them; the tools are in the prompt
     (the template renders them: more prompt tokens), an earlier call and its answer too;
-    streamed, a named call's arguments come as they are written."""
+    streamed, a named or required call's arguments come as they are written."""
     import openai
 
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -531,6 +531,13 @@ def test_a_chat_calls_the_tools_its_choice_holds_it_to(lm_daemon) -> None:  # no
     assert all(t.id is None and t.function.name is None for t in parts[1:])
     assert "".join(t.function.arguments for t in parts) == (
         named.choices[0].message.tool_calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(  # "required" too: each call as it comes
+        model="bytes", messages=question, tools=[weather, clock], max_tokens=200, stream=True,
+        tool_choice="required", parallel_tool_calls=False))
+    parts = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert len(parts) > 3 and parts[0].function.name == call.function.name
+    assert "".join(t.function.arguments for t in parts) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

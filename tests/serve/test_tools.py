@@ -135,33 +135,94 @@ def test_a_requests_tools_are_checked(doc: dict, said: str) -> None:
         tools.asked(doc)
 
 
-def test_a_stream_holds_back_what_may_be_a_call_and_sends_the_calls_at_its_end() -> None:
-    """auto, streamed (generate_http's _Answer): the text before a "<tool_call>" goes out as
-    it comes, held back from the first character that may begin one; the calls go in the
-    stream's last delta, with their indexes, the finish reason then "tool_calls"; a "<" that
-    began no call goes out once it shows it."""
+def test_a_stream_sends_each_call_as_it_is_written() -> None:
+    """auto, streamed (generate_http's _Answer, cuvild/serve/tool_stream.py): the text before
+    a "<tool_call>" goes out as it comes, held back from the first character that may begin
+    one (white space until text follows it); a call's id and name go out once its name is
+    written, its arguments as they are, the finish reason then "tool_calls"; a "<" that
+    began no call goes out once it shows it; calls as JSON alone are held to the end."""
     from types import SimpleNamespace
 
     from cuvild.serve.generate_http import _Answer
 
-    def streamed(pieces: list[str]) -> tuple[list[str], list[dict]]:
+    def streamed(pieces: list[str], **more: object) -> tuple[list[dict], list[dict]]:
         gen = SimpleNamespace(name="m", stopped=True, top_logprobs=None, tokenizer=None)
         answer = _Answer(gen, chat=True)  # type: ignore[arg-type]
-        answer.tools = tools.asked({"tools": [WEATHER, TIME]})
-        sent = [answer.choice(p, [(0, p)], None, first=i == 0)["choices"][0]["delta"].get(
-            "content", "") for i, p in enumerate(pieces)]
-        return sent, [c["choices"][0] for c in answer.ending()]
+        answer.tools = tools.asked({"tools": [WEATHER, TIME], **more})
+        deltas = [answer.choice(p, [(0, p)], None, first=i == 0)["choices"][0]["delta"]
+                  for i, p in enumerate(pieces)]
+        return deltas, [c["choices"][0] for c in answer.ending()]
 
-    sent, end = streamed(["Let me ", "look <", "tool_call>", '{"name": "get_time", ',
-                          '"arguments": {}}</tool_call>'])
-    assert sent == ["Let me ", "look ", "", "", ""]
-    (call,) = end[0]["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["function"] == {"name": "get_time", "arguments": "{}"}
-    assert end[-1]["finish_reason"] == "tool_calls"
-    sent, end = streamed(["a <", "b"])
-    assert sent == ["a ", "<b"] and end[-1]["finish_reason"] == "stop"
-    sent, end = streamed(['{"name": ', '"get_time", "parameters": {}}'])  # Llama 3's: held
-    assert sent == ["", ""] and end[0]["delta"]["tool_calls"][0]["function"]["name"] == (
+    deltas, end = streamed(["Let me ", "look <", "tool_call>", '{"name": "get_time", ',
+                            '"arguments": {"zone": ', '"UTC"}}</tool_call>'])
+    assert [d.get("content", "") for d in deltas] == ["Let me", " look", "", "", "", ""]
+    assert [d.get("tool_calls") for d in deltas[:3]] == [None] * 3
+    (first,), (more,), (last,) = (d["tool_calls"] for d in deltas[3:])
+    assert first["id"].startswith("call_") and first["function"] == {
+        "name": "get_time", "arguments": ""} and first["index"] == 0
+    assert more == {"index": 0, "function": {"arguments": '{"zone": '}}
+    assert last == {"index": 0, "function": {"arguments": '"UTC"}'}}
+    assert len(end) == 1 and end[-1]["finish_reason"] == "tool_calls"
+    deltas, end = streamed(["a <", "b"])
+    assert [d.get("content") for d in deltas] == ["a", " <b"]
+    assert end[-1]["finish_reason"] == "stop"
+    deltas, _ = streamed(['[{"name": "get_time", "parameters": {"zone": ', '"CET"}}, {"name"',
+                          ': "get_weather", "parameters": {}}]'], tool_choice="required")
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"].get("name"), c["function"]["arguments"])
+            for c in calls] == [(0, "get_time", '{"zone": '), (0, None, '"CET"}'),
+                                (1, "get_weather", "{}")]
+    deltas, end = streamed(['{"name": ', '"get_time", "parameters": {}}'])  # Llama 3's: held
+    assert deltas[1:] == [{}] and end[0]["delta"]["tool_calls"][0]["function"]["name"] == (
         "get_time")
-    sent, end = streamed(["[1, 2]", " and more"])  # held, then said as text at its end
-    assert sent == ["", ""] and end[0]["delta"] == {"content": "[1, 2] and more"}
+    deltas, end = streamed(["[1, 2]", " and more"])  # held, then said as text at its end
+    assert deltas[1:] == [{}] and end[0]["delta"] == {"content": "[1, 2] and more"}
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+ANSWERS = [  # (the request's tool_choice and parallel_tool_calls, an answer)
+    ({"tool_choice": NAMED}, '{"city": "Oslo, \\"NO\\" {x}", "unit": "c"}'),
+    ({"tool_choice": "required"}, '[{"name": "get_weather", "parameters": {"city": "[Oslo]"}},'
+                                  ' {"name": "get_time", "parameters": {}}]'),
+    ({"tool_choice": "required"}, '[{"parameters": {"city": "Oslo"}, "name": "get_weather"}]'),
+    ({}, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "a}b"}}\n'
+         '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
+    ({}, '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"X\\"}"}</tool_call>'),
+    ({}, 'I think <tool_call> is a tag. <b>bold</b>'),
+    ({}, '<tool_call>oops</tool_call> no'),
+    ({"parallel_tool_calls": False}, '<tool_call>{"name": "get_weather", "arguments": {}}'
+                                     '</tool_call><tool_call>{"name": "get_time", '
+                                     '"arguments": {}}</tool_call>'),
+    ({}, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    ({}, '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]'),
+    ({}, '  \n{"name": "nope", "parameters": {}}'),
+    ({}, "Hello there  "),
+]
+
+
+@pytest.mark.parametrize("given,answer", ANSWERS)
+@pytest.mark.parametrize("step", [1, 5])
+def test_a_streamed_answer_reads_as_the_whole_answer_reads(given, answer, step) -> None:
+    """Streamed a piece at a time (cuvild/serve/tool_stream.py), an answer's content and calls
+    (their arguments joined) are what the whole answer reads as (Tools.message), strings
+    holding braces, quotes and marks included; arguments written before the name go out
+    with it."""
+    from cuvild.serve.tool_stream import ToolStream
+
+    asked = tools.asked({"tools": [WEATHER, TIME], **given})
+    assert asked is not None
+    stream = ToolStream(asked)
+    deltas = [stream.feed(answer[i:i + step]) for i in range(0, len(answer), step)]
+    deltas.append(stream.end()[0])
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, list[str]] = {}
+    for c in (c for d in deltas for c in d.get("tool_calls", [])):
+        if "id" in c:
+            assert c["index"] not in calls and c["id"].startswith("call_")
+            calls[c["index"]] = [c["function"]["name"], ""]
+        calls[c["index"]][1] += c["function"]["arguments"]
+    whole = asked.message(answer)
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in whole.get("tool_calls", [])]
+    assert content == (whole["content"] or "")
