@@ -39,14 +39,17 @@ class Chat:
     template: Any  # a compiled jinja2 Template
     special: dict[str, str]  # bos_token, eos_token, ... as the config names them
 
-    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
-        """The prompt text for `messages`, ending where the assistant's answer begins;
-        `tools` (OpenAI's function tools) given to the template as transformers gives them."""
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
+               generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`, ending where the assistant's answer begins
+        (`generation_prompt` false: where the last message ends); `tools` (OpenAI's function
+        tools) given to the template as transformers gives them."""
         from jinja2 import TemplateError
 
         try:
             return str(self.template.render(messages=messages, tools=tools,
-                                            add_generation_prompt=True, **self.special))
+                                            add_generation_prompt=generation_prompt,
+                                            **self.special))
         except TemplateError as e:  # (the template's own raise_exception too)
             raise BadInput(f"the model's chat template refused the messages: {e}") from None
 

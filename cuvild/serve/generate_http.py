@@ -48,7 +48,7 @@ import orjson
 from aiohttp import web
 
 from cuvild.core.layout import BadInput
-from cuvild.serve import openai_request
+from cuvild.serve import openai_request, tokenize_http
 from cuvild.serve import tools as tools_mod
 from cuvild.serve.detokenize import continued
 from cuvild.serve.errors import STATUS, Refused, status
@@ -78,11 +78,20 @@ def register(app: web.Application, server: RestServer) -> None:
         app.router.add_post(base + "/chat/completions", lambda r: openai(server, r, chat=True))
         app.router.add_get(base + "/models", lambda r: openai_models(server, r))
         app.router.add_get(base + "/models/{model}", lambda r: openai_models(server, r))
+    for path, answer in zip(tokenize_http.ROUTES, (tokenize_http.tokenize,
+                                                   tokenize_http.detokenize), strict=True):
+        app.router.add_post(path, lambda r, answer=answer: _tokens(server, r, answer))
+
+
+async def _tokens(server: RestServer, request: web.Request,
+                  answer: Callable[[Any, Any], dict[str, Any]]) -> web.Response:
+    """vLLM's /tokenize and /detokenize (cuvild/serve/tokenize_http.py)."""
+    return _json(await _open(server, request, lambda doc: answer(server.generator, doc)))
 
 
 def is_openai(path: str) -> bool:
     """Whether `path` is one of OpenAI's routes (its errors are OpenAI's error object)."""
-    return any(path.startswith(base + "/") for base in PREFIXES)
+    return any(path.startswith(base + "/") for base in PREFIXES) or path in tokenize_http.ROUTES
 
 
 def error_object(status: int, message: str) -> dict[str, Any]:

@@ -570,3 +570,4 @@ def test_vllms_repetition_penalty_min_tokens_and_min_p(lm_daemon, lm_served) -> 
         status, body = post(lm_daemon.http, "/v1/completions",
                             {"model": "llama", "prompt": prompt, **bad})
         assert status == 400 and said in json.loads(body)["error"]["message"], body
+

@@ -1,0 +1,97 @@
+"""vLLM's `/tokenize` and `/detokenize` over HTTP: a served language model's prompt as the
+daemon makes it, for clients that count or build prompts in tokens (an RL trainer's rollouts,
+a context-window check before a request) without a tokenizer of their own that could differ.
+
+    POST /tokenize    {"model", "prompt": text, "add_special_tokens": true,
+                       "return_token_strs": false}
+                   or {"model", "messages": [...], "tools": [...], "add_generation_prompt":
+                       true, "add_special_tokens": false, "return_token_strs": false}
+                   -> {"count", "max_model_len", "tokens": [ids], "token_strs": [..] | null}
+    POST /detokenize  {"model", "tokens": [ids]} -> {"prompt": text}
+
+The messages are rendered by the entry's chat template as /v1/chat/completions renders them
+(cuvild/serve/chat.py), its tools too; the text is tokenized by the entry's tokenizer.json,
+the special tokens added as vLLM adds them by default (a prompt's yes, a chat's no: its
+template writes them). Detokenized, special tokens stay in the text (the ids round-trip).
+Errors are OpenAI's error objects, as vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cuvild.core.layout import BadInput
+from cuvild.serve import chat, tools
+from cuvild.serve.errors import Refused, find
+from cuvild.serve.generation import TOKENIZER, Generator, generates
+
+ROUTES = ("/tokenize", "/detokenize")
+TOKENIZE = {"model", "prompt", "messages", "tools", "add_generation_prompt",
+            "add_special_tokens", "return_token_strs"}
+MAX_IDS = 1 << 20
+
+
+def tokenize(generator: Generator, doc: Any) -> dict[str, Any]:
+    """/tokenize's answer to a request `doc` (on a pool thread: a template renders)."""
+    served, tokenizer = _model(generator, doc, TOKENIZE)
+    messages = doc.get("messages")
+    if (messages is None) == (doc.get("prompt") is None):
+        raise BadInput("give either \"prompt\" (text) or \"messages\" (a chat's)")
+    special = _flag(doc, "add_special_tokens", messages is None)
+    if messages is None:
+        text = doc["prompt"]
+        if not isinstance(text, str):
+            raise BadInput(f"prompt must be text, got {type(text).__name__}")
+    else:
+        template = generator.chat_template(served.record.name, served.record.version)
+        if template is None:
+            raise Refused("invalid", f"model {served.key} has no chat template "
+                          f"({chat.TEMPLATE_FILE}, or chat_template in {chat.CONFIG_FILE}): "
+                          "tokenize a prompt instead of messages")
+        asked = tools.asked({"tools": doc.get("tools")}) if doc.get("tools") else None
+        text = template.render(chat.messages_of(messages), asked and asked.tools,
+                               _flag(doc, "add_generation_prompt", True))
+    encoded = tokenizer.encode(text, add_special_tokens=special)
+    return {"count": len(encoded.ids), "max_model_len": served.loaded.state.context,
+            "tokens": list(encoded.ids),
+            "token_strs": list(encoded.tokens) if _flag(doc, "return_token_strs", False)
+            else None}
+
+
+def detokenize(generator: Generator, doc: Any) -> dict[str, Any]:
+    """/detokenize's answer: the ids' text, special tokens kept."""
+    _, tokenizer = _model(generator, doc, {"model", "tokens"})
+    ids, size = doc.get("tokens"), tokenizer.get_vocab_size()
+    if (not isinstance(ids, list) or len(ids) > MAX_IDS
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise BadInput(f"tokens must be a list of at most {MAX_IDS} token ids (integers)")
+    wrong = [t for t in ids if not 0 <= t < size]
+    if wrong:
+        raise BadInput(f"token ids {wrong[:8]} are not in the tokenizer's vocabulary "
+                       f"(0..{size - 1})")
+    return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def _model(generator: Generator, doc: Any, fields: set[str]) -> tuple[Any, Any]:
+    """The served model a request names (it generates) and its entry's tokenizer."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
+        raise BadInput("expected a JSON object with \"model\": the served model's name")
+    unknown = set(doc) - fields
+    if unknown:
+        raise BadInput(f"unknown fields {sorted(unknown)}; known: {sorted(fields)}")
+    name, _, version = doc["model"].partition(":")
+    served = find(generator.models, name, version)
+    if not generates(served.loaded):
+        raise Refused("invalid", f"model {served.key} does not generate (docs/GENERATION.md)")
+    tokenizer = generator.tokenizer(served.record.name, served.record.version)
+    if tokenizer is None:
+        raise Refused("invalid", f"model {served.key} has no tokenizer ({TOKENIZER} in its "
+                      "model repository entry)")
+    return served, tokenizer
+
+
+def _flag(doc: dict[str, Any], name: str, default: bool) -> bool:
+    value = doc.get(name, default)
+    if not isinstance(value, bool):
+        raise BadInput(f"{name} must be true or false, got {value!r}")
+    return value
