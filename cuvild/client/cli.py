@@ -17,6 +17,7 @@ from typing import Any
 from cuvild.client import Client, LoadFailed, default_target
 from cuvild.client.cli_generate import add_generate
 from cuvild.client.errors import CuvildError
+from cuvild.client.export_lm import add_export_lm
 from partitioner.phases import GENERATED, PROMPT
 
 DTYPE_COLUMNS = ("fp32", "bf16", "fp16", "int8")
@@ -561,6 +562,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a st
     infer.add_argument("--json", action="store_true", help="machine-readable output")
     infer.set_defaults(func=cmd_infer)
     add_generate(sub)
+    add_export_lm(sub)
     return parser
 
 

@@ -1,0 +1,169 @@
+"""`cuvilctl export-lm`: a Hugging Face causal language model made a model repository entry
+the daemon generates with (docs/GENERATION.md), in one command:
+
+    cuvilctl export-lm Qwen/Qwen2.5-0.5B-Instruct --repository models   # or a local folder
+    -> models/Qwen2.5-0.5B-Instruct/1/model.pt2, tokenizer.json, tokenizer_config.json,
+       chat_template.jinja, generation_config.json
+
+The model is exported as transformers' own exporter for decoder-only models exports it
+(`TorchExportableModuleForDecoderOnlyLM`: a static KV cache of `--context` positions held as
+buffers), for prompts of any length up to the context (the daemon runs them in chunks), at
+fp32 (the daemon settles each part's precision under its policy). The export is checked
+before it is written: the program's logits on a short prompt against the model's own. The
+archive is written under a temporary name and renamed, so that a daemon reading the
+repository never sees half of it. Runs here, not in the daemon (it needs transformers, and
+the model's weights where this runs); a daemon serving the repository loads the entry at its
+next read of it (`cuvilctl reload`, SIGHUP) or its next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cuvild.intake.registry import NAME_RE
+
+DEFAULT_CONTEXT = 2048
+CHECK_TOKENS = 8
+
+
+def export_lm(source: str, repository: Path, name: str, version: str = "1",
+              context: int | None = None, force: bool = False,
+              say: Any = print) -> dict[str, Any]:
+    """Export `source` (a Hub id or a local folder, as from_pretrained takes) into
+    repository/name; what was written. ValueError naming what is wrong."""
+    for label, value in (("name", name), ("version", version)):
+        if not NAME_RE.fullmatch(value):
+            raise ValueError(f"{label} {value!r}: 1-128 of A-Z a-z 0-9 _ . -")
+    entry = repository / name
+    archive = entry / version / "model.pt2"
+    if archive.exists() and not force:
+        raise ValueError(f"{archive} exists (--force replaces it)")
+    t0 = time.monotonic()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say(f"loading {source}")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        tokenizer = None
+        say(f"no tokenizer ({str(e)[:200]}): prompts go as token ids")
+    longest = getattr(model.config, "max_position_embeddings", None)
+    context = context or min(DEFAULT_CONTEXT, longest or DEFAULT_CONTEXT)
+    if context < 2 or (longest and context > longest):
+        raise ValueError(f"--context {context}: from 2 to the model's "
+                         f"max_position_embeddings ({longest})")
+    say(f"exporting with a static cache of {context} positions")
+    generation = copy.deepcopy(model.generation_config)
+    try:
+        exported = _export(model, context)
+    except Exception as e:  # noqa: BLE001 - torch.export's many errors: the user's answer
+        raise ValueError(f"transformers' exporter cannot export it ({type(e).__name__}: "
+                         f"{str(e)[:500]})") from None
+    error = _check(model, exported, tokenizer, min(CHECK_TOKENS, context - 1))
+    say(f"checked: logits {error:.1e} off the model's own (max |a - b| / max |b|)")
+    if not error <= 1e-3:
+        raise ValueError(f"the exported program's logits are {error:.1e} off the model's own "
+                         "(over 1e-3): not written")
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(f".partial-{os.getpid()}-{archive.name}")  # (torch: .pt2)
+    try:
+        torch.export.save(exported, partial)
+        os.replace(partial, archive)
+    finally:
+        partial.unlink(missing_ok=True)
+    written = [archive]
+    generation.save_pretrained(entry)
+    written.append(entry / "generation_config.json")
+    if tokenizer is not None:
+        written += [Path(p) for p in tokenizer.save_pretrained(entry) if Path(p).exists()]
+        if not (entry / "tokenizer.json").exists():
+            say("its tokenizer has no tokenizer.json (a slow one): prompts go as token ids")
+    return {"name": name, "version": version, "archive": str(archive),
+            "bytes": archive.stat().st_size, "context": context, "check_error": error,
+            "files": sorted({str(p) for p in written}),
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _export(model: Any, context: int) -> Any:
+    import torch
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model.generation_config.cache_implementation = "static"
+    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=context)
+    length = torch.export.Dim("length", min=1, max=context - 1)
+    return wrapper.export(input_ids=torch.tensor([[1, 2]], dtype=torch.long),
+                          cache_position=torch.tensor([0, 1], dtype=torch.long),
+                          dynamic_shapes={"input_ids": {1: length},
+                                          "cache_position": {0: length}})
+
+
+def _check(model: Any, exported: Any, tokenizer: Any, most: int) -> float:
+    """The exported program's logits on a short prompt against the model's own, relative."""
+    import torch
+
+    vocab = model.config.vocab_size
+    ids = (tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+           if tokenizer is not None else [])
+    ids = [i for i in ids if 0 <= i < vocab][:most] or [i % vocab for i in range(1, most + 1)]
+    prompt = torch.tensor([ids], dtype=torch.long)
+    with torch.no_grad():
+        want = model(prompt).logits[0, -1].double()
+        got = exported.module()(input_ids=prompt, cache_position=torch.arange(len(ids)))
+    got = got[0, -1].double()
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def cmd_export_lm(_client: Any, args: argparse.Namespace) -> int:
+    def say(phase: str) -> None:
+        if args.json:
+            print(json.dumps({"phase": phase}), file=sys.stderr, flush=True)
+        else:
+            print(phase, flush=True)
+
+    source = args.source
+    name = args.name or Path(source.rstrip("/")).name
+    try:
+        done = export_lm(source, Path(args.repository), name, args.version, args.context,
+                         args.force, say)
+    except ImportError as e:
+        print(f"cuvilctl: export-lm needs transformers where it runs ({e})", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:
+        print(f"cuvilctl: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(done))
+    else:
+        print(f"wrote {done['archive']} ({done['bytes'] / 1e6:.1f} MB, context "
+              f"{done['context']}) and {len(done['files']) - 1} file(s) beside it in "
+              f"{done['seconds']} s; a daemon serving {args.repository} loads it at its next "
+              "read of it (cuvilctl reload)")
+    return 0
+
+
+def add_export_lm(sub: Any) -> None:
+    export = sub.add_parser("export-lm", help="make a Hugging Face causal language model a "
+                                              "model repository entry (docs/GENERATION.md)")
+    export.add_argument("source", help="a Hub model id or a local folder (from_pretrained's)")
+    export.add_argument("--repository", required=True, metavar="DIR",
+                        help="the model repository (the daemon's model_repository)")
+    export.add_argument("--name", default=None,
+                        help="the entry's name (default: the source's last path part)")
+    export.add_argument("--version", default="1", help="the version folder (default 1)")
+    export.add_argument("--context", type=int, default=None, metavar="N",
+                        help=f"positions its cache holds: prompt and answer together "
+                             f"(default: {DEFAULT_CONTEXT}, or the model's "
+                             "max_position_embeddings where less)")
+    export.add_argument("--force", action="store_true", help="replace an archive there")
+    export.add_argument("--json", action="store_true", help="machine-readable output: the "
+                        "result on stdout, each phase a JSON line on stderr")
+    export.set_defaults(func=cmd_export_lm)

@@ -1,0 +1,69 @@
+"""`cuvilctl export-lm` (cuvild/client/export_lm.py): a Hugging Face causal language model
+saved as transformers saves one, made a model repository entry in one command: the archive
+generates transformers' greedy tokens, the tokenizer and chat template beside it; the
+daemon's serving of such entries is tests/serve/test_generation.py's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lm_models
+import torch
+from generation_helpers import TOOLS_TEMPLATE, byte_tokenizer_json
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cuvilctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cuvild.client.cli", "export-lm", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_a_saved_model_becomes_an_entry_that_generates_as_transformers(tmp_path) -> None:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    model = lm_models.lm("llama")
+    source = tmp_path / "tiny-llama"
+    model.save_pretrained(source)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(byte_tokenizer_json()), bos_token="<s>",
+        eos_token="</s>")
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(source)
+    repository = tmp_path / "models"
+    done = cuvilctl(str(source), "--repository", str(repository), "--context", "48", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout)
+    phases = [json.loads(line)["phase"] for line in done.stderr.splitlines()
+              if line.startswith("{")]
+    assert phases[0].startswith("loading") and any(p.startswith("checked") for p in phases)
+    entry = repository / "tiny-llama"
+    assert said["archive"] == str(entry / "1" / "model.pt2") and said["context"] == 48
+    assert said["check_error"] < 1e-5
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        assert str(entry / name) in said["files"] and (entry / name).exists(), name
+    assert (entry / "chat_template.jinja").read_text() == TOOLS_TEMPLATE
+    assert not list((entry / "1").glob(".partial-*"))
+
+    prompt, new = [5, 9, 2, 7], 8  # greedy through the archive's cache, a token a step
+    program = torch.export.load(entry / "1" / "model.pt2").module()
+    ids, got = list(prompt), []
+    with torch.no_grad():
+        logits = program(input_ids=torch.tensor([ids]), cache_position=torch.arange(len(ids)))
+        for _ in range(new):
+            got.append(int(logits[0, -1].argmax()))
+            logits = program(input_ids=torch.tensor([[got[-1]]]),
+                             cache_position=torch.tensor([len(ids) + len(got) - 1]))
+    assert got == lm_models.reference(model, prompt, new)
+
+    again = cuvilctl(str(source), "--repository", str(repository), "--context", "48")
+    assert again.returncode == 1 and "exists (--force replaces it)" in again.stderr
+    for args, words in ((["--name", "a/b"], "name 'a/b'"),
+                        (["--context", "100000", "--force"], "max_position_embeddings")):
+        wrong = cuvilctl(str(source), "--repository", str(repository), *args)
+        assert wrong.returncode == 1 and words in wrong.stderr, wrong.stderr[-2000:]
