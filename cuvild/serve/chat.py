@@ -32,6 +32,8 @@ MAX_MESSAGES = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 SHAPE = '{"id", "type": "function", "function": {"name", "arguments": JSON\'s text}}'
+CONTINUED = "CONTINUE_FINAL_MESSAGE_TAG "  # (where a continued last message's text ends)
+OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 @dataclass
@@ -40,18 +42,60 @@ class Chat:
     special: dict[str, str]  # bos_token, eos_token, ... as the config names them
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
-               generation_prompt: bool = True) -> str:
+               generation_prompt: bool = True, extra: Mapping[str, Any] | None = None,
+               continue_final: bool = False) -> str:
         """The prompt text for `messages`, ending where the assistant's answer begins
-        (`generation_prompt` false: where the last message ends); `tools` (OpenAI's function
-        tools) given to the template as transformers gives them."""
+        (`generation_prompt` false: where the last message ends; `continue_final`: inside
+        the last message, an assistant's, where its text ends, so that the answer goes on
+        with it, as transformers' continue_final_message cuts it); `tools` (OpenAI's function
+        tools) given to the template as transformers gives them; `extra`: more of the
+        template's variables (vLLM's chat_template_kwargs: enable_thinking, ...)."""
         from jinja2 import TemplateError
 
+        if continue_final:
+            if generation_prompt:
+                raise BadInput("continue_final_message continues the last message: with "
+                               "\"add_generation_prompt\": false")
+            if messages[-1]["role"] != "assistant":
+                raise BadInput("continue_final_message continues an assistant's message: "
+                               f"the last is a {messages[-1]['role']}'s")
+            messages = [*messages[:-1], {**messages[-1],
+                                         "content": messages[-1]["content"] + CONTINUED}]
         try:
-            return str(self.template.render(messages=messages, tools=tools,
+            text = str(self.template.render(**(extra or {}), messages=messages, tools=tools,
                                             add_generation_prompt=generation_prompt,
                                             **self.special))
         except TemplateError as e:  # (the template's own raise_exception too)
             raise BadInput(f"the model's chat template refused the messages: {e}") from None
+        if not continue_final:
+            return text
+        at = text.rfind(CONTINUED.strip())
+        if at < 0:
+            raise BadInput("continue_final_message: the chat template does not write the last "
+                           "message's text as given")
+        return text[:at] if text[at:at + len(CONTINUED)] == CONTINUED else text[:at].rstrip()
+
+
+def options_of(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's chat request extras checked, as `Chat.render`'s keywords: add_generation_prompt
+    (true), continue_final_message (false), chat_template_kwargs (more template variables,
+    none of those the template is given already)."""
+    out: dict[str, Any] = {}
+    for key, name, default in (("add_generation_prompt", "generation_prompt", True),
+                               ("continue_final_message", "continue_final", False)):
+        value = doc.get(key, default)
+        if not isinstance(value, bool):
+            raise BadInput(f"{key} must be true or false, got {json.dumps(value)[:50]}")
+        out[name] = value
+    extra = doc.get("chat_template_kwargs") or {}
+    if not isinstance(extra, Mapping):
+        raise BadInput("chat_template_kwargs must be an object of the template's variables, "
+                       f"got {json.dumps(extra)[:100]}")
+    taken = sorted(set(extra) & {"messages", "tools", "add_generation_prompt", *SPECIAL})
+    if taken:
+        raise BadInput(f"chat_template_kwargs: {taken} are given to the template already")
+    out["extra"] = dict(extra)
+    return out
 
 
 def load(template_text: str | None, config_text: str | None) -> Chat | None:

@@ -50,6 +50,7 @@ from aiohttp import web
 from cuvild.core.layout import BadInput
 from cuvild.serve import openai_request, tokenize_http
 from cuvild.serve import tools as tools_mod
+from cuvild.serve.chat import options_of as chat_options_of
 from cuvild.serve.detokenize import continued
 from cuvild.serve.errors import STATUS, Refused, status
 from cuvild.serve.generation import OPTIONS, Generation, generates, share
@@ -214,7 +215,8 @@ def _openai_open(server: RestServer, doc: Any, chat: bool) -> tuple[list[_Answer
 
     if chat:
         calls = openai_request.tools_of(doc, options)
-        for j, gen in choices(messages=doc.get("messages"), tools=calls and calls.tools):
+        for j, gen in choices(messages=doc.get("messages"), tools=calls and calls.tools,
+                              chat_options=chat_options_of(doc)):
             answers.append(_Answer(gen, chat, usage, index=j,
                                    id_of=answers[0] if answers else None, first=j == 0))
             answers[-1].tools = calls

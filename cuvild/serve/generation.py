@@ -288,16 +288,19 @@ class Generator:
 
     def open(self, name: str, version: str = "", prompt: Any = None, text: str | None = None,
              options: Mapping[str, Any] | None = None,
-             messages: Any = None, tools: list[Any] | None = None) -> Generation:
+             messages: Any = None, tools: list[Any] | None = None,
+             chat_options: Mapping[str, Any] | None = None) -> Generation:
         """A checked generation: `prompt` token ids, `text` or a chat's `messages` (OpenAI's)
         with the model's tokenizer (and chat template); `options`: max_tokens, temperature,
         top_k, top_p, seed, stop (token ids, or strings with a tokenizer), frequency_penalty,
         presence_penalty, logit_bias ({token id: bias}), ignore_eos (vLLM's: the answer does
         not end at the entry's eos tokens, `eos`), structured (cuvild/serve/structured.py);
-        `tools`: a chat's (OpenAI's function tools), given to its template. One refused
+        `tools`: a chat's (OpenAI's function tools), given to its template, and
+        `chat_options` its render's (chat.options_of: vLLM's chat_template_kwargs...). One refused
         counts as a failed request (under model "" where no such model is served)."""
         try:
-            gen = self._open(name, version, prompt, text, options, messages, tools)
+            gen = self._open(name, version, prompt, text, options, messages, tools,
+                             chat_options)
         except Exception as e:
             if self.metrics is not None:
                 known = self.models.get(name, version) is not None
@@ -309,7 +312,7 @@ class Generator:
 
     def _open(self, name: str, version: str, prompt: Any, text: str | None,
               options: Mapping[str, Any] | None, messages: Any,
-              tools: Any = None) -> Generation:
+              tools: Any = None, chat_options: Any = None) -> Generation:
         served = find(self.models, name, version)
         model = served.loaded
         assert model is not None
@@ -328,7 +331,7 @@ class Generator:
                           "one (stop token ids do not)")
         special = True
         if messages is not None:
-            text = self._chat(served, messages, tokenizer, tools)
+            text = self._chat(served, messages, tokenizer, tools, chat_options)
             special = False  # (the template writes them)
         if text is not None:
             if tokenizer is None:
@@ -363,7 +366,8 @@ class Generator:
                           "model repository entry): structured output needs one")
         return self._guides.constrained(path, structured, vocab, eos)
 
-    def _chat(self, served: Any, messages: Any, tokenizer: Any, tools: Any = None) -> str:
+    def _chat(self, served: Any, messages: Any, tokenizer: Any, tools: Any = None,
+              chat_options: Any = None) -> str:
         """A chat's prompt text, by the entry's chat template (its eos token ends the answer,
         as every generation's: `eos`)."""
         checked = chat.messages_of(messages)
@@ -374,7 +378,7 @@ class Generator:
                           f"beside {TOKENIZER} in its model repository entry): send a "
                           "prompt instead of messages (/v1/completions over HTTP, "
                           "`cuvilctl generate` without --chat)")
-        return template.render(checked, tools)
+        return template.render(checked, tools, **(chat_options or {}))
 
     def eos(self, name: str, version: str, tokenizer: Any) -> list[int]:
         """The entry's end-of-sequence ids, which end a generation (vLLM stops at them too):

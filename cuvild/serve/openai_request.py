@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from cuvild.core.layout import BadInput
-from cuvild.serve import structured
+from cuvild.serve import chat, structured
 from cuvild.serve import tools as tools_mod
 
 # OpenAI's fields, top_k as vLLM takes it
@@ -18,7 +18,8 @@ OPENAI = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "see
           "logit_bias", "logprobs", "echo", "ignore_eos", "best_of", "response_format",
           "structured_outputs", *structured.GUIDED, "repetition_penalty", "min_p", "min_tokens"}
 CHAT = OPENAI - {"prompt", "echo"} | {"messages", "max_completion_tokens", "top_logprobs",
-                                      "tools", "tool_choice", "parallel_tool_calls"}
+                                      "tools", "tool_choice", "parallel_tool_calls",
+                                      *chat.OPTIONS}  # (vLLM's chat_template_kwargs, ...)
 MAX_LOGPROBS = 20  # the likeliest tokens a token's logprobs may list (vLLM's default bound)
 MAX_N = 128  # choices a prompt (OpenAI's own bound)
 

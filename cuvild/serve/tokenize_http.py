@@ -26,8 +26,8 @@ from cuvild.serve.errors import Refused, find
 from cuvild.serve.generation import TOKENIZER, Generator, generates
 
 ROUTES = ("/tokenize", "/detokenize")
-TOKENIZE = {"model", "prompt", "messages", "tools", "add_generation_prompt",
-            "add_special_tokens", "return_token_strs"}
+TOKENIZE = {"model", "prompt", "messages", "tools", "add_special_tokens", "return_token_strs",
+            *chat.OPTIONS}
 MAX_IDS = 1 << 20
 
 
@@ -50,7 +50,7 @@ def tokenize(generator: Generator, doc: Any) -> dict[str, Any]:
                           "tokenize a prompt instead of messages")
         asked = tools.asked({"tools": doc.get("tools")}) if doc.get("tools") else None
         text = template.render(chat.messages_of(messages), asked and asked.tools,
-                               _flag(doc, "add_generation_prompt", True))
+                               **chat.options_of(doc))
     encoded = tokenizer.encode(text, add_special_tokens=special)
     return {"count": len(encoded.ids), "max_model_len": served.loaded.state.context,
             "tokens": list(encoded.ids),

@@ -66,3 +66,28 @@ def test_vllms_tokenize_and_detokenize_give_the_prompt_the_daemon_makes(  # noqa
         error = json.loads(body)["error"]
         assert code in (400, 404) and words in error["message"], (path, doc, body)
         assert error["type"] == "invalid_request_error"
+
+
+def test_vllms_chat_extras_are_taken_by_the_chat_and_tokenize_routes(  # noqa: ANN001
+        lm_daemon) -> None:
+    """chat_template_kwargs, add_generation_prompt and continue_final_message (vLLM's: a
+    Qwen3 client's enable_thinking was refused as an unsupported field) reach the template on
+    /v1/chat/completions and /tokenize alike: the prompt the chat ran is the one /tokenize
+    gives."""
+    http = lm_daemon.http
+    begun = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": "It is"}]
+    extras = {"continue_final_message": True, "add_generation_prompt": False,
+              "chat_template_kwargs": {"enable_thinking": False}}
+    code, body = post(http, "/tokenize", {"model": "bytes", "messages": begun, **extras})
+    assert code == 200, body
+    cut = json.loads(body)
+    code, body = post(http, "/tokenize", {"model": "bytes", "messages": begun})
+    whole = json.loads(body)
+    assert cut["tokens"] == whole["tokens"][:cut["count"]] and cut["count"] < whole["count"]
+    code, body = post(http, "/v1/chat/completions", {
+        "model": "bytes", "messages": begun, "max_tokens": 1, **extras})
+    assert code == 200 and json.loads(body)["usage"]["prompt_tokens"] == cut["count"], body
+    code, body = post(http, "/v1/chat/completions", {
+        "model": "bytes", "messages": begun, "continue_final_message": True})
+    assert code == 400 and "add_generation_prompt" in json.loads(body)["error"]["message"]

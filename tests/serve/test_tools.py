@@ -226,3 +226,44 @@ def test_a_streamed_answer_reads_as_the_whole_answer_reads(given, answer, step) 
         (c["function"]["name"], json.loads(c["function"]["arguments"]))
         for c in whole.get("tool_calls", [])]
     assert content == (whole["content"] or "")
+
+
+# Qwen3's switch, written as its template writes it: thinking off, an empty think block
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+    "enable_thinking is false %}<think></think>{% endif %}{% endif %}")
+
+
+def test_vllms_chat_extras_render_as_transformers_renders_them() -> None:
+    """chat_template_kwargs (Qwen3's enable_thinking) reach the template;
+    continue_final_message leaves the prompt inside the last (an assistant's) message, as
+    transformers' continue_final_message cuts it; what cannot hold is refused, naming it."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    ours = chat.load(THINKING_TEMPLATE, None)
+    assert ours is not None
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(byte_tokenizer_json()))
+    hf.chat_template = THINKING_TEMPLATE
+    asked = [{"role": "user", "content": "Hi"}]
+    for doc in ({}, {"chat_template_kwargs": {"enable_thinking": False}},
+                {"chat_template_kwargs": {"enable_thinking": True}}):
+        want = hf.apply_chat_template(asked, tokenize=False, add_generation_prompt=True,
+                                      **doc.get("chat_template_kwargs", {}))
+        assert ours.render(chat.messages_of(asked), **chat.options_of(doc)) == want
+    assert "<think></think>" in ours.render(chat.messages_of(asked), **chat.options_of(
+        {"chat_template_kwargs": {"enable_thinking": False}}))
+    begun = [*asked, {"role": "assistant", "content": "Hello, I am "}]
+    doc = {"continue_final_message": True, "add_generation_prompt": False}
+    got = ours.render(chat.messages_of(begun), **chat.options_of(doc))
+    assert got == hf.apply_chat_template(begun, tokenize=False, continue_final_message=True)
+    assert got.endswith("<assistant>Hello, I am ")  # (not closed: the answer goes on)
+    for wrong, words in (({"continue_final_message": True}, "add_generation_prompt"),
+                         ({"chat_template_kwargs": {"messages": []}}, "given to the template"),
+                         ({"chat_template_kwargs": [1]}, "must be an object"),
+                         ({"add_generation_prompt": "yes"}, "true or false")):
+        with pytest.raises(BadInput, match=words):
+            ours.render(chat.messages_of(begun), **chat.options_of(wrong))
+    with pytest.raises(BadInput, match="an assistant's message"):
+        ours.render(chat.messages_of(asked), **chat.options_of(doc))
