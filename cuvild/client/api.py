@@ -429,6 +429,8 @@ class Client:
                  logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False,
                  structured: Mapping[str, Any] | None = None,
                  repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
+                 chat_template_kwargs: Mapping[str, Any] | None = None,
+                 continue_final_message: bool = False,
                  ) -> Iterator[dict[str, Any]]:
         """A language model's tokens as they come: {"token_id", "text", "index"} each (`text`
         is what the token adds, with the model's tokenizer; "" without one). `prompt`: token
@@ -440,7 +442,10 @@ class Client:
         {"choice": [...]} or {"grammar": a Lark or GBNF grammar}; `repetition_penalty`,
         `min_p` and `min_tokens` are vLLM's. `messages` (a chat: [{"role",
         "content"}, ...], as OpenAI's) instead of a prompt: put in the prompt by the model's
-        chat template. Leaving the loop early ends the generation in the daemon."""
+        chat template, given `chat_template_kwargs` too (vLLM's: Qwen3's {"enable_thinking":
+        False}); `continue_final_message`: the answer goes on with the last message, an
+        assistant's, instead of beginning one. Leaving the loop early ends the generation
+        in the daemon."""
         import grpc
 
         from cuvild.client.errors import from_rpc
@@ -455,6 +460,11 @@ class Client:
             logit_bias=dict(logit_bias or {}), ignore_eos=ignore_eos,
             structured=json.dumps(structured) if structured is not None else "",
             repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens)
+        if chat_template_kwargs or continue_final_message:
+            request.chat_options = json.dumps({
+                "chat_template_kwargs": dict(chat_template_kwargs or {}),
+                "continue_final_message": continue_final_message,
+                "add_generation_prompt": not continue_final_message})
         if seed is not None:
             request.seed = seed
         stream = self._control._stub.Generate(request, timeout=timeout)  # noqa: SLF001 - a server stream: its errors come as it is read

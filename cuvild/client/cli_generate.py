@@ -25,21 +25,14 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
         print("cuvilctl: give the prompt as text (PROMPT, for a model with a tokenizer) or as "
               "--ids, one of them", file=sys.stderr)
         return 1
-    messages = None
-    if args.chat or args.system is not None:
-        if args.prompt is None:
-            print("cuvilctl: --chat takes the user's message as PROMPT (text), not --ids",
-                  file=sys.stderr)
-            return 1
-        messages = [*([{"role": "system", "content": args.system}] if args.system else []),
-                    {"role": "user", "content": args.prompt}]
+    messages = _messages(args)
     stop = [int(t) for t in args.stop.replace(",", " ").split()] if args.stop else []
-    bias, structured = _bias(args), _structured(args)
-    if bias is None or structured is None:
+    bias, structured, kwargs = _bias(args), _structured(args), _template_kwargs(args)
+    if messages is None or bias is None or structured is None or kwargs is None:
         return 1
     tokens: list[dict[str, Any]] = []
     for token in client.generate(args.name, ids, text=None if messages else args.prompt,
-                                 messages=messages, max_tokens=args.max_tokens,
+                                 messages=messages or None, max_tokens=args.max_tokens,
                                  temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=args.seed, stop=stop,
                                  version=args.version,
@@ -48,7 +41,8 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
                                  logit_bias=bias, ignore_eos=args.ignore_eos,
                                  structured=structured or None,
                                  repetition_penalty=args.repetition_penalty,
-                                 min_p=args.min_p, min_tokens=args.min_tokens):
+                                 min_p=args.min_p, min_tokens=args.min_tokens,
+                                 chat_template_kwargs=kwargs or None):
         tokens.append(token)
         if not args.json:
             print(token["text"] if token["text"] or args.prompt is not None
@@ -70,6 +64,34 @@ def _bias(args: argparse.Namespace) -> dict[int, float] | None:
         print(f"cuvilctl: --logit-bias takes ID:BIAS pairs, e.g. 2:-100,7:5, got "
               f"{args.logit_bias!r}", file=sys.stderr)
         return None
+
+
+def _messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
+    """--chat's messages ([]: not a chat); None (said) where they cannot be made."""
+    if not (args.chat or args.system is not None):
+        if args.template_kwargs:
+            print("cuvilctl: --template-kwargs goes with --chat", file=sys.stderr)
+            return None
+        return []
+    if args.prompt is None:
+        print("cuvilctl: --chat takes the user's message as PROMPT (text), not --ids",
+              file=sys.stderr)
+        return None
+    return [*([{"role": "system", "content": args.system}] if args.system else []),
+            {"role": "user", "content": args.prompt}]
+
+
+def _template_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--template-kwargs's object ({}: none); None (said) where it is not one."""
+    try:
+        given = json.loads(args.template_kwargs) if args.template_kwargs else {}
+    except ValueError:
+        given = None
+    if not isinstance(given, dict):
+        print("cuvilctl: --template-kwargs takes a JSON object, e.g. "
+              f"'{{\"enable_thinking\": false}}', got {args.template_kwargs!r}", file=sys.stderr)
+        return None
+    return given
 
 
 def _structured(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -100,6 +122,9 @@ def add_generate(sub: Any) -> None:
     gen.add_argument("--chat", action="store_true", help="PROMPT is a user's message, put in "
                      "the model's chat template (its answer ends at the eos token)")
     gen.add_argument("--system", help="a system message before it (implies --chat)")
+    gen.add_argument("--template-kwargs", metavar="JSON", default=None,
+                     help="more of the chat template's variables (vLLM's "
+                          "chat_template_kwargs), e.g. '{\"enable_thinking\": false}'")
     gen.add_argument("--version", default=None)
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")

@@ -98,6 +98,19 @@ def options_of(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def options_from(text: str) -> dict[str, Any]:
+    """`options_of` a JSON object's text of vLLM's chat extras (gRPC's chat_options; "":
+    their defaults)."""
+    try:
+        doc = json.loads(text) if text else {}
+    except ValueError as e:
+        raise BadInput(f"chat_options is not JSON ({e})") from None
+    if not isinstance(doc, dict) or set(doc) - set(OPTIONS):
+        raise BadInput(f"chat_options must be a JSON object of {list(OPTIONS)}, got "
+                       f"{text[:200]}")
+    return options_of(doc)
+
+
 def load(template_text: str | None, config_text: str | None) -> Chat | None:
     """The chat of an entry from its chat_template.jinja and tokenizer_config.json texts
     (None for a file it does not have); None where neither gives a template. ValueError

@@ -18,6 +18,7 @@ from cuvild.core.loaded import bucket_stats, part_stats
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
 from cuvild.intake.summary import inspect_archive, start_inspector
 from cuvild.load import prepare
+from cuvild.serve.chat import options_from as chat_options
 from cuvild.serve.errors import abort
 from cuvild.serve.limits import Gate, Uploads
 from partitioner.profile import DeviceProfile
@@ -409,7 +410,8 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                                        prompt=None if request.text or chat
                                        else list(request.input_ids),
                                        text=request.text or None, options=options,
-                                       messages=chat or None)
+                                       messages=chat or None,
+                                       chat_options=chat_options(request.chat_options))
             with contextlib.closing(gen.tokens()) as tokens:
                 for index, (token, piece) in enumerate(tokens):
                     if not context.is_active():

@@ -5,9 +5,15 @@ SAME_WORKER)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
+import pytest
 from generation_helpers import BYTES_CONTEXT, byte_tokenizer_json, post
+
+from cuvild.client import Client
+from cuvild.client.errors import CuvildError
 
 
 def test_vllms_tokenize_and_detokenize_give_the_prompt_the_daemon_makes(  # noqa: ANN001
@@ -91,3 +97,20 @@ def test_vllms_chat_extras_are_taken_by_the_chat_and_tokenize_routes(  # noqa: A
     code, body = post(http, "/v1/chat/completions", {
         "model": "bytes", "messages": begun, "continue_final_message": True})
     assert code == 400 and "add_generation_prompt" in json.loads(body)["error"]["message"]
+    # gRPC (GenerateRequest.chat_options) and cuvilctl: the same prompt, the same answer
+    code, body = post(http, "/v1/chat/completions", {
+        "model": "bytes", "messages": begun, "max_tokens": 4, "temperature": 0, **extras})
+    want = json.loads(body)["choices"][0]["message"]["content"]
+    with Client(lm_daemon.target) as client:
+        got = "".join(t["text"] for t in client.generate(
+            "bytes", messages=begun, max_tokens=4, continue_final_message=True,
+            chat_template_kwargs={"enable_thinking": False}))
+        assert got == want
+        with pytest.raises(CuvildError, match="given to the template already"):
+            list(client.generate("bytes", messages=begun, chat_template_kwargs={"tools": 1}))
+    said = subprocess.run(
+        [sys.executable, "-m", "cuvild.client.cli", "--target", lm_daemon.target, "generate",
+         "bytes", "Weather?", "--chat", "--template-kwargs", '{"enable_thinking": false}',
+         "--max-tokens", "4", "--json"], capture_output=True, text=True, timeout=120)
+    assert said.returncode == 0 and 1 <= len(json.loads(said.stdout)["output_ids"]) <= 4, (
+        said.stderr)
