@@ -3,7 +3,8 @@ the daemon generates with (docs/GENERATION.md), in one command:
 
     cuvilctl export-lm Qwen/Qwen2.5-0.5B-Instruct --repository models   # or a local folder
     -> models/Qwen2.5-0.5B-Instruct/1/model.pt2, tokenizer.json, tokenizer_config.json,
-       chat_template.jinja, generation_config.json
+       chat_template.jinja, generation_config.json (and config.yaml: --precision auto
+       --max-error 1e-2, the entry's load options)
 
 The model is exported as transformers' own exporter for decoder-only models exports it
 (`TorchExportableModuleForDecoderOnlyLM`: a static KV cache of `--context` positions held as
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cuvild.intake.registry import NAME_RE
+from cuvild.intake.repository import CONFIG
 
 DEFAULT_CONTEXT = 2048
 CHECK_TOKENS = 8
@@ -35,9 +37,10 @@ CHECK_TOKENS = 8
 
 def export_lm(source: str, repository: Path, name: str, version: str = "1",
               context: int | None = None, force: bool = False,
-              say: Any = print) -> dict[str, Any]:
+              say: Any = print, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Export `source` (a Hub id or a local folder, as from_pretrained takes) into
-    repository/name; what was written. ValueError naming what is wrong."""
+    repository/name; what was written. `options`: the entry's load options (config.yaml:
+    precision, max_error), written where given. ValueError naming what is wrong."""
     for label, value in (("name", name), ("version", version)):
         if not NAME_RE.fullmatch(value):
             raise ValueError(f"{label} {value!r}: 1-128 of A-Z a-z 0-9 _ . -")
@@ -73,6 +76,20 @@ def export_lm(source: str, repository: Path, name: str, version: str = "1",
     if not error <= 1e-3:
         raise ValueError(f"the exported program's logits are {error:.1e} off the model's own "
                          "(over 1e-3): not written")
+    written = _write(exported, archive, generation, tokenizer, options or {}, say)
+    return {"name": name, "version": version, "archive": str(archive),
+            "bytes": archive.stat().st_size, "context": context, "check_error": error,
+            "files": sorted({str(p) for p in written}),
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _write(exported: Any, archive: Path, generation: Any, tokenizer: Any,
+           options: dict[str, Any], say: Any) -> list[Path]:
+    """The archive (under a temporary name, then renamed), the generation config, the load
+    options and the tokenizer's files, in the entry; their paths."""
+    import torch
+
+    entry = archive.parent.parent
     archive.parent.mkdir(parents=True, exist_ok=True)
     partial = archive.with_name(f".partial-{os.getpid()}-{archive.name}")  # (torch: .pt2)
     try:
@@ -83,14 +100,16 @@ def export_lm(source: str, repository: Path, name: str, version: str = "1",
     written = [archive]
     generation.save_pretrained(entry)
     written.append(entry / "generation_config.json")
+    if options:
+        import yaml
+
+        (entry / CONFIG).write_text(yaml.safe_dump(options))
+        written.append(entry / CONFIG)
     if tokenizer is not None:
         written += [Path(p) for p in tokenizer.save_pretrained(entry) if Path(p).exists()]
         if not (entry / "tokenizer.json").exists():
             say("its tokenizer has no tokenizer.json (a slow one): prompts go as token ids")
-    return {"name": name, "version": version, "archive": str(archive),
-            "bytes": archive.stat().st_size, "context": context, "check_error": error,
-            "files": sorted({str(p) for p in written}),
-            "seconds": round(time.monotonic() - t0, 1)}
+    return written
 
 
 def _export(model: Any, context: int) -> Any:
@@ -131,9 +150,11 @@ def cmd_export_lm(_client: Any, args: argparse.Namespace) -> int:
 
     source = args.source
     name = args.name or Path(source.rstrip("/")).name
+    options = {k: v for k, v in (("precision", args.precision),
+                                 ("max_error", args.max_error)) if v is not None}
     try:
         done = export_lm(source, Path(args.repository), name, args.version, args.context,
-                         args.force, say)
+                         args.force, say, options)
     except ImportError as e:
         print(f"cuvilctl: export-lm needs transformers where it runs ({e})", file=sys.stderr)
         return 1
@@ -163,6 +184,12 @@ def add_export_lm(sub: Any) -> None:
                         help=f"positions its cache holds: prompt and answer together "
                              f"(default: {DEFAULT_CONTEXT}, or the model's "
                              "max_position_embeddings where less)")
+    export.add_argument("--precision", choices=("fp32", "auto"), default=None,
+                        help="the entry's load option (its config.yaml): auto, the fastest "
+                             "plan within --max-error of torch eager (default: the daemon's "
+                             "engine.precision)")
+    export.add_argument("--max-error", type=float, default=None, metavar="E",
+                        help="auto's budget (default: the daemon's engine.max_error)")
     export.add_argument("--force", action="store_true", help="replace an archive there")
     export.add_argument("--json", action="store_true", help="machine-readable output: the "
                         "result on stdout, each phase a JSON line on stderr")

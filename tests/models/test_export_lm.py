@@ -14,6 +14,8 @@ import lm_models
 import torch
 from generation_helpers import TOOLS_TEMPLATE, byte_tokenizer_json
 
+from cuvild.intake.repository import scan
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -35,7 +37,8 @@ def test_a_saved_model_becomes_an_entry_that_generates_as_transformers(tmp_path)
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(source)
     repository = tmp_path / "models"
-    done = cuvilctl(str(source), "--repository", str(repository), "--context", "48", "--json")
+    done = cuvilctl(str(source), "--repository", str(repository), "--context", "48", "--json",
+                    "--precision", "auto", "--max-error", "0.01")
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout)
     phases = [json.loads(line)["phase"] for line in done.stderr.splitlines()
@@ -45,9 +48,11 @@ def test_a_saved_model_becomes_an_entry_that_generates_as_transformers(tmp_path)
     assert said["archive"] == str(entry / "1" / "model.pt2") and said["context"] == 48
     assert said["check_error"] < 1e-5
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "generation_config.json"):
+                 "generation_config.json", "config.yaml"):
         assert str(entry / name) in said["files"] and (entry / name).exists(), name
     assert (entry / "chat_template.jinja").read_text() == TOOLS_TEMPLATE
+    (read,) = scan(repository)  # (as the daemon reads the entry)
+    assert not read.error and read.options == {"precision": "auto", "max_error": 0.01}
     assert not list((entry / "1").glob(".partial-*"))
 
     prompt, new = [5, 9, 2, 7], 8  # greedy through the archive's cache, a token a step
