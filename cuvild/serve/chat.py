@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cuvild.core.layout import BadInput
+from cuvild.serve import reasoning
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -34,12 +35,14 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 SHAPE = '{"id", "type": "function", "function": {"name", "arguments": JSON\'s text}}'
 CONTINUED = "CONTINUE_FINAL_MESSAGE_TAG "  # (where a continued last message's text ends)
 OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+REASONING = ("reasoning_content", "thinking", "reasoning")  # an earlier answer's, by any name
 
 
 @dataclass
 class Chat:
     template: Any  # a compiled jinja2 Template
     special: dict[str, str]  # bos_token, eos_token, ... as the config names them
+    thinks: bool = False  # a reasoning model's (cuvild/serve/reasoning.py)
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
                generation_prompt: bool = True, extra: Mapping[str, Any] | None = None,
@@ -132,7 +135,7 @@ def load(template_text: str | None, config_text: str | None) -> Chat | None:
         value = value.get("content") if isinstance(value, dict) else value  # (AddedToken)
         if isinstance(value, str):
             special[key] = value
-    return Chat(_environment().from_string(source), special)
+    return Chat(_environment().from_string(source), special, reasoning.thinks(source))
 
 
 def _environment() -> Any:
@@ -188,9 +191,12 @@ def messages_of(given: Any) -> list[dict[str, Any]]:
         one: dict[str, Any] = {"role": str(message["role"]), "content": content}
         if calls:
             one["tool_calls"] = calls
-        for key in ("tool_call_id", "name"):
+        for key in ("tool_call_id", "name", "reasoning"):
             if isinstance(message.get(key), str):
                 one[key] = message[key]
+        thought = next((message[k] for k in REASONING if isinstance(message.get(k), str)), None)
+        if thought is not None:  # (every name a template may read it by, as transformers)
+            one.update(thinking=thought, reasoning_content=thought)
         out.append(one)
     return out
 

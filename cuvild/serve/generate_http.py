@@ -48,7 +48,7 @@ import orjson
 from aiohttp import web
 
 from cuvild.core.layout import BadInput
-from cuvild.serve import openai_request, tokenize_http
+from cuvild.serve import openai_request, reasoning, tokenize_http
 from cuvild.serve import tools as tools_mod
 from cuvild.serve.chat import options_of as chat_options_of
 from cuvild.serve.detokenize import continued
@@ -263,6 +263,9 @@ class _Answer:
         self.prompt_due = echo  # (the prompt goes with the first choice that has tokens)
         self.tools: tools_mod.Tools | None = None  # a chat's (its answer read for calls)
         self.stream: ToolStream | None = None  # its stream's calls (cuvild/serve/tool_stream.py)
+        # a reasoning model's chat (cuvild/serve/reasoning.py): whether its prompt opened it
+        self.thinking: bool | None = getattr(gen, "thinking", None) if chat else None
+        self.reader = None if self.thinking is None else reasoning.Reader(self.thinking)
 
     def _decoded(self, ids: list[int]) -> str:
         tokenizer = self.gen.tokenizer
@@ -276,14 +279,17 @@ class _Answer:
         return last
 
     def ending(self) -> list[dict[str, Any]]:
-        """A streamed choice's last chunks: what its tools held back (calls as JSON alone,
-        text that may have begun a call: cuvild/serve/tool_stream.py), then its finish reason
-        ("tool_calls" where it made calls and stopped)."""
-        finish = _finish(self.gen)
-        if self.stream is None:
-            return [self.choice("", [], finish)]
-        delta, called = self.stream.end()
-        finish = "tool_calls" if called and finish == "stop" else finish
+        """A streamed choice's last chunks: what its reasoning and its tools held back (calls
+        as JSON alone, text that may have begun a call: cuvild/serve/tool_stream.py), then its
+        finish reason ("tool_calls" where it made calls and stopped)."""
+        finish, delta = _finish(self.gen), {}
+        if self.reader is not None:
+            thought, text = self.reader.end()
+            delta = {**({"reasoning": thought} if thought else {}), **self._content(text)}
+        if self.stream is not None:
+            more, called = self.stream.end()
+            finish = "tool_calls" if called and finish == "stop" else finish
+            delta = _merged(delta, more)
         chunk = self.choice("", [], None)
         chunk["choices"][0]["delta"] = delta
         return [*([chunk] if delta else []), self.choice("", [], finish)]
@@ -306,24 +312,37 @@ class _Answer:
         elif streamed:
             one["delta"] = self._streamed(text, first)
         else:
+            thought, text = (None, text) if self.thinking is None else reasoning.split(
+                text, self.thinking)
             one["message"] = (self.tools.message(text) if self.tools is not None
                               else {"role": "assistant", "content": text})
+            if thought is not None:
+                one["message"]["reasoning"] = thought
             if one["message"].get("tool_calls"):
                 one["finish_reason"] = "tool_calls"
         return {**self.head(streamed), "choices": [one],
                 **({"usage": None} if streamed and self.with_usage else {})}
 
     def _streamed(self, text: str, first: bool) -> dict[str, Any]:
-        """A streamed chat's delta for its next `text`: its content; with tools, its content
-        and its calls as they are written (cuvild/serve/tool_stream.py), each call's id and
-        name in its first delta, its arguments in the next, as OpenAI and vLLM stream them."""
+        """A streamed chat's delta for its next `text`: a reasoning model's reasoning as it
+        comes (cuvild/serve/reasoning.py), and its content; with tools, its content and its
+        calls as they are written (cuvild/serve/tool_stream.py), each call's id and name in
+        its first delta, its arguments in the next, as OpenAI and vLLM stream them."""
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        thought = ""
+        if self.reader is not None:
+            thought, text = self.reader.feed(text)
+        more = {**({"reasoning": thought} if thought else {}), **self._content(text)}
+        return {**delta, **({"content": ""} if first and not more else {}), **more}
+
+    def _content(self, text: str) -> dict[str, Any]:
+        """The delta of an answer's next content `text`: itself, or with tools what their
+        stream lets go (cuvild/serve/tool_stream.py)."""
         if self.tools is None:
-            return {**delta, **({"content": text} if text or first else {})}
+            return {"content": text} if text else {}
         if self.stream is None:
             self.stream = ToolStream(self.tools)
-        more = self.stream.feed(text)
-        return {**delta, **({"content": ""} if first and not more else {}), **more}
+        return self.stream.feed(text)
 
     def _logprobs(self, made: list[tuple[int, str]], prompt: bool) -> dict[str, Any] | None:
         """OpenAI's logprobs of the next tokens answered (`made`; `prompt`: the prompt's
@@ -373,6 +392,15 @@ class _Answer:
         tokenizer = self.gen.tokenizer
         return (f"token_id:{token}" if tokenizer is None
                 else tokenizer.decode([token], skip_special_tokens=False))
+
+
+def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two deltas as one: their contents joined, their calls one after the other."""
+    out = {**a, **b}
+    for key in ("content", "tool_calls"):
+        if key in a and key in b:
+            out[key] = a[key] + b[key]
+    return out
 
 
 def _finish(gen: Generation) -> str:

@@ -36,7 +36,7 @@ from cuvild.load.models import ModelManager
 from cuvild.run.generate import CHUNKS, INPUTS, Sampling, generate, logprobs, served_step
 from cuvild.run.runner import Runner
 from cuvild.run.sequences import Live
-from cuvild.serve import chat
+from cuvild.serve import chat, reasoning
 from cuvild.serve import structured as structured_output
 from cuvild.serve.detokenize import continued, release
 from cuvild.serve.errors import Refused, find, status
@@ -84,6 +84,7 @@ class Generation:
     abandoned: bool = False  # (a follower its caller will not run: `abandon`)
     cached: int = 0  # the prompt's first tokens a kept sequence held (cuvild/run/prefixes.py)
     constraint: Any = None  # the grammar its output is held to (cuvild/serve/structured.py)
+    thinking: bool | None = None  # a reasoning model's chat: whether its prompt opened it
     _started: bool = False
     _text: str = ""
     _sent: int = 0  # how much of _text was given out
@@ -329,9 +330,9 @@ class Generator:
         if stop_text and tokenizer is None:
             raise Refused("invalid", f"model {served.key} has no tokenizer: stop strings need "
                           "one (stop token ids do not)")
-        special = True
+        special, thinks = True, None
         if messages is not None:
-            text = self._chat(served, messages, tokenizer, tools, chat_options)
+            text, thinks = self._chat(served, messages, tokenizer, tools, chat_options)
             special = False  # (the template writes them)
         if text is not None:
             if tokenizer is None:
@@ -351,7 +352,7 @@ class Generator:
         return Generation(self.runner, model, served.record.name, served.record.version,
                           list(prompt), chosen, tokenizer,
                           chunks_of(model, served.key, self.runner.max_dim), stop_text,
-                          constraint=constraint)
+                          constraint=constraint, thinking=thinks)
 
     def _constraint(self, served: Any, structured: Any, vocab: int,
                     eos: list[int]) -> structured_output.Constrained | None:
@@ -367,9 +368,10 @@ class Generator:
         return self._guides.constrained(path, structured, vocab, eos)
 
     def _chat(self, served: Any, messages: Any, tokenizer: Any, tools: Any = None,
-              chat_options: Any = None) -> str:
+              chat_options: Any = None) -> tuple[str, bool | None]:
         """A chat's prompt text, by the entry's chat template (its eos token ends the answer,
-        as every generation's: `eos`)."""
+        as every generation's: `eos`), and for a reasoning model's whether it opened the
+        thinking (None: not a reasoning model: cuvild/serve/reasoning.py)."""
         checked = chat.messages_of(messages)
         template = self.chat_template(served.record.name, served.record.version)
         if tokenizer is None or template is None:
@@ -378,7 +380,8 @@ class Generator:
                           f"beside {TOKENIZER} in its model repository entry): send a "
                           "prompt instead of messages (/v1/completions over HTTP, "
                           "`cuvilctl generate` without --chat)")
-        return template.render(checked, tools, **(chat_options or {}))
+        text = template.render(checked, tools, **(chat_options or {}))
+        return text, reasoning.opened(text) if template.thinks else None
 
     def eos(self, name: str, version: str, tokenizer: Any) -> list[int]:
         """The entry's end-of-sequence ids, which end a generation (vLLM stops at them too):

@@ -22,9 +22,11 @@ CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'use
 WORDS = [f"w{i}" for i in range(lm_models.VOCAB)]
 BYTES_CONTEXT = 1024  # the byte-level entry's context: a character a token
 # the byte-level entry's: Hermes-like, the tools and earlier calls written as JSON by tojson
+# (a reasoning model's, as Qwen3's: an earlier answer's thinking left out of the prompt)
 TOOLS_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<tools>{% for t in tools %}{{ t.function | tojson }}"
-    "{% endfor %}</tools>\n{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% endfor %}</tools>\n{% endif %}{% for m in messages %}<{{ m.role }}>"
+    "{{ m.content.split('</think>')[-1] if m.content else '' }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': "
     "c.function.arguments} | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}")
