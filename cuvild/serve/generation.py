@@ -131,7 +131,7 @@ class Generation:
         finally:
             self._hand_over(None, RuntimeError("the first of its n choices ended first"))
             self._end(live, not failed)
-            if self.metrics is not None:
+            if self.metrics is not None and self.handed is None:  # (n choices: one request)
                 self.metrics.generation(self.name, self.version, len(self.prompt),
                                         time.perf_counter() - t0, code, self.cached)
 

@@ -197,6 +197,9 @@ def test_generations_count_as_requests_with_their_tokens_and_times(daemon) -> No
         tokens.close()  # the caller leaves after its first token
         with pytest.raises(CuvildError, match="unknown model"):
             list(client.generate("nope", PROMPT))
+        code, body = post(daemon.http, "/v1/completions", {  # n choices: one request
+            "model": "llama", "prompt": PROMPT, "max_tokens": 2, "n": 3})
+        assert code == 200 and len(json.loads(body)["choices"]) == 3, body
         deadline = time.monotonic() + 30  # (the daemon sees the caller gone at its next token)
         while of(after := scrape(), "cuvil_inference_request_failure_total", code="CANCELLED",
                  **llama) == of(before, "cuvil_inference_request_failure_total",
@@ -208,16 +211,16 @@ def test_generations_count_as_requests_with_their_tokens_and_times(daemon) -> No
     def grew(name: str, **labels: str) -> float:
         return of(after, name, **labels) - of(before, name, **labels)
 
-    assert grew("cuvil_inference_request_success_total", **llama) == 1
+    assert grew("cuvil_inference_request_success_total", **llama) == 2
     assert grew("cuvil_inference_request_failure_total", model="", code="NOT_FOUND") == 1
-    assert grew("cuvil_generation_prompt_tokens_total", **llama) == 2 * len(PROMPT)
-    assert grew("cuvil_generation_time_to_first_token_seconds_count", **llama) == 2
+    assert grew("cuvil_generation_prompt_tokens_total", **llama) == 3 * len(PROMPT)
+    assert grew("cuvil_generation_time_to_first_token_seconds_count", **llama) == 5
     made = grew("cuvil_generation_tokens_total", **llama)
-    assert 6 <= made < lm_models.CONTEXT  # 5, and the left one's 1 and those made meanwhile
-    assert grew("cuvil_generation_inter_token_latency_seconds_count", **llama) == made - 2
-    assert grew("cuvil_inference_request_duration_seconds_count", **llama) == 1
+    assert 12 <= made < lm_models.CONTEXT  # 5, n's 3 x 2, the left one's 1 and more
+    assert grew("cuvil_generation_inter_token_latency_seconds_count", **llama) == made - 5
+    assert grew("cuvil_inference_request_duration_seconds_count", **llama) == 2
     assert stats["tokens"] >= made and stats["first_token_ms"]["p50"] > 0
-    assert stats["inter_token_ms"]["n"] >= made - 2
+    assert stats["inter_token_ms"]["n"] >= made - 5
 
 
 def test_triton_sequence_parameters_step_the_model_on_its_state(daemon, served) -> None:  # noqa: ANN001
