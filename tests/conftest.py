@@ -36,7 +36,8 @@ SAME_WORKER = {"tests/serve/test_oip_shm.py": "tests/serve/test_oip.py",
                "tests/serve/test_docs.py": "tests/models/test_transformers.py",
                "tests/serve/test_openai_generation.py": "tests/serve/test_generation.py",
                "tests/serve/test_tokenize.py": "tests/serve/test_generation.py",
-               "tests/serve/test_reasoning.py": "tests/serve/test_generation.py"}
+               "tests/serve/test_reasoning.py": "tests/serve/test_generation.py",
+               "tests/serve/test_embeddings.py": "tests/serve/test_generation.py"}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

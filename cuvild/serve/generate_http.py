@@ -48,7 +48,7 @@ import orjson
 from aiohttp import web
 
 from cuvild.core.layout import BadInput
-from cuvild.serve import openai_request, reasoning, tokenize_http
+from cuvild.serve import embeddings, openai_request, reasoning, tokenize_http
 from cuvild.serve import tools as tools_mod
 from cuvild.serve.chat import options_of as chat_options_of
 from cuvild.serve.detokenize import continued
@@ -79,14 +79,18 @@ def register(app: web.Application, server: RestServer) -> None:
         app.router.add_post(base + "/chat/completions", lambda r: openai(server, r, chat=True))
         app.router.add_get(base + "/models", lambda r: openai_models(server, r))
         app.router.add_get(base + "/models/{model}", lambda r: openai_models(server, r))
+        app.router.add_post(base + "/embeddings",
+                            lambda r: _answered(server, r, embeddings.embed))
     for path, answer in zip(tokenize_http.ROUTES, (tokenize_http.tokenize,
                                                    tokenize_http.detokenize), strict=True):
-        app.router.add_post(path, lambda r, answer=answer: _tokens(server, r, answer))
+        app.router.add_post(path, lambda r, answer=answer: _answered(server, r, answer))
 
 
-async def _tokens(server: RestServer, request: web.Request,
-                  answer: Callable[[Any, Any], dict[str, Any]]) -> web.Response:
-    """vLLM's /tokenize and /detokenize (cuvild/serve/tokenize_http.py)."""
+async def _answered(server: RestServer, request: web.Request,
+                    answer: Callable[[Any, Any], dict[str, Any]]) -> web.Response:
+    """A request answered whole by `answer(generator, body)` on a pool thread: vLLM's
+    /tokenize and /detokenize (cuvild/serve/tokenize_http.py), /v1/embeddings
+    (cuvild/serve/embeddings.py)."""
     return _json(await _open(server, request, lambda doc: answer(server.generator, doc)))
 
 

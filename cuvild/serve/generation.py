@@ -360,7 +360,7 @@ class Generator:
         structured.py), by the entry's tokenizer; None where none is asked."""
         if structured is None:
             return None
-        path = self._entry_file(served.record.name, served.record.version, TOKENIZER,
+        path = self.entry_file(served.record.name, served.record.version, TOKENIZER,
                                 MAX_TOKENIZER_BYTES)
         if path is None:
             raise Refused("invalid", f"model {served.key} has no tokenizer ({TOKENIZER} in its "
@@ -388,7 +388,7 @@ class Generator:
         `generation_config.json`'s eos_token_id (an id or a list) and, with a tokenizer,
         `tokenizer_config.json`'s eos_token; none where it has neither. Read again only when
         a file changes (not on every request)."""
-        files = {f: self._entry_file(name, version, f, chat.MAX_TEMPLATE_BYTES)
+        files = {f: self.entry_file(name, version, f, chat.MAX_TEMPLATE_BYTES)
                  for f in (GENERATION_CONFIG, chat.CONFIG_FILE)}
         key = (tuple((p, p.stat().st_mtime) if p else None for p in files.values()),
                id(tokenizer))
@@ -402,7 +402,7 @@ class Generator:
 
     def chat_template(self, name: str, version: str) -> chat.Chat | None:
         """The entry's chat template (read again when its files change), None without one."""
-        files = [self._entry_file(name, version, f, chat.MAX_TEMPLATE_BYTES)
+        files = [self.entry_file(name, version, f, chat.MAX_TEMPLATE_BYTES)
                  for f in (chat.TEMPLATE_FILE, chat.CONFIG_FILE)]
         if not any(files):
             return None
@@ -419,7 +419,7 @@ class Generator:
                 _remember(self._chats, key, kept)
         return kept
 
-    def _entry_file(self, name: str, version: str, file: str, most: int) -> Path | None:
+    def entry_file(self, name: str, version: str, file: str, most: int) -> Path | None:
         """The entry's `file` (its version's folder first), resolved; None without one. A
         link out of the repository or a file over `most` bytes is refused."""
         if self.repository is None:
@@ -438,7 +438,7 @@ class Generator:
 
     def tokenizer(self, name: str, version: str) -> Any:
         """The entry's tokenizer (read again when its file changes), None without one."""
-        real = self._entry_file(name, version, TOKENIZER, MAX_TOKENIZER_BYTES)
+        real = self.entry_file(name, version, TOKENIZER, MAX_TOKENIZER_BYTES)
         if real is None:
             return None
         mtime = real.stat().st_mtime

@@ -55,7 +55,40 @@ def lm_repository(root: Path) -> dict[str, Any]:
     (root / "bytes" / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
     (root / "bytes" / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "chat_template": TOOLS_TEMPLATE}))
+    refs["embed"] = encoder_entry(root / "embed")
     return refs
+
+
+def encoder_entry(entry: Path) -> Any:
+    """A tiny BERT exported as transformers' AutoModel is (input_ids and attention_mask, its
+    length dynamic), the byte-level tokenizer and sentence-transformers' pooling files (CLS,
+    normalized) beside it: /v1/embeddings' model (cuvild/serve/embeddings.py)."""
+    import transformers
+
+    from partitioner.annotate import export
+
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=lm_models.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, pad_token_id=0)).eval()
+    ids = torch.arange(5, 13).unsqueeze(0)
+    seq = torch.export.Dim("seq", min=2, max=63)
+    (entry / "1").mkdir(parents=True)
+    torch.export.save(export(bert, (), kwargs={"input_ids": ids, "attention_mask": ids * 0 + 1},
+                             dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}}),
+                      entry / "1" / "model.pt2")
+    (entry / "tokenizer.json").write_text(byte_tokenizer_json())
+    (entry / "1_Pooling").mkdir()
+    (entry / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32, "pooling_mode_cls_token": True,
+        "pooling_mode_mean_tokens": False}))
+    (entry / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    return bert
 
 
 def all_ready(target: str, names: tuple[str, ...], timeout: float = 300) -> None:

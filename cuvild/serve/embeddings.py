@@ -1,0 +1,175 @@
+"""OpenAI's `/v1/embeddings` for a served encoder (a BERT-like model: sentence-transformers'
+models, BGE, E5, ...), as vLLM's and OpenAI's APIs answer it (first version):
+
+    POST /v1/embeddings {"model", "input": text | [texts] | [ids] | [[ids]],
+                         "encoding_format": "float" | "base64"}
+    -> {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
+        "usage": {"prompt_tokens", "total_tokens"}}
+
+The model is any served one whose inputs are `input_ids` and any of `attention_mask` and
+`token_type_ids` (a batch of one; its length dynamic, padded to the next power of two so that
+inputs share built buckets, or fixed: padded to it, the padding masked), with a
+float output of [1, length, hidden] (`last_hidden_state`, or the first such): exported as
+`transformers.AutoModel` is. Texts are tokenized by the entry's `tokenizer.json` (special
+tokens added, as sentence-transformers does), each input run as its own request. Pooled as
+the entry's sentence-transformers files say (`1_Pooling/config.json`: the mean of the
+attended tokens, the first (CLS) or the last; `modules.json`: a `Normalize` module, unit
+length), and without them the mean of the attended tokens, normalized. An input longer than
+the model takes (its export's bound, engine.max_dim) is refused naming it. Not yet: inputs of
+one request run one after another (not batched), `dimensions` (a shorter vector) refused,
+no metrics of their own.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import numpy as np
+
+from cuvild.core.layout import BadInput
+from cuvild.serve.errors import Refused, find
+from cuvild.serve.generation import Generator
+
+FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+MAX_INPUTS = 2048  # OpenAI's bound on a request's inputs
+POOLING_FILE = "1_Pooling/config.json"
+MODULES_FILE = "modules.json"
+MAX_FILE_BYTES = 1 << 20
+
+
+def embed(generator: Generator, doc: Any) -> dict[str, Any]:
+    """/v1/embeddings' answer to a request `doc` (on a pool thread: it runs the model)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
+        raise BadInput("expected a JSON object with \"model\" and \"input\"")
+    unknown = set(doc) - FIELDS
+    if unknown:
+        raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(FIELDS)}")
+    form = doc.get("encoding_format") or "float"
+    if form not in ("float", "base64"):
+        raise BadInput(f"encoding_format must be \"float\" or \"base64\", got {form!r}")
+    name, _, version = doc["model"].partition(":")
+    served = find(generator.models, name, version)
+    names, length = _inputs(served)
+    tokenizer = generator.tokenizer(served.record.name, served.record.version)
+    pooling, normalize = _pooling(generator, served)
+    if doc.get("dimensions") is not None:
+        raise BadInput("dimensions: the model's own size only (leave it out)")
+    data, used = [], 0
+    for i, ids in enumerate(_token_ids(doc.get("input"), tokenizer)):
+        hidden = _run(generator, served, names, ids, length)
+        vector = _pooled(hidden[:len(ids)], pooling)
+        if normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        vector = vector.astype(np.float32)
+        data.append({"object": "embedding", "index": i, "embedding": (
+            vector.tolist() if form == "float" else base64.b64encode(vector.tobytes()).decode())})
+        used += len(ids)
+    return {"object": "list", "data": data, "model": doc["model"],
+            "usage": {"prompt_tokens": used, "total_tokens": used}}
+
+
+def _inputs(served: Any) -> tuple[list[str], int | None]:
+    """The model's input names (token inputs only) and its fixed length (None: dynamic)."""
+    specs = served.record.inputs
+    names = [s["name"] for s in specs]
+    if "input_ids" not in names or set(names) - set(TOKEN_INPUTS):
+        raise Refused("invalid", f"model {served.key} does not embed: its inputs are {names}; "
+                      f"an encoder's are input_ids and any of {list(TOKEN_INPUTS[1:])}")
+    shape = specs[names.index("input_ids")]["shape"]
+    if len(shape) != 2 or shape[0] not in (1, -1):
+        raise Refused("invalid", f"model {served.key}: input_ids is {shape}, not [1, length]")
+    return names, (shape[1] if shape[1] > 0 else None)
+
+
+def _token_ids(given: Any, tokenizer: Any) -> list[list[int]]:
+    """The request's inputs as token id lists (texts tokenized, special tokens added)."""
+    if isinstance(given, str) or (isinstance(given, list) and given
+                                  and all(isinstance(t, int) for t in given)):
+        given = [given]
+    if not isinstance(given, list) or not given or len(given) > MAX_INPUTS:
+        raise BadInput(f"input must be a text, token ids, or a list of up to {MAX_INPUTS} of "
+                       "either")
+    out = []
+    for one in given:
+        if isinstance(one, str):
+            if tokenizer is None:
+                raise BadInput("the model has no tokenizer (tokenizer.json in its model "
+                               "repository entry): send token ids")
+            one = tokenizer.encode(one).ids
+        if (not isinstance(one, list) or not one
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in one)):
+            raise BadInput("each input must be a non-empty text or list of token ids")
+        out.append(list(one))
+    return out
+
+
+def _run(generator: Generator, served: Any, names: list[str], ids: list[int],
+         length: int | None) -> np.ndarray:
+    """The model's hidden states [length, hidden] for one input (padded to a fixed length)."""
+    import torch
+
+    width = _width(generator, served, names, len(ids), length)
+    row = {"input_ids": ids + [0] * (width - len(ids)),
+           "attention_mask": [1] * len(ids) + [0] * (width - len(ids)),
+           "token_type_ids": [0] * width}
+    dtypes = {s["name"]: s["dtype"] for s in served.record.inputs}
+    tensors = [torch.tensor([row[n]], dtype=getattr(torch, dtypes[n])) for n in names]
+    outputs = generator.runner.infer(served.key, tensors)
+    specs = served.record.outputs
+    picked = [i for i, s in enumerate(specs) if s["name"] == "last_hidden_state"] or [
+        i for i, s in enumerate(specs) if len(s["shape"]) == 3 and "float" in s["dtype"]]
+    if not picked:
+        raise Refused("invalid", f"model {served.key} does not embed: no [1, length, hidden] "
+                      f"float output among {[s['name'] for s in specs]}")
+    return outputs[picked[0]][0].float().numpy()
+
+
+def _width(generator: Generator, served: Any, names: list[str], n: int,
+           length: int | None) -> int:
+    """The length `n` tokens run at: the model's own where fixed, else the next power of two
+    (8 at least) within the export's bounds and engine.max_dim, so that inputs of many
+    lengths share a few built buckets (the padding masked, and left out of the pooling)."""
+    low, high = 1, length or generator.runner.max_dim
+    if length is None:
+        at = names.index("input_ids")
+        for i, d, lo, hi in served.loaded.dynamic:
+            if i == at and d == 1:
+                low, high = lo, min(hi, high)
+    if n > high:
+        raise BadInput(f"{n} tokens, over the {high} the model takes")
+    return length or min(high, max(low, 8, 1 << (n - 1).bit_length()))
+
+
+def _pooled(hidden: np.ndarray, pooling: str) -> np.ndarray:
+    if pooling == "cls":
+        return hidden[0]
+    if pooling == "last":
+        return hidden[-1]
+    return hidden.mean(axis=0)
+
+
+def _pooling(generator: Generator, served: Any) -> tuple[str, bool]:
+    """How the entry pools ("mean", "cls" or "last") and whether it normalizes, by its
+    sentence-transformers files; the mean, normalized, without them."""
+    def read(file: str) -> Any:
+        path = generator.entry_file(served.record.name, served.record.version, file,
+                                    MAX_FILE_BYTES)
+        if path is None:
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError as e:
+            raise Refused("invalid", f"{path}: not JSON ({e})") from None
+
+    config, modules = read(POOLING_FILE), read(MODULES_FILE)
+    pooling = "mean"
+    if isinstance(config, dict):
+        pooling = next((mode for key, mode in (
+            ("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "last"),
+            ("pooling_mode_mean_tokens", "mean")) if config.get(key) is True), "mean")
+    normalize = modules is None or (isinstance(modules, list) and any(
+        isinstance(m, dict) and str(m.get("type", "")).endswith("Normalize") for m in modules))
+    return pooling, normalize
