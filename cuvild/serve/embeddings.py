@@ -16,20 +16,21 @@ the entry's sentence-transformers files say (`1_Pooling/config.json`: the mean o
 attended tokens, the first (CLS) or the last; `modules.json`: a `Normalize` module, unit
 length), and without them the mean of the attended tokens, normalized. An input longer than
 the model takes (its export's bound, engine.max_dim) is refused naming it. Not yet: inputs of
-one request run one after another (not batched), `dimensions` (a shorter vector) refused,
-no metrics of their own.
+one request run one after another (not batched), `dimensions` (a shorter vector) refused.
+A request counts in the model's metrics as an inference request, its inputs its batch.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 import numpy as np
 
 from cuvild.core.layout import BadInput
-from cuvild.serve.errors import Refused, find
+from cuvild.serve.errors import Refused, find, status
 from cuvild.serve.generation import Generator
 
 FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}
@@ -41,22 +42,40 @@ MAX_FILE_BYTES = 1 << 20
 
 
 def embed(generator: Generator, doc: Any) -> dict[str, Any]:
-    """/v1/embeddings' answer to a request `doc` (on a pool thread: it runs the model)."""
+    """/v1/embeddings' answer to a request `doc` (on a pool thread: it runs the model); a
+    request of the model's in its metrics, as an inference request (its inputs its batch)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
         raise BadInput("expected a JSON object with \"model\" and \"input\"")
     unknown = set(doc) - FIELDS
     if unknown:
         raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(FIELDS)}")
+    name, _, version = doc["model"].partition(":")
+    served, t0 = find(generator.models, name, version), time.perf_counter()
+    try:
+        data, used = _embedded(generator, served, doc)
+    except Exception as e:
+        if generator.metrics is not None:
+            generator.metrics.failed(served.record.name, served.record.version,
+                                     status(e).name, time.perf_counter() - t0)
+        raise
+    if generator.metrics is not None:
+        generator.metrics.succeeded(served.record.name, served.record.version,
+                                    time.perf_counter() - t0, len(data))
+    return {"object": "list", "data": data, "model": doc["model"],
+            "usage": {"prompt_tokens": used, "total_tokens": used}}
+
+
+def _embedded(generator: Generator, served: Any,
+              doc: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    """Each input's embedding object, and the tokens they took."""
     form = doc.get("encoding_format") or "float"
     if form not in ("float", "base64"):
         raise BadInput(f"encoding_format must be \"float\" or \"base64\", got {form!r}")
-    name, _, version = doc["model"].partition(":")
-    served = find(generator.models, name, version)
+    if doc.get("dimensions") is not None:
+        raise BadInput("dimensions: the model's own size only (leave it out)")
     names, length = _inputs(served)
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
     pooling, normalize = _pooling(generator, served)
-    if doc.get("dimensions") is not None:
-        raise BadInput("dimensions: the model's own size only (leave it out)")
     data, used = [], 0
     for i, ids in enumerate(_token_ids(doc.get("input"), tokenizer)):
         hidden = _run(generator, served, names, ids, length)
@@ -67,8 +86,7 @@ def embed(generator: Generator, doc: Any) -> dict[str, Any]:
         data.append({"object": "embedding", "index": i, "embedding": (
             vector.tolist() if form == "float" else base64.b64encode(vector.tobytes()).decode())})
         used += len(ids)
-    return {"object": "list", "data": data, "model": doc["model"],
-            "usage": {"prompt_tokens": used, "total_tokens": used}}
+    return data, used
 
 
 def _inputs(served: Any) -> tuple[list[str], int | None]:

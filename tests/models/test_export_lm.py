@@ -6,14 +6,17 @@ daemon's serving of such entries is tests/serve/test_generation.py's."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import lm_models
+import pytest
 import torch
 from generation_helpers import TOOLS_TEMPLATE, byte_tokenizer_json
 
+from cuvild.client.export_lm import export_lm
 from cuvild.intake.repository import scan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,9 +69,9 @@ def test_a_saved_model_becomes_an_entry_that_generates_as_transformers(tmp_path)
                              cache_position=torch.tensor([len(ids) + len(got) - 1]))
     assert got == lm_models.reference(model, prompt, new)
 
-    again = cuvilctl(str(source), "--repository", str(repository), "--context", "48")
-    assert again.returncode == 1 and "exists (--force replaces it)" in again.stderr
-    for args, words in ((["--name", "a/b"], "name 'a/b'"),
-                        (["--context", "100000", "--force"], "max_position_embeddings")):
-        wrong = cuvilctl(str(source), "--repository", str(repository), *args)
-        assert wrong.returncode == 1 and words in wrong.stderr, wrong.stderr[-2000:]
+    for given, words in (({}, "exists (--force replaces it)"),  # (in this process: quicker)
+                         ({"name": "a/b"}, "name 'a/b'"),
+                         ({"context": 100000, "force": True}, "max_position_embeddings")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            export_lm(str(source), repository, **{"name": "tiny-llama", **given},
+                      say=lambda _: None)

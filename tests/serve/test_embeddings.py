@@ -6,6 +6,7 @@ one worker runs it with the generation tests (tests/conftest.py SAME_WORKER)."""
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import numpy as np
 import torch
@@ -43,6 +44,10 @@ def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_se
         "model": "embed", "input": tokenizer.encode(texts[1]).ids, "encoding_format": "float"})
     assert code == 200 and np.allclose(json.loads(body)["data"][0]["embedding"], want[1],
                                        atol=1e-5), body
+    with urllib.request.urlopen(f"http://{lm_daemon.http}/metrics", timeout=10) as r:
+        counted = [line for line in r.read().decode().splitlines() if line.startswith(
+            "cuvil_inference_request_success_total") and 'model="embed"' in line]
+    assert counted and float(counted[0].rpartition(" ")[2]) >= 2, counted
     for doc, words in (({"model": "llama", "input": "a"}, "does not embed"),
                        ({"model": "embed", "input": "x" * 80}, "80"),
                        ({"model": "embed", "input": []}, "a list of up to"),
