@@ -7,7 +7,8 @@
   for calls in the Hermes format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   which Qwen2.5, Qwen3 and the Hermes models write, the text around them the content; or,
   an answer that is nothing but calls as JSON naming the tools, Llama 3's `{"name": ...,
-  "parameters": {...}}` and Mistral's `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`),
+  "parameters": {...}}` and Mistral's `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`, or
+  as a Python list of calls, Llama 3.2's and 4's `[get_weather(city="Oslo")]`),
   "required" (one call or more: the answer held by structured output to a JSON list of
   {"name", "parameters"} of the given tools, as vLLM holds it) or {"type": "function",
   "function": {"name": N}} (one call of N: the answer held to its parameters' schema);
@@ -30,7 +31,9 @@ from cuvild.core.layout import BadInput
 
 MAX_TOOLS = 128
 MARK = "<tool_call>"  # where a call begins (the Hermes format)
-PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")  # before calls as JSON (Llama 3's, Mistral's)
+# before calls as JSON (Llama 3's, Mistral's), or as Python (Llama 4's)
+PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]", "<|python_start|>")
+SUFFIX = "<|python_end|>"  # (after Llama 4's)
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -88,11 +91,12 @@ class Tools:
         body = text.strip()
         for prefix in PREFIXES:
             body = body.removeprefix(prefix).strip()
+        body = body.removesuffix(SUFFIX).strip()
+        names = {t["function"]["name"] for t in self.tools}
         try:
             given = json.loads(body)
         except ValueError:
-            return []
-        names = {t["function"]["name"] for t in self.tools}
+            return _pythonic(body, names)
         out = []
         for call in given if isinstance(given, list) else [given]:
             arguments = call.get("parameters", call.get("arguments")) if isinstance(
@@ -102,6 +106,33 @@ class Tools:
             out.append((call["name"], arguments if isinstance(arguments, str)
                         else json.dumps(arguments)))
         return out
+
+
+def _pythonic(body: str, names: set[str]) -> list[tuple[str, str]]:
+    """The calls of an answer written as a Python list of calls with literal keyword
+    arguments, `[get_weather(city="Oslo"), get_time()]` (Llama 3.2's and Llama 4's: vLLM's
+    `pythonic` parser), each naming one of the tools; none where it is anything else. Read
+    by Python's parser, never run: a value that is not a literal is no call."""
+    import ast
+
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return []
+    out = []
+    for call in tree.elts:
+        if (not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name)
+                or call.func.id not in names or call.args
+                or any(k.arg is None for k in call.keywords)):
+            return []
+        try:
+            arguments = {str(k.arg): ast.literal_eval(k.value) for k in call.keywords}
+            out.append((call.func.id, json.dumps(arguments)))
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return []  # (a value that is not a literal, or not JSON's: no call)
+    return out
 
 
 def may_be_calls(text: str) -> bool:

@@ -197,6 +197,8 @@ ANSWERS = [  # (the request's tool_choice and parallel_tool_calls, an answer)
     ({}, '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]'),
     ({}, '  \n{"name": "nope", "parameters": {}}'),
     ({}, "Hello there  "),
+    ({}, '[get_weather(city="Oslo", unit="c"), get_time()]'),  # (Llama 3.2's, pythonic)
+    ({}, '<|python_start|>[get_time(zone="UTC")]<|python_end|>'),  # (Llama 4's)
 ]
 
 
@@ -267,3 +269,22 @@ def test_vllms_chat_extras_render_as_transformers_renders_them() -> None:
             ours.render(chat.messages_of(begun), **chat.options_of(wrong))
     with pytest.raises(BadInput, match="an assistant's message"):
         ours.render(chat.messages_of(asked), **chat.options_of(doc))
+
+
+def test_calls_written_as_python_are_read_never_run() -> None:
+    """auto: an answer that is nothing but a Python list of calls with literal keyword
+    arguments (Llama 3.2's and Llama 4's, vLLM's `pythonic` parser) names the tools it calls;
+    read by Python's parser, never run: anything but literals, positional arguments or a
+    name not among the tools leaves it text."""
+    auto = tools.asked({"tools": [WEATHER, TIME]})
+    assert auto is not None
+    said = auto.message('[get_weather(city="Oslo", days=2, at={"hour": [9, None, True]}),'
+                        ' get_time()]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in said["tool_calls"]] == [
+        ("get_weather", {"city": "Oslo", "days": 2, "at": {"hour": [9, None, True]}}),
+        ("get_time", {})] and said["content"] is None
+    for text in ('[get_weather(city=open("/etc/passwd"))]', '[os.system("ls")]',
+                 '[get_weather("Oslo")]', '[get_weather(**x)]', '[get_weather(a={1, 2})]',
+                 '[print(1)]', "[1, 2]", "[get_weather(city='Oslo')"):
+        assert auto.message(text) == {"role": "assistant", "content": text}, text
