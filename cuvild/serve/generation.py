@@ -349,6 +349,8 @@ class Generator:
         constraint = self._constraint(served, options.pop("structured", None), vocab, eos)
         chosen = _sampling_for(options, prompt, vocab,
                                model.state.context if messages is not None else None)
+        if thinks and constraint is not None:
+            thinks = False  # (a grammar holds the answer from its start: read as written)
         return Generation(self.runner, model, served.record.name, served.record.version,
                           list(prompt), chosen, tokenizer,
                           chunks_of(model, served.key, self.runner.max_dim), stop_text,

@@ -106,3 +106,20 @@ def test_the_daemon_answers_a_reasoning_models_thinking_as_reasoning(lm_daemon) 
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
+
+
+def test_a_prompt_that_opens_the_thinking_makes_the_answer_reasoning(lm_daemon) -> None:  # noqa: ANN001
+    """DeepSeek-R1's generation prompt opens a <think> (here a continued assistant message
+    does): the answer up to </think> is reasoning, cut short by max_tokens all of it; under
+    a grammar (structured output holds the answer from its start) it is read as written."""
+    doc = {"model": "bytes", "max_tokens": 3, "temperature": 0,
+           "messages": [{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": "<think>"}],
+           "continue_final_message": True, "add_generation_prompt": False}
+    code, body = post(lm_daemon.http, "/v1/chat/completions", doc)
+    message = json.loads(body)["choices"][0]["message"]
+    assert code == 200 and len(message["reasoning"]) == 3 and message["content"] == "", body
+    code, body = post(lm_daemon.http, "/v1/chat/completions", {
+        **doc, "structured_outputs": {"regex": "[a-z]{3}"}})
+    message = json.loads(body)["choices"][0]["message"]
+    assert code == 200 and "reasoning" not in message and len(message["content"]) == 3, body
