@@ -150,15 +150,25 @@ def _width(generator: Generator, served: Any, names: list[str], n: int,
     """The length `n` tokens run at: the model's own where fixed, else the next power of two
     (8 at least) within the export's bounds and engine.max_dim, so that inputs of many
     lengths share a few built buckets (the padding masked, and left out of the pooling)."""
-    low, high = 1, length or generator.runner.max_dim
-    if length is None:
-        at = names.index("input_ids")
-        for i, d, lo, hi in served.loaded.dynamic:
-            if i == at and d == 1:
-                low, high = lo, min(hi, high)
+    low, high = bounds(generator, served, names, length)
     if n > high:
         raise BadInput(f"{n} tokens, over the {high} the model takes")
     return length or min(high, max(low, 8, 1 << (n - 1).bit_length()))
+
+
+def bounds(generator: Generator, served: Any, names: list[str] | None = None,
+           length: int | None = None) -> tuple[int, int]:
+    """The fewest and the most tokens an encoder takes: its fixed length, or its export's
+    bounds on input_ids' length within engine.max_dim."""
+    if names is None:
+        names, length = _inputs(served)
+    if length is not None:
+        return length, length
+    low, high, at = 1, generator.runner.max_dim, names.index("input_ids")
+    for i, d, lo, hi in served.loaded.dynamic:
+        if i == at and d == 1:
+            low, high = lo, min(hi, high)
+    return low, high
 
 
 def _pooled(hidden: np.ndarray, pooling: str) -> np.ndarray:

@@ -1,6 +1,7 @@
-"""vLLM's `/tokenize` and `/detokenize` over HTTP: a served language model's prompt as the
-daemon makes it, for clients that count or build prompts in tokens (an RL trainer's rollouts,
-a context-window check before a request) without a tokenizer of their own that could differ.
+"""vLLM's `/tokenize` and `/detokenize` over HTTP: a served language model's prompt (or an
+encoder's input: cuvild/serve/embeddings.py) as the daemon makes it, for clients that count
+or build prompts in tokens (an RL trainer's rollouts, a context-window check before a
+request, a RAG chunker) without a tokenizer of their own that could differ.
 
     POST /tokenize    {"model", "prompt": text, "add_special_tokens": true,
                        "return_token_strs": false}
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from cuvild.core.layout import BadInput
-from cuvild.serve import chat, tools
+from cuvild.serve import chat, embeddings, tools
 from cuvild.serve.errors import Refused, find
 from cuvild.serve.generation import TOKENIZER, Generator, generates
 
@@ -52,7 +53,9 @@ def tokenize(generator: Generator, doc: Any) -> dict[str, Any]:
         text = template.render(chat.messages_of(messages), asked and asked.tools,
                                **chat.options_of(doc))
     encoded = tokenizer.encode(text, add_special_tokens=special)
-    return {"count": len(encoded.ids), "max_model_len": served.loaded.state.context,
+    longest = (served.loaded.state.context if generates(served.loaded)
+               else embeddings.bounds(generator, served)[1])
+    return {"count": len(encoded.ids), "max_model_len": longest,
             "tokens": list(encoded.ids),
             "token_strs": list(encoded.tokens) if _flag(doc, "return_token_strs", False)
             else None}
@@ -73,7 +76,8 @@ def detokenize(generator: Generator, doc: Any) -> dict[str, Any]:
 
 
 def _model(generator: Generator, doc: Any, fields: set[str]) -> tuple[Any, Any]:
-    """The served model a request names (it generates) and its entry's tokenizer."""
+    """The served model a request names (it generates, or embeds: cuvild/serve/
+    embeddings.py) and its entry's tokenizer."""
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
         raise BadInput("expected a JSON object with \"model\": the served model's name")
     unknown = set(doc) - fields
@@ -82,7 +86,7 @@ def _model(generator: Generator, doc: Any, fields: set[str]) -> tuple[Any, Any]:
     name, _, version = doc["model"].partition(":")
     served = find(generator.models, name, version)
     if not generates(served.loaded):
-        raise Refused("invalid", f"model {served.key} does not generate (docs/GENERATION.md)")
+        embeddings.bounds(generator, served)  # (refused where it takes no token ids)
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
     if tokenizer is None:
         raise Refused("invalid", f"model {served.key} has no tokenizer ({TOKENIZER} in its "

@@ -16,7 +16,8 @@ from generation_helpers import all_ready, byte_tokenizer_json, post
 def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_served) -> None:  # noqa: ANN001
     """The entry's pooling (CLS) and normalization, on the model's own hidden states: equal
     to torch eager's within fp32; OpenAI's SDK (base64 by default) and floats alike; token
-    ids too; usage counts the tokens; what cannot be embedded is refused, naming why."""
+    ids too; usage counts the tokens; /tokenize gives its ids and the length it takes; what
+    cannot be embedded is refused, naming why."""
     import openai
     from tokenizers import Tokenizer
 
@@ -44,6 +45,10 @@ def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_se
         "model": "embed", "input": tokenizer.encode(texts[1]).ids, "encoding_format": "float"})
     assert code == 200 and np.allclose(json.loads(body)["data"][0]["embedding"], want[1],
                                        atol=1e-5), body
+    code, body = post(lm_daemon.http, "/tokenize", {"model": "embed", "prompt": texts[0]})
+    assert code == 200 and json.loads(body) == {  # (vLLM's /tokenize takes any model)
+        "count": len(tokenizer.encode(texts[0]).ids), "max_model_len": 63,
+        "tokens": tokenizer.encode(texts[0]).ids, "token_strs": None}, body
     with urllib.request.urlopen(f"http://{lm_daemon.http}/metrics", timeout=10) as r:
         counted = [line for line in r.read().decode().splitlines() if line.startswith(
             "cuvil_inference_request_success_total") and 'model="embed"' in line]
