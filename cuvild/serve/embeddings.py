@@ -7,17 +7,19 @@ models, BGE, E5, ...), as vLLM's and OpenAI's APIs answer it (first version):
         "usage": {"prompt_tokens", "total_tokens"}}
 
 The model is any served one whose inputs are `input_ids` and any of `attention_mask` and
-`token_type_ids` (a batch of one; its length dynamic, padded to the next power of two so that
-inputs share built buckets, or fixed: padded to it, the padding masked), with a
-float output of [1, length, hidden] (`last_hidden_state`, or the first such): exported as
-`transformers.AutoModel` is. Texts are tokenized by the entry's `tokenizer.json` (special
-tokens added, as sentence-transformers does), each input run as its own request. Pooled as
+`token_type_ids` (its length dynamic, padded to the next power of two so that inputs share
+built buckets, or fixed: padded to it, the padding masked; its batch dynamic: a request's
+inputs of one padded length run together, or one), with a float output of [batch, length,
+hidden] (`last_hidden_state`, or the first such): exported as `transformers.AutoModel` is.
+Texts are tokenized by the entry's `tokenizer.json` (special tokens added, as
+sentence-transformers does). Pooled as
 the entry's sentence-transformers files say (`1_Pooling/config.json`: the mean of the
 attended tokens, the first (CLS) or the last; `modules.json`: a `Normalize` module, unit
 length), and without them the mean of the attended tokens, normalized. An input longer than
-the model takes (its export's bound, engine.max_dim) is refused naming it. Not yet: inputs of
-one request run one after another (not batched), `dimensions` (a shorter vector) refused.
-A request counts in the model's metrics as an inference request, its inputs its batch.
+the model takes (its export's bound, engine.max_dim) is refused naming it. Not yet:
+`dimensions` (a shorter vector) refused; requests are not merged with each other (a
+request's own inputs are). A request counts in the model's metrics as an inference
+request, its inputs its batch.
 """
 
 from __future__ import annotations
@@ -76,10 +78,11 @@ def _embedded(generator: Generator, served: Any,
     names, length = _inputs(served)
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
     pooling, normalize = _pooling(generator, served)
+    given = _token_ids(doc.get("input"), tokenizer)
+    states = _hidden(generator, served, names, given, length)
     data, used = [], 0
-    for i, ids in enumerate(_token_ids(doc.get("input"), tokenizer)):
-        hidden = _run(generator, served, names, ids, length)
-        vector = _pooled(hidden[:len(ids)], pooling)
+    for i, ids in enumerate(given):
+        vector = _pooled(states[i][:len(ids)], pooling)
         if normalize:
             vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
         vector = vector.astype(np.float32)
@@ -98,7 +101,8 @@ def _inputs(served: Any) -> tuple[list[str], int | None]:
                       f"an encoder's are input_ids and any of {list(TOKEN_INPUTS[1:])}")
     shape = specs[names.index("input_ids")]["shape"]
     if len(shape) != 2 or shape[0] not in (1, -1):
-        raise Refused("invalid", f"model {served.key}: input_ids is {shape}, not [1, length]")
+        raise Refused("invalid", f"model {served.key}: input_ids is {shape}, not [1 or a "
+                      "dynamic batch, length]")
     return names, (shape[1] if shape[1] > 0 else None)
 
 
@@ -124,25 +128,53 @@ def _token_ids(given: Any, tokenizer: Any) -> list[list[int]]:
     return out
 
 
-def _run(generator: Generator, served: Any, names: list[str], ids: list[int],
-         length: int | None) -> np.ndarray:
-    """The model's hidden states [length, hidden] for one input (padded to a fixed length)."""
+def _hidden(generator: Generator, served: Any, names: list[str], given: list[list[int]],
+            length: int | None) -> list[np.ndarray]:
+    """Each input's hidden states [its padded length, hidden]: inputs padded to one length
+    run together where the model's batch is dynamic (as many as it takes a run), else one
+    at a time."""
+    widths = [_width(generator, served, names, len(ids), length) for ids in given]
+    most = _most_rows(generator, served, names)
+    out: list[np.ndarray] = [np.empty(0)] * len(given)
+    for width in sorted(set(widths)):
+        same = [i for i, w in enumerate(widths) if w == width]
+        for k in range(0, len(same), most):
+            rows = same[k:k + most]
+            for i, state in zip(rows, _run(generator, served, names,
+                                           [given[i] for i in rows], width), strict=True):
+                out[i] = state
+    return out
+
+
+def _most_rows(generator: Generator, served: Any, names: list[str]) -> int:
+    """How many inputs a run takes: 1 where the batch is fixed, else its export's bound
+    within engine.max_dim."""
+    at = names.index("input_ids")
+    if served.record.inputs[at]["shape"][0] != -1:
+        return 1
+    return max(1, min([generator.runner.max_dim, *(
+        hi for i, d, _, hi in served.loaded.dynamic if i == at and d == 0)]))
+
+
+def _run(generator: Generator, served: Any, names: list[str], rows: list[list[int]],
+         width: int) -> np.ndarray:
+    """The model's hidden states [rows, width, hidden] for inputs padded to `width` (the
+    padding masked)."""
     import torch
 
-    width = _width(generator, served, names, len(ids), length)
-    row = {"input_ids": ids + [0] * (width - len(ids)),
-           "attention_mask": [1] * len(ids) + [0] * (width - len(ids)),
-           "token_type_ids": [0] * width}
+    columns = {"input_ids": [ids + [0] * (width - len(ids)) for ids in rows],
+               "attention_mask": [[1] * len(ids) + [0] * (width - len(ids)) for ids in rows],
+               "token_type_ids": [[0] * width for _ in rows]}
     dtypes = {s["name"]: s["dtype"] for s in served.record.inputs}
-    tensors = [torch.tensor([row[n]], dtype=getattr(torch, dtypes[n])) for n in names]
+    tensors = [torch.tensor(columns[n], dtype=getattr(torch, dtypes[n])) for n in names]
     outputs = generator.runner.infer(served.key, tensors)
     specs = served.record.outputs
     picked = [i for i, s in enumerate(specs) if s["name"] == "last_hidden_state"] or [
         i for i, s in enumerate(specs) if len(s["shape"]) == 3 and "float" in s["dtype"]]
     if not picked:
-        raise Refused("invalid", f"model {served.key} does not embed: no [1, length, hidden] "
-                      f"float output among {[s['name'] for s in specs]}")
-    return outputs[picked[0]][0].float().numpy()
+        raise Refused("invalid", f"model {served.key} does not embed: no [batch, length, "
+                      f"hidden] float output among {[s['name'] for s in specs]}")
+    return outputs[picked[0]].float().numpy()
 
 
 def _width(generator: Generator, served: Any, names: list[str], n: int,

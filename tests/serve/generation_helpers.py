@@ -61,8 +61,8 @@ def lm_repository(root: Path) -> dict[str, Any]:
 
 def encoder_entry(entry: Path) -> Any:
     """A tiny BERT exported as transformers' AutoModel is (input_ids and attention_mask, its
-    length dynamic), the byte-level tokenizer and sentence-transformers' pooling files (CLS,
-    normalized) beside it: /v1/embeddings' model (cuvild/serve/embeddings.py)."""
+    batch and length dynamic), the byte-level tokenizer and sentence-transformers' pooling
+    files (CLS, normalized) beside it: /v1/embeddings' model (cuvild/serve/embeddings.py)."""
     import transformers
 
     from partitioner.annotate import export
@@ -71,11 +71,12 @@ def encoder_entry(entry: Path) -> Any:
     bert = transformers.BertModel(transformers.BertConfig(
         vocab_size=lm_models.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=64, pad_token_id=0)).eval()
-    ids = torch.arange(5, 13).unsqueeze(0)
-    seq = torch.export.Dim("seq", min=2, max=63)
+    ids = torch.arange(5, 21).reshape(2, 8)
+    rows, seq = torch.export.Dim("rows", max=16), torch.export.Dim("seq", min=2, max=63)
     (entry / "1").mkdir(parents=True)
     torch.export.save(export(bert, (), kwargs={"input_ids": ids, "attention_mask": ids * 0 + 1},
-                             dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}}),
+                             dynamic_shapes={"input_ids": {0: rows, 1: seq},
+                                             "attention_mask": {0: rows, 1: seq}}),
                       entry / "1" / "model.pt2")
     (entry / "tokenizer.json").write_text(byte_tokenizer_json())
     (entry / "1_Pooling").mkdir()

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from generation_helpers import all_ready, byte_tokenizer_json, post
 
+from cuvild.client import Client
+
 
 def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_served) -> None:  # noqa: ANN001
     """The entry's pooling (CLS) and normalization, on the model's own hidden states: equal
@@ -24,7 +26,7 @@ def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_se
     all_ready(lm_daemon.target, ("embed",))
     bert = lm_served["hf"]["embed"]
     tokenizer = Tokenizer.from_str(byte_tokenizer_json())
-    texts = ["The weather in Oslo", "is cold!"]
+    texts = ["The weather in Oslo", "is cold!", "and windy, very windy"]  # (19 and 21: one run)
 
     def eager(ids: list[int]) -> np.ndarray:
         with torch.no_grad():
@@ -36,11 +38,14 @@ def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_se
     client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     said = client.embeddings.create(model="embed", input=texts)  # (base64, decoded by the SDK)
-    assert [d.index for d in said.data] == [0, 1]
+    assert [d.index for d in said.data] == [0, 1, 2]
     for got, ref in zip(said.data, want, strict=True):
         assert np.allclose(got.embedding, ref, atol=1e-5) and abs(np.linalg.norm(
             got.embedding) - 1) < 1e-5
     assert said.usage.prompt_tokens == sum(len(tokenizer.encode(t).ids) for t in texts)
+    with Client(lm_daemon.target) as control:  # 19 and 21 tokens padded to 32 ran together
+        shapes = [b["shapes"][0] for b in control.plan("embed")["plan"]["buckets"]]
+    assert [2, 32] in shapes and [1, 8] in shapes, shapes
     code, body = post(lm_daemon.http, "/v1/embeddings", {
         "model": "embed", "input": tokenizer.encode(texts[1]).ids, "encoding_format": "float"})
     assert code == 200 and np.allclose(json.loads(body)["data"][0]["embedding"], want[1],
