@@ -34,6 +34,7 @@ import numpy as np
 from cuvild.core.layout import BadInput
 from cuvild.serve.errors import Refused, find, status
 from cuvild.serve.generation import Generator
+from cuvild.serve.openai_request import named
 
 FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -46,12 +47,7 @@ MAX_FILE_BYTES = 1 << 20
 def embed(generator: Generator, doc: Any) -> dict[str, Any]:
     """/v1/embeddings' answer to a request `doc` (on a pool thread: it runs the model); a
     request of the model's in its metrics, as an inference request (its inputs its batch)."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
-        raise BadInput("expected a JSON object with \"model\" and \"input\"")
-    unknown = set(doc) - FIELDS
-    if unknown:
-        raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(FIELDS)}")
-    name, _, version = doc["model"].partition(":")
+    name, version = named(doc, FIELDS)
     served, t0 = find(generator.models, name, version), time.perf_counter()
     try:
         data, used = _embedded(generator, served, doc)

@@ -74,6 +74,18 @@ def checked(doc: Any, chat: bool) -> tuple[int, bool, bool, bool, dict[str, Any]
     return n, echo, stream, usage, options
 
 
+def named(doc: Any, fields: set[str]) -> tuple[str, str]:
+    """A request object's model name and version ("name:version"), its fields checked
+    against `fields` (vLLM's /tokenize, /v1/embeddings)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
+        raise BadInput("expected a JSON object with \"model\": the served model's name")
+    unknown = set(doc) - fields
+    if unknown:
+        raise BadInput(f"unsupported fields {sorted(unknown)}; supported: {sorted(fields)}")
+    name, _, version = doc["model"].partition(":")
+    return name, version
+
+
 def prompts(prompt: Any) -> list[Any]:
     """A completion's prompts: OpenAI's `prompt` is a text, token ids, or a list of either."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):

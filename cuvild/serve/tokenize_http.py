@@ -25,6 +25,7 @@ from cuvild.core.layout import BadInput
 from cuvild.serve import chat, embeddings, tools
 from cuvild.serve.errors import Refused, find
 from cuvild.serve.generation import TOKENIZER, Generator, generates
+from cuvild.serve.openai_request import named
 
 ROUTES = ("/tokenize", "/detokenize")
 TOKENIZE = {"model", "prompt", "messages", "tools", "add_special_tokens", "return_token_strs",
@@ -78,12 +79,7 @@ def detokenize(generator: Generator, doc: Any) -> dict[str, Any]:
 def _model(generator: Generator, doc: Any, fields: set[str]) -> tuple[Any, Any]:
     """The served model a request names (it generates, or embeds: cuvild/serve/
     embeddings.py) and its entry's tokenizer."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
-        raise BadInput("expected a JSON object with \"model\": the served model's name")
-    unknown = set(doc) - fields
-    if unknown:
-        raise BadInput(f"unknown fields {sorted(unknown)}; known: {sorted(fields)}")
-    name, _, version = doc["model"].partition(":")
+    name, version = named(doc, fields)
     served = find(generator.models, name, version)
     if not generates(served.loaded):
         embeddings.bounds(generator, served)  # (refused where it takes no token ids)

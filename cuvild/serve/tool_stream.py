@@ -107,18 +107,17 @@ class CallText:
         if self.key in ARGUMENTS and self.value_from >= 0 and call.args_from < 0:
             call.args_from, call.args_to = self.value_from, at
 
-    def arguments(self, call: _Call) -> tuple[str, bool]:
-        """A call's arguments' JSON text so far, and whether it is whole."""
+    def arguments(self, call: _Call) -> str:
+        """A call's arguments' JSON text so far (an object or list as it is written; a
+        string, its content, once whole)."""
         if call.args_from < 0:
-            if self.key in ARGUMENTS and self.value_from >= 0 and self.calls[-1] is call:
-                if self.text[self.value_from] in "{[":  # (an object being written)
-                    return self.text[self.value_from:], False
-            return "", False
+            if (self.key in ARGUMENTS and self.value_from >= 0 and self.calls[-1] is call
+                    and self.text[self.value_from] in "{["):  # (an object being written)
+                return self.text[self.value_from:]
+            return ""
         text = self.text[call.args_from:call.args_to].strip()
-        if call.args_string:
-            given = _read(text)
-            return (given if isinstance(given, str) else text), True
-        return text, True
+        given = _read(text) if call.args_string else None
+        return given if isinstance(given, str) else text
 
 
 def _read(text: str) -> Any:
@@ -258,7 +257,7 @@ class ToolStream:
                 break
             if call.name is None:
                 continue
-            args, _ = self.calls.arguments(call)
+            args = self.calls.arguments(call)
             if index == len(self.ids):
                 self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
                 self.went.append(len(args))

@@ -63,7 +63,7 @@ def test_vllms_tokenize_and_detokenize_give_the_prompt_the_daemon_makes(  # noqa
             ("/tokenize", {"model": "bytes"}, "either \"prompt\""),
             ("/tokenize", {"model": "bytes", "prompt": "a", "messages": messages}, "either"),
             ("/tokenize", {"model": "bytes", "prompt": "a", "add_special_tokens": 1}, "true"),
-            ("/tokenize", {"model": "bytes", "prompt": "a", "nope": 1}, "unknown fields"),
+            ("/tokenize", {"model": "bytes", "prompt": "a", "nope": 1}, "unsupported fields"),
             ("/tokenize", {"model": "gpt2", "prompt": "a"}, "has no tokenizer"),
             ("/tokenize", {"model": "nope", "prompt": "a"}, "nope"),
             ("/detokenize", {"model": "bytes", "tokens": [1, 10 ** 9]}, "not in the tokenizer"),
