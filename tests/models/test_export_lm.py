@@ -7,27 +7,28 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
+from types import SimpleNamespace
 
 import lm_models
 import pytest
 import torch
 from generation_helpers import TOOLS_TEMPLATE, byte_tokenizer_json
 
+from cuvild.client.cli import main
 from cuvild.client.export_lm import export_lm
 from cuvild.intake.repository import scan
 
-ROOT = Path(__file__).resolve().parents[2]
+
+def cuvilctl(capsys: pytest.CaptureFixture[str], *args: str) -> SimpleNamespace:
+    """`cuvilctl export-lm ARGS` through its own main (argparse and all), in this process:
+    a subprocess imported torch and transformers again (~4 s of CPU)."""
+    code = main(["export-lm", *args])
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
-def cuvilctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cuvild.client.cli", "export-lm", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-
-def test_a_saved_model_becomes_an_entry_that_generates_as_transformers(tmp_path) -> None:
+def test_a_saved_model_becomes_an_entry_that_generates_as_transformers(tmp_path,
+                                                                     capsys) -> None:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -40,8 +41,8 @@ def test_a_saved_model_becomes_an_entry_that_generates_as_transformers(tmp_path)
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(source)
     repository = tmp_path / "models"
-    done = cuvilctl(str(source), "--repository", str(repository), "--context", "48", "--json",
-                    "--precision", "auto", "--max-error", "0.01")
+    done = cuvilctl(capsys, str(source), "--repository", str(repository), "--context", "48",
+                    "--json", "--precision", "auto", "--max-error", "0.01")
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout)
     phases = [json.loads(line)["phase"] for line in done.stderr.splitlines()
