@@ -16,10 +16,13 @@ sentence-transformers does). Pooled as
 the entry's sentence-transformers files say (`1_Pooling/config.json`: the mean of the
 attended tokens, the first (CLS) or the last; `modules.json`: a `Normalize` module, unit
 length), and without them the mean of the attended tokens, normalized. An input longer than
-the model takes (its export's bound, engine.max_dim) is refused naming it. Not yet:
-`dimensions` (a shorter vector) refused; requests are not merged with each other (a
-request's own inputs are). A request counts in the model's metrics as an inference
-request, its inputs its batch.
+the model takes (its export's bound, engine.max_dim) is refused naming it. `dimensions` (a
+shorter vector) as vLLM takes it: only for a Matryoshka model (the entry's `config.json` says
+`is_matryoshka` or lists `matryoshka_dimensions`: one of them, else 1 to its size), the
+pooled vector cut to it before it is normalized; any other model refuses it. Concurrent
+requests' inputs of one padded length share runs through the model's batcher (engine.batching,
+on by default: cuvild/run/batching.py), a request's own inputs run together. A request counts
+in the model's metrics as an inference request, its inputs its batch.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 MAX_INPUTS = 2048  # OpenAI's bound on a request's inputs
 POOLING_FILE = "1_Pooling/config.json"
+CONFIG_FILE = "config.json"  # transformers' config of the model: its Matryoshka sizes
 MODULES_FILE = "modules.json"
 MAX_FILE_BYTES = 1 << 20
 
@@ -69,9 +73,8 @@ def _embedded(generator: Generator, served: Any,
     form = doc.get("encoding_format") or "float"
     if form not in ("float", "base64"):
         raise BadInput(f"encoding_format must be \"float\" or \"base64\", got {form!r}")
-    if doc.get("dimensions") is not None:
-        raise BadInput("dimensions: the model's own size only (leave it out)")
     names, length = _inputs(served)
+    size = _dimensions(generator, served, doc.get("dimensions"))
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
     pooling, normalize = _pooling(generator, served)
     given = _token_ids(doc.get("input"), tokenizer)
@@ -79,6 +82,10 @@ def _embedded(generator: Generator, served: Any,
     data, used = [], 0
     for i, ids in enumerate(given):
         vector = _pooled(states[i][:len(ids)], pooling)
+        if size is not None:
+            if size > len(vector):
+                raise BadInput(f"dimensions: {size} is over the model's {len(vector)}")
+            vector = vector[:size]
         if normalize:
             vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
         vector = vector.astype(np.float32)
@@ -86,6 +93,41 @@ def _embedded(generator: Generator, served: Any,
             vector.tolist() if form == "float" else base64.b64encode(vector.tobytes()).decode())})
         used += len(ids)
     return data, used
+
+
+def _dimensions(generator: Generator, served: Any, wanted: Any) -> int | None:
+    """The size a request's `dimensions` asks for (None: the model's own), where the model
+    is a Matryoshka one (its config.json: `matryoshka_dimensions`, one of which it must be,
+    or `is_matryoshka`), as vLLM checks it: other models refuse it (a vector cut short by a
+    model not trained for it searches badly)."""
+    if wanted is None:
+        return None
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+        raise BadInput(f"dimensions must be a positive integer, got {wanted!r}")
+    config = _json_file(generator, served, CONFIG_FILE)
+    config = config if isinstance(config, dict) else {}
+    sizes = config.get("matryoshka_dimensions")
+    if not sizes and config.get("is_matryoshka") is not True:
+        raise BadInput(f"model {served.key} does not support Matryoshka embeddings (no "
+                       f"is_matryoshka or matryoshka_dimensions in its {CONFIG_FILE}): "
+                       f"dimensions must be left out (got {wanted})")
+    if isinstance(sizes, list) and sizes and wanted not in sizes:
+        raise BadInput(f"model {served.key} only supports Matryoshka dimensions {sizes}, "
+                       f"got {wanted}")
+    return wanted
+
+
+def embeds(generator: Generator, served: Any) -> int | None:
+    """The most tokens a served model takes where it embeds (an encoder's inputs and a
+    [batch, length, hidden] float output): /v1/models' `max_model_len`; None where not."""
+    specs = served.record.outputs or []
+    if not any(len(s["shape"]) == 3 and "float" in s["dtype"] for s in specs):
+        return None
+    try:
+        names, length = _inputs(served)
+    except Refused:
+        return None
+    return bounds(generator, served, names, length)[1]
 
 
 def _inputs(served: Any) -> tuple[list[str], int | None]:
@@ -210,17 +252,8 @@ def _pooled(hidden: np.ndarray, pooling: str) -> np.ndarray:
 def _pooling(generator: Generator, served: Any) -> tuple[str, bool]:
     """How the entry pools ("mean", "cls" or "last") and whether it normalizes, by its
     sentence-transformers files; the mean, normalized, without them."""
-    def read(file: str) -> Any:
-        path = generator.entry_file(served.record.name, served.record.version, file,
-                                    MAX_FILE_BYTES)
-        if path is None:
-            return None
-        try:
-            return json.loads(path.read_text())
-        except ValueError as e:
-            raise Refused("invalid", f"{path}: not JSON ({e})") from None
-
-    config, modules = read(POOLING_FILE), read(MODULES_FILE)
+    config, modules = (_json_file(generator, served, POOLING_FILE),
+                       _json_file(generator, served, MODULES_FILE))
     pooling = "mean"
     if isinstance(config, dict):
         pooling = next((mode for key, mode in (
@@ -229,3 +262,15 @@ def _pooling(generator: Generator, served: Any) -> tuple[str, bool]:
     normalize = modules is None or (isinstance(modules, list) and any(
         isinstance(m, dict) and str(m.get("type", "")).endswith("Normalize") for m in modules))
     return pooling, normalize
+
+
+def _json_file(generator: Generator, served: Any, file: str) -> Any:
+    """A JSON file of the model's repository entry (its version's, else the entry's); None
+    where it has none."""
+    path = generator.entry_file(served.record.name, served.record.version, file, MAX_FILE_BYTES)
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise Refused("invalid", f"{path}: not JSON ({e})") from None

@@ -14,7 +14,7 @@
                                                       ...}: the prompt by the entry's chat
                                                       template (cuvild/serve/chat.py)
   GET  /v1/models, /v1/models/{model}                 OpenAI's model list: those that
-                                                      generate, with their context
+                                                      generate or embed, with their context
   /openai/v1/...                                      the same, where KServe's model server
                                                       has them
 
@@ -108,21 +108,25 @@ def error_object(status: int, message: str) -> dict[str, Any]:
 
 async def openai_models(server: RestServer, request: web.Request) -> web.Response:
     """OpenAI's model list (GET /v1/models), or one model (GET /v1/models/{model}): the
-    served models that generate (`name`, and `name:version` for each version), each with its
-    context as vLLM's `max_model_len`. Another model, or one that does not generate, is not
-    found."""
+    served models that generate or embed (`name`, and `name:version` for each version), each
+    with the most tokens it takes (a context) as vLLM's `max_model_len`. Another model is
+    not found."""
     listed = {}
     for served in sorted(server.generator.models.all(), key=lambda m: m.record.created_at):
-        if served.state == "READY" and generates(served.loaded):
+        if served.state != "READY" or served.loaded is None:
+            continue
+        most = (served.loaded.state.context if generates(served.loaded)
+                else embeddings.embeds(server.generator, served))
+        if most:
             one = {"object": "model", "created": int(served.record.created_at),
-                   "owned_by": "cuvild", "max_model_len": served.loaded.state.context}
+                   "owned_by": "cuvild", "max_model_len": most}
             listed[served.record.name] = {"id": served.record.name, **one}  # (the newest)
             listed[served.key] = {"id": served.key, **one}
     wanted = request.match_info.get("model")
     if wanted is None:
         return _json({"object": "list", "data": list(listed.values())})
     if wanted not in listed:
-        raise Refused("not_found", f"no model {wanted!r} that generates is served")
+        raise Refused("not_found", f"no model {wanted!r} that generates or embeds is served")
     return _json(listed[wanted])
 
 

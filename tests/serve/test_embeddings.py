@@ -6,6 +6,7 @@ one worker runs it with the generation tests (tests/conftest.py SAME_WORKER)."""
 from __future__ import annotations
 
 import json
+import threading
 import urllib.request
 
 import numpy as np
@@ -13,6 +14,19 @@ import torch
 from generation_helpers import all_ready, byte_tokenizer_json, post
 
 from cuvild.client import Client
+
+
+def eager_cls(bert, text: str, size: int | None = None) -> np.ndarray:  # noqa: ANN001
+    """The normalized CLS state of `text` on torch eager (cut to `size` before it is
+    normalized, as a Matryoshka model's vector is)."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_str(byte_tokenizer_json()).encode(text).ids
+    with torch.no_grad():
+        cls = bert(input_ids=torch.tensor([ids]),
+                   attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0][0, 0]
+    cls = cls[:size] if size else cls
+    return (cls / cls.norm()).numpy()
 
 
 def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_served) -> None:  # noqa: ANN001
@@ -28,13 +42,7 @@ def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_se
     tokenizer = Tokenizer.from_str(byte_tokenizer_json())
     texts = ["The weather in Oslo", "is cold!", "and windy, very windy"]  # (19 and 21: one run)
 
-    def eager(ids: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            cls = bert(input_ids=torch.tensor([ids]),
-                       attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0][0, 0]
-        return (cls / cls.norm()).numpy()
-
-    want = [eager(tokenizer.encode(t).ids) for t in texts]
+    want = [eager_cls(bert, t) for t in texts]
     client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     said = client.embeddings.create(model="embed", input=texts)  # (base64, decoded by the SDK)
@@ -61,7 +69,73 @@ def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_se
     for doc, words in (({"model": "llama", "input": "a"}, "does not embed"),
                        ({"model": "embed", "input": "x" * 80}, "80"),
                        ({"model": "embed", "input": []}, "a list of up to"),
-                       ({"model": "embed", "input": "a", "dimensions": 8}, "dimensions"),
+                       ({"model": "embed", "input": "a", "dimensions": 8},
+                        "does not support Matryoshka"),
                        ({"model": "embed", "input": "a", "encoding_format": "hex"}, "float")):
         code, body = post(lm_daemon.http, "/v1/embeddings", doc)
         assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
+
+
+def test_a_matryoshka_model_cuts_its_vectors_where_its_config_says(lm_daemon, lm_served) -> None:  # noqa: ANN001
+    """`dimensions` as vLLM takes it: a model whose config.json lists matryoshka_dimensions
+    gives one of them, cut before it is normalized; `is_matryoshka` any size up to its own;
+    anything else refused naming why (a model without either: test above)."""
+    all_ready(lm_daemon.target, ("embed",))
+    config = lm_served["root"] / "embed" / "config.json"
+    bert = lm_served["hf"]["embed"]
+    try:
+        config.write_text(json.dumps({"model_type": "bert", "matryoshka_dimensions": [16, 32]}))
+        code, body = post(lm_daemon.http, "/v1/embeddings", {
+            "model": "embed", "input": ["is cold!"], "dimensions": 16,
+            "encoding_format": "float"})
+        got = json.loads(body)["data"][0]["embedding"] if code == 200 else body
+        assert len(got) == 16 and np.allclose(got, eager_cls(bert, "is cold!", 16),
+                                              atol=1e-5), got
+        for size, words in ((8, "only supports Matryoshka dimensions [16, 32], got 8"),
+                            (0, "positive integer"), (True, "positive integer")):
+            code, body = post(lm_daemon.http, "/v1/embeddings",
+                              {"model": "embed", "input": "a", "dimensions": size})
+            assert code == 400 and words in json.loads(body)["error"]["message"], body
+        config.write_text(json.dumps({"model_type": "bert", "is_matryoshka": True}))
+        code, body = post(lm_daemon.http, "/v1/embeddings",
+                          {"model": "embed", "input": "a", "dimensions": 20})
+        assert code == 200 and len(json.loads(body)["data"][0]["embedding"]) == 20, body
+        code, body = post(lm_daemon.http, "/v1/embeddings",
+                          {"model": "embed", "input": "a", "dimensions": 33})
+        assert code == 400 and "33 is over the model's 32" in body.decode(), body
+    finally:
+        config.unlink(missing_ok=True)
+
+
+def test_concurrent_requests_share_runs_and_the_encoder_is_listed(lm_daemon,  # noqa: ANN001
+                                                                    lm_served) -> None:
+    """Clients sending one text each at once (RAG indexing, a search front end): their
+    inputs of one padded length run together through the model's batcher, each answered
+    its own vector; /v1/models lists the encoder with the most tokens it takes."""
+    import openai
+
+    all_ready(lm_daemon.target, ("embed",))
+    client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    listed = {m.id: m.model_extra["max_model_len"] for m in client.models.list()}
+    assert listed["embed"] == listed["embed:1"] == 63, listed
+    texts = [f"query number {i:02d} ok" for i in range(12)]  # (18 tokens each: one bucket)
+    got: dict[int, list[float]] = {}
+    start = threading.Barrier(len(texts))
+
+    def ask(i: int) -> None:
+        start.wait()
+        got[i] = client.embeddings.create(model="embed", input=texts[i]).data[0].embedding
+
+    askers = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(120)
+    bert = lm_served["hf"]["embed"]
+    assert sorted(got) == list(range(len(texts)))
+    for i, text in enumerate(texts):
+        assert np.allclose(got[i], eager_cls(bert, text), atol=1e-5), i
+    with Client(lm_daemon.target) as control:
+        batching = next(m for m in control.models() if m["name"] == "embed")["batching"]
+    assert any(int(rows) > 1 for rows in batching["sizes"]), batching
