@@ -13,7 +13,8 @@ HERE = Path(__file__).resolve().parent
 SECTIONS = ["bench_startup.py", "bench_intake.py", "bench_partitioner.py", "bench_runtimes.py",
             "bench_llvm_cpu.py", "bench_auto.py", "bench_engine.py", "bench_costmodel.py",
             "bench_precision.py", "bench_serving.py", "bench_batching.py", "bench_load.py",
-            "bench_models.py", "bench_http.py", "bench_generation.py", "bench_soak.py"]
+            "bench_models.py", "bench_http.py", "bench_generation.py", "bench_embeddings.py",
+            "bench_soak.py"]
 
 def chosen(names: list[str]) -> list[str]:
     """The sections named (all of them when none is); SystemExit names an unknown one."""

@@ -59,20 +59,26 @@ def lm_repository(root: Path) -> dict[str, Any]:
     return refs
 
 
-def encoder_entry(entry: Path) -> Any:
-    """A tiny BERT exported as transformers' AutoModel is (input_ids and attention_mask, its
-    batch and length dynamic), the byte-level tokenizer and sentence-transformers' pooling
-    files (CLS, normalized) beside it: /v1/embeddings' model (cuvild/serve/embeddings.py)."""
+def encoder_entry(entry: Path, size: tuple[int, ...] = (32, 2, 2, 64), pooling: str = "cls",
+                  most: tuple[int, int] = (16, 63)) -> Any:
+    """A BERT exported as transformers' AutoModel is (input_ids and attention_mask, its batch
+    and length dynamic up to `most`), the byte-level tokenizer and sentence-transformers'
+    pooling files (`pooling`: "cls" or "mean"; normalized) beside it: /v1/embeddings' model
+    (cuvild/serve/embeddings.py). `size`: hidden width, layers, heads, MLP width (tiny by
+    default; the bench's is MiniLM's: tests/bench/bench_embeddings.py)."""
     import transformers
 
     from partitioner.annotate import export
 
     torch.manual_seed(0)
+    hidden, layers, heads, mlp = size
     bert = transformers.BertModel(transformers.BertConfig(
-        vocab_size=lm_models.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=64, pad_token_id=0)).eval()
+        vocab_size=lm_models.VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, intermediate_size=mlp,
+        max_position_embeddings=most[1] + 1, pad_token_id=0)).eval()
     ids = torch.arange(5, 21).reshape(2, 8)
-    rows, seq = torch.export.Dim("rows", max=16), torch.export.Dim("seq", min=2, max=63)
+    rows, seq = torch.export.Dim("rows", max=most[0]), torch.export.Dim("seq", min=2,
+                                                                        max=most[1])
     (entry / "1").mkdir(parents=True)
     torch.export.save(export(bert, (), kwargs={"input_ids": ids, "attention_mask": ids * 0 + 1},
                              dynamic_shapes={"input_ids": {0: rows, 1: seq},
@@ -81,8 +87,8 @@ def encoder_entry(entry: Path) -> Any:
     (entry / "tokenizer.json").write_text(byte_tokenizer_json())
     (entry / "1_Pooling").mkdir()
     (entry / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 32, "pooling_mode_cls_token": True,
-        "pooling_mode_mean_tokens": False}))
+        "word_embedding_dimension": hidden, "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean"}))
     (entry / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling",
