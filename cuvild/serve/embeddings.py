@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,9 +53,19 @@ def embed(generator: Generator, doc: Any) -> dict[str, Any]:
     """/v1/embeddings' answer to a request `doc` (on a pool thread: it runs the model); a
     request of the model's in its metrics, as an inference request (its inputs its batch)."""
     name, version = named(doc, FIELDS)
-    served, t0 = find(generator.models, name, version), time.perf_counter()
+    served = find(generator.models, name, version)
+    data, used = counted(generator, served, lambda: _embedded(generator, served, doc))
+    return {"object": "list", "data": data, "model": doc["model"],
+            "usage": {"prompt_tokens": used, "total_tokens": used}}
+
+
+def counted(generator: Generator, served: Any, answer: Callable[[], tuple[list[Any], int]]
+            ) -> tuple[list[Any], int]:
+    """`answer()` (a request's items and the tokens they took) counted in the model's
+    metrics as an inference request, its items its batch, or as a failed one."""
+    t0 = time.perf_counter()
     try:
-        data, used = _embedded(generator, served, doc)
+        items, used = answer()
     except Exception as e:
         if generator.metrics is not None:
             generator.metrics.failed(served.record.name, served.record.version,
@@ -62,9 +73,8 @@ def embed(generator: Generator, doc: Any) -> dict[str, Any]:
         raise
     if generator.metrics is not None:
         generator.metrics.succeeded(served.record.name, served.record.version,
-                                    time.perf_counter() - t0, len(data))
-    return {"object": "list", "data": data, "model": doc["model"],
-            "usage": {"prompt_tokens": used, "total_tokens": used}}
+                                    time.perf_counter() - t0, len(items))
+    return items, used
 
 
 def _embedded(generator: Generator, served: Any,
@@ -73,15 +83,16 @@ def _embedded(generator: Generator, served: Any,
     form = doc.get("encoding_format") or "float"
     if form not in ("float", "base64"):
         raise BadInput(f"encoding_format must be \"float\" or \"base64\", got {form!r}")
-    names, length = _inputs(served)
+    names, length = inputs_of(served)
     size = _dimensions(generator, served, doc.get("dimensions"))
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
     pooling, normalize = _pooling(generator, served)
     given = _token_ids(doc.get("input"), tokenizer)
-    states = _hidden(generator, served, names, given, length)
+    hidden = output_of(served, 3, "embed")
+    outputs = rows(generator, served, names, [(ids, []) for ids in given], length)
     data, used = [], 0
     for i, ids in enumerate(given):
-        vector = _pooled(states[i][:len(ids)], pooling)
+        vector = _pooled(outputs[i][hidden][:len(ids)], pooling)
         if size is not None:
             if size > len(vector):
                 raise BadInput(f"dimensions: {size} is over the model's {len(vector)}")
@@ -118,24 +129,26 @@ def _dimensions(generator: Generator, served: Any, wanted: Any) -> int | None:
 
 
 def embeds(generator: Generator, served: Any) -> int | None:
-    """The most tokens a served model takes where it embeds (an encoder's inputs and a
-    [batch, length, hidden] float output): /v1/models' `max_model_len`; None where not."""
+    """The most tokens a served model takes where it embeds or reranks (an encoder's inputs
+    and a [batch, length, hidden] or [batch, labels] float output): /v1/models'
+    `max_model_len`; None where not."""
     specs = served.record.outputs or []
-    if not any(len(s["shape"]) == 3 and "float" in s["dtype"] for s in specs):
+    if not any(len(s["shape"]) in (2, 3) and "float" in s["dtype"] for s in specs):
         return None
     try:
-        names, length = _inputs(served)
+        names, length = inputs_of(served)
     except Refused:
         return None
     return bounds(generator, served, names, length)[1]
 
 
-def _inputs(served: Any) -> tuple[list[str], int | None]:
-    """The model's input names (token inputs only) and its fixed length (None: dynamic)."""
+def inputs_of(served: Any, verb: str = "embed") -> tuple[list[str], int | None]:
+    """The model's input names (token inputs only) and its fixed length (None: dynamic);
+    a model that is not an encoder is refused as one that does not `verb`."""
     specs = served.record.inputs
     names = [s["name"] for s in specs]
     if "input_ids" not in names or set(names) - set(TOKEN_INPUTS):
-        raise Refused("invalid", f"model {served.key} does not embed: its inputs are {names}; "
+        raise Refused("invalid", f"model {served.key} does not {verb}: its inputs are {names}; "
                       f"an encoder's are input_ids and any of {list(TOKEN_INPUTS[1:])}")
     shape = specs[names.index("input_ids")]["shape"]
     if len(shape) != 2 or shape[0] not in (1, -1):
@@ -166,21 +179,22 @@ def _token_ids(given: Any, tokenizer: Any) -> list[list[int]]:
     return out
 
 
-def _hidden(generator: Generator, served: Any, names: list[str], given: list[list[int]],
-            length: int | None) -> list[np.ndarray]:
-    """Each input's hidden states [its padded length, hidden]: inputs padded to one length
-    run together where the model's batch is dynamic (as many as it takes a run), else one
-    at a time."""
-    widths = [_width(generator, served, names, len(ids), length) for ids in given]
+def rows(generator: Generator, served: Any, names: list[str],
+         given: list[tuple[list[int], list[int]]], length: int | None) -> list[list[np.ndarray]]:
+    """Each input's row of every output of the model (token ids and their type ids, [] for
+    zeros): inputs padded to one length run together where the model's batch is dynamic (as
+    many as it takes a run), else one at a time; concurrent requests' too, through the
+    model's batcher."""
+    widths = [_width(generator, served, names, len(ids), length) for ids, _ in given]
     most = _most_rows(generator, served, names)
-    out: list[np.ndarray] = [np.empty(0)] * len(given)
+    out: list[list[np.ndarray]] = [[]] * len(given)
     for width in sorted(set(widths)):
         same = [i for i, w in enumerate(widths) if w == width]
         for k in range(0, len(same), most):
-            rows = same[k:k + most]
-            for i, state in zip(rows, _run(generator, served, names,
-                                           [given[i] for i in rows], width), strict=True):
-                out[i] = state
+            taken = same[k:k + most]
+            outputs = _run(generator, served, names, [given[i] for i in taken], width)
+            for j, i in enumerate(taken):
+                out[i] = [o[j] for o in outputs]
     return out
 
 
@@ -194,25 +208,33 @@ def _most_rows(generator: Generator, served: Any, names: list[str]) -> int:
         hi for i, d, _, hi in served.loaded.dynamic if i == at and d == 0)]))
 
 
-def _run(generator: Generator, served: Any, names: list[str], rows: list[list[int]],
-         width: int) -> np.ndarray:
-    """The model's hidden states [rows, width, hidden] for inputs padded to `width` (the
-    padding masked)."""
+def _run(generator: Generator, served: Any, names: list[str],
+         given: list[tuple[list[int], list[int]]], width: int) -> list[np.ndarray]:
+    """The model's outputs for inputs padded to `width` (the padding masked)."""
     import torch
 
-    columns = {"input_ids": [ids + [0] * (width - len(ids)) for ids in rows],
-               "attention_mask": [[1] * len(ids) + [0] * (width - len(ids)) for ids in rows],
-               "token_type_ids": [[0] * width for _ in rows]}
+    columns = {"input_ids": [ids + [0] * (width - len(ids)) for ids, _ in given],
+               "attention_mask": [[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in given],
+               "token_type_ids": [(types or [0] * len(ids)) + [0] * (width - len(ids))
+                                  for ids, types in given]}
     dtypes = {s["name"]: s["dtype"] for s in served.record.inputs}
     tensors = [torch.tensor(columns[n], dtype=getattr(torch, dtypes[n])) for n in names]
-    outputs = generator.runner.infer(served.key, tensors)
+    return [o.float().numpy() for o in generator.runner.infer(served.key, tensors)]
+
+
+def output_of(served: Any, dims: int, verb: str) -> int:
+    """Which output is the encoder's: `last_hidden_state` (dims 3) or `logits` (dims 2),
+    else the first float output of `dims` dimensions; a model without one does not
+    `verb`."""
     specs = served.record.outputs
-    picked = [i for i, s in enumerate(specs) if s["name"] == "last_hidden_state"] or [
-        i for i, s in enumerate(specs) if len(s["shape"]) == 3 and "float" in s["dtype"]]
+    wanted = "last_hidden_state" if dims == 3 else "logits"
+    picked = [i for i, s in enumerate(specs) if s["name"] == wanted] or [
+        i for i, s in enumerate(specs) if len(s["shape"]) == dims and "float" in s["dtype"]]
     if not picked:
-        raise Refused("invalid", f"model {served.key} does not embed: no [batch, length, "
-                      f"hidden] float output among {[s['name'] for s in specs]}")
-    return outputs[picked[0]].float().numpy()
+        shape = "[batch, length, hidden]" if dims == 3 else "[batch, labels]"
+        raise Refused("invalid", f"model {served.key} does not {verb}: no {shape} float "
+                      f"output among {[s['name'] for s in specs]}")
+    return picked[0]
 
 
 def _width(generator: Generator, served: Any, names: list[str], n: int,
@@ -231,7 +253,7 @@ def bounds(generator: Generator, served: Any, names: list[str] | None = None,
     """The fewest and the most tokens an encoder takes: its fixed length, or its export's
     bounds on input_ids' length within engine.max_dim."""
     if names is None:
-        names, length = _inputs(served)
+        names, length = inputs_of(served)
     if length is not None:
         return length, length
     low, high, at = 1, generator.runner.max_dim, names.index("input_ids")

@@ -15,6 +15,8 @@
                                                       template (cuvild/serve/chat.py)
   GET  /v1/models, /v1/models/{model}                 OpenAI's model list: those that
                                                       generate or embed, with their context
+  POST /v1/embeddings, /rerank (/v1, /v2)             an encoder's: cuvild/serve/embeddings.py,
+                                                      cuvild/serve/rerank.py
   /openai/v1/...                                      the same, where KServe's model server
                                                       has them
 
@@ -48,7 +50,7 @@ import orjson
 from aiohttp import web
 
 from cuvild.core.layout import BadInput
-from cuvild.serve import embeddings, openai_request, reasoning, tokenize_http
+from cuvild.serve import embeddings, openai_request, reasoning, rerank, tokenize_http
 from cuvild.serve import tools as tools_mod
 from cuvild.serve.chat import options_of as chat_options_of
 from cuvild.serve.detokenize import continued
@@ -81,8 +83,9 @@ def register(app: web.Application, server: RestServer) -> None:
         app.router.add_get(base + "/models/{model}", lambda r: openai_models(server, r))
         app.router.add_post(base + "/embeddings",
                             lambda r: _answered(server, r, embeddings.embed))
-    for path, answer in zip(tokenize_http.ROUTES, (tokenize_http.tokenize,
-                                                   tokenize_http.detokenize), strict=True):
+    answers = [*zip(tokenize_http.ROUTES, (tokenize_http.tokenize, tokenize_http.detokenize),
+                    strict=True), *((path, rerank.rerank) for path in rerank.ROUTES)]
+    for path, answer in answers:
         app.router.add_post(path, lambda r, answer=answer: _answered(server, r, answer))
 
 
@@ -90,13 +93,14 @@ async def _answered(server: RestServer, request: web.Request,
                     answer: Callable[[Any, Any], dict[str, Any]]) -> web.Response:
     """A request answered whole by `answer(generator, body)` on a pool thread: vLLM's
     /tokenize and /detokenize (cuvild/serve/tokenize_http.py), /v1/embeddings
-    (cuvild/serve/embeddings.py)."""
+    (cuvild/serve/embeddings.py), /rerank (cuvild/serve/rerank.py)."""
     return _json(await _open(server, request, lambda doc: answer(server.generator, doc)))
 
 
 def is_openai(path: str) -> bool:
     """Whether `path` is one of OpenAI's routes (its errors are OpenAI's error object)."""
-    return any(path.startswith(base + "/") for base in PREFIXES) or path in tokenize_http.ROUTES
+    return (any(path.startswith(base + "/") for base in PREFIXES)
+            or path in tokenize_http.ROUTES or path in rerank.ROUTES)
 
 
 def error_object(status: int, message: str) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def lm_repository(root: Path) -> dict[str, Any]:
     (root / "bytes" / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "chat_template": TOOLS_TEMPLATE}))
     refs["embed"] = encoder_entry(root / "embed")
+    refs["rerank"] = cross_encoder_entry(root / "rerank")
     return refs
 
 
@@ -96,6 +97,37 @@ def encoder_entry(entry: Path, size: tuple[int, ...] = (32, 2, 2, 64), pooling: 
         {"idx": 2, "name": "2", "path": "2_Normalize",
          "type": "sentence_transformers.models.Normalize"}]))
     return bert
+
+
+def cross_encoder_entry(entry: Path) -> Any:
+    """A tiny cross-encoder (transformers' BertForSequenceClassification with one label,
+    its three inputs' batch and length dynamic) and the byte-level tokenizer writing a pair
+    as BERT's post-processor does ("<s> query </s> document </s>", the document's type 1):
+    /rerank's model (cuvild/serve/rerank.py)."""
+    import transformers
+    from tokenizers import Tokenizer, processors
+
+    from partitioner.annotate import export
+
+    torch.manual_seed(1)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=lm_models.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, pad_token_id=0,
+        num_labels=1)).eval()
+    ids = torch.arange(5, 21).reshape(2, 8)
+    rows, seq = torch.export.Dim("rows", max=16), torch.export.Dim("seq", min=2, max=127)
+    names = ("input_ids", "attention_mask", "token_type_ids")
+    (entry / "1").mkdir(parents=True)
+    torch.export.save(export(model, (), kwargs=dict(zip(names, (ids, ids * 0 + 1, ids * 0),
+                                                         strict=True)),
+                             dynamic_shapes={n: {0: rows, 1: seq} for n in names}),
+                      entry / "1" / "model.pt2")
+    tokenizer = Tokenizer.from_str(byte_tokenizer_json())
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1",
+        special_tokens=[("<s>", 0), ("</s>", 1)])
+    (entry / "tokenizer.json").write_text(tokenizer.to_str())
+    return model
 
 
 def all_ready(target: str, names: tuple[str, ...], timeout: float = 300) -> None:

@@ -139,3 +139,59 @@ def test_concurrent_requests_share_runs_and_the_encoder_is_listed(lm_daemon,  # 
     with Client(lm_daemon.target) as control:
         batching = next(m for m in control.models() if m["name"] == "embed")["batching"]
     assert any(int(rows) > 1 for rows in batching["sizes"]), batching
+
+
+def test_a_cross_encoder_reranks_documents_as_sentence_transformers_would(lm_daemon,  # noqa: ANN001
+                                                                          lm_served) -> None:
+    """vLLM's rerank (Jina's /rerank and /v1/rerank, Cohere's /v2/rerank): each (query,
+    document) pair as the tokenizer writes a pair, scored by the sigmoid of the model's one
+    logit (sentence-transformers' CrossEncoder): equal to torch eager's within fp32, most
+    relevant first, top_n of them, documents returned or not; the model listed; what cannot
+    rerank refused naming why."""
+    from tokenizers import Tokenizer
+
+    all_ready(lm_daemon.target, ("rerank", "embed"))
+    model = lm_served["hf"]["rerank"]
+    tokenizer = Tokenizer.from_str(
+        (lm_served["root"] / "rerank" / "tokenizer.json").read_text())
+    query = "where is it cold?"
+    documents = ["Oslo is cold in winter", "Cairo is hot", "the sea is wide and deep",
+                 "cold, cold, cold!"]
+    pairs = [tokenizer.encode(query, d) for d in documents]
+    with torch.no_grad():
+        want = [torch.sigmoid(model(input_ids=torch.tensor([p.ids]),
+                                    attention_mask=torch.ones(1, len(p.ids), dtype=torch.long),
+                                    token_type_ids=torch.tensor([p.type_ids])).logits[0, 0]
+                              ).item() for p in pairs]
+    assert pairs[0].type_ids[-1] == 1 and pairs[0].ids[0] == 0  # (the pair as BERT's)
+    order = sorted(range(len(documents)), key=lambda i: -want[i])
+    code, body = post(lm_daemon.http, "/v1/rerank", {"model": "rerank", "query": query,
+                                                      "documents": documents, "top_n": 3})
+    said = json.loads(body)
+    assert code == 200 and [r["index"] for r in said["results"]] == order[:3], body
+    for r in said["results"]:
+        assert abs(r["relevance_score"] - want[r["index"]]) < 1e-5, (r, want)
+        assert r["document"] == {"text": documents[r["index"]]}
+    assert said["usage"]["total_tokens"] == sum(len(p.ids) for p in pairs)
+    for path in ("/rerank", "/v2/rerank"):
+        code, body = post(lm_daemon.http, path, {"model": "rerank", "query": query,
+                                                 "documents": documents,
+                                                 "return_documents": False})
+        results = json.loads(body)["results"]
+        assert code == 200 and [r["index"] for r in results] == order, body
+        assert all("document" not in r for r in results)
+    with urllib.request.urlopen(f"http://{lm_daemon.http}/v1/models", timeout=10) as r:
+        listed = {m["id"]: m["max_model_len"] for m in json.loads(r.read())["data"]}
+    assert listed["rerank"] == 127 and listed["embed"] == 63, listed
+    for doc, words in (({"model": "llama", "query": "a", "documents": ["b"]},
+                        "does not rerank: its inputs"),
+                       ({"model": "embed", "query": "a", "documents": ["b"]},
+                        "32 labels, a cross-encoder's one"),
+                       ({"model": "rerank", "query": "a", "documents": []}, "documents must"),
+                       ({"model": "rerank", "query": "", "documents": ["b"]}, "query must"),
+                       ({"model": "rerank", "query": "a", "documents": ["b"], "top_n": 0},
+                        "top_n must"),
+                       ({"model": "rerank", "query": "a", "documents": ["b"], "rank": 1},
+                        "unsupported fields")):
+        code, body = post(lm_daemon.http, "/v1/rerank", doc)
+        assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
