@@ -2,8 +2,8 @@
 model with one relevance logit: sentence-transformers' CrossEncoder models, BGE's and
 ms-marco's rerankers):
 
-    POST /rerank, /v1/rerank, /v2/rerank {"model", "query", "documents": [texts], "top_n",
-                                          "return_documents"}
+    POST /rerank, /v1/rerank, /v2/rerank {"model", "query", "documents": [texts, or
+                                          {"text": ...} objects], "top_n", "return_documents"}
     -> {"id", "model", "usage": {"total_tokens"},
         "results": [{"index", "relevance_score", "document": {"text"}}]}
 
@@ -55,9 +55,13 @@ def _asked(doc: dict[str, Any]) -> tuple[str, list[str], int]:
     query, documents = doc.get("query"), doc.get("documents")
     if not isinstance(query, str) or not query:
         raise BadInput("query must be a non-empty text")
+    if isinstance(documents, list):  # (Jina's and Cohere's v1 objects: {"text": ...})
+        documents = [d.get("text") if isinstance(d, dict) and set(d) == {"text"} else d
+                     for d in documents]
     if (not isinstance(documents, list) or not documents or len(documents) > MAX_DOCUMENTS
             or not all(isinstance(d, str) and d for d in documents)):
-        raise BadInput(f"documents must be a list of 1 to {MAX_DOCUMENTS} non-empty texts")
+        raise BadInput(f"documents must be a list of 1 to {MAX_DOCUMENTS} non-empty texts "
+                       "(or {\"text\": ...} objects)")
     if doc.get("return_documents", True) not in (True, False):
         raise BadInput("return_documents must be true or false")
     top_n = doc.get("top_n")

@@ -173,9 +173,9 @@ def test_a_cross_encoder_reranks_documents_as_sentence_transformers_would(lm_dae
         assert abs(r["relevance_score"] - want[r["index"]]) < 1e-5, (r, want)
         assert r["document"] == {"text": documents[r["index"]]}
     assert said["usage"]["total_tokens"] == sum(len(p.ids) for p in pairs)
-    for path in ("/rerank", "/v2/rerank"):
+    for path, given in (("/rerank", documents), ("/v2/rerank", [{"text": d} for d in documents])):
         code, body = post(lm_daemon.http, path, {"model": "rerank", "query": query,
-                                                 "documents": documents,
+                                                 "documents": given,
                                                  "return_documents": False})
         results = json.loads(body)["results"]
         assert code == 200 and [r["index"] for r in results] == order, body
