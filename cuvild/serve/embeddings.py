@@ -83,14 +83,24 @@ def _embedded(generator: Generator, served: Any,
     form = doc.get("encoding_format") or "float"
     if form not in ("float", "base64"):
         raise BadInput(f"encoding_format must be \"float\" or \"base64\", got {form!r}")
-    names, length = inputs_of(served)
+    inputs_of(served)  # (a model that is not an encoder is refused first, naming why)
     size = _dimensions(generator, served, doc.get("dimensions"))
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
+    found, used = vectors(generator, served, _token_ids(doc.get("input"), tokenizer), size)
+    return [{"object": "embedding", "index": i, "embedding": (
+        v.tolist() if form == "float" else base64.b64encode(v.tobytes()).decode())}
+        for i, v in enumerate(found)], used
+
+
+def vectors(generator: Generator, served: Any, given: list[list[int]],
+            size: int | None = None) -> tuple[list[np.ndarray], int]:
+    """Each input's embedding (pooled and normalized as the entry says, cut to `size`
+    first where given), and the tokens they took."""
+    names, length = inputs_of(served)
     pooling, normalize = _pooling(generator, served)
-    given = _token_ids(doc.get("input"), tokenizer)
     hidden = output_of(served, 3, "embed")
     outputs = rows(generator, served, names, [(ids, []) for ids in given], length)
-    data, used = [], 0
+    found = []
     for i, ids in enumerate(given):
         vector = _pooled(outputs[i][hidden][:len(ids)], pooling)
         if size is not None:
@@ -99,11 +109,8 @@ def _embedded(generator: Generator, served: Any,
             vector = vector[:size]
         if normalize:
             vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-        vector = vector.astype(np.float32)
-        data.append({"object": "embedding", "index": i, "embedding": (
-            vector.tolist() if form == "float" else base64.b64encode(vector.tobytes()).decode())})
-        used += len(ids)
-    return data, used
+        found.append(vector.astype(np.float32))
+    return found, sum(len(ids) for ids in given)
 
 
 def _dimensions(generator: Generator, served: Any, wanted: Any) -> int | None:

@@ -15,7 +15,7 @@
                                                       template (cuvild/serve/chat.py)
   GET  /v1/models, /v1/models/{model}                 OpenAI's model list: those that
                                                       generate or embed, with their context
-  POST /v1/embeddings, /rerank (/v1, /v2)             an encoder's: cuvild/serve/embeddings.py,
+  POST /v1/embeddings, /rerank (/v1, /v2), /score     an encoder's: cuvild/serve/embeddings.py,
                                                       cuvild/serve/rerank.py
   /openai/v1/...                                      the same, where KServe's model server
                                                       has them
@@ -84,7 +84,8 @@ def register(app: web.Application, server: RestServer) -> None:
         app.router.add_post(base + "/embeddings",
                             lambda r: _answered(server, r, embeddings.embed))
     answers = [*zip(tokenize_http.ROUTES, (tokenize_http.tokenize, tokenize_http.detokenize),
-                    strict=True), *((path, rerank.rerank) for path in rerank.ROUTES)]
+                    strict=True), *((path, rerank.rerank) for path in rerank.ROUTES),
+               *((path, rerank.score) for path in rerank.SCORE_ROUTES)]
     for path, answer in answers:
         app.router.add_post(path, lambda r, answer=answer: _answered(server, r, answer))
 
@@ -93,14 +94,14 @@ async def _answered(server: RestServer, request: web.Request,
                     answer: Callable[[Any, Any], dict[str, Any]]) -> web.Response:
     """A request answered whole by `answer(generator, body)` on a pool thread: vLLM's
     /tokenize and /detokenize (cuvild/serve/tokenize_http.py), /v1/embeddings
-    (cuvild/serve/embeddings.py), /rerank (cuvild/serve/rerank.py)."""
+    (cuvild/serve/embeddings.py), /rerank and /score (cuvild/serve/rerank.py)."""
     return _json(await _open(server, request, lambda doc: answer(server.generator, doc)))
 
 
 def is_openai(path: str) -> bool:
     """Whether `path` is one of OpenAI's routes (its errors are OpenAI's error object)."""
     return (any(path.startswith(base + "/") for base in PREFIXES)
-            or path in tokenize_http.ROUTES or path in rerank.ROUTES)
+            or path in (*tokenize_http.ROUTES, *rerank.ROUTES, *rerank.SCORE_ROUTES))
 
 
 def error_object(status: int, message: str) -> dict[str, Any]:

@@ -185,8 +185,6 @@ def test_a_cross_encoder_reranks_documents_as_sentence_transformers_would(lm_dae
     assert listed["rerank"] == 127 and listed["embed"] == 63, listed
     for doc, words in (({"model": "llama", "query": "a", "documents": ["b"]},
                         "does not rerank: its inputs"),
-                       ({"model": "embed", "query": "a", "documents": ["b"]},
-                        "32 labels, a cross-encoder's one"),
                        ({"model": "rerank", "query": "a", "documents": []}, "documents must"),
                        ({"model": "rerank", "query": "", "documents": ["b"]}, "query must"),
                        ({"model": "rerank", "query": "a", "documents": ["b"], "top_n": 0},
@@ -194,4 +192,50 @@ def test_a_cross_encoder_reranks_documents_as_sentence_transformers_would(lm_dae
                        ({"model": "rerank", "query": "a", "documents": ["b"], "rank": 1},
                         "unsupported fields")):
         code, body = post(lm_daemon.http, "/v1/rerank", doc)
+        assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
+
+
+def test_score_pairs_texts_as_vllm_does_on_a_cross_encoder_and_an_embedding_model(  # noqa: ANN001
+        lm_daemon, lm_served) -> None:
+    """vLLM's /score: text_1 with each of text_2 (or one to one), a cross-encoder's sigmoid
+    of its logit, an embedding model's cosine of the two texts' embeddings (rerank too);
+    texts that do not pair refused."""
+    from tokenizers import Tokenizer
+
+    all_ready(lm_daemon.target, ("rerank", "embed"))
+    model = lm_served["hf"]["rerank"]
+    tokenizer = Tokenizer.from_str(
+        (lm_served["root"] / "rerank" / "tokenizer.json").read_text())
+    firsts, seconds = ["is it cold?", "is it hot?"], ["Oslo is cold", "Cairo is hot"]
+
+    def cross(a: str, b: str) -> float:
+        pair = tokenizer.encode(a, b)
+        with torch.no_grad():
+            return torch.sigmoid(model(input_ids=torch.tensor([pair.ids]),
+                                       token_type_ids=torch.tensor([pair.type_ids])
+                                       ).logits[0, 0]).item()
+
+    for given, pairs in (({"text_1": firsts[0], "text_2": seconds}, [(0, 0), (0, 1)]),
+                         ({"text_1": firsts, "text_2": seconds}, [(0, 0), (1, 1)]),
+                         ({"text_1": firsts[1], "text_2": seconds[0]}, [(1, 0)])):
+        code, body = post(lm_daemon.http, "/score", {"model": "rerank", **given})
+        said = json.loads(body)
+        assert code == 200 and [d["index"] for d in said["data"]] == list(range(len(pairs)))
+        for d, (i, j) in zip(said["data"], pairs, strict=True):
+            assert abs(d["score"] - cross(firsts[i], seconds[j])) < 1e-5, (given, said)
+    bert = lm_served["hf"]["embed"]
+    code, body = post(lm_daemon.http, "/v1/score", {"model": "embed", "text_1": firsts[0],
+                                                    "text_2": seconds})
+    cosines = [float(eager_cls(bert, firsts[0]) @ eager_cls(bert, s)) for s in seconds]
+    assert code == 200 and np.allclose([d["score"] for d in json.loads(body)["data"]],
+                                       cosines, atol=1e-5), (body, cosines)
+    code, body = post(lm_daemon.http, "/rerank", {"model": "embed", "query": firsts[0],
+                                                  "documents": seconds})
+    assert code == 200 and np.allclose(
+        [r["relevance_score"] for r in sorted(json.loads(body)["results"],
+                                              key=lambda r: r["index"])], cosines, atol=1e-5)
+    for doc, words in (({"text_1": firsts, "text_2": seconds + ["x"]}, "one with many"),
+                       ({"text_1": [], "text_2": "a"}, "text_1 must"),
+                       ({"text_1": "a", "text_2": ["b", 3]}, "text_2 must")):
+        code, body = post(lm_daemon.http, "/score", {"model": "rerank", **doc})
         assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
