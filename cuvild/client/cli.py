@@ -17,6 +17,7 @@ from typing import Any
 from cuvild.client import Client, LoadFailed, default_target
 from cuvild.client.cli_generate import add_generate
 from cuvild.client.errors import CuvildError
+from cuvild.client.export_encoder import add_export_encoder
 from cuvild.client.export_lm import add_export_lm
 from partitioner.phases import GENERATED, PROMPT
 
@@ -563,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - argparse: a st
     infer.set_defaults(func=cmd_infer)
     add_generate(sub)
     add_export_lm(sub)
+    add_export_encoder(sub)
     return parser
 
 

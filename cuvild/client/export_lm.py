@@ -41,13 +41,9 @@ def export_lm(source: str, repository: Path, name: str, version: str = "1",
     """Export `source` (a Hub id or a local folder, as from_pretrained takes) into
     repository/name; what was written. `options`: the entry's load options (config.yaml:
     precision, max_error), written where given. ValueError naming what is wrong."""
-    for label, value in (("name", name), ("version", version)):
-        if not NAME_RE.fullmatch(value):
-            raise ValueError(f"{label} {value!r}: 1-128 of A-Z a-z 0-9 _ . -")
     entry = repository / name
     archive = entry / version / "model.pt2"
-    if archive.exists() and not force:
-        raise ValueError(f"{archive} exists (--force replaces it)")
+    checked_name(name, version, archive, force)
     t0 = time.monotonic()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -87,9 +83,23 @@ def _write(exported: Any, archive: Path, generation: Any, tokenizer: Any,
            options: dict[str, Any], say: Any) -> list[Path]:
     """The archive (under a temporary name, then renamed), the generation config, the load
     options and the tokenizer's files, in the entry; their paths."""
+    entry = archive.parent.parent
+    written = save(exported, archive, options)
+    generation.save_pretrained(entry)
+    written.append(entry / "generation_config.json")
+    if tokenizer is not None:
+        written += [Path(p) for p in tokenizer.save_pretrained(entry) if Path(p).exists()]
+        if not (entry / "tokenizer.json").exists():
+            say("its tokenizer has no tokenizer.json (a slow one): prompts go as token ids")
+    return written
+
+
+def save(exported: Any, archive: Path, options: dict[str, Any]) -> list[Path]:
+    """The archive written under a temporary name and renamed (a daemon reading the
+    repository never sees half of it), and the entry's load options (config.yaml) where
+    given; their paths."""
     import torch
 
-    entry = archive.parent.parent
     archive.parent.mkdir(parents=True, exist_ok=True)
     partial = archive.with_name(f".partial-{os.getpid()}-{archive.name}")  # (torch: .pt2)
     try:
@@ -98,18 +108,23 @@ def _write(exported: Any, archive: Path, generation: Any, tokenizer: Any,
     finally:
         partial.unlink(missing_ok=True)
     written = [archive]
-    generation.save_pretrained(entry)
-    written.append(entry / "generation_config.json")
     if options:
         import yaml
 
+        entry = archive.parent.parent
         (entry / CONFIG).write_text(yaml.safe_dump(options))
         written.append(entry / CONFIG)
-    if tokenizer is not None:
-        written += [Path(p) for p in tokenizer.save_pretrained(entry) if Path(p).exists()]
-        if not (entry / "tokenizer.json").exists():
-            say("its tokenizer has no tokenizer.json (a slow one): prompts go as token ids")
     return written
+
+
+def checked_name(name: str, version: str, archive: Path, force: bool) -> None:
+    """ValueError where the entry's name or version is not one the repository takes, or its
+    archive exists and `force` does not replace it."""
+    for label, value in (("name", name), ("version", version)):
+        if not NAME_RE.fullmatch(value):
+            raise ValueError(f"{label} {value!r}: 1-128 of A-Z a-z 0-9 _ . -")
+    if archive.exists() and not force:
+        raise ValueError(f"{archive} exists (--force replaces it)")
 
 
 def _export(model: Any, context: int) -> Any:
@@ -141,17 +156,46 @@ def _check(model: Any, exported: Any, tokenizer: Any, most: int) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-def cmd_export_lm(_client: Any, args: argparse.Namespace) -> int:
+def teller(as_json: bool) -> Any:
+    """How an export says its phases: a line each, or with --json a JSON line on stderr."""
     def say(phase: str) -> None:
-        if args.json:
+        if as_json:
             print(json.dumps({"phase": phase}), file=sys.stderr, flush=True)
         else:
             print(phase, flush=True)
+    return say
 
-    source = args.source
+
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The entry's load options the command was given (its config.yaml)."""
+    return {k: v for k, v in (("precision", args.precision), ("max_error", args.max_error))
+            if v is not None}
+
+
+def add_entry_arguments(export: Any) -> None:
+    """The arguments every export-* command takes: where the entry goes, its load options,
+    --force and --json."""
+    export.add_argument("source", help="a Hub model id or a local folder (from_pretrained's)")
+    export.add_argument("--repository", required=True, metavar="DIR",
+                        help="the model repository (the daemon's model_repository)")
+    export.add_argument("--name", default=None,
+                        help="the entry's name (default: the source's last path part)")
+    export.add_argument("--version", default="1", help="the version folder (default 1)")
+    export.add_argument("--precision", choices=("fp32", "auto"), default=None,
+                        help="the entry's load option (its config.yaml): auto, the fastest "
+                             "plan within --max-error of torch eager (default: the daemon's "
+                             "engine.precision)")
+    export.add_argument("--max-error", type=float, default=None, metavar="E",
+                        help="auto's budget (default: the daemon's engine.max_error)")
+    export.add_argument("--force", action="store_true", help="replace an archive there")
+    export.add_argument("--json", action="store_true", help="machine-readable output: the "
+                        "result on stdout, each phase a JSON line on stderr")
+
+
+def cmd_export_lm(_client: Any, args: argparse.Namespace) -> int:
+    say, source = teller(args.json), args.source
     name = args.name or Path(source.rstrip("/")).name
-    options = {k: v for k, v in (("precision", args.precision),
-                                 ("max_error", args.max_error)) if v is not None}
+    options = load_options(args)
     try:
         done = export_lm(source, Path(args.repository), name, args.version, args.context,
                          args.force, say, options)
@@ -174,23 +218,9 @@ def cmd_export_lm(_client: Any, args: argparse.Namespace) -> int:
 def add_export_lm(sub: Any) -> None:
     export = sub.add_parser("export-lm", help="make a Hugging Face causal language model a "
                                               "model repository entry (docs/GENERATION.md)")
-    export.add_argument("source", help="a Hub model id or a local folder (from_pretrained's)")
-    export.add_argument("--repository", required=True, metavar="DIR",
-                        help="the model repository (the daemon's model_repository)")
-    export.add_argument("--name", default=None,
-                        help="the entry's name (default: the source's last path part)")
-    export.add_argument("--version", default="1", help="the version folder (default 1)")
+    add_entry_arguments(export)
     export.add_argument("--context", type=int, default=None, metavar="N",
                         help=f"positions its cache holds: prompt and answer together "
                              f"(default: {DEFAULT_CONTEXT}, or the model's "
                              "max_position_embeddings where less)")
-    export.add_argument("--precision", choices=("fp32", "auto"), default=None,
-                        help="the entry's load option (its config.yaml): auto, the fastest "
-                             "plan within --max-error of torch eager (default: the daemon's "
-                             "engine.precision)")
-    export.add_argument("--max-error", type=float, default=None, metavar="E",
-                        help="auto's budget (default: the daemon's engine.max_error)")
-    export.add_argument("--force", action="store_true", help="replace an archive there")
-    export.add_argument("--json", action="store_true", help="machine-readable output: the "
-                        "result on stdout, each phase a JSON line on stderr")
     export.set_defaults(func=cmd_export_lm)

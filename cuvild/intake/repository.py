@@ -4,6 +4,9 @@ initializer fills under /mnt/models before the server starts.
     DIR/<name>/config.yaml          optional: the load options of every version of <name>
     DIR/<name>/<version>/model.pt2  a torch.export archive (cuvild.export + torch.export.save)
 
+A version is a folder of <name> named by a number, or any folder holding a model.pt2; other
+folders are the model's own (sentence-transformers' 1_Pooling/, a Hub repository's onnx/).
+
 config.yaml holds the options an upload's header carries (`cuvilctl load` flags): precision
 (fp32 | auto), max_error, calibration (an .npz next to config.yaml), max_batch, max_delay_us.
 An entry is registered as an upload of those bytes would be (the same safe inspection, the
@@ -102,8 +105,12 @@ def _model(model_dir: Path, top: Path, max_bytes: int) -> list[Entry]:
         options, calibration = _options(model_dir, top)
     except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:
         return [Entry(name, "", error=_clip(f"{CONFIG}: {' '.join(str(e).split())}", 500))]
+    # (a folder that is not a version number and holds no archive is the model's own:
+    # sentence-transformers' 1_Pooling/, a Hub repository's onnx/ or openvino/)
     versions = sorted((p for p in model_dir.iterdir() if p.is_dir()
-                       and not p.name.startswith(".")), key=_version_order)
+                       and not p.name.startswith(".") and (
+                           _VERSION_NUMBER.fullmatch(p.name) or (p / ARCHIVE).exists())),
+                      key=_version_order)
     if not versions:
         return [Entry(name, "", error=f"no version directory (expected {name}/1/{ARCHIVE})")]
     entries = []

@@ -57,12 +57,15 @@ def test_scan_reads_triton_layout_and_names_each_bad_entry(tmp_path):
         "calib/config.yaml": "calibration: ../elsewhere.npz\n", "calib/1/model.pt2": b"x",
         "bad name/1/model.pt2": b"x",
         "empty/.keep": "",
+        "embed/1/model.pt2": b"x", "embed/1_Pooling/config.json": "{}",  # (not versions)
+        "embed/onnx/model.onnx": b"x", "embed/named/model.pt2": b"x",
         ".hidden/1/model.pt2": b"x",
         "stray-file.txt": "ignored",
     })
     found = {e.key: e for e in repository.scan(root)}
-    assert list(found) == ["bad name", "bert:1", "bert:2", "calib", "empty", "resnet:1",
-                           "resnet:2", "resnet:10", "typo", "wrongtype"]
+    assert list(found) == ["bad name", "bert:1", "bert:2", "calib", "embed:1", "embed:named",
+                           "empty", "resnet:1", "resnet:2", "resnet:10", "typo", "wrongtype"]
+    assert not found["embed:1"].error and not found["embed:named"].error
     assert [e.version for e in repository.scan(root) if e.name == "resnet"] == ["1", "2", "10"]
     assert found["resnet:1"].options == {"precision": "auto", "max_error": 0.005,
                                          "max_batch": 4}
