@@ -21,14 +21,18 @@ not in the daemon; a daemon serving the repository loads the entry at its next r
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from cuvild.client.export_lm import add_entry_arguments, checked_name, load_options, save, teller
+from cuvild.client.export_lm import (
+    add_entry_arguments,
+    checked_name,
+    load_options,
+    run_export,
+    save,
+)
 
 # sentence-transformers' files the daemon reads (pooling, normalization), and its own config
 ST_FILES = ("modules.json", "1_Pooling/config.json", "config_sentence_transformers.json")
@@ -148,27 +152,10 @@ def _sentence_transformers(source: str, entry: Path) -> list[Path]:
 
 
 def cmd_export_encoder(_client: Any, args: argparse.Namespace) -> int:
-    say = teller(args.json)
-    name = args.name or Path(args.source.rstrip("/")).name
-    try:
-        done = export_encoder(args.source, Path(args.repository), name, args.version,
-                              args.max_length, args.max_batch, args.force, say,
-                              load_options(args))
-    except ImportError as e:
-        print(f"cuvilctl: export-encoder needs transformers where it runs ({e})",
-              file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:
-        print(f"cuvilctl: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(done))
-    else:
-        print(f"wrote {done['archive']} ({done['kind']}, {done['bytes'] / 1e6:.1f} MB, up to "
-              f"{done['max_length']} tokens) and {len(done['files']) - 1} file(s) beside it "
-              f"in {done['seconds']} s; a daemon serving {args.repository} loads it at its "
-              "next read of it (cuvilctl reload)")
-    return 0
+    return run_export(args, "export-encoder", lambda name, say: export_encoder(
+        args.source, Path(args.repository), name, args.version, args.max_length,
+        args.max_batch, args.force, say, load_options(args)),
+        lambda done: f"{done['kind']}, up to {done['max_length']} tokens")
 
 
 def add_export_encoder(sub: Any) -> None:

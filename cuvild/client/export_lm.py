@@ -193,14 +193,19 @@ def add_entry_arguments(export: Any) -> None:
 
 
 def cmd_export_lm(_client: Any, args: argparse.Namespace) -> int:
-    say, source = teller(args.json), args.source
-    name = args.name or Path(source.rstrip("/")).name
-    options = load_options(args)
+    return run_export(args, "export-lm", lambda name, say: export_lm(
+        args.source, Path(args.repository), name, args.version, args.context, args.force, say,
+        load_options(args)), lambda done: f"context {done['context']}")
+
+
+def run_export(args: argparse.Namespace, command: str, export: Any, detail: Any) -> int:
+    """An export-* command: `export(name, say)` run, its errors a line on stderr, its result
+    JSON (--json) or a line saying what was written (`detail(result)` in it)."""
+    say = teller(args.json)
     try:
-        done = export_lm(source, Path(args.repository), name, args.version, args.context,
-                         args.force, say, options)
+        done = export(args.name or Path(args.source.rstrip("/")).name, say)
     except ImportError as e:
-        print(f"cuvilctl: export-lm needs transformers where it runs ({e})", file=sys.stderr)
+        print(f"cuvilctl: {command} needs transformers where it runs ({e})", file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:
         print(f"cuvilctl: {e}", file=sys.stderr)
@@ -208,10 +213,9 @@ def cmd_export_lm(_client: Any, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(done))
     else:
-        print(f"wrote {done['archive']} ({done['bytes'] / 1e6:.1f} MB, context "
-              f"{done['context']}) and {len(done['files']) - 1} file(s) beside it in "
-              f"{done['seconds']} s; a daemon serving {args.repository} loads it at its next "
-              "read of it (cuvilctl reload)")
+        print(f"wrote {done['archive']} ({done['bytes'] / 1e6:.1f} MB, {detail(done)}) and "
+              f"{len(done['files']) - 1} file(s) beside it in {done['seconds']} s; a daemon "
+              f"serving {args.repository} loads it at its next read of it (cuvilctl reload)")
     return 0
 
 
