@@ -15,8 +15,8 @@
                                                       template (cuvild/serve/chat.py)
   GET  /v1/models, /v1/models/{model}                 OpenAI's model list: those that
                                                       generate or embed, with their context
-  POST /v1/embeddings, /rerank (/v1, /v2), /score     an encoder's: cuvild/serve/embeddings.py,
-                                                      cuvild/serve/rerank.py
+  POST /v1/embeddings, /v1/rerank, /v1/score          an encoder's: cuvild/serve/embeddings.py,
+       (/rerank, /v2/rerank, /score too)              cuvild/serve/rerank.py
   /openai/v1/...                                      the same, where KServe's model server
                                                       has them
 
@@ -55,7 +55,7 @@ from cuvild.serve import tools as tools_mod
 from cuvild.serve.chat import options_of as chat_options_of
 from cuvild.serve.detokenize import continued
 from cuvild.serve.errors import STATUS, Refused, status
-from cuvild.serve.generation import OPTIONS, Generation, generates, share
+from cuvild.serve.generation import OPTIONS, Generation, share
 from cuvild.serve.tool_stream import ToolStream
 
 # `server` below is the RestServer (cuvild/serve/rest.py) that registered the routes: its
@@ -83,6 +83,8 @@ def register(app: web.Application, server: RestServer) -> None:
         app.router.add_get(base + "/models/{model}", lambda r: openai_models(server, r))
         app.router.add_post(base + "/embeddings",
                             lambda r: _answered(server, r, embeddings.embed))
+        app.router.add_post(base + "/rerank", lambda r: _answered(server, r, rerank.rerank))
+        app.router.add_post(base + "/score", lambda r: _answered(server, r, rerank.score))
     answers = [*zip(tokenize_http.ROUTES, (tokenize_http.tokenize, tokenize_http.detokenize),
                     strict=True), *((path, rerank.rerank) for path in rerank.ROUTES),
                *((path, rerank.score) for path in rerank.SCORE_ROUTES)]
@@ -112,27 +114,8 @@ def error_object(status: int, message: str) -> dict[str, Any]:
 
 
 async def openai_models(server: RestServer, request: web.Request) -> web.Response:
-    """OpenAI's model list (GET /v1/models), or one model (GET /v1/models/{model}): the
-    served models that generate or embed (`name`, and `name:version` for each version), each
-    with the most tokens it takes (a context) as vLLM's `max_model_len`. Another model is
-    not found."""
-    listed = {}
-    for served in sorted(server.generator.models.all(), key=lambda m: m.record.created_at):
-        if served.state != "READY" or served.loaded is None:
-            continue
-        most = (served.loaded.state.context if generates(served.loaded)
-                else embeddings.embeds(server.generator, served))
-        if most:
-            one = {"object": "model", "created": int(served.record.created_at),
-                   "owned_by": "cuvild", "max_model_len": most}
-            listed[served.record.name] = {"id": served.record.name, **one}  # (the newest)
-            listed[served.key] = {"id": served.key, **one}
-    wanted = request.match_info.get("model")
-    if wanted is None:
-        return _json({"object": "list", "data": list(listed.values())})
-    if wanted not in listed:
-        raise Refused("not_found", f"no model {wanted!r} that generates or embeds is served")
-    return _json(listed[wanted])
+    """OpenAI's model list, or one model (cuvild/serve/tokenize_http.py `models_listed`)."""
+    return _json(tokenize_http.models_listed(server.generator, request.match_info.get("model")))
 
 
 def refused(e: Exception) -> Refused:

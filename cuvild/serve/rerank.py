@@ -38,8 +38,9 @@ from cuvild.serve.errors import Refused, find
 from cuvild.serve.generation import Generator
 from cuvild.serve.openai_request import named
 
-ROUTES = ("/rerank", "/v1/rerank", "/v2/rerank")
-SCORE_ROUTES = ("/score", "/v1/score")
+# (and under OpenAI's prefixes, /v1 and KServe's /openai/v1: cuvild/serve/generate_http.py)
+ROUTES = ("/rerank", "/v2/rerank")
+SCORE_ROUTES = ("/score",)
 FIELDS = {"model", "query", "documents", "top_n", "return_documents", "user"}
 SCORE_FIELDS = {"model", "text_1", "text_2", "user"}
 MAX_PAIRS = 1000  # Cohere's bound on a request's documents

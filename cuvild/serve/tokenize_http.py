@@ -54,12 +54,39 @@ def tokenize(generator: Generator, doc: Any) -> dict[str, Any]:
         text = template.render(chat.messages_of(messages), asked and asked.tools,
                                **chat.options_of(doc))
     encoded = tokenizer.encode(text, add_special_tokens=special)
-    longest = (served.loaded.state.context if generates(served.loaded)
-               else embeddings.bounds(generator, served)[1])
-    return {"count": len(encoded.ids), "max_model_len": longest,
+    return {"count": len(encoded.ids), "max_model_len": max_model_len(generator, served),
             "tokens": list(encoded.ids),
             "token_strs": list(encoded.tokens) if _flag(doc, "return_token_strs", False)
             else None}
+
+
+def max_model_len(generator: Generator, served: Any) -> int | None:
+    """The most tokens a served model takes (vLLM's max_model_len): a language model's
+    context, an encoder's bound (cuvild/serve/embeddings.py); None for any other model."""
+    if generates(served.loaded):
+        return served.loaded.state.context
+    return embeddings.embeds(generator, served)
+
+
+def models_listed(generator: Generator, wanted: str | None) -> dict[str, Any]:
+    """OpenAI's model list (GET /v1/models), or model `wanted` of it (GET
+    /v1/models/{model}): the served models that generate or embed (`name`, and
+    `name:version` for each version), each with its `max_model_len`. Another model is not
+    found."""
+    listed = {}
+    for served in sorted(generator.models.all(), key=lambda m: m.record.created_at):
+        most = (max_model_len(generator, served)
+                if served.state == "READY" and served.loaded is not None else None)
+        if most:
+            one = {"object": "model", "created": int(served.record.created_at),
+                   "owned_by": "cuvild", "max_model_len": most}
+            listed[served.record.name] = {"id": served.record.name, **one}  # (the newest)
+            listed[served.key] = {"id": served.key, **one}
+    if wanted is None:
+        return {"object": "list", "data": list(listed.values())}
+    if wanted not in listed:
+        raise Refused("not_found", f"no model {wanted!r} that generates or embeds is served")
+    return listed[wanted]
 
 
 def detokenize(generator: Generator, doc: Any) -> dict[str, Any]:

@@ -224,7 +224,8 @@ def test_score_pairs_texts_as_vllm_does_on_a_cross_encoder_and_an_embedding_mode
         for d, (i, j) in zip(said["data"], pairs, strict=True):
             assert abs(d["score"] - cross(firsts[i], seconds[j])) < 1e-5, (given, said)
     bert = lm_served["hf"]["embed"]
-    code, body = post(lm_daemon.http, "/v1/score", {"model": "embed", "text_1": firsts[0],
+    code, body = post(lm_daemon.http, "/openai/v1/score", {"model": "embed",  # (KServe's)
+                                                           "text_1": firsts[0],
                                                     "text_2": seconds})
     cosines = [float(eager_cls(bert, firsts[0]) @ eager_cls(bert, s)) for s in seconds]
     assert code == 200 and np.allclose([d["score"] for d in json.loads(body)["data"]],

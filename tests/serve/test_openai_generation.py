@@ -92,9 +92,9 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(lm_daemon, lm_s
 
     client = openai.OpenAI(base_url=f"http://{lm_daemon.http}/v1", api_key="unused",
                            max_retries=0, timeout=120)
-    def lms(models: Any) -> dict[str, int]:  # (the encoder, listed once READY: test_embeddings)
+    def lms(models: Any) -> dict[str, int]:  # (the encoders, listed once READY: test_embeddings)
         return {m.id: m.model_extra["max_model_len"] for m in models
-                if not m.id.startswith("embed")}
+                if m.id.partition(":")[0] not in ("embed", "rerank")}
 
     listed = lms(client.models.list())
     assert listed == {**{n: lm_models.CONTEXT for n in ("chunked", "chunked:1", "gpt2",
