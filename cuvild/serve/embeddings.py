@@ -16,7 +16,9 @@ sentence-transformers does). Pooled as
 the entry's sentence-transformers files say (`1_Pooling/config.json`: the mean of the
 attended tokens, the first (CLS) or the last; `modules.json`: a `Normalize` module, unit
 length), and without them the mean of the attended tokens, normalized. An input longer than
-the model takes (its export's bound, engine.max_dim) is refused naming it. `dimensions` (a
+the model takes (its export's bound, engine.max_dim) is refused naming it, unless vLLM's
+`truncate_prompt_tokens` asks it cut (-1: to that bound; k: to k tokens; its end cut before the
+special tokens are added, as transformers' tokenizers truncate). `dimensions` (a
 shorter vector) as vLLM takes it: only for a Matryoshka model (the entry's `config.json` says
 `is_matryoshka` or lists `matryoshka_dimensions`: one of them, else 1 to its size), the
 pooled vector cut to it before it is normalized; any other model refuses it. Concurrent
@@ -40,7 +42,7 @@ from cuvild.serve.errors import Refused, find, status
 from cuvild.serve.generation import Generator
 from cuvild.serve.openai_request import named
 
-FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}
+FIELDS = {"model", "input", "encoding_format", "user", "dimensions", "truncate_prompt_tokens"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 MAX_INPUTS = 2048  # OpenAI's bound on a request's inputs
 POOLING_FILE = "1_Pooling/config.json"
@@ -86,7 +88,9 @@ def _embedded(generator: Generator, served: Any,
     inputs_of(served)  # (a model that is not an encoder is refused first, naming why)
     size = _dimensions(generator, served, doc.get("dimensions"))
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
-    found, used = vectors(generator, served, _token_ids(doc.get("input"), tokenizer), size)
+    most = truncation(generator, served, doc)
+    found, used = vectors(generator, served, _token_ids(doc.get("input"), tokenizer, most),
+                          size)
     return [{"object": "embedding", "index": i, "embedding": (
         v.tolist() if form == "float" else base64.b64encode(v.tobytes()).decode())}
         for i, v in enumerate(found)], used
@@ -164,8 +168,53 @@ def inputs_of(served: Any, verb: str = "embed") -> tuple[list[str], int | None]:
     return names, (shape[1] if shape[1] > 0 else None)
 
 
-def _token_ids(given: Any, tokenizer: Any) -> list[list[int]]:
-    """The request's inputs as token id lists (texts tokenized, special tokens added)."""
+def truncation(generator: Generator, served: Any, doc: dict[str, Any]) -> int | None:
+    """The most tokens a request's `truncate_prompt_tokens` (vLLM's) cuts each input to: -1
+    the most the model takes, k at most k; None where not given (an input over the model's
+    bound is refused)."""
+    asked = doc.get("truncate_prompt_tokens")
+    if asked is None:
+        return None
+    high = bounds(generator, served)[1]
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked == 0 or asked < -1:
+        raise BadInput(f"truncate_prompt_tokens must be -1 (the model's {high}) or a "
+                       f"positive integer, got {asked!r}")
+    if asked > high:
+        raise BadInput(f"truncate_prompt_tokens {asked} is over the {high} tokens the model "
+                       "takes")
+    return high if asked == -1 else asked
+
+
+def encoded(tokenizer: Any, text: str, pair: str | None = None, most: int | None = None) -> Any:
+    """`text` (and `pair`) tokenized as the model takes it, special tokens added; with
+    `most`, cut to at most `most` tokens as transformers' tokenizers truncate (the end of the
+    longer of a pair first), before the special tokens are added."""
+    if most is None:
+        return tokenizer.encode(text, pair)
+    first = tokenizer.encode(text, add_special_tokens=False)
+    second = tokenizer.encode(pair, add_special_tokens=False) if pair is not None else None
+    room = most - tokenizer.num_special_tokens_to_add(pair is not None)
+    if room < 1 + (pair is not None):
+        raise BadInput(f"truncate_prompt_tokens {most} leaves no room for the text beside "
+                       "the special tokens")
+    if second is None:
+        first.truncate(room)
+    elif len(first.ids) + len(second.ids) > room:
+        # (the tokenizers library's longest_first, which transformers' fast tokenizers run:
+        # the shorter kept whole where it leaves the longer as much, else both halved)
+        short, long_ = sorted((len(first.ids), len(second.ids)))
+        long_ = min(long_, short if short > room else max(short, room - short))
+        if short + long_ > room:
+            short, long_ = room // 2, room // 2 + room % 2
+        a, b = (short, long_) if len(first.ids) <= len(second.ids) else (long_, short)
+        first.truncate(a)
+        second.truncate(b)
+    return tokenizer.post_process(first, second, True)
+
+
+def _token_ids(given: Any, tokenizer: Any, most: int | None = None) -> list[list[int]]:
+    """The request's inputs as token id lists (texts tokenized, special tokens added; cut to
+    `most` where given, token ids too)."""
     if isinstance(given, str) or (isinstance(given, list) and given
                                   and all(isinstance(t, int) for t in given)):
         given = [given]
@@ -178,11 +227,11 @@ def _token_ids(given: Any, tokenizer: Any) -> list[list[int]]:
             if tokenizer is None:
                 raise BadInput("the model has no tokenizer (tokenizer.json in its model "
                                "repository entry): send token ids")
-            one = tokenizer.encode(one).ids
+            one = encoded(tokenizer, one, most=most).ids
         if (not isinstance(one, list) or not one
                 or not all(isinstance(t, int) and not isinstance(t, bool) for t in one)):
             raise BadInput("each input must be a non-empty text or list of token ids")
-        out.append(list(one))
+        out.append(list(one)[:most])
     return out
 
 
@@ -251,7 +300,8 @@ def _width(generator: Generator, served: Any, names: list[str], n: int,
     lengths share a few built buckets (the padding masked, and left out of the pooling)."""
     low, high = bounds(generator, served, names, length)
     if n > high:
-        raise BadInput(f"{n} tokens, over the {high} the model takes")
+        raise BadInput(f"{n} tokens, over the {high} the model takes (truncate_prompt_tokens: "
+                       "-1 cuts each input to them)")
     return length or min(high, max(low, 8, 1 << (n - 1).bit_length()))
 
 

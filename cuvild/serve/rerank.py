@@ -19,8 +19,9 @@ pair by the cosine of its two texts' embeddings (as vLLM scores with one). Eithe
 one padded length, concurrent requests merged by the batcher). Rerank's results go most
 relevant first, `top_n` of them (all by default), each with its document unless
 `return_documents` is false; score's pair `text_1` with `text_2` as vLLM does (one with
-many, or one to one). A request counts in the model's metrics as an inference request, its
-pairs its batch.
+many, or one to one). `truncate_prompt_tokens` cuts each input as /v1/embeddings does (a
+pair's longer text first). A request counts in the model's metrics as an inference request,
+its pairs its batch.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from cuvild.serve.openai_request import named
 # (and under OpenAI's prefixes, /v1 and KServe's /openai/v1: cuvild/serve/generate_http.py)
 ROUTES = ("/rerank", "/v2/rerank")
 SCORE_ROUTES = ("/score",)
-FIELDS = {"model", "query", "documents", "top_n", "return_documents", "user"}
-SCORE_FIELDS = {"model", "text_1", "text_2", "user"}
+FIELDS = {"model", "query", "documents", "top_n", "return_documents", "user",
+          "truncate_prompt_tokens"}
+SCORE_FIELDS = {"model", "text_1", "text_2", "user", "truncate_prompt_tokens"}
 MAX_PAIRS = 1000  # Cohere's bound on a request's documents
 
 
@@ -51,8 +53,9 @@ def rerank(generator: Generator, doc: Any) -> dict[str, Any]:
     name, version = named(doc, FIELDS)
     served = find(generator.models, name, version)
     query, documents, top_n = _asked(doc)
-    scores, used = embeddings.counted(
-        generator, served, lambda: scored(generator, served, [(query, d) for d in documents]))
+    most = embeddings.truncation(generator, served, doc)
+    scores, used = embeddings.counted(generator, served, lambda: scored(
+        generator, served, [(query, d) for d in documents], most))
     results = sorted(({"index": i, "relevance_score": s} for i, s in enumerate(scores)),
                      key=lambda r: -r["relevance_score"])
     if doc.get("return_documents", True) is not False:
@@ -72,9 +75,9 @@ def score(generator: Generator, doc: Any) -> dict[str, Any]:
     if len(first) != len(second) or len(second) > MAX_PAIRS:
         raise BadInput(f"text_1 ({len(first)} texts) pairs with text_2 ({len(second)}) as one "
                        f"with many, or one to one, up to {MAX_PAIRS} pairs")
-    scores, used = embeddings.counted(
-        generator, served, lambda: scored(generator, served, list(zip(first, second,
-                                                                     strict=True))))
+    most = embeddings.truncation(generator, served, doc)
+    scores, used = embeddings.counted(generator, served, lambda: scored(
+        generator, served, list(zip(first, second, strict=True)), most))
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": doc["model"],
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -112,10 +115,11 @@ def _asked(doc: dict[str, Any]) -> tuple[str, list[str], int]:
     return query, documents, top_n
 
 
-def scored(generator: Generator, served: Any,
-           pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
+def scored(generator: Generator, served: Any, pairs: list[tuple[str, str]],
+           most: int | None = None) -> tuple[list[float], int]:
     """Each pair's score (a cross-encoder's sigmoid of its logit, an embedding model's
-    cosine of the two texts' embeddings), and the tokens they took."""
+    cosine of the two texts' embeddings), and the tokens they took; each input cut to
+    `most` tokens where given (truncate_prompt_tokens)."""
     names, length = embeddings.inputs_of(served, "rerank")
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
     if tokenizer is None:
@@ -124,7 +128,8 @@ def scored(generator: Generator, served: Any,
     if any(len(s["shape"]) == 3 for s in served.record.outputs):  # an embedding model
         texts = sorted({t for pair in pairs for t in pair})
         found, used = embeddings.vectors(generator, served,
-                                         [tokenizer.encode(t).ids for t in texts])
+                                         [embeddings.encoded(tokenizer, t, most=most).ids
+                                          for t in texts])
         by_text = {t: v / max(float(np.linalg.norm(v)), 1e-12) for t, v in
                    zip(texts, found, strict=True)}
         return [float(by_text[a] @ by_text[b]) for a, b in pairs], used
@@ -133,7 +138,7 @@ def scored(generator: Generator, served: Any,
     if labels != 1:
         raise Refused("invalid", f"model {served.key} does not rerank: its logits have "
                       f"{labels} labels, a cross-encoder's one")
-    encoded = [tokenizer.encode(a, b) for a, b in pairs]
+    encoded = [embeddings.encoded(tokenizer, a, b, most) for a, b in pairs]
     outputs = embeddings.rows(generator, served, names,
                               [(e.ids, e.type_ids) for e in encoded], length)
     return ([_sigmoid(float(o[logits][0])) for o in outputs],

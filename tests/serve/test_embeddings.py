@@ -67,7 +67,7 @@ def test_an_encoder_embeds_texts_as_sentence_transformers_would(lm_daemon, lm_se
             "cuvil_inference_request_success_total") and 'model="embed"' in line]
     assert counted and float(counted[0].rpartition(" ")[2]) >= 2, counted
     for doc, words in (({"model": "llama", "input": "a"}, "does not embed"),
-                       ({"model": "embed", "input": "x" * 80}, "80"),
+                       ({"model": "embed", "input": "x" * 80}, "80 tokens, over the 63"),
                        ({"model": "embed", "input": []}, "a list of up to"),
                        ({"model": "embed", "input": "a", "dimensions": 8},
                         "does not support Matryoshka"),
@@ -239,4 +239,40 @@ def test_score_pairs_texts_as_vllm_does_on_a_cross_encoder_and_an_embedding_mode
                        ({"text_1": [], "text_2": "a"}, "text_1 must"),
                        ({"text_1": "a", "text_2": ["b", 3]}, "text_2 must")):
         code, body = post(lm_daemon.http, "/score", {"model": "rerank", **doc})
+        assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
+
+
+def test_truncate_prompt_tokens_cuts_inputs_as_transformers_tokenizers_do(lm_daemon,  # noqa: ANN001
+                                                                          lm_served) -> None:
+    """vLLM's truncate_prompt_tokens: a text (or a pair, its longer text first) cut before
+    its special tokens are added, as transformers' tokenizer cuts it with truncation=True;
+    -1 to the most the model takes; without it an input too long is refused."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    all_ready(lm_daemon.target, ("rerank", "embed"))
+    bert, model = lm_served["hf"]["embed"], lm_served["hf"]["rerank"]
+    for text, most, cut in (("The weather in Oslo", 10, "The weathe"), ("x" * 80, -1, "x" * 63)):
+        code, body = post(lm_daemon.http, "/v1/embeddings", {
+            "model": "embed", "input": text, "truncate_prompt_tokens": most,
+            "encoding_format": "float"})
+        assert code == 200 and np.allclose(json.loads(body)["data"][0]["embedding"],
+                                           eager_cls(bert, cut), atol=1e-5), body
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(
+        (lm_served["root"] / "rerank" / "tokenizer.json").read_text()))
+    query, document = "where is it cold?", "Oslo is cold in winter, very cold"
+    pair = hf(query, document, truncation=True, max_length=12, return_tensors="pt",
+              return_token_type_ids=True)
+    with torch.no_grad():
+        want = torch.sigmoid(model(**pair).logits[0, 0]).item()
+    code, body = post(lm_daemon.http, "/score", {"model": "rerank", "text_1": query,
+                                                 "text_2": document,
+                                                 "truncate_prompt_tokens": 12})
+    said = json.loads(body)
+    assert code == 200 and abs(said["data"][0]["score"] - want) < 1e-5, (said, want)
+    assert said["usage"]["total_tokens"] == 12
+    for doc, words in (({"input": "x" * 80}, "truncate_prompt_tokens: -1 cuts"),
+                       ({"input": "a", "truncate_prompt_tokens": 64}, "over the 63"),
+                       ({"input": "a", "truncate_prompt_tokens": 0}, "must be -1")):
+        code, body = post(lm_daemon.http, "/v1/embeddings", {"model": "embed", **doc})
         assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
