@@ -1,14 +1,15 @@
 """`cuvilctl export-encoder`: a Hugging Face encoder made a model repository entry the daemon
-embeds, reranks or scores with (`/v1/embeddings`, `/rerank`, `/score`: docs/GENERATION.md),
-in one command:
+embeds, reranks, scores or classifies with (`/v1/embeddings`, `/rerank`, `/score`,
+`/classify`: docs/GENERATION.md), in one command:
 
     cuvilctl export-encoder sentence-transformers/all-MiniLM-L6-v2 --repository models
     cuvilctl export-encoder cross-encoder/ms-marco-MiniLM-L6-v2 --repository models
     -> models/<name>/1/model.pt2, tokenizer.json, tokenizer_config.json, config.json and the
        sentence-transformers files it has (modules.json, 1_Pooling/config.json)
 
-A model whose config names a `...ForSequenceClassification` architecture with one label is
-exported as a cross-encoder (its `logits`), any other as `transformers.AutoModel` is (its
+A model whose config names a `...ForSequenceClassification` architecture is exported with
+its head (its `logits`: one label, a cross-encoder; more, a classifier, its labels' names in
+the config.json beside it), any other as `transformers.AutoModel` is (its
 `last_hidden_state`, pooled by the daemon as its sentence-transformers files say). Its
 inputs are those its tokenizer gives (input_ids, attention_mask, token_type_ids), batch and
 length dynamic (up to `--max-batch` rows and `--max-length` tokens), at fp32 (the daemon
@@ -61,20 +62,18 @@ def export_encoder(source: str, repository: Path, name: str, version: str = "1",
 
     say(f"loading {source}")
     config = AutoConfig.from_pretrained(source)
-    cross = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
-    if cross and config.num_labels != 1:
-        raise ValueError(f"{source} classifies into {config.num_labels} labels: a "
-                         "cross-encoder (one relevance logit) or an embedding model only")
-    kind = AutoModelForSequenceClassification if cross else AutoModel
-    model = kind.from_pretrained(source, dtype=torch.float32).eval()
+    heads = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    kind = ("embedding model" if not heads else "cross-encoder" if config.num_labels == 1
+            else f"classifier of {config.num_labels} labels")
+    auto = AutoModelForSequenceClassification if heads else AutoModel
+    model = auto.from_pretrained(source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
     longest = getattr(config, "max_position_embeddings", None) or DEFAULT_LENGTH
     max_length = max_length or min(DEFAULT_LENGTH, longest)
     if not 2 <= max_length <= longest or not 2 <= max_batch:
         raise ValueError(f"--max-length {max_length}: from 2 to the model's "
                          f"max_position_embeddings ({longest}); --max-batch from 2")
-    say(f"exporting as {'a cross-encoder' if cross else 'an embedding model'}, up to "
-        f"{max_batch} inputs of {max_length} tokens a run")
+    say(f"exporting as {kind}, up to {max_batch} inputs of {max_length} tokens a run")
     example = _inputs(tokenizer, ["a b c d e f g", "h i"])
     try:
         exported = _export(model, example, max_batch, max_length)
@@ -91,13 +90,13 @@ def export_encoder(source: str, repository: Path, name: str, version: str = "1",
     config.to_json_file(entry / "config.json")  # (its Matryoshka sizes, where it has them)
     written.append(entry / "config.json")
     written += _sentence_transformers(source, entry)
-    if not cross and not (entry / "modules.json").exists():
+    if not heads and not (entry / "modules.json").exists():
         say("no sentence-transformers files: embeddings are the mean of the tokens, "
             "normalized")
     if not (entry / "tokenizer.json").exists():
         say("its tokenizer has no tokenizer.json (a slow one): inputs go as token ids")
     return {"name": name, "version": version, "archive": str(archive),
-            "kind": "cross-encoder" if cross else "embedding", "inputs": list(example),
+            "kind": kind, "inputs": list(example),
             "bytes": archive.stat().st_size, "max_length": max_length, "check_error": error,
             "files": sorted({str(p) for p in written}),
             "seconds": round(time.monotonic() - t0, 1)}

@@ -89,7 +89,7 @@ def _embedded(generator: Generator, served: Any,
     size = _dimensions(generator, served, doc.get("dimensions"))
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
     most = truncation(generator, served, doc)
-    found, used = vectors(generator, served, _token_ids(doc.get("input"), tokenizer, most),
+    found, used = vectors(generator, served, token_ids(doc.get("input"), tokenizer, most),
                           size)
     return [{"object": "embedding", "index": i, "embedding": (
         v.tolist() if form == "float" else base64.b64encode(v.tobytes()).decode())}
@@ -126,7 +126,7 @@ def _dimensions(generator: Generator, served: Any, wanted: Any) -> int | None:
         return None
     if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
         raise BadInput(f"dimensions must be a positive integer, got {wanted!r}")
-    config = _json_file(generator, served, CONFIG_FILE)
+    config = json_file(generator, served, CONFIG_FILE)
     config = config if isinstance(config, dict) else {}
     sizes = config.get("matryoshka_dimensions")
     if not sizes and config.get("is_matryoshka") is not True:
@@ -212,7 +212,7 @@ def encoded(tokenizer: Any, text: str, pair: str | None = None, most: int | None
     return tokenizer.post_process(first, second, True)
 
 
-def _token_ids(given: Any, tokenizer: Any, most: int | None = None) -> list[list[int]]:
+def token_ids(given: Any, tokenizer: Any, most: int | None = None) -> list[list[int]]:
     """The request's inputs as token id lists (texts tokenized, special tokens added; cut to
     `most` where given, token ids too)."""
     if isinstance(given, str) or (isinstance(given, list) and given
@@ -286,6 +286,8 @@ def output_of(served: Any, dims: int, verb: str) -> int:
     wanted = "last_hidden_state" if dims == 3 else "logits"
     picked = [i for i, s in enumerate(specs) if s["name"] == wanted] or [
         i for i, s in enumerate(specs) if len(s["shape"]) == dims and "float" in s["dtype"]]
+    if dims == 2 and any(len(s["shape"]) == 3 and "float" in s["dtype"] for s in specs):
+        picked = []  # (an embedding model's pooler_output is no classifier's logits)
     if not picked:
         shape = "[batch, length, hidden]" if dims == 3 else "[batch, labels]"
         raise Refused("invalid", f"model {served.key} does not {verb}: no {shape} float "
@@ -331,8 +333,8 @@ def _pooled(hidden: np.ndarray, pooling: str) -> np.ndarray:
 def _pooling(generator: Generator, served: Any) -> tuple[str, bool]:
     """How the entry pools ("mean", "cls" or "last") and whether it normalizes, by its
     sentence-transformers files; the mean, normalized, without them."""
-    config, modules = (_json_file(generator, served, POOLING_FILE),
-                       _json_file(generator, served, MODULES_FILE))
+    config, modules = (json_file(generator, served, POOLING_FILE),
+                       json_file(generator, served, MODULES_FILE))
     pooling = "mean"
     if isinstance(config, dict):
         pooling = next((mode for key, mode in (
@@ -343,7 +345,7 @@ def _pooling(generator: Generator, served: Any) -> tuple[str, bool]:
     return pooling, normalize
 
 
-def _json_file(generator: Generator, served: Any, file: str) -> Any:
+def json_file(generator: Generator, served: Any, file: str) -> Any:
     """A JSON file of the model's repository entry (its version's, else the entry's); None
     where it has none."""
     path = generator.entry_file(served.record.name, served.record.version, file, MAX_FILE_BYTES)

@@ -15,8 +15,9 @@
                                                       template (cuvild/serve/chat.py)
   GET  /v1/models, /v1/models/{model}                 OpenAI's model list: those that
                                                       generate or embed, with their context
-  POST /v1/embeddings, /v1/rerank, /v1/score          an encoder's: cuvild/serve/embeddings.py,
-       (/rerank, /v2/rerank, /score too)              cuvild/serve/rerank.py
+  POST /v1/embeddings, /v1/rerank, /v1/score,         an encoder's: cuvild/serve/embeddings.py,
+       /v1/classify (/rerank, /v2/rerank, /score,     cuvild/serve/rerank.py,
+       /classify too)                                 cuvild/serve/classify.py
   /openai/v1/...                                      the same, where KServe's model server
                                                       has them
 
@@ -50,7 +51,7 @@ import orjson
 from aiohttp import web
 
 from cuvild.core.layout import BadInput
-from cuvild.serve import embeddings, openai_request, reasoning, rerank, tokenize_http
+from cuvild.serve import classify, embeddings, openai_request, reasoning, rerank, tokenize_http
 from cuvild.serve import tools as tools_mod
 from cuvild.serve.chat import options_of as chat_options_of
 from cuvild.serve.detokenize import continued
@@ -85,9 +86,12 @@ def register(app: web.Application, server: RestServer) -> None:
                             lambda r: _answered(server, r, embeddings.embed))
         app.router.add_post(base + "/rerank", lambda r: _answered(server, r, rerank.rerank))
         app.router.add_post(base + "/score", lambda r: _answered(server, r, rerank.score))
+        app.router.add_post(base + "/classify",
+                            lambda r: _answered(server, r, classify.classify))
     answers = [*zip(tokenize_http.ROUTES, (tokenize_http.tokenize, tokenize_http.detokenize),
                     strict=True), *((path, rerank.rerank) for path in rerank.ROUTES),
-               *((path, rerank.score) for path in rerank.SCORE_ROUTES)]
+               *((path, rerank.score) for path in rerank.SCORE_ROUTES),
+               *((path, classify.classify) for path in classify.ROUTES)]
     for path, answer in answers:
         app.router.add_post(path, lambda r, answer=answer: _answered(server, r, answer))
 
@@ -96,14 +100,16 @@ async def _answered(server: RestServer, request: web.Request,
                     answer: Callable[[Any, Any], dict[str, Any]]) -> web.Response:
     """A request answered whole by `answer(generator, body)` on a pool thread: vLLM's
     /tokenize and /detokenize (cuvild/serve/tokenize_http.py), /v1/embeddings
-    (cuvild/serve/embeddings.py), /rerank and /score (cuvild/serve/rerank.py)."""
+    (cuvild/serve/embeddings.py), /rerank and /score (cuvild/serve/rerank.py), /classify
+    (cuvild/serve/classify.py)."""
     return _json(await _open(server, request, lambda doc: answer(server.generator, doc)))
 
 
 def is_openai(path: str) -> bool:
     """Whether `path` is one of OpenAI's routes (its errors are OpenAI's error object)."""
     return (any(path.startswith(base + "/") for base in PREFIXES)
-            or path in (*tokenize_http.ROUTES, *rerank.ROUTES, *rerank.SCORE_ROUTES))
+            or path in (*tokenize_http.ROUTES, *rerank.ROUTES, *rerank.SCORE_ROUTES,
+                        *classify.ROUTES))
 
 
 def error_object(status: int, message: str) -> dict[str, Any]:

@@ -59,7 +59,7 @@ def test_an_embedding_model_and_a_cross_encoder_become_entries(tmp_path, capsys)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout)
     entry = repository / "tiny-bert"
-    assert said["kind"] == "embedding" and said["check_error"] < 1e-5, said
+    assert said["kind"] == "embedding model" and said["check_error"] < 1e-5, said
     assert said["inputs"] == ["input_ids", "attention_mask", "token_type_ids"]
     for name in ("tokenizer.json", "config.json", "modules.json", "1_Pooling/config.json"):
         assert str(entry / name) in said["files"] and (entry / name).exists(), name
@@ -87,8 +87,12 @@ def test_an_embedding_model_and_a_cross_encoder_become_entries(tmp_path, capsys)
         got, want = program(**pair), model(**pair).logits
     assert got[0].shape == (1, 1) and torch.allclose(got[0], want, atol=1e-5)
 
-    saved(tmp_path / "three", 3)
-    with pytest.raises(ValueError, match="classifies into 3 labels"):
-        export_encoder(str(tmp_path / "three"), repository, "three", say=lambda _: None)
+    saved(tmp_path / "three", 3)  # (a classifier: its labels' names in its config.json)
+    done = export_encoder(str(tmp_path / "three"), repository, "three", say=lambda _: None)
+    assert done["kind"] == "classifier of 3 labels"
+    assert json.loads((repository / "three" / "config.json").read_text())["id2label"] == {
+        "0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
+    with pytest.raises(ValueError, match="name 'a/b'"):
+        export_encoder(str(tmp_path / "three"), repository, "a/b", say=lambda _: None)
     done = cuvilctl(capsys, str(source), "--repository", str(repository))
     assert done.returncode == 1 and "exists (--force replaces it)" in done.stderr

@@ -57,6 +57,7 @@ def lm_repository(root: Path) -> dict[str, Any]:
         "bos_token": "<s>", "eos_token": "</s>", "chat_template": TOOLS_TEMPLATE}))
     refs["embed"] = encoder_entry(root / "embed")
     refs["rerank"] = cross_encoder_entry(root / "rerank")
+    refs["classify"] = cross_encoder_entry(root / "classify", ["negative", "neutral", "positive"])
     return refs
 
 
@@ -99,11 +100,12 @@ def encoder_entry(entry: Path, size: tuple[int, ...] = (32, 2, 2, 64), pooling: 
     return bert
 
 
-def cross_encoder_entry(entry: Path) -> Any:
+def cross_encoder_entry(entry: Path, labels: list[str] | None = None) -> Any:
     """A tiny cross-encoder (transformers' BertForSequenceClassification with one label,
     its three inputs' batch and length dynamic) and the byte-level tokenizer writing a pair
     as BERT's post-processor does ("<s> query </s> document </s>", the document's type 1):
-    /rerank's model (cuvild/serve/rerank.py)."""
+    /rerank's model (cuvild/serve/rerank.py); with `labels`, a classifier of those labels,
+    its config.json beside it (/classify's: cuvild/serve/classify.py)."""
     import transformers
     from tokenizers import Tokenizer, processors
 
@@ -113,7 +115,8 @@ def cross_encoder_entry(entry: Path) -> Any:
     model = transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=lm_models.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=128, pad_token_id=0,
-        num_labels=1)).eval()
+        num_labels=len(labels or [None]), id2label=dict(enumerate(labels or ["LABEL_0"])))
+        ).eval()
     ids = torch.arange(5, 21).reshape(2, 8)
     rows, seq = torch.export.Dim("rows", max=16), torch.export.Dim("seq", min=2, max=127)
     names = ("input_ids", "attention_mask", "token_type_ids")
@@ -127,6 +130,8 @@ def cross_encoder_entry(entry: Path) -> Any:
         single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1",
         special_tokens=[("<s>", 0), ("</s>", 1)])
     (entry / "tokenizer.json").write_text(tokenizer.to_str())
+    if labels:
+        model.config.to_json_file(entry / "config.json")
     return model
 
 

@@ -276,3 +276,39 @@ def test_truncate_prompt_tokens_cuts_inputs_as_transformers_tokenizers_do(lm_dae
                        ({"input": "a", "truncate_prompt_tokens": 0}, "must be -1")):
         code, body = post(lm_daemon.http, "/v1/embeddings", {"model": "embed", **doc})
         assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
+
+
+def test_a_classifier_classifies_texts_with_its_labels(lm_daemon, lm_served) -> None:  # noqa: ANN001
+    """vLLM's /classify: each text's probabilities (the softmax of the classifier's logits,
+    equal to torch eager's) and its likeliest label by the entry's config.json; listed in
+    /v1/models; what does not classify refused."""
+    from tokenizers import Tokenizer
+
+    all_ready(lm_daemon.target, ("classify", "embed"))
+    model = lm_served["hf"]["classify"]
+    tokenizer = Tokenizer.from_str(
+        (lm_served["root"] / "classify" / "tokenizer.json").read_text())
+    texts = ["what a lovely day", "meh", "this is the worst film I have seen in years"]
+    code, body = post(lm_daemon.http, "/v1/classify", {"model": "classify", "input": texts})
+    said = json.loads(body)
+    assert code == 200 and said["usage"]["prompt_tokens"] == sum(
+        len(tokenizer.encode(t).ids) for t in texts), body
+    names = ["negative", "neutral", "positive"]
+    for i, text in enumerate(texts):
+        with torch.no_grad():
+            want = torch.softmax(model(input_ids=torch.tensor([tokenizer.encode(text).ids])
+                                       ).logits[0], -1)
+        got = said["data"][i]
+        assert got["index"] == i and got["num_classes"] == 3
+        assert np.allclose(got["probs"], want.numpy(), atol=1e-5), (got, want)
+        assert got["label"] == names[int(want.argmax())]
+    code, body = post(lm_daemon.http, "/classify", {"model": "classify", "input": texts[1]})
+    assert code == 200 and len(json.loads(body)["data"]) == 1
+    with urllib.request.urlopen(f"http://{lm_daemon.http}/v1/models/classify", timeout=10) as r:
+        assert json.loads(r.read())["max_model_len"] == 127
+    for doc, words in (({"model": "embed", "input": "a"}, "does not classify: no [batch, "
+                                                           "labels]"),
+                       ({"model": "llama", "input": "a"}, "does not classify: its inputs"),
+                       ({"model": "classify", "input": []}, "input must be")):
+        code, body = post(lm_daemon.http, "/v1/classify", doc)
+        assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
