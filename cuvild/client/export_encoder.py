@@ -67,6 +67,7 @@ def export_encoder(source: str, repository: Path, name: str, version: str = "1",
             else f"classifier of {config.num_labels} labels")
     auto = AutoModelForSequenceClassification if heads else AutoModel
     model = auto.from_pretrained(source, dtype=torch.float32).eval()
+    model.config.use_cache = False  # (a decoder's embedding model: no KV cache in its outputs)
     tokenizer = AutoTokenizer.from_pretrained(source)
     longest = getattr(config, "max_position_embeddings", None) or DEFAULT_LENGTH
     max_length = max_length or min(DEFAULT_LENGTH, longest)

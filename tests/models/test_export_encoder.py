@@ -96,3 +96,34 @@ def test_an_embedding_model_and_a_cross_encoder_become_entries(tmp_path, capsys)
         export_encoder(str(tmp_path / "three"), repository, "a/b", say=lambda _: None)
     done = cuvilctl(capsys, str(source), "--repository", str(repository))
     assert done.returncode == 1 and "exists (--force replaces it)" in done.stderr
+
+
+def test_a_decoders_embedding_model_exports_without_its_cache(tmp_path) -> None:  # noqa: ANN001
+    """Qwen3-Embedding's kind (a decoder, last-token pooled): exported without the KV cache
+    its config asks by default (torch.export cannot return a DynamicCache), its hidden states
+    at each real token those of the text alone (the daemon pads on the right)."""
+    import transformers
+    from generation_helpers import byte_tokenizer_json
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    source = tmp_path / "tiny-qwen3-embedding"
+    torch.manual_seed(0)
+    model = transformers.Qwen3Model(transformers.Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256)).eval()
+    model.save_pretrained(source)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(byte_tokenizer_json()),
+                            pad_token="</s>").save_pretrained(source)
+    done = export_encoder(str(source), tmp_path / "models", "qemb", max_length=64,
+                          max_batch=4, say=lambda _: None)
+    assert done["kind"] == "embedding model" and done["inputs"] == ["input_ids",
+                                                                    "attention_mask"]
+    program = torch.export.load(tmp_path / "models" / "qemb" / "1" / "model.pt2").module()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 0, 0, 0]])
+    with torch.no_grad():
+        got = program(input_ids=ids, attention_mask=(torch.arange(6) < torch.tensor(
+            [[6], [3]])).long())[0]
+        alone = model(input_ids=ids[1:, :3]).last_hidden_state
+    assert torch.allclose(got[1, :3], alone[0], atol=1e-5)
