@@ -7,9 +7,10 @@ models, BGE, E5, ...), as vLLM's and OpenAI's APIs answer it (first version):
         "usage": {"prompt_tokens", "total_tokens"}}
 
 The model is any served one whose inputs are `input_ids` and any of `attention_mask` and
-`token_type_ids` (its length dynamic, padded to the next power of two so that inputs share
-built buckets, or fixed: padded to it, the padding masked; its batch dynamic: a request's
-inputs of one padded length run together, or one), with a float output of [batch, length,
+`token_type_ids` (its length dynamic, padded to the next of 8, 12, 16, 24, 32, 48, ... so
+that inputs share built buckets, or fixed: padded to it, the padding masked; its batch
+dynamic: a request's inputs of one padded length run together, or one), with a float output
+of [batch, length,
 hidden] (`last_hidden_state`, or the first such): exported as `transformers.AutoModel` is.
 Texts are tokenized by the entry's `tokenizer.json` (special tokens added, as
 sentence-transformers does). Pooled as
@@ -297,14 +298,17 @@ def output_of(served: Any, dims: int, verb: str) -> int:
 
 def _width(generator: Generator, served: Any, names: list[str], n: int,
            length: int | None) -> int:
-    """The length `n` tokens run at: the model's own where fixed, else the next power of two
-    (8 at least) within the export's bounds and engine.max_dim, so that inputs of many
-    lengths share a few built buckets (the padding masked, and left out of the pooling)."""
+    """The length `n` tokens run at: the model's own where fixed, else the next of 8, 12, 16,
+    24, 32, 48, ... (powers of two and 1.5 times them) within the export's bounds and
+    engine.max_dim, so that inputs of many lengths share a few built buckets, a third of a
+    run padding at most (the padding masked, and left out of the pooling)."""
     low, high = bounds(generator, served, names, length)
     if n > high:
         raise BadInput(f"{n} tokens, over the {high} the model takes (truncate_prompt_tokens: "
                        "-1 cuts each input to them)")
-    return length or min(high, max(low, 8, 1 << (n - 1).bit_length()))
+    power = 1 << max(3, (n - 1).bit_length())
+    step = power * 3 // 4 if power >= 16 and n <= power * 3 // 4 else power
+    return length or min(high, max(low, step))
 
 
 def bounds(generator: Generator, served: Any, names: list[str] | None = None,

@@ -100,25 +100,29 @@ def encoder_entry(entry: Path, size: tuple[int, ...] = (32, 2, 2, 64), pooling: 
     return bert
 
 
-def cross_encoder_entry(entry: Path, labels: list[str] | None = None) -> Any:
+def cross_encoder_entry(entry: Path, labels: list[str] | None = None,
+                        size: tuple[int, ...] = (32, 2, 2, 64), most: int = 16) -> Any:
     """A tiny cross-encoder (transformers' BertForSequenceClassification with one label,
     its three inputs' batch and length dynamic) and the byte-level tokenizer writing a pair
     as BERT's post-processor does ("<s> query </s> document </s>", the document's type 1):
     /rerank's model (cuvild/serve/rerank.py); with `labels`, a classifier of those labels,
-    its config.json beside it (/classify's: cuvild/serve/classify.py)."""
+    its config.json beside it (/classify's: cuvild/serve/classify.py). `size` as
+    encoder_entry's; `most` the rows a run takes."""
     import transformers
     from tokenizers import Tokenizer, processors
 
     from partitioner.annotate import export
 
     torch.manual_seed(1)
+    hidden, layers, heads, mlp = size
     model = transformers.BertForSequenceClassification(transformers.BertConfig(
-        vocab_size=lm_models.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, pad_token_id=0,
+        vocab_size=lm_models.VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, intermediate_size=mlp, max_position_embeddings=128,
+        pad_token_id=0,
         num_labels=len(labels or [None]), id2label=dict(enumerate(labels or ["LABEL_0"])))
         ).eval()
     ids = torch.arange(5, 21).reshape(2, 8)
-    rows, seq = torch.export.Dim("rows", max=16), torch.export.Dim("seq", min=2, max=127)
+    rows, seq = torch.export.Dim("rows", max=most), torch.export.Dim("seq", min=2, max=127)
     names = ("input_ids", "attention_mask", "token_type_ids")
     (entry / "1").mkdir(parents=True)
     torch.export.save(export(model, (), kwargs=dict(zip(names, (ids, ids * 0 + 1, ids * 0),
