@@ -141,9 +141,9 @@ def _dimensions(generator: Generator, served: Any, wanted: Any) -> int | None:
 
 
 def embeds(generator: Generator, served: Any) -> int | None:
-    """The most tokens a served model takes where it embeds or reranks (an encoder's inputs
-    and a [batch, length, hidden] or [batch, labels] float output): /v1/models'
-    `max_model_len`; None where not."""
+    """The most tokens a served model takes where it embeds, reranks or classifies (an
+    encoder's inputs and a [batch, length, hidden] or [batch, labels] float output):
+    /v1/models' `max_model_len`; None where not."""
     specs = served.record.outputs or []
     if not any(len(s["shape"]) in (2, 3) and "float" in s["dtype"] for s in specs):
         return None
