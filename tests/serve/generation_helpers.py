@@ -32,6 +32,10 @@ TOOLS_TEMPLATE = (
     "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
+# the repository's entries that do not generate (each READY at its own time after the LMs)
+ENCODERS = ("embed", "rerank", "classify")
+
+
 def lm_repository(root: Path) -> dict[str, Any]:
     """A model repository under `root`: the tiny Llama (a tokenizer and chat template beside
     it), GPT-2 without one, and the Llama exported with a dynamic length ("chunked": the

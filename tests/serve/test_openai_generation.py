@@ -18,6 +18,7 @@ import pytest
 import torch
 from generation_helpers import (
     BYTES_CONTEXT,
+    ENCODERS,
     PROMPT,
     WORDS,
     byte_tokenizer_json,
@@ -94,7 +95,7 @@ def test_openais_own_client_lists_generates_and_reads_the_errors(lm_daemon, lm_s
                            max_retries=0, timeout=120)
     def lms(models: Any) -> dict[str, int]:  # (the encoders, listed once READY: test_embeddings)
         return {m.id: m.model_extra["max_model_len"] for m in models
-                if m.id.partition(":")[0] not in ("embed", "rerank")}
+                if m.id.partition(":")[0] not in ENCODERS}
 
     listed = lms(client.models.list())
     assert listed == {**{n: lm_models.CONTEXT for n in ("chunked", "chunked:1", "gpt2",
