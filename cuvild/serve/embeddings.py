@@ -42,6 +42,7 @@ from cuvild.core.layout import BadInput
 from cuvild.serve.errors import Refused, find, status
 from cuvild.serve.generation import Generator
 from cuvild.serve.openai_request import named
+from protos.orders import RawTensor
 
 FIELDS = {"model", "input", "encoding_format", "user", "dimensions", "truncate_prompt_tokens"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -267,16 +268,30 @@ def _most_rows(generator: Generator, served: Any, names: list[str]) -> int:
 
 def _run(generator: Generator, served: Any, names: list[str],
          given: list[tuple[list[int], list[int]]], width: int) -> list[np.ndarray]:
-    """The model's outputs for inputs padded to `width` (the padding masked)."""
-    import torch
-
+    """The model's outputs for inputs padded to `width` (the padding masked), as bytes in and
+    out as the OIP listeners run them: no torch in the daemon for it (a daemon restored from
+    its load records serves an encoder without importing torch)."""
     columns = {"input_ids": [ids + [0] * (width - len(ids)) for ids, _ in given],
                "attention_mask": [[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in given],
                "token_type_ids": [(types or [0] * len(ids)) + [0] * (width - len(ids))
                                   for ids, types in given]}
     dtypes = {s["name"]: s["dtype"] for s in served.record.inputs}
-    tensors = [torch.tensor(columns[n], dtype=getattr(torch, dtypes[n])) for n in names]
-    return [o.float().numpy() for o in generator.runner.infer(served.key, tensors)]
+    shape = (len(given), width)
+    model = generator.runner.resolve(served.loaded, [(dtypes[n], shape) for n in names])
+    inputs = [RawTensor(np.asarray(columns[n], dtype=np.dtype(dtypes[n])).tobytes(), dtypes[n],
+                        shape) for n in names]
+    raw = generator.runner.run_raw(model, inputs)
+    return [_array(data, model.slots[name]) for data, name in zip(raw, model.outputs,
+                                                                  strict=True)]
+
+
+def _array(data: bytes | None, slot: Any) -> np.ndarray:
+    """An output's bytes as a float32 array of its slot's shape (bfloat16 widened)."""
+    if slot.dtype == "bfloat16":  # (numpy has none: its bits are a float32's top half)
+        wide = np.frombuffer(data or b"", dtype=np.uint16).astype(np.uint32) << 16
+        return wide.view(np.float32).reshape(slot.shape)
+    return np.frombuffer(data or b"", dtype=np.dtype(slot.dtype)).reshape(
+        slot.shape).astype(np.float32)
 
 
 def output_of(served: Any, dims: int, verb: str) -> int:

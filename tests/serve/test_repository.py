@@ -3,6 +3,7 @@ storage initializer leaves it under /mnt/models."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from daemons import ROOT, free_port, worker_processes
+from generation_helpers import encoder_entry
 
 import cuvild
 from cuvild.client import Client, cli, samples
@@ -33,6 +35,15 @@ def save(model: torch.nn.Module, path: Path, width: int = 16) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(cuvild.export(model, (torch.randn(2, width),)), path)
     return path
+
+
+def embeddings(http: str) -> list[float]:
+    """The repository's encoder's embedding of one text (its [1, 8] bucket)."""
+    body = json.dumps({"model": "embed", "input": "hello", "encoding_format": "float"})
+    request = urllib.request.Request(f"http://{http}/v1/embeddings", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.loads(reply.read())["data"][0]["embedding"]
 
 
 def layout(root: Path, files: dict[str, str | bytes]) -> Path:
@@ -102,10 +113,13 @@ def wait_server_ready(triton: grpcclient.InferenceServerClient, timeout: float =
 
 
 def served_again_warm(make_daemon: Any, state_dir: Path, root: Path, model: torch.nn.Module,
-                      x: torch.Tensor) -> None:
-    """A restart on the same state: the repository's models from their load records, and
-    the entry refused still refused, uninspected."""
-    again = make_daemon(state_dir=state_dir, model_repository=str(root))
+                      x: torch.Tensor, embedded: Any) -> None:
+    """A restart on the same state: the repository's models from their load records (the
+    encoder's /v1/embeddings answering as before: `embedded`), and the entry refused still
+    refused, uninspected."""
+    http = f"127.0.0.1:{free_port()}"
+    again = make_daemon(state_dir=state_dir, model_repository=str(root),
+                        listen={"http": http, "insecure_loopback": True})
     with grpcclient.InferenceServerClient(url=again.target) as triton:
         wait_server_ready(triton)
         assert triton.is_model_ready("mlp")
@@ -115,6 +129,7 @@ def served_again_warm(make_daemon: Any, state_dir: Path, root: Path, model: torc
     with Client(again.target) as client:
         torch.testing.assert_close(client.infer("mlp", x)["output0"], model(x),
                                    rtol=1e-4, atol=1e-5)
+    assert embeddings(http) == embedded  # (its bucket from its record, run as bytes)
     # restored without torch in the daemon, and the bad entry not inspected again (its
     # refusal kept in the compile cache): no inspector started
     assert "libtorch" not in Path(f"/proc/{again.proc.pid}/maps").read_text()
@@ -139,6 +154,7 @@ def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tm
                   "rows/config.yaml": "precision: fp32\nmax_batch: 4\nmax_delay_us: 2000\n",
                   "broken/1/model.pt2": b"not a zip archive",
                   "typo/config.yaml": "precison: fp32\n", "typo/1/model.pt2": b"x"})
+    encoder_entry(root / "embed")  # (a tiny BERT: /v1/embeddings, after the restart too)
     http = f"127.0.0.1:{free_port()}"
     daemon = make_daemon(model_repository=str(root),
                          listen={"http": http, "insecure_loopback": True})
@@ -169,6 +185,7 @@ def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tm
         (served,) = [m for m in client.models() if m["name"] == "rows"]
         assert served["batching"]["state"] == "on" and served["batching"]["max_batch"] == 4
         status = client.status()  # what `cuvilctl status` shows
+    embedded = embeddings(http)
     refused = {(e["name"], e["version"]): e["reason"] for e in status["repository_refused"]}
     assert set(refused) == {("broken", "1"), ("typo", "")}
     assert "unknown option(s) precison" in refused[("typo", "")]
@@ -177,7 +194,7 @@ def test_models_load_from_the_repository_at_start_and_again_warm(make_daemon, tm
     assert daemon.stop() == 0
     assert "model repository: mlp:1 registered\n" in daemon.log()
 
-    served_again_warm(make_daemon, daemon.state_dir, root, model, x)
+    served_again_warm(make_daemon, daemon.state_dir, root, model, x, embedded)
 
 
 def test_one_bad_entry_fails_alone_with_a_bounded_reason(tmp_path, monkeypatch):
