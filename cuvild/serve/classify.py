@@ -55,13 +55,18 @@ def _classified(generator: Generator, served: Any,
     labels = labels if isinstance(labels, dict) else {}
     data = []
     for i, out in enumerate(outputs):
-        row = out[logits].astype(np.float64)
-        if len(row) == 1:
-            probs = 1.0 / (1.0 + np.exp(-np.clip(row, -500, 500)))
-        else:
-            probs = np.exp(row - row.max())
-            probs /= probs.sum()
+        probs = probabilities(out[logits])
         top = int(np.argmax(probs))
         data.append({"index": i, "label": str(labels.get(str(top), f"LABEL_{top}")),
                      "probs": [float(p) for p in probs], "num_classes": len(probs)})
     return data, sum(len(ids) for ids in given)
+
+
+def probabilities(logits: np.ndarray) -> np.ndarray:
+    """A classifier's logits as vLLM's activations make them probabilities: the softmax,
+    or the sigmoid of one logit (a cross-encoder's relevance: cuvild/serve/rerank.py)."""
+    row = np.asarray(logits, dtype=np.float64)
+    if len(row) == 1:
+        return 1.0 / (1.0 + np.exp(-np.clip(row, -500, 500)))
+    probs = np.exp(row - row.max())
+    return probs / probs.sum()

@@ -26,7 +26,6 @@ its pairs its batch.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from typing import Any
@@ -35,6 +34,7 @@ import numpy as np
 
 from cuvild.core.layout import BadInput
 from cuvild.serve import embeddings
+from cuvild.serve.classify import probabilities
 from cuvild.serve.errors import Refused, find
 from cuvild.serve.generation import Generator
 from cuvild.serve.openai_request import named
@@ -141,11 +141,5 @@ def scored(generator: Generator, served: Any, pairs: list[tuple[str, str]],
     encoded = [embeddings.encoded(tokenizer, a, b, most) for a, b in pairs]
     outputs = embeddings.rows(generator, served, names,
                               [(e.ids, e.type_ids) for e in encoded], length)
-    return ([_sigmoid(float(o[logits][0])) for o in outputs],
+    return ([float(probabilities(o[logits])[0]) for o in outputs],
             sum(len(e.ids) for e in encoded))
-
-
-def _sigmoid(x: float) -> float:
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    return math.exp(x) / (1.0 + math.exp(x))  # (no overflow for a large negative logit)
