@@ -14,24 +14,32 @@ EXTRAS ?= [dev]
 setup: $(STAMP) $(PROTO_OUT)
 	@$(PY) -m compileall -q -j 0 cuvild partitioner runtimes protos > /dev/null
 
-# compileall: the project's own modules as bytecode, written here once. Where
-# PYTHONDONTWRITEBYTECODE is set (as on the dev and CI hosts) Python never writes it, so every
-# daemon, worker and client process would compile ~100 modules from source again
-# (0.48 -> 0.31 s to import the daemon, engine and worker modules on the 2-core dev host).
+# compileall: the project's own modules as bytecode, written here once (0.48 -> 0.31 s to import
+# the daemon, engine and worker modules on the 2-core dev host, where nothing had written them).
+
+# Bytecode of the dependencies. Where PYTHONDONTWRITEBYTECODE is set (as on the dev and CI hosts)
+# Python never writes it, and every process compiles what it imports from source again. Make's
+# commands unset it: a module is compiled once, by the first process that imports it, into the
+# venv this Makefile owns. Compiled ahead: torch, which every process imports (two at once
+# when the suite starts, each compiling the same 1.4k files otherwise: 5.7 s ahead); an image's
+# install (EXTRAS=, configs/kserve/Dockerfile) compiles everything, its user cannot write the
+# venv. Compiling all of a dev install ahead (21k files, 6.3k of them imported by the whole
+# suite: not transformers' 2.6k model files, kubernetes' or the OpenAI SDK's types) took 33 s
+# of a 61 s setup on the 2-core dev host. Not compiled ahead in the image: packages that no
+# process of cuvild imports (nncf's pandas and scikit-learn, pip, setuptools, narwhals).
+unexport PYTHONDONTWRITEBYTECODE
+UNIMPORTED := pandas|sklearn|pip|setuptools|narwhals
+COMPILE_AHEAD := $(PY) -c "import compileall, re, sys, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'] + sys.argv[1], quiet=2, workers=0, rx=re.compile(r'/site-packages/($(UNIMPORTED))/'))"
 
 # Reinstall only when the pinned dependencies change, with the pip pyproject.toml names
-# ([tool.cuvild]; setuptools' notice that an install is editable left out). pip byte-compiles
-# what it installs one file at a time; compileall does it on every core (a clean venv 94 -> 76
-# s on the 2-core dev host: 50 s to install, 26 s to compile). Its errors are third-party files for newer Pythons
-# (torch's py312 tests), which pip skips too. Not compiled: packages installed beside ours that
-# no process of cuvild, its clients or its tests imports (nncf's pandas and scikit-learn, pip,
-# setuptools, narwhals; 6.6 s of the 2-core host), compiled where they ever are.
-UNIMPORTED := pandas|sklearn|pip|setuptools|narwhals
+# ([tool.cuvild]; setuptools' notice that an install is editable left out). pip's own
+# byte-compiling (one file at a time) is off: see above. Its errors are third-party files for
+# newer Pythons (torch's py312 tests), which pip skips too.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$$($(PY) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['tool']['cuvild']['pip'])")"
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile "$$($(PY) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['tool']['cuvild']['pip'])")"
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.$(EXTRAS)'
-	$(PY) -c "import compileall, re, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0, rx=re.compile(r'/site-packages/($(UNIMPORTED))/'))"
+	$(COMPILE_AHEAD) $(if $(EXTRAS),/torch,/)
 	touch $@
 
 # inference.proto shares its package with tritonclient's own generated module, so ours is
