@@ -61,7 +61,8 @@ if TYPE_CHECKING:  # torch only to compile: a worker loading cached builds never
 
 MODEL = "part.onnx"
 META = "onnxruntime.json"
-META_FORMAT = 1
+# 2: parts built through masks.empty_rows_zeroed (a format-1 entry's attention may average)
+META_FORMAT = 2
 EXPORTER_PACKAGES = ("onnx", "onnxscript")  # torch.onnx.export(dynamo=True) needs them
 # onnxscript's constant folding tries each foldable node with onnx's reference evaluator and
 # warns when one cannot be folded ("Evaluation failed: cannot reshape ..." on BERT): the node
@@ -242,8 +243,11 @@ class ONNXRuntime(Runtime):
                ) -> ONNXExecutable:
         import torch
 
+        from runtimes.masks import empty_rows_zeroed
+
         try:
-            exported = torch.export.export(part, example)
+            # (an attention row that attends nothing: zeros, as torch's, not an average)
+            exported = torch.export.export(empty_rows_zeroed(part), example)
             program = torch.onnx.export(exported, example, dynamo=True, verbose=False)
             program.save(str(workdir / MODEL))  # external data only past 2 GB
         except Exception as e:

@@ -75,7 +75,8 @@ PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "f32",
 MODEL_XML = "part.xml"  # IR; save_model writes part.bin beside it
 BLOB = "part.blob"  # compiled_model.export_model(), for NPU and GPU only
 META = "openvino.json"
-META_FORMAT = 1
+# 2: parts built through masks.empty_rows_zeroed (a format-1 entry's attention may give NaN)
+META_FORMAT = 2
 
 # aten ops (overload packets, before or after torch's decompositions) that OpenVINO 2026.4's
 # PyTorch frontend fails to convert, each verified with a one-op model on this host.
@@ -401,11 +402,13 @@ class OpenVINORuntime(Runtime):
         """Export, convert, reshape to the example shapes and compile for the device."""
         import torch
 
+        from runtimes.masks import empty_rows_zeroed
+
         ov = _openvino()
         device = self._target(spec)
         example = tuple(t.detach() for t in spec.example_inputs)
-        try:
-            exported = torch.export.export(part, example)
+        try:  # (an attention row that attends nothing: zeros, as torch's, not NaN)
+            exported = torch.export.export(empty_rows_zeroed(part), example)
         except Exception as e:
             raise CompileError(f"openvino: torch.export failed: {type(e).__name__}: {e}") from e
         try:

@@ -53,8 +53,8 @@ def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tens
     indexes an embedding (intake found its table's rows: spec["high"]) gets random ids below
     that; other integer and bool inputs are ones: indices of unknown range, which random
     values would push out of it, or masks, where zeros mask everything out (a transformer's
-    attention over no token is 0/0, which eager and OpenVINO round differently: finite
-    against NaN)."""
+    attention over no token: zeros in torch, NaN in OpenVINO but for runtimes/masks.py, so
+    a check on ones never sees that row: tests/runtimes/test_masks.py does)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for spec in specs:
