@@ -493,5 +493,15 @@ def load_archive(
     except MemoryError:
         raise
     except Exception as e:  # schema version, dangling names, verifier errors, ...
-        raise UnsafeArchive(_MODEL_JSON, f"rejected by torch's deserializer: {e}") from e
+        raise UnsafeArchive(_MODEL_JSON, f"rejected by torch's deserializer: {e}"
+                            f"{UNBACKED_HINT if 'unbacked symbols' in str(e) else ''}") from e
     return ep, info
+
+
+# torch 2.13's deserializer fails on some graphs whose sizes come from the data (BART's
+# sequence classifier: torch.unique_consecutive over its eos positions), torch.export.load too
+UNBACKED_HINT = ("; the graph holds a size read from the data (an unbacked symbol: "
+                 "torch.unique, nonzero, x[mask], .item()), which torch.export.load cannot "
+                 "read back from this archive either. Export a model whose sizes follow from its "
+                 "inputs' shapes (BART's classifier: its base model, the eos rows picked by the "
+                 "caller)")

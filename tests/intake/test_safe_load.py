@@ -422,3 +422,28 @@ def test_dim_dynamic_leaves_an_attribute_that_torch_export_save_pickles(tmp_path
                                   dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
     torch.export.save(program, tmp_path / "m.pt2")
     validate_archive(tmp_path / "m.pt2")
+
+
+def test_a_size_read_from_the_data_that_torch_cannot_load_back_is_refused_saying_so(
+        tmp_path: Path) -> None:
+    """BART's sequence classifier: torch.export.load fails on its archive too (torch 2.13);
+    the refusal says why and what to export instead."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_position_embeddings=32, num_labels=3, use_cache=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    model = transformers.BartForSequenceClassification(config).eval()
+    ids = torch.cat([torch.randint(3, 64, (2, 7)), torch.full((2, 1), 2)], 1)
+    path = tmp_path / "bart.pt2"
+    torch.export.save(torch.export.export(model, (), {"input_ids": ids}), path)
+    try:
+        torch.export.load(path)
+    except AssertionError as e:  # torch's own loader: the same failure (torch 2.13)
+        assert "unbacked symbols" in str(e)
+    else:  # a torch that reads it back: so does the safe loader
+        load_exported_program(path)
+        return
+    with pytest.raises(UnsafeArchive, match="a size read from the data"):
+        load_exported_program(path)
