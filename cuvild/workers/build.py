@@ -52,9 +52,11 @@ def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tens
     """Deterministic sample inputs from the model's input specs. An integer input that
     indexes an embedding (intake found its table's rows: spec["high"]) gets random ids below
     that; other integer and bool inputs are ones: indices of unknown range, which random
-    values would push out of it, or masks, where zeros mask everything out (a transformer's
-    attention over no token: zeros in torch, NaN in OpenVINO but for runtimes/masks.py, so
-    a check on ones never sees that row: tests/runtimes/test_masks.py does)."""
+    values would push out of it, or masks, where zeros mask everything out. But for a
+    transformer's `attention_mask` of two rows or more, on odd seeds: its last row is
+    left-padded (its first half 0), as a decoder's batch is, so that a check sees the
+    queries that attend no key (zeros in torch; OpenVINO gave NaN, which spread to every
+    row: runtimes/masks.py)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for spec in specs:
@@ -65,7 +67,11 @@ def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tens
         elif spec.get("high"):
             out.append(torch.randint(0, spec["high"], shape, generator=gen, dtype=dtype))
         else:
-            out.append(torch.ones(shape, dtype=dtype))
+            ones = torch.ones(shape, dtype=dtype)
+            if (spec.get("name") == "attention_mask" and seed % 2 and len(shape) == 2
+                    and min(shape) > 1):
+                ones[-1, :shape[1] // 2] = 0
+            out.append(ones)
     return out
 
 
