@@ -57,3 +57,17 @@ def test_the_bound_stays_inside_the_daemon() -> None:
     record = ModelRecord(name="t", version="1", sha256="0" * 64, size_bytes=1, created_at=0.0,
                          inputs=specs())
     assert [t.name for t in record_to_pb(record).inputs] == ["ids", "types", "mask", "positions"]
+
+
+def test_every_other_check_input_left_pads_the_last_row_of_an_attention_mask() -> None:
+    """A transformer's `attention_mask` (by its name): on odd seeds its last row's first half
+    is 0, as a decoder's left-padded batch, so a check meets queries that attend no key
+    (runtimes/masks.py); a mask of another name, one row, or seed 0 stays ones."""
+    spec = {"name": "attention_mask", "dtype": "int64", "shape": [2, 8]}
+    other = {**spec, "name": "mask"}
+    plain, padded = sample_inputs([spec, other], 0), sample_inputs([spec, other], 1)
+    assert torch.equal(plain[0], torch.ones(2, 8, dtype=torch.long))
+    assert padded[0][0].tolist() == [1] * 8 and padded[0][1].tolist() == [0] * 4 + [1] * 4
+    assert torch.equal(padded[1], torch.ones(2, 8, dtype=torch.long))
+    one_row = sample_inputs([{**spec, "shape": [-1, 8]}], 1)[0]
+    assert torch.equal(one_row, torch.ones(1, 8, dtype=torch.long))
