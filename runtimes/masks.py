@@ -37,14 +37,19 @@ def empty_rows_zeroed(module: fx.GraphModule) -> fx.GraphModule:
     if not any(n.target is _SDPA and _mask(n) is not None for n in module.graph.nodes):
         return module
     graph = copy.deepcopy(module.graph)
-    for node in [n for n in graph.nodes if n.target is _SDPA]:
+    made: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # a mask's (attends, widened): once, for
+    for node in [n for n in graph.nodes if n.target is _SDPA]:  # every layer that reads it
         mask = _mask(node)
         if mask is None:
             continue
-        with graph.inserting_before(node):
-            attends = graph.call_function(aten.any.dim, (mask, -1, True))
-            empty = graph.call_function(aten.logical_not.default, (attends,))
-            widened = graph.call_function(aten.logical_or.default, (mask, empty))
+        if mask not in made:
+            with graph.inserting_after(mask):
+                attends = graph.call_function(aten.any.dim, (mask, -1, True))
+            with graph.inserting_after(attends):
+                empty = graph.call_function(aten.logical_not.default, (attends,))
+            with graph.inserting_after(empty):
+                made[mask] = attends, graph.call_function(aten.logical_or.default, (mask, empty))
+        attends, widened = made[mask]
         node.replace_input_with(mask, widened)
         with graph.inserting_after(node):
             zeroed = graph.call_function(aten.mul.Tensor, (node, attends))

@@ -4,6 +4,7 @@ from their configs with seeded random weights, each with keyword example inputs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,18 +18,12 @@ def tokens(seq: int = SEQ) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, VOCAB, (BATCH, seq))}
 
 
-def tokens_and_mask(seq: int = SEQ) -> dict[str, torch.Tensor]:
+def tokens_and_mask(seq: int = SEQ, left: bool = False) -> dict[str, torch.Tensor]:
+    """The second row padded: at its end, or (`left`) at its start, as transformers pads a
+    decoder's batch for generation, whose first queries then attend no key (OpenVINO's
+    attention made them NaN, and the NaN every query of the next layer: runtimes/masks.py)."""
     mask = torch.ones(BATCH, seq, dtype=torch.long)
-    mask[1, seq // 2:] = 0  # the second row is padded: the mask matters
-    return {**tokens(seq), "attention_mask": mask}
-
-
-def tokens_and_left_mask(seq: int = SEQ) -> dict[str, torch.Tensor]:
-    """A decoder's batch as transformers pads it for generation (padding_side="left"): the
-    second row's first queries attend no key, which OpenVINO's attention made NaN, and the
-    NaN every query of the next layer (runtimes/masks.py)."""
-    mask = torch.ones(BATCH, seq, dtype=torch.long)
-    mask[1, :seq // 2] = 0
+    (mask[1, :seq // 2] if left else mask[1, seq // 2:]).zero_()
     return {**tokens(seq), "attention_mask": mask}
 
 
@@ -51,7 +46,7 @@ FAMILIES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[..., dict[str,
     "llama": (lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-        use_cache=False, **IDS)), tokens_and_left_mask),
+        use_cache=False, **IDS)), partial(tokens_and_mask, left=True)),
     "t5-encoder": (lambda: tf.T5EncoderModel(tf.T5Config(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, **IDS)),
         tokens),
