@@ -366,7 +366,8 @@ def unusable(outputs: Any, expected: Any) -> str:
             bad = int((~out.isfinite() & ref.isfinite()).sum())
             if bad:
                 return (f"returned inf or NaN in {bad} of {out.numel()} values of output {i} "
-                        "where torch eager's are finite (an overflow of the precision?)")
+                        "where torch eager's are finite (an overflow of the precision, or "
+                        "the runtime's own NaN)")
     return "returned inf or NaN unlike torch eager's"
 
 

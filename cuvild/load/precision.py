@@ -26,6 +26,7 @@ Every static-shape model gets the end-to-end check at load, whatever its policy:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -37,9 +38,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cuvild.core.errors import InferError
 from cuvild.core.precision import Accuracy, Check, PrecisionPolicy
 from partitioner.corrections import prior
-from runtimes.base import INT8_MIXED, MIXED, set_error, top1_agreement, write_atomic
+from runtimes.base import INT8_MIXED, MIXED, set_error, top1_agreement, unusable, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -219,6 +221,29 @@ def check(run: Run, model: LoadedModel, inputs: list[list[torch.Tensor]],
         top1 = top1_agreement(outs, refs)
     error = set_error([g for g, _ in shares], [w for _, w in shares])
     return Check(error, top1, statistics.median(times))
+
+
+def refuse_unusable(run: Run, model: LoadedModel, inputs: list[list[torch.Tensor]],
+                    expected: list[list[torch.Tensor]], first: Check) -> None:
+    """Raise InferError where the plan at every part's own precision is unusable against
+    torch eager on the check inputs (inf or NaN where eager's outputs are finite, another
+    shape or dtype): no precision brings it back, and serving it would answer wrongly
+    without a word. Each part passed its own build's check on fewer inputs (two: the
+    worker's samples), so this names the input and the parts, and what to change."""
+    if first.error != float("inf"):
+        return
+    why, seen = "returned inf or NaN unlike torch eager's", "the check inputs"
+    for i, (x, want) in enumerate(zip(inputs, expected, strict=True)):
+        got = run(model, x)
+        if set_error([got], [want]) == float("inf"):
+            with contextlib.suppress(Exception):  # (an output that is no tensor: said plainly)
+                why = unusable([g for g in got if g is not None],
+                               [w for w in want if w is not None])
+            seen = f"check input {i} of {len(inputs)}"
+            break
+    parts = ", ".join(f"{r.id} on {r.device} ({r.runtime}, {r.precision})" for r in model.routes)
+    raise InferError(f"refused: as built, the model {why}, on {seen} ({parts}); nothing is "
+                     "served. engine.runtimes can leave that runtime out for its device")
 
 
 def search(run: Run, choose: Choose, model: LoadedModel, budgets: dict[str, float],

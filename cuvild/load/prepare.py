@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cuvild.core.errors import InferError
 from cuvild.core.layout import dynamic_dims, input_table, layout
 from cuvild.core.loaded import Batching, Family, LoadedModel, State, cut_bytes
 from cuvild.core.precision import Accuracy, PrecisionPolicy
@@ -309,6 +310,11 @@ def _settle(builder: Builder, model: LoadedModel, policy: PrecisionPolicy,
     """Check the plan end to end, search the precisions under the budgets (or check the
     recorded choice again), and fix each part at what it will run."""
     first = precision.check(builder.runner.run, model, inputs, expected)
+    try:
+        precision.refuse_unusable(builder.runner.run, model, inputs, expected, first)
+    except InferError:
+        builder.drop(model)  # (never published: its workers let its parts go)
+        raise
     accuracy = Accuracy("auto" if budgets else "fp32", min(budgets.values(), default=None),
                         len(inputs), bool(policy.calibration), eager_ms, first, first)
     if recorded is not None and budgets:

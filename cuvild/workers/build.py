@@ -3,9 +3,9 @@ precision asked for.
 
 The worker reads the model from the registry with the safe loader, cuts it along the plan
 exactly as the daemon did (the split is deterministic), and builds its part through the
-compile cache. Sample data for the numerics check (one random sample; under an error budget,
-those of the end-to-end check; or every calibration sample the user gave) is made only when
-something compiles.
+compile cache. Sample data for the numerics check (two random samples, one for a model that
+keeps state; under an error budget, those of the end-to-end check; or every calibration
+sample the user gave) is made only when something compiles.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from protos.orders import Build, Variant
 from runtimes.base import INT8_MIXED, MIXED, CompileError
 from runtimes.cache import CompileCache
 from runtimes.select import BuiltPart, Candidate, build_part, time_in_turn
-from runtimes.torch_eager import remember_initial, reset
+from runtimes.torch_eager import remember_initial, reset, state_of
 
 # model key -> (what it was split from: archive and plan, its split), while its parts are
 # being built. The plan is part of it: a model planned again under its key (a build that
@@ -46,6 +46,11 @@ MIX_SHARE = 0.8
 # int8+fp32 is held by NNCF's accuracy control on half the calibration inputs (it calibrates
 # on the other half): fewer, and a user's, so it keeps more room.
 INT8_MIX_SHARE = 0.5
+# A part built at its own precision alone is checked on two: seed 1 holds the padded row of
+# `sample_inputs` (a build that gives NaN there fails, and another runtime is taken). A model
+# that keeps state (a language model's cache) on one: a part's inputs read from that state
+# are the state itself, which the next sample's run changes under them.
+OWN_SAMPLES = 2
 
 
 def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tensor]:
@@ -132,13 +137,14 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
     split = load_split(order.split_key, order.archive, order.assignment)
     part = next(p for p in split.parts if p.id == order.part)
     made: list[tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]] = []
+    own = 1 if any(state_of(p.module) for p in split.parts) else OWN_SAMPLES
 
     def samples() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
         if not made:
             models = (calibration_inputs(order.calibration, order.input_specs)
                       if order.calibration else
                       [sample_inputs(order.input_specs, seed)
-                       for seed in range(SEARCH_SAMPLES if order.budget else 1)])
+                       for seed in range(SEARCH_SAMPLES if order.budget else own)])
             inputs, outputs = [], []
             # no_grad, not inference_mode: runtimes re-export the part with these tensors.
             with torch.no_grad():
