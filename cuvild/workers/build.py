@@ -3,8 +3,8 @@ precision asked for.
 
 The worker reads the model from the registry with the safe loader, cuts it along the plan
 exactly as the daemon did (the split is deterministic), and builds its part through the
-compile cache. Sample data for the numerics check (two random samples, one for a model that
-keeps state; under an error budget, those of the end-to-end check; or every calibration
+compile cache. Sample data for the numerics check (one random sample, two where the second
+pads a row; under an error budget, those of the end-to-end check; or every calibration
 sample the user gave) is made only when something compiles.
 """
 
@@ -46,11 +46,10 @@ MIX_SHARE = 0.8
 # int8+fp32 is held by NNCF's accuracy control on half the calibration inputs (it calibrates
 # on the other half): fewer, and a user's, so it keeps more room.
 INT8_MIX_SHARE = 0.5
-# A part built at its own precision alone is checked on two: seed 1 holds the padded row of
-# `sample_inputs` (a build that gives NaN there fails, and another runtime is taken). A model
-# that keeps state (a language model's cache) on one: a part's inputs read from that state
-# are the state itself, which the next sample's run changes under them.
-OWN_SAMPLES = 2
+# A part built at its own precision alone is checked on one sample, and on seed 1's too where
+# that one holds a padded row (`sample_inputs`): a build that gives NaN there fails, and
+# another runtime is taken. Not for a model that keeps state (a language model's cache): a
+# part's inputs read from that state are the state itself, which the next sample changes.
 
 
 def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tensor]:
@@ -73,11 +72,16 @@ def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tens
             out.append(torch.randint(0, spec["high"], shape, generator=gen, dtype=dtype))
         else:
             ones = torch.ones(shape, dtype=dtype)
-            if (spec.get("name") == "attention_mask" and seed % 2 and len(shape) == 2
-                    and min(shape) > 1):
+            if seed % 2 and padded(spec):
                 ones[-1, :shape[1] // 2] = 0
             out.append(ones)
     return out
+
+
+def padded(spec: dict[str, Any]) -> bool:
+    """Whether `sample_inputs` pads this input's last row on odd seeds."""
+    shape = [d if d >= 0 else 1 for d in spec["shape"]]
+    return spec.get("name") == "attention_mask" and len(shape) == 2 and min(shape) > 1
 
 
 def calibration_inputs(path: str, specs: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
@@ -137,7 +141,8 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
     split = load_split(order.split_key, order.archive, order.assignment)
     part = next(p for p in split.parts if p.id == order.part)
     made: list[tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]] = []
-    own = 1 if any(state_of(p.module) for p in split.parts) else OWN_SAMPLES
+    own = 2 if (any(padded(s) for s in order.input_specs)
+                and not any(state_of(p.module) for p in split.parts)) else 1
 
     def samples() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
         if not made:
