@@ -27,7 +27,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cuvild.client import Client
-from cuvild.client.cli import devices_table, format_table
+from cuvild.client.tables import devices_table, format_table
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 180
