@@ -37,6 +37,20 @@ from cuvild.intake.grammar import (
 # Operator namespaces whose ops are all implemented inside torch itself. A namespace is
 # global per process, so "ships with torch" is what makes resolving one by name harmless.
 ALLOWED_OP_NAMESPACES = frozenset({"aten", "prims", "quantized", "quantized_decomposed"})
+# What to do where a library's own op is refused (its code is not torch's: it never runs here).
+# transformers' mixture-of-experts layers (Mixtral, Qwen2/3-MoE, OLMoE, ...) export their
+# default experts implementation as its op; "batched_mm" is plain torch ops and serves as
+# transformers runs (tiny Mixtral and Qwen2-MoE: 2.0e-7, 2.2e-7), but it copies each token's
+# experts' weights (fine for a decode step and short prompts, not a long prefill of a large
+# model). "eager" does not export (its loop over the experts hit is data-dependent).
+FOREIGN_OP_HINTS = {
+    ("transformers", "grouped_mm_fallback"): (
+        ": transformers' mixture-of-experts layers export their default experts "
+        "implementation as its own op, which cuvild does not run. Before exporting, call "
+        "model.set_experts_implementation(\"batched_mm\") (plain torch ops: as transformers "
+        "runs, but each token's experts' weights are copied, so a long prompt through a large "
+        "model needs that much memory)"),
+}
 # aten ops that touch the filesystem when the graph runs (arbitrary file write / read).
 _DENIED_OPS = frozenset({("aten", "save"), ("aten", "from_file")})
 # Control-flow HOPs export emits. Deliberately absent: call_torchbind, with_effects,
@@ -223,7 +237,8 @@ def _check_target(target: str, where: str) -> None:
             raise Reject(f"{where}: higher-order op {target!r} is not allowed")
         return
     if ns not in ALLOWED_OP_NAMESPACES:
-        raise Reject(f"{where}: operator {target!r}: namespace {ns!r} is not allowed")
+        raise Reject(f"{where}: operator {target!r}: namespace {ns!r} is not allowed"
+                     + FOREIGN_OP_HINTS.get((ns, name), ""))
     if (ns, name) in _DENIED_OPS or overload is None or overload.startswith("__"):
         raise Reject(f"{where}: operator {target!r} is not allowed")
     try:  # the registry, by name: nothing of Python is looked up

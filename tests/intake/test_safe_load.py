@@ -447,3 +447,31 @@ def test_a_size_read_from_the_data_that_torch_cannot_load_back_is_refused_saying
         return
     with pytest.raises(UnsafeArchive, match="a size read from the data"):
         load_exported_program(path)
+
+
+def test_a_mixture_of_experts_exported_as_transformers_op_is_refused_saying_what_to_do(
+        tmp_path: Path) -> None:
+    """transformers' MoE layers (Mixtral here) export their default experts implementation
+    as transformers' own op: refused (its code is not torch's), saying how to export plain
+    torch ops instead; exported so, the model loads and computes as transformers."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 6))
+    path = tmp_path / "moe.pt2"
+    torch.export.save(torch.export.export(model, (), {"input_ids": ids}), path)
+    try:  # (a transformers that exports its experts as torch ops: nothing to say)
+        validate_archive(path)
+    except UnsafeArchive as e:
+        assert "grouped_mm_fallback" in e.reason
+        assert 'model.set_experts_implementation("batched_mm")' in e.reason
+    model.set_experts_implementation("batched_mm")
+    torch.export.save(torch.export.export(model, (), {"input_ids": ids}), path)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = load_exported_program(path).module()(input_ids=ids)["logits"]
+    torch.testing.assert_close(got, want)
