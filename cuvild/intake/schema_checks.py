@@ -24,6 +24,7 @@ from torch._export.serde import schema
 from torch._export.serde.serialize import _SYM_OPS
 from torch._export.serde.union import _Union
 
+from cuvild.intake import foreign_ops
 from cuvild.intake.grammar import (
     BAD_FQN_CHARS,
     BAD_TEXT_CHARS,
@@ -36,21 +37,8 @@ from cuvild.intake.grammar import (
 
 # Operator namespaces whose ops are all implemented inside torch itself. A namespace is
 # global per process, so "ships with torch" is what makes resolving one by name harmless.
+# Beside them, the few ops of other libraries that cuvild defines itself (foreign_ops.py).
 ALLOWED_OP_NAMESPACES = frozenset({"aten", "prims", "quantized", "quantized_decomposed"})
-# What to do where a library's own op is refused (its code is not torch's: it never runs here).
-# transformers' mixture-of-experts layers (Mixtral, Qwen2/3-MoE, OLMoE, ...) export their
-# default experts implementation as its op; "batched_mm" is plain torch ops and serves as
-# transformers runs (tiny Mixtral and Qwen2-MoE: 2.0e-7, 2.2e-7), but it copies each token's
-# experts' weights (fine for a decode step and short prompts, not a long prefill of a large
-# model). "eager" does not export (its loop over the experts hit is data-dependent).
-FOREIGN_OP_HINTS = {
-    ("transformers", "grouped_mm_fallback"): (
-        ": transformers' mixture-of-experts layers export their default experts "
-        "implementation as its own op, which cuvild does not run. Before exporting, call "
-        "model.set_experts_implementation(\"batched_mm\") (plain torch ops: as transformers "
-        "runs, but each token's experts' weights are copied, so a long prompt through a large "
-        "model needs that much memory)"),
-}
 # aten ops that touch the filesystem when the graph runs (arbitrary file write / read).
 _DENIED_OPS = frozenset({("aten", "save"), ("aten", "from_file")})
 # Control-flow HOPs export emits. Deliberately absent: call_torchbind, with_effects,
@@ -236,9 +224,7 @@ def _check_target(target: str, where: str) -> None:
         if not isinstance(hop, torch._ops.HigherOrderOperator):  # noqa: SLF001 - torch's op classes live in torch._ops
             raise Reject(f"{where}: higher-order op {target!r} is not allowed")
         return
-    if ns not in ALLOWED_OP_NAMESPACES:
-        raise Reject(f"{where}: operator {target!r}: namespace {ns!r} is not allowed"
-                     + FOREIGN_OP_HINTS.get((ns, name), ""))
+    _check_namespace(ns, name, overload, target, where)
     if (ns, name) in _DENIED_OPS or overload is None or overload.startswith("__"):
         raise Reject(f"{where}: operator {target!r} is not allowed")
     try:  # the registry, by name: nothing of Python is looked up
@@ -252,6 +238,17 @@ def _check_target(target: str, where: str) -> None:
     is_op = isinstance(op, torch._ops.OpOverload)  # noqa: SLF001 - torch's op classes live in torch._ops
     if not is_op or op.namespace != ns or op.name().split(".")[0] != f"{ns}::{name}":
         raise Reject(f"{where}: operator {target!r} does not resolve to an op overload")
+
+
+def _check_namespace(ns: str, name: str, overload: str | None, target: str, where: str) -> None:
+    """Torch's own namespaces, or an op of another library that cuvild defines itself (as
+    that library does: foreign_ops.py), defined now where this process has none."""
+    if (ns, name) in foreign_ops.KNOWN and overload == "default":
+        if not foreign_ops.ensure(ns, name):
+            raise Reject(f"{where}: operator {target!r} is declared otherwise in this process "
+                         f"than {foreign_ops.KNOWN[(ns, name)]!r}, which cuvild runs")
+    elif ns not in ALLOWED_OP_NAMESPACES:
+        raise Reject(f"{where}: operator {target!r}: namespace {ns!r} is not allowed")
 
 
 def _check_node_metadata(meta: dict[str, str], where: str) -> None:

@@ -449,12 +449,17 @@ def test_a_size_read_from_the_data_that_torch_cannot_load_back_is_refused_saying
         load_exported_program(path)
 
 
-def test_a_mixture_of_experts_exported_as_transformers_op_is_refused_saying_what_to_do(
+def test_a_mixture_of_experts_exported_with_transformers_defaults_loads_as_transformers_runs(
         tmp_path: Path) -> None:
     """transformers' MoE layers (Mixtral here) export their default experts implementation
-    as transformers' own op: refused (its code is not torch's), saying how to export plain
-    torch ops instead; exported so, the model loads and computes as transformers."""
+    as transformers' own op: it is let through, defined as transformers defines it where a
+    process has not (cuvild/intake/foreign_ops.py), and the program computes as
+    transformers; cuvild's definition computes as transformers' own code."""
     transformers = pytest.importorskip("transformers")
+    from transformers.integrations import moe
+
+    from cuvild.intake.foreign_ops import grouped_mm
+
     config = transformers.MixtralConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
@@ -464,14 +469,13 @@ def test_a_mixture_of_experts_exported_as_transformers_op_is_refused_saying_what
     ids = torch.randint(0, 64, (1, 6))
     path = tmp_path / "moe.pt2"
     torch.export.save(torch.export.export(model, (), {"input_ids": ids}), path)
-    try:  # (a transformers that exports its experts as torch ops: nothing to say)
-        validate_archive(path)
-    except UnsafeArchive as e:
-        assert "grouped_mm_fallback" in e.reason
-        assert 'model.set_experts_implementation("batched_mm")' in e.reason
-    model.set_experts_implementation("batched_mm")
-    torch.export.save(torch.export.export(model, (), {"input_ids": ids}), path)
+    assert "torch.ops.transformers.grouped_mm_fallback.default" in validate_archive(
+        path).op_targets
     with torch.no_grad():
         want = model(input_ids=ids).logits
         got = load_exported_program(path).module()(input_ids=ids)["logits"]
     torch.testing.assert_close(got, want)
+    rows, weight = torch.randn(7, 5), torch.randn(3, 5, 4)
+    offs = torch.tensor([2, 2, 7])  # (the second expert gets no row)
+    assert torch.equal(grouped_mm(rows, weight, offs),
+                       moe._grouped_mm_fallback(rows, weight, offs))  # noqa: SLF001 - theirs

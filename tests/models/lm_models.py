@@ -43,6 +43,12 @@ FAMILIES = {
     "gptneox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=CONTEXT)),
+    # a mixture of experts, exported as transformers does by default: its experts' grouped
+    # matmul as transformers' own op (cuvild/intake/foreign_ops.py)
+    "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=CONTEXT)),
 }
 
 

@@ -89,6 +89,23 @@ def test_every_surface_generates_as_transformers(daemon, served) -> None:  # noq
     assert json.loads(done.stdout)["output_ids"] == want["gpt2"]
 
 
+def test_a_mixture_of_experts_exported_as_transformers_does_generates_as_transformers(
+        daemon, tmp_path) -> None:  # noqa: ANN001
+    """Mixtral exported with transformers' defaults holds transformers' own op for its
+    experts: the daemon (which never imports transformers) defines it as transformers does
+    (cuvild/intake/foreign_ops.py) and serves the model; unloaded after (shared daemon)."""
+    hf = lm_models.lm("mixtral")
+    archive = tmp_path / "mixtral.pt2"
+    torch.export.save(lm_models.export(hf, dynamic=True), archive)
+    with Client(daemon.target) as client:
+        client.load_file("mixtral", archive)
+        try:
+            got = [t["token_id"] for t in client.generate("mixtral", PROMPT, max_tokens=6)]
+        finally:
+            client.unload("mixtral")
+    assert got == lm_models.reference(hf, PROMPT, 6)
+
+
 def test_a_language_model_is_built_for_generation_before_it_is_ready(daemon) -> None:  # noqa: ANN001
     """engine.sequences.warm_up (on by default): a dynamic-length model's decode step
     and its twin's longest prompt chunk (16 tokens: the longest of 128, 64, 16, 4 within its
