@@ -6,10 +6,11 @@ transformers' mixture-of-experts layers (Mixtral, Qwen2/3-MoE, OLMoE, ...) expor
 default experts implementation as `transformers::grouped_mm_fallback`: each expert's rows of
 the input (sorted by expert; `offs` the running count of rows per expert) times that
 expert's weight, as its own custom op (transformers/integrations/moe.py). Its meaning is
-fixed by its schema and its code there; this is the same computation. Where transformers
-defined it first in a process (a client, a test that built the model), its own is used; a
-process that defines ours never imports transformers' MoE layers after (torch refuses a
-second definition): cuvild's daemon, forkserver and workers never import transformers.
+fixed by its schema and its code there; this is the same computation. In a process that
+imports transformers' MoE layers (a client, a test that built the model), before ours or
+after, transformers' own definition is the one that runs (torch keeps the last, and ours is
+made only where none is); cuvild's daemon, forkserver and workers never import transformers,
+and run this one.
 """
 
 from __future__ import annotations

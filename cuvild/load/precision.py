@@ -228,8 +228,8 @@ def refuse_unusable(run: Run, model: LoadedModel, inputs: list[list[torch.Tensor
     """Raise InferError where the plan at every part's own precision is unusable against
     torch eager on the check inputs (inf or NaN where eager's outputs are finite, another
     shape or dtype): no precision brings it back, and serving it would answer wrongly
-    without a word. Each part passed its own build's check on fewer inputs (two: the
-    worker's samples), so this names the input and the parts, and what to change."""
+    without a word. Each part passed its own build's check on fewer inputs (the worker's
+    one or two samples), so this names the input and the parts, and what to change."""
     if first.error != float("inf"):
         return
     why, seen = "returned inf or NaN unlike torch eager's", "the check inputs"

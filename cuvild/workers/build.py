@@ -46,10 +46,6 @@ MIX_SHARE = 0.8
 # int8+fp32 is held by NNCF's accuracy control on half the calibration inputs (it calibrates
 # on the other half): fewer, and a user's, so it keeps more room.
 INT8_MIX_SHARE = 0.5
-# A part built at its own precision alone is checked on one sample, and on seed 1's too where
-# that one holds a padded row (`sample_inputs`): a build that gives NaN there fails, and
-# another runtime is taken. Not for a model that keeps state (a language model's cache): a
-# part's inputs read from that state are the state itself, which the next sample changes.
 
 
 def sample_inputs(specs: list[dict[str, Any]], seed: int = 0) -> list[torch.Tensor]:
@@ -141,6 +137,10 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
     split = load_split(order.split_key, order.archive, order.assignment)
     part = next(p for p in split.parts if p.id == order.part)
     made: list[tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]] = []
+    # At its own precision alone, a part is checked on one sample, and on seed 1's too where
+    # that one holds a padded row (`padded`): a build that gives NaN there fails, and another
+    # runtime is taken. Not for a model that keeps state (a language model's cache): a part's
+    # inputs read from that state are the state itself, which the next sample changes.
     own = 2 if (any(padded(s) for s in order.input_specs)
                 and not any(state_of(p.module) for p in split.parts)) else 1
 

@@ -1,9 +1,9 @@
 """cuvild/load/precision.py `refuse_unusable`: a plan whose outputs, at every part's own
 precision, hold NaN or inf where torch eager's are finite is refused, naming the input and
 the parts; a finite error, however large, is left to the budgets. The runner here is a
-stand-in: every part's own build check passes on two sample inputs (cuvild/workers/build.py),
-so no runtime of this host gives such a plan on demand (tests/runtimes/test_masks.py shows
-the build refusing one)."""
+stand-in: every part's own build is checked on its samples first (two where one holds a
+padded row: cuvild/workers/build.py), so no runtime of this host gives such a plan on demand
+(tests/runtimes/test_masks.py shows the build refusing one)."""
 
 from __future__ import annotations
 
