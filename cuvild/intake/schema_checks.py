@@ -114,9 +114,14 @@ def from_json(tp: Any, data: Any) -> Any:  # noqa: C901, PLR0911 - a branch per 
     if origin is dict and isinstance(data, dict):
         value_tp = typing.get_args(tp)[1]
         return {k: from_json(value_tp, v) for k, v in data.items()}
-    if tp is float and isinstance(data, int | float):
+    if tp is float and (isinstance(data, int | float) or data in NON_FINITE):
         return float(data)
     return data
+
+
+# How torch's serializer writes a float that JSON cannot hold (a masked_fill with -inf: PhiMoE's
+# router); torch's reader takes any string float() parses, this one these three alone.
+NON_FINITE = frozenset({"Infinity", "-Infinity", "NaN"})
 
 
 def walk(tp: Any, value: Any, where: str) -> None:  # noqa: C901 - a branch per schema node kind

@@ -479,3 +479,28 @@ def test_a_mixture_of_experts_exported_with_transformers_defaults_loads_as_trans
     offs = torch.tensor([2, 2, 7])  # (the second expert gets no row)
     assert torch.equal(grouped_mm(rows, weight, offs),
                        moe._grouped_mm_fallback(rows, weight, offs))  # noqa: SLF001 - theirs
+
+
+class MinusInf(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(x < 0, float("-inf")).softmax(-1)  # (a router's, a causal mask's)
+
+
+def test_an_infinite_float_argument_loads_and_other_strings_in_its_place_are_refused(
+        tmp_path: Path) -> None:
+    """torch writes a float argument JSON cannot hold as "Infinity", "-Infinity" or "NaN"
+    (a masked_fill with -inf: PhiMoE's router, nn.Transformer's causal mask): such a model
+    loads and computes as torch (it was refused as 'expected float, got str'); another
+    string where a float goes is still refused (torch's own reader takes any float())."""
+    x = torch.randn(3, 4)
+    path = tmp_path / "inf.pt2"
+    torch.export.save(torch.export.export(MinusInf(), (x,)), path)
+    program = model_json(path)
+    (node,) = [n for n in program["graph_module"]["graph"]["nodes"]
+               if n["target"].endswith("masked_fill.Scalar")]
+    assert node["inputs"][2]["arg"] == {"as_float": "-Infinity"}
+    assert torch.equal(load_exported_program(path).module()(x), MinusInf()(x))
+    node["inputs"][2]["arg"] = {"as_float": "-1e308"}
+    edited = rewrite(path, tmp_path / "edited.pt2", {"models/model.json": json.dumps(program)})
+    with pytest.raises(UnsafeArchive, match="as_float: expected float, got str"):
+        load_exported_program(edited)
