@@ -47,6 +47,7 @@ from torch._export.serde.serialize import (
 
 from cuvild.intake import cuda_guard
 from cuvild.intake.errors import UnsafeArchive
+from cuvild.intake.grad_regions import inline_grad_regions
 from cuvild.intake.grammar import BAD_TEXT_CHARS, Reject
 from cuvild.intake.payload_checks import (
     CONSTANT_RE,
@@ -495,6 +496,7 @@ def load_archive(
     except Exception as e:  # schema version, dangling names, verifier errors, ...
         raise UnsafeArchive(_MODEL_JSON, f"rejected by torch's deserializer: {e}"
                             f"{UNBACKED_HINT if 'unbacked symbols' in str(e) else ''}") from e
+    inline_grad_regions(ep)  # `with torch.no_grad():` in a forward (grad_regions.py)
     return ep, info
 
 

@@ -504,3 +504,42 @@ def test_an_infinite_float_argument_loads_and_other_strings_in_its_place_are_ref
     edited = rewrite(path, tmp_path / "edited.pt2", {"models/model.json": json.dumps(program)})
     with pytest.raises(UnsafeArchive, match="as_float: expected float, got str"):
         load_exported_program(edited)
+
+
+class GradRegions(torch.nn.Module):
+    """A router computed under `torch.no_grad()` as PhiMoE's is, two regions, and a region's
+    value returned as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        with torch.no_grad():
+            scale = h.abs().amax(-1, keepdim=True).clamp(min=1e-3)
+        h = self.a(h / scale)
+        with torch.no_grad():
+            gate = h > 0.25
+        return self.b(h * gate), scale
+
+
+def test_a_no_grad_region_is_inlined_and_computes_as_torch(tmp_path: Path) -> None:
+    """torch.export writes `with torch.no_grad():` as a higher-order op over a submodule; the
+    loader puts its ops back in the graph (inference: the grad mode changes nothing), so no
+    part is ever handed a submodule as an input (PhiMoE failed to build so)."""
+    torch.manual_seed(0)
+    model, x = GradRegions().eval(), torch.randn(3, 8)
+    path = tmp_path / "regions.pt2"
+    torch.export.save(torch.export.export(model, (x,)), path)
+    assert "torch.ops.higher_order.wrap_with_set_grad_enabled" in validate_archive(
+        path).op_targets
+    ep = load_exported_program(path)
+    assert not [n for n in ep.graph.nodes if n.op in ("get_attr", "call_module")
+                or "higher_order" in str(n.target)]
+    assert not list(ep.graph_module.named_children())
+    (output,) = [n for n in ep.graph.nodes if n.op == "output"]
+    assert [a.name for a in output.args[0]] == list(ep.graph_signature.user_outputs)
+    with torch.no_grad():
+        for got, want in zip(ep.module()(x), model(x), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -215,3 +215,33 @@ def test_a_spec_nested_past_the_interpreters_depth_gives_the_dict(depth: int) ->
     finally:
         sys.setrecursionlimit(limit)
     assert got is outputs or type(got).__name__ == "BaseModelOutput"
+
+
+class Gated(torch.nn.Module):
+    """A gate computed under `torch.no_grad()`, as PhiMoE's router is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            gate = h.abs().amax(-1, keepdim=True) > 0.5
+        return self.b(h * gate)
+
+
+def test_a_model_with_a_no_grad_region_serves(env: Env) -> None:
+    """torch.export writes `with torch.no_grad():` as a higher-order op over a submodule,
+    which every load once handed to a part as an input it could not build ("input submod_1 of
+    the part has no tensor metadata": PhiMoE); the loader puts its ops back inline
+    (cuvild/intake/grad_regions.py)."""
+    torch.manual_seed(0)
+    model, x = Gated().eval(), torch.randn(3, 16)
+    with Client(env.daemon.target) as client:
+        try:
+            client.load("gated", model, (x,), precision="fp32")
+            got = client.infer("gated", x)["output0"]
+        finally:
+            client.unload("gated")
+    torch.testing.assert_close(got, model(x).detach(), rtol=1e-5, atol=1e-5)
