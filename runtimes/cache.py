@@ -173,6 +173,7 @@ def _dir_size(path: Path) -> int:
 
 class CompileCache:
     def __init__(self, root: Path, max_bytes: int = 10 << 30, key: bytes | None = None) -> None:
+        self.root = root
         self.entries = root / "compiled"
         self.choices = root / "choices"
         self.max_bytes = max_bytes
@@ -182,7 +183,8 @@ class CompileCache:
         for d in (self.entries, self.choices):
             d.mkdir(parents=True, exist_ok=True)
         # a crash mid-write (each worker makes one: young temps may be another's write)
-        remove_leftovers(root, "compiled/.tmp-*", "choices/.tmp-*")
+        # (and compile markers of workers long gone: runtimes/crashes.py)
+        remove_leftovers(root, "compiled/.tmp-*", "choices/.tmp-*", "crashes/*.trying")
 
     # -- keys ----------------------------------------------------------------------------
     @staticmethod

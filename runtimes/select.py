@@ -52,7 +52,7 @@ import torch
 from torch import fx
 
 from partitioner.profile import DeviceProfile
-from runtimes import registry
+from runtimes import crashes, registry
 from runtimes.base import (
     INT8_MIXED,
     MIXED,
@@ -88,6 +88,8 @@ BLOCK_RUNS, BLOCK_S = 20, 0.02  # ...in blocks of runs back to back: at most so 
 # on a CPU without fp16 units, a 128-token prompt of the 200M Llama, 1014 ms a run vs 232 at
 # fp32, 20 s of the first request's 56 s under a budget)
 SLOWER = 1.25
+CRASHED = ("it killed its worker process compiling this part here before (runtimes/"
+           "crashes.py: not tried on it again)")
 
 
 @dataclass
@@ -289,10 +291,10 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
             if reason:
                 tried.append(Candidate(name, "skipped", reason, precision=precision))
                 continue
-        if progress:
+        if progress and not crashes.crashed(cache.root, part_key, name):
             progress(name)
-        cand, exe = _try(name, part, spec, inputs, expected, cache, part_key, timeout_s,
-                         None if precision.endswith(MIXED) else slower_than)
+        cand, exe = _try_marked(name, part, spec, inputs, expected, cache, part_key, timeout_s,
+                                None if precision.endswith(MIXED) else slower_than)
         cand.precision = precision
         if exe is not None and cand.status == "ok" and (chosen is not None or exe.note):
             # which groups stayed fp32, and why (a mix); which ops the quantizer kept fp32
@@ -490,6 +492,18 @@ def _slower(exe: Executable, spec: CompileSpec, than: tuple[str, float] | None,
             return None
     return (f"{ms:.1f} ms a run against {than[1]:.1f} ms at {than[0]}: not faster, its error "
             f"not measured"), ms
+
+
+def _try_marked(name: str, part: fx.GraphModule, spec: CompileSpec,
+                inputs: list[list[torch.Tensor]], expected: list[list[torch.Tensor]],
+                cache: CompileCache, part_key: str, timeout_s: float,
+                slower_than: tuple[str, float] | None) -> tuple[Candidate, Executable | None]:
+    """`_try`, marked as a compile in progress (runtimes/crashes.py); one that killed a worker
+    here before is not tried again."""
+    if crashes.crashed(cache.root, part_key, name):
+        return Candidate(name, "failed", CRASHED), None
+    with crashes.attempt(cache.root, part_key, name):
+        return _try(name, part, spec, inputs, expected, cache, part_key, timeout_s, slower_than)
 
 
 def _try(name: str, part: fx.GraphModule, spec: CompileSpec, inputs: list[list[torch.Tensor]],  # noqa: C901 - one candidate: load or compile, check, time, store

@@ -73,6 +73,7 @@ class Route:
     tolerance: float | None = None
     budget: float | None = None  # the model's end-to-end budget under `auto` (a mix aims under it)
     variants: dict[str, Variant] = field(default_factory=dict)
+    generation: int = -1  # the start of its device's worker that built it (-1: not known)
 
 
 Shapes = tuple[tuple[int, ...], ...]  # a request's input shapes, one tuple per input

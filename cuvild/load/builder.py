@@ -96,11 +96,11 @@ class Builder:
         parts = {p.id: p for p in model.plan.parts}
         todo = [(device, i, pid) for device, part_ids in model.parts_by_device.items()
                 if not only_device or device == only_device for i, pid in enumerate(part_ids)]
-        futures: list[tuple[Route, Future[Reply]]] = []
+        futures: list[tuple[Route, Build, Any, int, Future[Reply]]] = []
         for k, (device, i, pid) in enumerate(todo, 1):
             route = next(r for r in model.routes if r.id == pid)
             label = f"building part {k} of {len(todo)} on {device}"
-            futures.append((route, self.workers.of(device).call(Build(
+            order = Build(
                 model=model.key, part=pid, archive=model.archive, assignment=assignment,
                 precisions=route.precisions or [route.precision],
                 input_specs=model.input_specs, timeout_s=self.compile_timeout_s,
@@ -111,24 +111,26 @@ class Builder:
                 calibration_tag=policy.calibration_tag,
                 allowed=registry.allowed_runtimes(self.runtimes, self.devices[device]),
                 floor_ms=None if model.bucket else precision.floors(
-                    parts[pid], self.devices[device], route.precisions or [route.precision])),
-                told=progress and (lambda text, label=label: progress(f"{label}: {text}")))))
+                    parts[pid], self.devices[device], route.precisions or [route.precision]))
+            told = progress and (lambda text, label=label: progress(f"{label}: {text}"))
+            worker = self.workers.of(device)
+            futures.append((route, order, told, worker.generation,
+                            worker.call(order, told=told)))
         model.policy = policy
         t0 = time.monotonic()
         deadline = t0 + self.build_timeout_s if deadline is None else deadline
-        for k, (route, future) in enumerate(futures, 1):
+        for k, (route, order, told, generation, future) in enumerate(futures, 1):
+            route.generation = generation
             if progress:
                 progress(f"building part {k} of {len(futures)} on {route.device}")
             try:
-                reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                try:
+                    reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except WorkerDied as e:
+                    reply, route.generation = self._again(route, order, told, e, deadline)
             except FutureTimeout:
                 raise RunTimeout(f"building part {route.id} for {route.device}: no reply in "
                                  f"{time.monotonic() - t0:.1f} s") from None
-            except WorkerDied as e:  # a compiler crashed it (AOTInductor's load on torch
-                # 2.11 did on an H200): as a build that failed, so the part is planned again
-                # off that device; the worker is revived for the next build
-                raise fallback.BuildFailed(f"building part {route.id} for {route.device} "
-                                           f"failed: {e}", route.id, route.device) from None
             if not reply.ok or not isinstance(reply.result, Built):
                 raise fallback.BuildFailed(f"building part {route.id} for {route.device} "
                                            f"failed: {reply.error}", route.id, route.device)
@@ -137,6 +139,45 @@ class Builder:
             route.runtime, route.built = reply.result.runtime, reply.result
             route.variants = {v.precision: v for v in reply.result.variants}
             route.precision = (route.precisions or [route.precision])[0]
+        self.rebuild_lost(model)
+
+    def rebuild_lost(self, model: LoadedModel) -> None:
+        """Build again, at the precisions chosen for them, the parts of `model` whose worker
+        died since it built them and was revived under another build (`_again`; a revived
+        worker puts back only the parts of models served)."""
+        lost = {r.device for r in model.routes
+                if r.generation >= 0 and r.generation != self.workers.of(r.device).generation}
+        for device in sorted(lost):
+            log.warning("model %s: building its parts on %s again (their worker died)",
+                        model.key, device)
+            chosen = {r.id: r.precision for r in model.routes if r.device == device}
+            self.build(model, only_device=device)
+            for route in model.routes:
+                if route.device == device and route.precision != chosen[route.id]:
+                    self.choose(model, route, chosen[route.id])
+
+    def _again(self, route: Route, order: Build, told: Any, died: WorkerDied,
+               deadline: float) -> tuple[Reply, int]:
+        """A Build whose worker died under it. The worker is revived (its served parts put
+        back); where a compile killed it (runtimes/crashes.py: OpenVINO 2026.4's SIGFPE on
+        an AMX Xeon, AOTInductor's load on torch 2.11), the build is sent once more, and
+        the search leaves that compile out. A death of no known compile, or a second one, is
+        a build that failed: the part is planned again off that device. (Parts built by the
+        start that died are gone with it: `rebuild_lost`.)"""
+        self.workers.revive_later(route.device)
+        if died.compiles and self.workers.wait_usable(route.device,
+                                                      deadline - time.monotonic()):
+            log.warning("building part %s for %s again: %s", route.id, route.device, died)
+            worker = self.workers.of(route.device)
+            try:
+                generation = worker.generation
+                return worker.call(order, told=told).result(
+                    timeout=max(0.0, deadline - time.monotonic())), generation
+            except WorkerDied as e:
+                self.workers.revive_later(route.device)
+                died = e
+        raise fallback.BuildFailed(f"building part {route.id} for {route.device} failed: "
+                                   f"{died}", route.id, route.device) from None
 
     def choose(self, model: LoadedModel, route: Route, at: str, final: bool = False) -> None:
         """Have the part's worker run it at precision `at` (built before)."""

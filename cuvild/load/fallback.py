@@ -9,7 +9,9 @@ model again, saying so in the plan; a part strictly pinned there fails as before
 build's own error. Planned again, other nodes may take the banned ones' place on that device
 and fail as well (a compiler that crashes on whatever it is given): they are banned too, up
 to MAX_BANS times a device. A worker that dies while building (a compiler's crash:
-AOTInductor's package load on torch 2.11 did on an H200) is such a failed build too.
+AOTInductor's package load on torch 2.11 did on an H200) is revived and the part built once
+more without the compile that killed it (cuvild/load/builder.py `_again`); where that fails
+too, or the death named no compile, it is such a failed build.
 """
 
 from __future__ import annotations

@@ -197,6 +197,7 @@ def prepare(builder: Builder, key: str, name: str, version: str, archive: Path, 
         ours_ms = theirs_ms = 0.0
         if other is not None:
             try:
+                builder.rebuild_lost(model)  # (a worker the other's build crashed: _again)
                 ours_ms, theirs_ms = guard.timed(builder.runner.run, model, other, inputs)
             finally:
                 builder.unload(other.key)

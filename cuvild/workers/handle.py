@@ -17,6 +17,7 @@ names the one it means, so a worker is killed once, never its successor.
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing as mp
 import socket
 import threading
@@ -29,10 +30,19 @@ from cuvild.intake import forks
 from cuvild.workers.worker import Worker, process_main, serve
 from partitioner.profile import DeviceProfile
 from protos.orders import Attach, Envelope, Order, Progress, Reply
+from runtimes import crashes
+
+log = logging.getLogger(__name__)
+ENDED_S = 5.0  # how long a reader waits for a worker whose pipe closed to have ended
 
 
 class WorkerDied(RuntimeError):
-    pass
+    """A worker start ended under a call; `compiles`: the compiles it died in
+    ("<part key>-<runtime>", runtimes/crashes.py), where a crash signal killed it."""
+
+    def __init__(self, text: str, compiles: list[str] | None = None) -> None:
+        super().__init__(text)
+        self.compiles = compiles or []
 
 
 class WorkerHandle:
@@ -70,7 +80,8 @@ class WorkerHandle:
         del theirs
         self.conn = ours
         self._reader = threading.Thread(target=self._read,
-                                        args=(ours, self._pending, self.generation),
+                                        args=(ours, self._pending, self.generation,
+                                              self.process),
                                         name=f"reply-{self.device.id}", daemon=True)
         self._reader.start()
 
@@ -86,13 +97,26 @@ class WorkerHandle:
         """Wait for a stopped start to end."""
         self.process.join(timeout)
 
-    def _died(self, detail: str = "") -> WorkerDied:
-        code = getattr(self.process, "exitcode", None)
-        return WorkerDied(f"worker for {self.device.id} died"
-                          + (f" (exit code {code})" if code is not None else "")
-                          + (f": {detail}" if detail else ""))
+    def _died(self, detail: str = "", process: Any = None) -> WorkerDied:
+        """The error of a start that died; with its `process`, how it ended (and the compile
+        that killed it, remembered: runtimes/crashes.py)."""
+        code = self._ended(process) if process is not None else None
+        how = crashes.describe(code)
+        named = crashes.confirm(Path(self.cache_dir), process.pid, code) if how else []
+        text = f"worker for {self.device.id} died" + (f" ({how})" if how else "")
+        if named:
+            text += (f" compiling with {', '.join(n.partition('-')[2] for n in named)}"
+                     " (not tried on that part here again)")
+        if code:
+            log.error("%s", text)
+        return WorkerDied(text + (f": {detail}" if detail else ""), named)
 
-    def _read(self, conn: Any, pending: dict[int, Future[Reply]], generation: int) -> None:
+    def _ended(self, process: Any) -> int | None:
+        """The exit code of a start whose pipe closed (None: a thread's, or not known)."""
+        return None
+
+    def _read(self, conn: Any, pending: dict[int, Future[Reply]], generation: int,
+              process: Any) -> None:
         while True:
             try:
                 reply: Reply = conn.recv()
@@ -108,7 +132,7 @@ class WorkerHandle:
             if future is not None and not future.done():
                 future.set_result(reply)
         self._broke(generation)
-        error = self._died()
+        error = self._died(process=process)
         for rid in list(pending):
             future = pending.pop(rid, None)
             if future is not None and not future.done():
@@ -200,6 +224,10 @@ class ProcessWorker(WorkerHandle):
 
     def _end(self) -> None:
         self.process.kill()
+
+    def _ended(self, process: Any) -> int | None:
+        process.join(ENDED_S)  # (its pipe closed as it ended: reaped at once)
+        return process.exitcode
 
     def _join(self, timeout: float) -> None:
         self.process.join(timeout)
