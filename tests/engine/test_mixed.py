@@ -235,7 +235,7 @@ def test_no_mix_is_built_where_bf16_alone_holds(engine, archive):
     tried = loaded.routes[0].built.candidates
     if not any(c["precision"] == "bf16" and c["status"] == "ok" for c in tried):
         # bf16 ran no faster than fp32 here (a timing: on a loaded 2-core host it once did),
-        # so it was not built, its error not measured, and the mix is tried as it should be
+        # so it was not built, its error not measured, and no mix is built either
         assert any(c["precision"] == "bf16" and c["status"] == "skipped"
                    and "not faster" in c["reason"] for c in tried), tried
         return
@@ -244,6 +244,28 @@ def test_no_mix_is_built_where_bf16_alone_holds(engine, archive):
     mix = [c for c in tried if c["precision"] == "bf16+fp32"]
     assert len(mix) == 1 and mix[0]["status"] == "skipped", mix
     assert mix[0]["reason"].startswith("not built: bf16 alone measures"), mix
+
+
+def test_no_mix_is_built_where_its_low_precision_alone_ran_no_faster() -> None:
+    """A mix keeps groups at the own precision, chosen by their error: where the low
+    precision alone ran no faster on any runtime (a 0.02 ms part: casts and calls cost more
+    than the math), the mix is not built (it cost the demo 15 of its 18 s under `auto`)."""
+    from types import SimpleNamespace
+
+    from cuvild.workers.build import _needless_mix
+    from runtimes.select import BuiltPart, Candidate
+
+    order = SimpleNamespace(budget=1e-2, precisions=["fp32", "bf16", "bf16+fp32"])
+    fp32 = BuiltPart("onnxruntime", None, [Candidate("onnxruntime", "ok", median_ms=0.0218)])
+    tried = [{"precision": "bf16", "runtime": "openvino", "status": "skipped",
+              "median_ms": 0.105}, {"precision": "bf16", "runtime": "torch",
+                                    "status": "skipped", "median_ms": 0.0908}]
+    said = _needless_mix("bf16+fp32", {"fp32": fp32}, order, tried)
+    assert said == ("not built: bf16 alone ran 0.0908 ms at best against 0.0218 ms at fp32; "
+                    "a mix of the two is no faster")
+    tried[1]["median_ms"] = 0.0120  # faster, over the budget: the mix's own case
+    assert _needless_mix("bf16+fp32", {"fp32": fp32}, order, tried) == ""
+    assert _needless_mix("bf16", {"fp32": fp32}, order, tried) == ""  # (not a mix)
 
 
 # -- a runtime whose bf16 is wrong: the end-to-end check refuses it -------------------------
