@@ -227,18 +227,26 @@ def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build,
     low = precision.removesuffix(MIXED) if precision.endswith(MIXED) else None
     if low is None or not order.budget:
         return ""
-    own = _own_time(built, order.precisions[0])
-    ran = [c["median_ms"] for c in tried if c["precision"] == low and c["median_ms"] > 0]
-    if own is not None and ran and min(ran) >= own[1]:
-        return (f"not built: {low} alone ran {min(ran):.3g} ms at best against {own[1]:.3g} ms "
-                f"at {own[0]}; a mix of the two is no faster")
-    if low not in built:
-        return ""
+    slower = _no_faster(low, built, order, tried)
+    if slower or low not in built:
+        return slower
     b = built[low]
     error = min(c.rel_error for c in b.candidates if c.runtime == b.runtime and c.status == "ok")
     target = order.budget * MIX_SHARE
     return (f"not built: {low} alone measures {error:.1e} <= {target:.0e} on this part"
             if error <= target else "")
+
+
+def _no_faster(low: str, built: dict[str, BuiltPart], order: Build,
+               tried: list[dict[str, Any]]) -> str:
+    """Why `low`'s mix need not be built where `low` alone ran no faster than the part's own
+    precision on any runtime ("" otherwise)."""
+    own = _own_time(built, order.precisions[0])
+    ran = [c["median_ms"] for c in tried if c["precision"] == low and c["median_ms"] > 0]
+    if own is None or not ran or min(ran) < own[1]:
+        return ""
+    return (f"not built: {low} alone ran {min(ran):.3g} ms at best against {own[1]:.3g} ms at "
+            f"{own[0]}; a mix of the two is no faster")
 
 
 def variants(built: dict[str, BuiltPart]) -> list[Variant]:

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import lm_models
+import pytest
 import torch
 from engine_helpers import CORES
 from test_sequences import stepper
@@ -107,7 +108,14 @@ def held_at_fp32(engine: Engine, model: LoadedModel, ep: torch.export.ExportedPr
             for n in accuracy["notes"]), accuracy
 
 
-def test_each_bucket_searches_its_precision_within_the_budget(tmp_path: Path) -> None:
+def test_each_bucket_searches_its_precision_within_the_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the chunk's mix built whatever bf16 alone measured against fp32 on this host (the tiny
+    # Llama's chunk: 2.26 against 1.72 ms on a 2-core AMX Xeon, where build.py leaves a mix
+    # out as no faster), so that its hold on the state it leaves is tested on every host
+    from cuvild.workers import build
+
+    monkeypatch.setattr(build, "_no_faster", lambda *_: "")
     hf = lm_models.lm("llama")
     ep = lm_models.export(hf, dynamic=True)
     torch.export.save(ep, tmp_path / "lm.pt2")
