@@ -256,7 +256,9 @@ def load_parts(builder: Builder, model: LoadedModel, only_device: str | None = N
             continue
         variant = route.variants[route.precision]
         shapes = [(model.slots[n].dtype, model.slots[n].shape) for n in route.inputs]
-        futures.append((route, builder.workers.of(route.device).call(Restore(
+        worker = builder.workers.of(route.device)
+        route.generation = worker.generation  # (the start that holds it: Builder.rebuild_lost)
+        futures.append((route, worker.call(Restore(
             model.key, route.id, route.runtime, variant.part_key, route.precision, shapes))))
     deadline = time.monotonic() + builder.build_timeout_s
     for route, future in futures:
