@@ -166,7 +166,13 @@ def archive(net, tmp_path_factory):
 
 
 @pytest.fixture
-def engine(tmp_path_factory):
+def engine(tmp_path_factory, monkeypatch):
+    """An engine whose workers are threads of the test, so that the mix is built whatever
+    bf16 alone measured against fp32 here (cuvild/workers/build.py `_no_faster` leaves a mix
+    out where bf16 ran no faster: 1.19 against 1.14 ms in one CI run on an AMX Xeon)."""
+    from cuvild.workers import build
+
+    monkeypatch.setattr(build, "_no_faster", lambda *_: "")
     if not BF16_FLAGS:
         reason = "this CPU has neither avx512_bf16 nor amx_bf16: OpenVINO runs no bf16 here"
         print(f"skipping: {reason}")
@@ -175,7 +181,7 @@ def engine(tmp_path_factory):
                         peak_gflops={"fp32": 100.0, "bf16": 400.0}, mem_bw_gbs=20.0,
                         link_bw_gbs=10.0, launch_us=5.0, features=sorted(BF16_FLAGS))
     arena = Arena(f"{os.getpid()}-mixed")
-    eng = Engine([cpu], tmp_path_factory.mktemp("mixed-cache"), arena)
+    eng = Engine([cpu], tmp_path_factory.mktemp("mixed-cache"), arena, workers="thread")
     yield eng
     eng.close()
     arena.close()
@@ -235,7 +241,7 @@ def test_no_mix_is_built_where_bf16_alone_holds(engine, archive):
     tried = loaded.routes[0].built.candidates
     if not any(c["precision"] == "bf16" and c["status"] == "ok" for c in tried):
         # bf16 ran no faster than fp32 here (a timing: on a loaded 2-core host it once did),
-        # so it was not built, its error not measured, and no mix is built either
+        # so it was not built, its error not measured, and the mix is tried as it should be
         assert any(c["precision"] == "bf16" and c["status"] == "skipped"
                    and "not faster" in c["reason"] for c in tried), tried
         return
