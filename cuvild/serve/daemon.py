@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 # No child of the daemon uses its gRPC (the forkserver and the resource tracker start
 # afresh): without fork support gRPC installs no fork handlers, and so prints no "skipping
@@ -44,6 +44,7 @@ from cuvild.serve.front import Front
 from cuvild.serve.limits import Gate, Uploads, quiet_grpc_logs, raise_nofile
 from cuvild.workers.worker import LOG_LEVEL_ENV, OMP_WAIT_ENV, shares_cores
 from protos import cuvil_pb2, cuvil_pb2_grpc, inference_pb2, inference_pb2_grpc
+from runtimes import crashes
 from runtimes.cache import KEY_ENV, cache_key_file, keep_inductor_headers
 from runtimes.profiling import measure as profiles_mod
 
@@ -137,6 +138,7 @@ class Daemon:
         self.regions: Any = None
         self.cuda_regions: Any = None  # the cuda_shared_memory extension's
         self.arena: Arena | None = None
+        self._faults: IO[str] | None = None  # faulthandler's file (runtimes/crashes.py)
         self.front: Front | None = None
         self.fast: Any = None  # cuvild.serve.fast.FastPath, when shm.fast_path
         self.metrics: Any = None  # cuvild.serve.metrics.Metrics, when metrics.enabled
@@ -254,6 +256,11 @@ class Daemon:
         for name in reclaim_stale():
             log.info("reclaimed shared memory %s left by a stopped daemon", name)
         warm.clean(self.cfg.cache_dir)  # what a crash mid-write left of load records
+        for fault in crashes.left_by_the_dead(self.cfg.cache_dir):  # (thread workers' faults)
+            log.warning("the daemon before (pid %d) died: %s%s", fault.pid, fault.said,
+                        f"; compiling {', '.join(fault.compiles)}: not tried again"
+                        if fault.compiles else "")
+        self._faults = crashes.watch(self.cfg.cache_dir)
         self.arena = Arena(str(os.getpid()))
         profiles = self.current_profiles()
         self.engine = engine = Engine(profiles.devices, self.cfg.cache_dir, self.arena,
@@ -528,6 +535,8 @@ class Daemon:
             self.tracer.close()  # exports what is still batched
         if self.arena is not None:
             self.arena.close()
+        if self._faults is not None:
+            crashes.unwatch(self._faults)
         log.info("stopped")
         return 0
 

@@ -7,6 +7,7 @@ NPU's only runtime) and ONNX Runtime runs."""
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from daemons import DaemonProcess, suite_config
 
 import cuvild
-from cuvild.client import Client, LoadFailed
+from cuvild.client import Client, CuvildError, LoadFailed
 from runtimes.base import relative_error
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
@@ -173,6 +174,45 @@ def test_a_compile_that_kills_its_worker_is_left_out_and_the_part_built_there_ag
     log = daemon.log()
     assert log.count("handle: worker for cpu0 died (killed by SIGFPE) compiling with openvino") == 1
     assert len(list((cache / "crashes").glob("*-openvino.crashed"))) == 1
+
+
+def test_a_compile_that_kills_a_daemon_of_thread_workers_is_left_out_at_its_restart(
+        make_daemon: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `engine.workers: thread` a compile that crashes takes the daemon with it, and no
+    one reads the signal: the next start reads faulthandler's file (runtimes/crashes.py
+    `left_by_the_dead`), says what died, and does not compile the same thing to die again
+    (systemd's restart would have looped)."""
+    crash, site = tmp_path / "crash", tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(CRASHING_CPU_COMPILE.format(crash=str(crash)))
+    root = str(Path(__file__).resolve().parents[2])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    pinned = cuvild.partition(device="cpu", strict=True)(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    config = {"engine": {"workers": "thread", "runtimes": {"cpu": ["openvino", "onnxruntime"],
+                                                           "npu": ["openvino"]}},
+              "cache_dir": str(tmp_path / "cache")}
+    crash.touch()
+    first = make_daemon(**config)
+    with Client(first.target) as client, pytest.raises(CuvildError):
+        client.load("pinned", pinned.eval(), (x,), precision="fp32")
+    assert first.proc is not None and first.proc.wait(30) == -signal.SIGFPE
+    again = make_daemon(state_dir=first.state_dir, **config)
+    with Client(again.target) as client:
+        client.load("pinned", pinned.eval(), (x,), precision="fp32")
+        (part,) = client.compare("pinned")["parts"]
+        assert (part["device"], part["runtime"]) == ("cpu0", "onnxruntime"), part
+        (left_out,) = [c for c in part["candidates"] if c["runtime"] == "openvino"]
+        assert left_out["status"] == "failed" and "killed" in left_out["reason"], left_out
+        assert relative_error(client.infer("pinned", x)["output0"], pinned(x).detach()) <= 1e-4
+    said = [line for line in again.log().splitlines() if "the daemon before" in line]
+    assert len(said) == 1 and f"(pid {first.proc.pid}) died: Fatal Python error: Floating " \
+        "point exception; compiling " in said[0] and "-openvino: not tried again" in said[0], said
+    assert again.stop() == 0
+    assert not list((tmp_path / "cache" / "crashes").glob("*.fault"))  # (a clean stop's)
 
 
 # For the language model below: the emulated NPU's torch compile kills its worker, and once
