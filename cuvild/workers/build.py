@@ -209,8 +209,8 @@ def retime(built: dict[str, BuiltPart], tried: list[dict[str, Any]],
 
 
 def _own_time(built: dict[str, BuiltPart], own: str) -> tuple[str, float] | None:
-    """(the part's own precision, its ms) once built: a lower precision's build slower than
-    it could never be chosen, and is not measured further (runtimes/select.py SLOWER)."""
+    """(a precision, its ms) once built (the part's own: a lower precision's build slower
+    than it could never be chosen, and is not measured further: runtimes/select.py SLOWER)."""
     b = built.get(own)
     ms = next((c.median_ms for c in b.candidates if c.runtime == b.runtime and c.median_ms > 0),
               0.0) if b is not None else 0.0
@@ -239,14 +239,19 @@ def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build,
 
 def _no_faster(low: str, built: dict[str, BuiltPart], order: Build,
                tried: list[dict[str, Any]]) -> str:
-    """Why `low`'s mix need not be built where `low` alone ran no faster than the part's own
-    precision on any runtime ("" otherwise)."""
-    own = _own_time(built, order.precisions[0])
+    """Why `low`'s mix need not be built where `low` alone ran no faster than the fastest
+    precision built so far ("" otherwise): its own, or a lower one that holds already (fp16
+    where bf16 is over the budget). A mix keeps groups at fp32 and runs slower than `low`
+    alone, so it could only win where `low` alone is faster than every build beside it."""
+    times = [t for t in (_own_time(built, p) for p in built if p != low) if t is not None]
     ran = [c["median_ms"] for c in tried if c["precision"] == low and c["median_ms"] > 0]
-    if own is None or not ran or min(ran) < own[1]:
+    if not times or not ran:
         return ""
-    return (f"not built: {low} alone ran {min(ran):.3g} ms at best against {own[1]:.3g} ms at "
-            f"{own[0]}; a mix of the two is no faster")
+    best = min(times, key=lambda t: t[1])
+    if min(ran) < best[1]:
+        return ""
+    return (f"not built: {low} alone ran {min(ran):.3g} ms at best against {best[1]:.3g} ms at "
+            f"{best[0]}; a mix of {low} and fp32 is no faster")
 
 
 def variants(built: dict[str, BuiltPart]) -> list[Variant]:

@@ -268,10 +268,23 @@ def test_no_mix_is_built_where_its_low_precision_alone_ran_no_faster() -> None:
                                     "status": "skipped", "median_ms": 0.0908}]
     said = _needless_mix("bf16+fp32", {"fp32": fp32}, order, tried)
     assert said == ("not built: bf16 alone ran 0.0908 ms at best against 0.0218 ms at fp32; "
-                    "a mix of the two is no faster")
+                    "a mix of bf16 and fp32 is no faster")
     tried[1]["median_ms"] = 0.0120  # faster, over the budget: the mix's own case
     assert _needless_mix("bf16+fp32", {"fp32": fp32}, order, tried) == ""
     assert _needless_mix("bf16", {"fp32": fp32}, order, tried) == ""  # (not a mix)
+    # a lower precision that holds already and runs faster still (fp16, where bf16 alone is
+    # over the budget): the mix could not beat it
+    fp16 = BuiltPart("torch", None, [Candidate("torch", "ok", median_ms=0.0110)])
+    built = {"fp32": fp32, "fp16": fp16}
+    assert _needless_mix("bf16+fp32", built, order, tried) == (
+        "not built: bf16 alone ran 0.012 ms at best against 0.011 ms at fp16; a mix of bf16 "
+        "and fp32 is no faster")
+    fp16.candidates[0].median_ms = 0.0130  # fp16 slower than bf16 alone (an AMX Xeon's)
+    assert _needless_mix("bf16+fp32", built, order, tried) == ""
+    # bf16 alone built (within its tolerance, not the mix's target): not what it is measured by
+    built["bf16"] = BuiltPart("torch", None, [Candidate("torch", "ok", median_ms=0.0120,
+                                                        rel_error=0.5)])
+    assert _needless_mix("bf16+fp32", built, order, tried) == ""
 
 
 # -- a runtime whose bf16 is wrong: the end-to-end check refuses it -------------------------
