@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -276,7 +277,8 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
             return built
     inputs, expected = samples()
     spec.example_inputs, spec.calibration = list(inputs[0]), [list(x) for x in inputs]
-    part, chosen = _mix(part, precision, mix_target, inputs, expected, spec, names, timeout_s)
+    part, chosen = _mix(part, precision, mix_target, inputs, expected, spec, names, timeout_s,
+                        (cache.root, part_key))
     tried: list[Candidate] = []
     executables: dict[str, Executable] = {}
     compiled: list[str] = []
@@ -325,11 +327,12 @@ def build_part(part: fx.GraphModule, device: DeviceProfile, precision: str, samp
 
 def _mix(part: fx.GraphModule, precision: str, target: float,
          inputs: list[list[torch.Tensor]], expected: list[list[torch.Tensor]],
-         spec: CompileSpec, names: list[str],
-         timeout_s: float) -> tuple[fx.GraphModule, Mix | None]:
+         spec: CompileSpec, names: list[str], timeout_s: float,
+         marks: tuple[Path, str]) -> tuple[fx.GraphModule, Mix | None]:
     """A mixed precision's graph: at its low precision but for the groups that must stay
     fp32 to hold `target`, as the first runtime that builds it measures (runtimes/mixed.py);
-    others as they are."""
+    others as they are. Its compiles are marked as the search's are (`marks`: the cache's
+    root and the part key, runtimes/crashes.py): one that killed a worker is left out."""
     low = mixed_low(precision)
     if low is None:
         return part, None
@@ -346,10 +349,11 @@ def _mix(part: fx.GraphModule, precision: str, target: float,
                 rt = registry.get(name)
             except RuntimeUnavailable:
                 continue
-            if not rt.can_target(spec.device, spec.precision):
+            if not rt.can_target(spec.device, spec.precision) or crashes.crashed(*marks, name):
                 continue
             try:
-                exe = _compile_boxed(rt, module, spec, timeout_s)
+                with crashes.attempt(*marks, name):
+                    exe = _compile_boxed(rt, module, spec, timeout_s)
                 return set_error([exe.run(x) for x in inputs], expected)
             except Exception as e:  # noqa: BLE001 - the mix cannot be measured: no mix
                 raise CompileError(f"{name}: {type(e).__name__}: {e}"[:500]) from e
@@ -443,22 +447,32 @@ def _load_recorded(part_key: str, recorded: dict[str, Any], spec: CompileSpec,
     if not accurate:
         return None
     name = accurate[0].runtime
+    if crashes.crashed(cache.root, part_key, name):  # (searched again: it is left out there)
+        return None
     try:
-        rt = registry.get(name)
-        if name == "torch":  # the reference has nothing to cache: "compiling" it is free
-            mix = recorded.get("mix")  # (a mix: lowered again as the search chose)
-            made = part if not mix else mixed_again(part, mix["low"], mix["kept"],
-                                                    spec.example_inputs)
-            return BuiltPart(name, rt.compile(made, spec), candidates, from_cache=True)
-        key = cache.entry_key(part_key, name, rt.version())
-        entry = cache.lookup(key)
-        if entry is None:
-            return None
-        exe = _load_entry(rt, cache, key, entry, spec)
-        if exe is None:
-            return None
+        with crashes.attempt(cache.root, part_key, name):
+            return _recorded(name, part_key, recorded, spec, cache, part, candidates)
     except (RuntimeUnavailable, NotImplementedError, OSError, RuntimeError) as e:
         log.warning("cached %s build unusable (%s); rebuilding", name, e)
+        return None
+
+
+def _recorded(name: str, part_key: str, recorded: dict[str, Any], spec: CompileSpec,
+              cache: CompileCache, part: fx.GraphModule,
+              candidates: list[Candidate]) -> BuiltPart | None:
+    """`_load_recorded`'s load of the winner `name`."""
+    rt = registry.get(name)
+    if name == "torch":  # the reference has nothing to cache: "compiling" it is free
+        mix = recorded.get("mix")  # (a mix: lowered again as the search chose)
+        made = part if not mix else mixed_again(part, mix["low"], mix["kept"],
+                                                spec.example_inputs)
+        return BuiltPart(name, rt.compile(made, spec), candidates, from_cache=True)
+    key = cache.entry_key(part_key, name, rt.version())
+    entry = cache.lookup(key)
+    if entry is None:
+        return None
+    exe = _load_entry(rt, cache, key, entry, spec)
+    if exe is None:
         return None
     return BuiltPart(name, exe, candidates, from_cache=True)
 

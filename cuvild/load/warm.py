@@ -45,6 +45,7 @@ from cuvild.core.loaded import Family, LoadedModel, Route, State, cut_bytes
 from cuvild.core.precision import Accuracy
 from cuvild.load.builder import Builder
 from cuvild.run import batching
+from cuvild.workers.handle import WorkerDied
 from protos.orders import Built, RawTensor, Reply, Restore, Unload, Variant
 from runtimes.base import fsync_dir, remove_leftovers, set_error, write_atomic
 
@@ -266,7 +267,12 @@ def load_parts(builder: Builder, model: LoadedModel, only_device: str | None = N
             reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             raise Stale(f"part {route.id}: no reply from {route.device}'s worker") from None
-        except Exception as e:  # noqa: BLE001 - the worker died: the cold path tries again
+        except WorkerDied as e:  # (a cached build whose load killed it: not loaded again,
+            # runtimes/crashes.py) revived for the cold path, which builds on it
+            builder.workers.revive_later(route.device)
+            builder.workers.wait_usable(route.device, max(0.0, deadline - time.monotonic()))
+            raise Stale(f"part {route.id}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the cold path tries again
             raise Stale(f"part {route.id}: {e}") from None
         if not reply.ok:
             raise Stale(f"part {route.id} on {route.device}: {reply.error}")

@@ -105,7 +105,7 @@ class WorkerHandle:
         named = crashes.confirm(Path(self.cache_dir), process.pid, code) if how else []
         text = f"worker for {self.device.id} died" + (f" ({how})" if how else "")
         if named:
-            text += (f" compiling with {', '.join(n.partition('-')[2] for n in named)}"
+            text += (f" building with {', '.join(n.partition('-')[2] for n in named)}"
                      " (not tried on that part here again)")
         if code:
             log.error("%s", text)

@@ -244,7 +244,7 @@ class Worker:
     def restore(self, order: Restore) -> Built:
         """A part's executable straight from the compile cache (a load record's): torch is
         not imported for it (a loaded build needs no example tensors)."""
-        from runtimes import registry
+        from runtimes import crashes, registry
         from runtimes.base import CompileSpec, compiled_as
 
         rt = registry.get(order.runtime)
@@ -255,9 +255,14 @@ class Worker:
         if entry is None:
             raise LookupError(f"no cached {order.runtime} {rt.version()} build of part "
                               f"{order.part} (evicted, or built by another version)")
+        if crashes.crashed(self.cache.root, order.part_key, order.runtime):
+            raise LookupError(f"the {order.runtime} build of part {order.part} killed its "
+                              "worker before (runtimes/crashes.py): built again")
         spec = CompileSpec(self.device, compiled_as(order.precision),
                            threads=max(len(self.device.cores), 1))
-        executable = self.parts[(order.model, order.part)] = rt.load(entry, spec)
+        with crashes.attempt(self.cache.root, order.part_key, order.runtime):
+            executable = rt.load(entry, spec)
+        self.parts[(order.model, order.part)] = executable
         return Built(order.runtime, True, artifact=self._artifact(order.part_key, order.runtime),
                      graph=getattr(executable, "graph", ""))
 

@@ -419,3 +419,35 @@ def test_inductors_precompiled_headers_are_kept_in_its_cache_directory(tmp_path,
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # (a daemon's TMPDIR)
     looked = os.path.join(default_cache_dir(), "precompiled_headers")
     assert os.path.realpath(looked) == str((cache / "precompiled_headers").resolve())
+
+
+def test_a_mix_is_not_searched_with_a_runtime_that_killed_its_worker_on_that_part(
+        tmp_path, monkeypatch) -> None:
+    """A mix's search compiles too (runtimes/mixed.py): each compile is marked, and one
+    that killed a worker (OpenVINO's SIGFPE at bf16 on an AMX Xeon) is not tried again
+    there: the search has no runtime left, which is a mix not built, not a dead worker."""
+    from runtimes import crashes
+    from runtimes.openvino import OpenVINORuntime
+
+    module, samples, _ = part_and_samples()
+    cache = CompileCache(tmp_path)
+    marked = []
+    real_attempt = crashes.attempt
+
+    def attempt(root, part_key, runtime):  # noqa: ANN001, ANN202 - the marks made
+        marked.append((part_key, runtime))
+        return real_attempt(root, part_key, runtime)
+
+    monkeypatch.setattr(crashes, "attempt", attempt)
+    monkeypatch.setattr(OpenVINORuntime, "compile", lambda *_: (_ for _ in ()).throw(
+        RuntimeError("a compiler's own error")))
+    with pytest.raises(CompileError, match="compiler's own error"):
+        build_part(module, CPU, "bf16+fp32", samples, cache, allowed=["openvino"],
+                   mix_target=1e-3)
+    assert marked and marked[0][1] == "openvino"  # the search's compile, marked
+    (cache.root / crashes.FOLDER).mkdir(exist_ok=True)
+    (cache.root / crashes.FOLDER / f"{marked[0][0]}-openvino.crashed").touch()
+    monkeypatch.setattr(OpenVINORuntime, "compile", lambda *_: pytest.fail("compiled again"))
+    with pytest.raises(CompileError, match="none of .* can build a mixed part"):
+        build_part(module, CPU, "bf16+fp32", samples, cache, allowed=["openvino"],
+                   mix_target=1e-3)
