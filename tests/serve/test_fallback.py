@@ -219,24 +219,18 @@ def test_a_compile_that_kills_a_daemon_of_thread_workers_is_left_out_at_its_rest
 # package load on torch 2.11 died of SIGSEGV so).
 CRASHING_LOAD = '''
 import os, signal
-from runtimes.onnxruntime import ONNXRuntime
-from runtimes.openvino import OpenVINORuntime
 
 CRASH = {crash!r}
+if os.path.exists(CRASH):  # (only then: an import of both runtimes in every process is slow)
+    if open(CRASH).read() == "onnxruntime":
+        from runtimes.onnxruntime import ONNXRuntime as crashing
+    else:
+        from runtimes.openvino import OpenVINORuntime as crashing
 
+    def load(self, directory, spec):
+        os.kill(os.getpid(), signal.SIGSEGV)
 
-def crashing(cls):
-    load = cls.load
-
-    def crash_first(self, directory, spec):
-        if os.path.exists(CRASH) and open(CRASH).read() == self.name:
-            os.kill(os.getpid(), signal.SIGSEGV)
-        return load(self, directory, spec)
-    cls.load = crash_first
-
-
-crashing(ONNXRuntime)
-crashing(OpenVINORuntime)
+    crashing.load = load
 '''
 
 
