@@ -5,10 +5,11 @@ CPU plugin: SIGFPE compiling a small Llama at bf16 on one thread of an AMX Xeon,
 openvinotoolkit/openvino#33300 reports under `taskset -c 0`; AOTInductor's package load on
 torch 2.11, SIGSEGV), and the device's worker process dies with it. So before each compile
 the worker writes a marker, `crashes/<part key>-<runtime>.trying`, holding its pid, and
-removes it after (`attempt`; also around a mix search's compiles and a cached build's load). Where a worker dies of a crash signal, the daemon renames that
-worker's markers `.crashed` (`confirm`); `crashed` is then true for that compile problem and
-runtime: the search (runtimes/select.py) records the runtime as failed and tries the next,
-so the part's second build on that device (cuvild/load/builder.py) gets what does not crash.
+removes it after (`attempt`; also around a mix search's compiles and a cached build's load).
+Where a worker dies of a crash signal, the daemon renames that worker's markers `.crashed`
+(`confirm`); `crashed` is then true for that compile problem and runtime: the search
+(runtimes/select.py) records the runtime as failed and tries the next, so the part's second
+build on that device (cuvild/load/builder.py) gets what does not crash.
 A worker that ended otherwise (stopped, killed when it hung or ran out of memory: SIGKILL)
 leaves `.trying` markers only, which count for nothing (CompileCache removes old ones).
 
