@@ -55,6 +55,8 @@ class Build:
     calibration_tag: str = ""  # its digest: int8 builds depend on it
     allowed: list[str] | None = None  # the runtimes `auto` may try (config engine.runtimes)
     floor_ms: dict[str, float] | None = None  # per precision, the part's roofline time
+    defer_mix: bool = True  # a mix whose low precision alone builds waits for the end-to-end
+    # check to refuse that (cuvild/workers/build.py `_needless_mix`); False: built now
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,9 @@ def reset(module: Any) -> None:
         for name, value in getattr(module, "meta", {}).get(INITIAL, {}).items():
             operator.attrgetter(name)(module).copy_(value)
 MIXED = "+fp32"  # "bf16+fp32": a part at bf16 but for the groups kept fp32 (runtimes/mixed.py)
+# a mix not built at first, its low precision alone holding its part: built if the end-to-end
+# check refuses that (cuvild/workers/build.py `_needless_mix`, cuvild/load/precision.py)
+MIX_DEFERRED = "not built yet"
 # int8 but for the ops NNCF's accuracy control keeps fp32 (runtimes/openvino.py `quantize`)
 INT8_MIXED = "int8" + MIXED
 

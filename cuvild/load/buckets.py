@@ -233,8 +233,9 @@ def searched(builder: Builder, bucket: LoadedModel, split: Any, budgets: dict[st
         builder.build(bucket)
     inputs, expected = _check_inputs(bucket, split)
     first = precision.check(builder.runner.run, bucket, inputs, expected)
-    chosen, notes = precision.search(builder.runner.run, builder.choose, bucket, budgets,
-                                     inputs, expected, first)
+    chosen, notes = precision.search(
+        builder.runner.run, builder.choose, bucket, budgets, inputs, expected, first,
+        more=lambda route: builder.build(bucket, only_part=route.id, defer_mix=False))
     precision.fix(builder.choose, bucket)
     bucket.accuracy = Accuracy(policy.mode, budget, len(inputs), False, 0.0, first, chosen,
                                notes)

@@ -85,17 +85,21 @@ class Builder:
         return [Route(p.id, by_id[p.id].device, by_id[p.id].precision, p.inputs, p.outputs)
                 for p in split.parts]
 
-    def build(self, model: LoadedModel, only_device: str | None = None,
+    def build(self, model: LoadedModel, only_device: str | None = None,  # noqa: PLR0913
               policy: PrecisionPolicy | None = None, deadline: float | None = None,
-              progress: Callable[[str], None] | None = None) -> None:
-        """Have the workers build the model's parts, waiting for them until `deadline`
-        (time.monotonic(); None: build_timeout_s from now). A part its worker cannot build
-        raises fallback.BuildFailed (the load plans it off that device)."""
+              progress: Callable[[str], None] | None = None, only_part: str | None = None,
+              defer_mix: bool = True) -> None:
+        """Have the workers build the model's parts (`only_part`: that one), waiting for them
+        until `deadline` (time.monotonic(); None: build_timeout_s from now). A part its worker
+        cannot build raises fallback.BuildFailed (the load plans it off that device).
+        `defer_mix` False: a mix is built even where its low precision alone holds its part
+        (the precision search asks for it so, once the end-to-end check refused that)."""
         policy = policy or model.policy or PrecisionPolicy()
         assignment = [(p.id, p.nodes) for p in model.plan.parts]
         parts = {p.id: p for p in model.plan.parts}
         todo = [(device, i, pid) for device, part_ids in model.parts_by_device.items()
-                if not only_device or device == only_device for i, pid in enumerate(part_ids)]
+                if not only_device or device == only_device for i, pid in enumerate(part_ids)
+                if not only_part or pid == only_part]
         futures: list[tuple[Route, Build, Any, int, Future[Reply]]] = []
         for k, (device, i, pid) in enumerate(todo, 1):
             route = next(r for r in model.routes if r.id == pid)
@@ -111,7 +115,8 @@ class Builder:
                 calibration_tag=policy.calibration_tag,
                 allowed=registry.allowed_runtimes(self.runtimes, self.devices[device]),
                 floor_ms=None if model.bucket else precision.floors(
-                    parts[pid], self.devices[device], route.precisions or [route.precision]))
+                    parts[pid], self.devices[device], route.precisions or [route.precision]),
+                defer_mix=defer_mix)
             told = progress and (lambda text, label=label: progress(f"{label}: {text}"))
             worker = self.workers.of(device)
             futures.append((route, order, told, worker.generation,

@@ -41,7 +41,15 @@ from typing import TYPE_CHECKING, Any
 from cuvild.core.errors import InferError
 from cuvild.core.precision import Accuracy, Check, PrecisionPolicy
 from partitioner.corrections import prior
-from runtimes.base import INT8_MIXED, MIXED, set_error, top1_agreement, unusable, write_atomic
+from runtimes.base import (
+    INT8_MIXED,
+    MIX_DEFERRED,
+    MIXED,
+    set_error,
+    top1_agreement,
+    unusable,
+    write_atomic,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -246,39 +254,71 @@ def refuse_unusable(run: Run, model: LoadedModel, inputs: list[list[torch.Tensor
                      "served. engine.runtimes can leave that runtime out for its device")
 
 
-def search(run: Run, choose: Choose, model: LoadedModel, budgets: dict[str, float],
+def search(run: Run, choose: Choose, model: LoadedModel, budgets: dict[str, float],  # noqa: PLR0913
            inputs: list[list[torch.Tensor]], expected: list[list[torch.Tensor]],
-           start: Check) -> tuple[Check, list[str]]:
+           start: Check, more: Callable[[Route], None] | None = None,
+           ) -> tuple[Check, list[str]]:
     """Lower the most expensive parts first, each to its fastest precision that keeps the
-    whole model within its budget; returns the final check and what happened, as notes."""
+    whole model within its budget; returns the final check and what happened, as notes.
+    Where every faster variant of a part is refused and its build left a mix for later
+    (MIX_DEFERRED: its low precision alone held the part), `more(route)` builds it, and it
+    is tried too."""
     notes: list[str] = []
     now = start
     routes = sorted((r for r in model.routes if r.id in budgets),
                     key=lambda r: -r.variants[r.precision].median_ms)
     for route in routes:
-        budget = budgets[route.id]
-        own = route.precision
-        here = route.variants[own]
-        faster = sorted((v for p, v in route.variants.items()
-                         if p != own and v.median_ms < here.median_ms),
-                        key=lambda v: v.median_ms)
-        if not faster:
-            notes.append(f"{route.id} stays {own}: no lower precision ran faster within "
-                         f"{budget:.0e} on {route.device}{_why_not(route)}")
-        for variant in faster:
-            choose(model, route, variant.precision)
-            trial = check(run, model, inputs, expected)
-            if trial.error <= budget:
-                notes.append(f"{route.id} runs {variant.precision} on {variant.runtime}: "
-                             f"{variant.median_ms:.2f} ms vs {here.median_ms:.2f} ms at {own}, "
-                             f"end-to-end error {trial.error:.1e} <= {budget:.0e}"
-                             + _kept(route, variant.precision))
+        budget, own, tried = budgets[route.id], route.precision, set()
+        while True:
+            here = route.variants[own]
+            faster = sorted((v for p, v in route.variants.items()
+                             if p != own and p not in tried and v.median_ms < here.median_ms),
+                            key=lambda v: v.median_ms)
+            if not faster and not tried:
+                notes.append(f"{route.id} stays {own}: no lower precision ran faster within "
+                             f"{budget:.0e} on {route.device}{_why_not(route)}")
+            trial = _lowered(run, choose, model, route, faster, inputs, expected, budget,
+                             notes, tried)
+            if trial is not None:
                 now = trial
                 break
-            notes.append(f"{route.id} {variant.precision} refused: end-to-end error "
-                         f"{trial.error:.1e} > {budget:.0e}")
-            choose(model, route, own)  # backed off
+            if more is None or not _deferred(route):
+                break
+            log.info("model %s: %s: building the mixes it left for later (%s)", model.key,
+                     route.id, ", ".join(_deferred(route)))
+            more(route)
+            own = route.precision
     return now, notes
+
+
+def _lowered(run: Run, choose: Choose, model: LoadedModel, route: Route, faster: list[Any],
+             inputs: list[list[torch.Tensor]], expected: list[list[torch.Tensor]],
+             budget: float, notes: list[str], tried: set[str]) -> Check | None:
+    """The first of `faster` (the route's variants, fastest first) that keeps the model
+    within `budget`, chosen (its check returned); each refused one backed off."""
+    own = route.precision
+    here = route.variants[own]
+    for variant in faster:
+        tried.add(variant.precision)
+        choose(model, route, variant.precision)
+        trial = check(run, model, inputs, expected)
+        if trial.error <= budget:
+            notes.append(f"{route.id} runs {variant.precision} on {variant.runtime}: "
+                         f"{variant.median_ms:.2f} ms vs {here.median_ms:.2f} ms at {own}, "
+                         f"end-to-end error {trial.error:.1e} <= {budget:.0e}"
+                         + _kept(route, variant.precision))
+            return trial
+        notes.append(f"{route.id} {variant.precision} refused: end-to-end error "
+                     f"{trial.error:.1e} > {budget:.0e}")
+        choose(model, route, own)  # backed off
+    return None
+
+
+def _deferred(route: Route) -> list[str]:
+    """The mixes the route's build left for later and has not built since."""
+    candidates = route.built.candidates if route.built else []
+    return [c["precision"] for c in candidates if c["status"] == "skipped"
+            and c["reason"].startswith(MIX_DEFERRED) and c["precision"] not in route.variants]
 
 
 def _kept(route: Route, precision: str) -> str:

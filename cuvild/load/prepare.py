@@ -333,8 +333,10 @@ def _settle(builder: Builder, model: LoadedModel, policy: PrecisionPolicy,
     elif budgets:
         if not policy.calibration:
             accuracy.notes.append("int8 not tried: no calibration inputs were given")
-        accuracy.chosen, notes = precision.search(builder.runner.run, builder.choose,
-                                                  model, budgets, inputs, expected, first)
+        accuracy.chosen, notes = precision.search(
+            builder.runner.run, builder.choose, model, budgets, inputs, expected, first,
+            more=lambda route: builder.build(model, policy=policy, only_part=route.id,
+                                             defer_mix=False))
         accuracy.notes += notes
     precision.fix(builder.choose, model)
     if budgets and recorded is None:

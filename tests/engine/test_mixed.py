@@ -261,7 +261,8 @@ def test_no_mix_is_built_where_its_low_precision_alone_ran_no_faster() -> None:
     from cuvild.workers.build import _needless_mix
     from runtimes.select import BuiltPart, Candidate
 
-    order = SimpleNamespace(budget=1e-2, precisions=["fp32", "bf16", "bf16+fp32"])
+    order = SimpleNamespace(budget=1e-2, precisions=["fp32", "bf16", "bf16+fp32"],
+                            defer_mix=True)
     fp32 = BuiltPart("onnxruntime", None, [Candidate("onnxruntime", "ok", median_ms=0.0218)])
     tried = [{"precision": "bf16", "runtime": "openvino", "status": "skipped",
               "median_ms": 0.105}, {"precision": "bf16", "runtime": "torch",
@@ -281,9 +282,15 @@ def test_no_mix_is_built_where_its_low_precision_alone_ran_no_faster() -> None:
         "and fp32 is no faster")
     fp16.candidates[0].median_ms = 0.0130  # fp16 slower than bf16 alone (an AMX Xeon's)
     assert _needless_mix("bf16+fp32", built, order, tried) == ""
-    # bf16 alone built (within its tolerance, not the mix's target): not what it is measured by
+    # bf16 alone built (within its part's bound, over the mix's target): the mix waits for
+    # the end-to-end check to refuse bf16 (cuvild/load/precision.py `search` asks for it)
     built["bf16"] = BuiltPart("torch", None, [Candidate("torch", "ok", median_ms=0.0120,
                                                         rel_error=0.5)])
+    assert _needless_mix("bf16+fp32", built, order, tried) == (
+        "not built yet: bf16 alone measures 5.0e-01 on this part, within its bound; the mix "
+        "is built if the end-to-end check refuses it")
+    assert _needless_mix("bf16+fp32", built, order, tried, decode=True) == ""  # (never mixed)
+    order.defer_mix = False  # asked for
     assert _needless_mix("bf16+fp32", built, order, tried) == ""
 
 
@@ -338,3 +345,53 @@ def test_a_runtime_whose_bf16_is_wrong_is_refused_end_to_end(monkeypatch, tmp_pa
     finally:
         engine.close()
         arena.close()
+
+
+def test_a_mix_left_for_later_is_built_only_when_the_end_to_end_check_refuses_its_low_alone(
+        ) -> None:
+    """The precision search (cuvild/load/precision.py `search`): a part whose build left its
+    mix for later (bf16 alone held the part's bound) runs bf16 where the model holds the
+    budget so, with no mix built (the demo's int8+fp32 search cost 14 s of its `auto` load
+    for nothing); where bf16 is refused end to end, `more` builds the mix and it is tried."""
+    from types import SimpleNamespace
+
+    from cuvild.core.loaded import Route
+    from cuvild.load import precision
+    from protos.orders import Built, Variant
+
+    def route() -> Route:
+        r = Route("p0", "cpu0", "fp32", ["x"], ["y"])
+        r.variants = {"fp32": Variant("fp32", "openvino", 2.0, 0.0),
+                      "bf16": Variant("bf16", "openvino", 1.0, 2e-2)}
+        r.built = Built("openvino", False, [{"precision": "bf16+fp32", "status": "skipped",
+                                             "reason": "not built yet: bf16 alone ..."}])
+        return r
+
+    def search(r: Route, error: dict[str, float]) -> tuple[list[str], list[str]]:
+        model = SimpleNamespace(routes=[r], key="m")
+        asked = []
+
+        def more(at: Route) -> None:
+            asked.append(at.id)
+            at.variants["bf16+fp32"] = Variant("bf16+fp32", "openvino", 1.5, 5e-3)
+            at.built = Built("openvino", False, [])
+
+        def run(_model: object, x: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [x[0] * (1 + error[r.precision])]
+
+        def choose(_model: object, at: Route, p: str, final: bool = False) -> None:
+            at.precision = p
+
+        x = [[torch.ones(2)]]
+        start = precision.check(run, model, x, [[torch.ones(2)]])
+        _, notes = precision.search(run, choose, model, {"p0": 1e-2}, x, [[torch.ones(2)]],
+                                    start, more=more)
+        return asked, notes
+
+    r = route()
+    asked, notes = search(r, {"fp32": 0.0, "bf16": 5e-3, "bf16+fp32": 3e-3})
+    assert asked == [] and r.precision == "bf16", notes  # bf16 held: no mix built
+    r = route()
+    asked, notes = search(r, {"fp32": 0.0, "bf16": 2e-2, "bf16+fp32": 3e-3})
+    assert asked == ["p0"] and r.precision == "bf16+fp32", notes
+    assert notes[0].startswith("p0 bf16 refused") and notes[1].startswith("p0 runs bf16+fp32")
