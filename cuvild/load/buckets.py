@@ -235,7 +235,7 @@ def searched(builder: Builder, bucket: LoadedModel, split: Any, budgets: dict[st
     first = precision.check(builder.runner.run, bucket, inputs, expected)
     chosen, notes = precision.search(
         builder.runner.run, builder.choose, bucket, budgets, inputs, expected, first,
-        more=lambda route: builder.build(bucket, only_part=route.id, defer_mix=False))
+        more=lambda route, mixes: builder.build_mixes(bucket, route, mixes))
     precision.fix(builder.choose, bucket)
     bucket.accuracy = Accuracy(policy.mode, budget, len(inputs), False, 0.0, first, chosen,
                                notes)

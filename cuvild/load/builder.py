@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +146,22 @@ class Builder:
             route.variants = {v.precision: v for v in reply.result.variants}
             route.precision = (route.precisions or [route.precision])[0]
         self.rebuild_lost(model)
+
+    def build_mixes(self, model: LoadedModel, route: Route, mixes: list[str],
+                    policy: PrecisionPolicy | None = None) -> None:
+        """Build the mixes `route`'s build left for later (runtimes/base.py MIX_DEFERRED),
+        asked for by the precision search: that part again at its own precision (from the
+        compile cache) and at `mixes`; its earlier candidates kept for the reports."""
+        before = route.built.candidates if route.built else []
+        precisions, route.precisions = route.precisions, [route.precision, *mixes]
+        try:
+            self.build(model, policy=policy, only_part=route.id, defer_mix=False)
+        finally:
+            route.precisions = precisions
+        if route.built is not None:
+            route.built = replace(route.built, candidates=[
+                *(c for c in before if c["precision"] not in mixes),
+                *(c for c in route.built.candidates if c["precision"] in mixes)])
 
     def rebuild_lost(self, model: LoadedModel) -> None:
         """Build again, at the precisions chosen for them, the parts of `model` whose worker

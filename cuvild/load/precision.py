@@ -256,13 +256,13 @@ def refuse_unusable(run: Run, model: LoadedModel, inputs: list[list[torch.Tensor
 
 def search(run: Run, choose: Choose, model: LoadedModel, budgets: dict[str, float],  # noqa: PLR0913
            inputs: list[list[torch.Tensor]], expected: list[list[torch.Tensor]],
-           start: Check, more: Callable[[Route], None] | None = None,
+           start: Check, more: Callable[[Route, list[str]], None] | None = None,
            ) -> tuple[Check, list[str]]:
     """Lower the most expensive parts first, each to its fastest precision that keeps the
     whole model within its budget; returns the final check and what happened, as notes.
     Where every faster variant of a part is refused and its build left a mix for later
-    (MIX_DEFERRED: its low precision alone held the part), `more(route)` builds it, and it
-    is tried too."""
+    (MIX_DEFERRED: its low precision alone held the part), `more(route, mixes)` builds it,
+    and it is tried too."""
     notes: list[str] = []
     now = start
     routes = sorted((r for r in model.routes if r.id in budgets),
@@ -282,12 +282,12 @@ def search(run: Run, choose: Choose, model: LoadedModel, budgets: dict[str, floa
             if trial is not None:
                 now = trial
                 break
-            if more is None or not _deferred(route):
+            mixes = _deferred(route)
+            if more is None or not mixes:
                 break
             log.info("model %s: %s: building the mixes it left for later (%s)", model.key,
-                     route.id, ", ".join(_deferred(route)))
-            more(route)
-            own = route.precision
+                     route.id, ", ".join(mixes))
+            more(route, mixes)
     return now, notes
 
 

@@ -335,8 +335,7 @@ def _settle(builder: Builder, model: LoadedModel, policy: PrecisionPolicy,
             accuracy.notes.append("int8 not tried: no calibration inputs were given")
         accuracy.chosen, notes = precision.search(
             builder.runner.run, builder.choose, model, budgets, inputs, expected, first,
-            more=lambda route: builder.build(model, policy=policy, only_part=route.id,
-                                             defer_mix=False))
+            more=lambda route, mixes: builder.build_mixes(model, route, mixes, policy))
         accuracy.notes += notes
     precision.fix(builder.choose, model)
     if budgets and recorded is None:

@@ -371,7 +371,8 @@ def test_a_mix_left_for_later_is_built_only_when_the_end_to_end_check_refuses_it
         model = SimpleNamespace(routes=[r], key="m")
         asked = []
 
-        def more(at: Route) -> None:
+        def more(at: Route, mixes: list[str]) -> None:
+            assert mixes == ["bf16+fp32"]
             asked.append(at.id)
             at.variants["bf16+fp32"] = Variant("bf16+fp32", "openvino", 1.5, 5e-3)
             at.built = Built("openvino", False, [])
