@@ -61,7 +61,7 @@ def wait_model(client: Client, name: str) -> dict:
         if model["state"] != "loading":
             return model
         phase = f": {model['phase']}" if model["phase"] else ""
-        line = f"demo: planning and compiling parts ({time.monotonic() - t0:.0f} s){phase}"
+        line = f"demo: loading ({time.monotonic() - t0:.0f} s){phase}"  # (one 100-column line)
         print(f"\r{line[:100].ljust(100)}", end="", flush=True)
         time.sleep(1)
     raise SystemExit(f"demo: model not ready within {MODEL_TIMEOUT_S} s")
