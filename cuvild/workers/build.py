@@ -227,10 +227,13 @@ def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build,
     own precision on any runtime (a mix keeps groups of it at the own precision, chosen by
     their error: it runs slower still). The ranking and the builds of a mix cost a load tens
     of seconds: 15 of the demo's 18 s under `auto` on an AMX Xeon, for a 0.02 ms part. Where
-    the low precision alone built (within its part's bound) but over the mix's target, the
-    mix waits (`order.defer_mix`, MIX_DEFERRED): the precision search builds it only if the
-    end-to-end check refuses the low precision alone (cuvild/load/precision.py `search`;
-    the demo's int8 held there, 5.5e-3 of 1e-2, and its int8+fp32 search cost 14 s)."""
+    the low precision alone built within the budget on the part but over the mix's target,
+    the mix waits (`order.defer_mix`, MIX_DEFERRED): the precision search builds it only if
+    the end-to-end check refuses the low precision alone (cuvild/load/precision.py `search`;
+    the demo's int8 held there, 5.5e-3 of 1e-2, and its int8+fp32 search cost 14 s). Over
+    the budget on the part alone, the model is rarely within it: the mix is built at once
+    (a language model's prompt chunk at bf16, 1.2e-2: deferred, its load took 16.6 s more,
+    the part's check inputs traced again and its own precision loaded again)."""
     low = precision.removesuffix(MIXED) if precision.endswith(MIXED) else None
     if low is None or not order.budget:
         return ""
@@ -242,9 +245,9 @@ def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build,
     target = order.budget * (INT8_MIX_SHARE if precision == INT8_MIXED else MIX_SHARE)
     if error <= target:
         return f"not built: {low} alone measures {error:.1e} <= {target:.0e} on this part"
-    return (f"{MIX_DEFERRED}: {low} alone measures {error:.1e} on this part, within its bound; "
-            "the mix is built if the end-to-end check refuses it"
-            if order.defer_mix and not decode else "")
+    return (f"{MIX_DEFERRED}: {low} alone measures {error:.1e} <= {order.budget:.0e} on this "
+            "part; the mix is built if the end-to-end check refuses it"
+            if order.defer_mix and not decode and error <= order.budget else "")
 
 
 def _no_faster(low: str, built: dict[str, BuiltPart], order: Build,
