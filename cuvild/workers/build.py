@@ -167,8 +167,10 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
     # (a decode step is never mixed, runtimes/select.py: no mix of its is left for later)
     decode = bool(state_of(part.module)) and decode_step(
         part.module, placeholder_tensors(part.module, order.input_shapes))
+    # (a part that gives the model's outputs: its own error is what the check reads there)
+    final = any(name in split.outputs for name in part.outputs)
     for i, precision in enumerate(order.precisions):
-        needless = _needless_mix(precision, built, order, tried, decode)
+        needless = _needless_mix(precision, built, order, tried, decode, final)
         if needless:  # its plain low precision holds already: a mix could only be slower
             tried.append(asdict(Candidate("mixed", "skipped", needless, precision=precision)))
             continue
@@ -220,8 +222,9 @@ def _own_time(built: dict[str, BuiltPart], own: str) -> tuple[str, float] | None
     return (own, ms) if ms > 0 else None
 
 
-def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build,
-                  tried: list[dict[str, Any]], decode: bool = False) -> str:
+def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build,  # noqa: PLR0913
+                  tried: list[dict[str, Any]], decode: bool = False, final: bool = True,
+                  ) -> str:
     """Why a mixed precision need not be built ("" when it must): the part built at its low
     precision alone is already within what the mix would aim at, or ran no faster than at its
     own precision on any runtime (a mix keeps groups of it at the own precision, chosen by
@@ -230,10 +233,12 @@ def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build,
     the low precision alone built within the budget on the part but over the mix's target,
     the mix waits (`order.defer_mix`, MIX_DEFERRED): the precision search builds it only if
     the end-to-end check refuses the low precision alone (cuvild/load/precision.py `search`;
-    the demo's int8 held there, 5.5e-3 of 1e-2, and its int8+fp32 search cost 14 s). Over
-    the budget on the part alone, the model is rarely within it: the mix is built at once
-    (a language model's prompt chunk at bf16, 1.2e-2: deferred, its load took 16.6 s more,
-    the part's check inputs traced again and its own precision loaded again)."""
+    the demo's int8 held there, 5.5e-3 of 1e-2, and its int8+fp32 search cost 14 s). A part
+    that gives the model's outputs (`final`) and is over the budget alone has its mix built
+    at once: its error is what the check reads (a language model's prompt chunk at bf16,
+    1.2e-2: deferred, its load took 16.6 s more, the part's check inputs traced again and
+    its own precision loaded again). An earlier part's error can shrink on the way out (the
+    demo's convolutions at int8: 5.5e-3 at the model's output)."""
     low = precision.removesuffix(MIXED) if precision.endswith(MIXED) else None
     if low is None or not order.budget:
         return ""
@@ -245,9 +250,12 @@ def _needless_mix(precision: str, built: dict[str, BuiltPart], order: Build,
     target = order.budget * (INT8_MIX_SHARE if precision == INT8_MIXED else MIX_SHARE)
     if error <= target:
         return f"not built: {low} alone measures {error:.1e} <= {target:.0e} on this part"
-    return (f"{MIX_DEFERRED}: {low} alone measures {error:.1e} <= {order.budget:.0e} on this "
-            "part; the mix is built if the end-to-end check refuses it"
-            if order.defer_mix and not decode and error <= order.budget else "")
+    if not order.defer_mix or decode or (final and error > order.budget):
+        return ""
+    return (f"{MIX_DEFERRED}: {low} alone measures {error:.1e}"
+            + (f" <= {order.budget:.0e} on this part" if final
+               else " on this part (not the model's outputs)")
+            + "; the mix is built if the end-to-end check refuses it")
 
 
 def _no_faster(low: str, built: dict[str, BuiltPart], order: Build,

@@ -295,6 +295,9 @@ def test_no_mix_is_built_where_its_low_precision_alone_ran_no_faster() -> None:
     order.defer_mix = True
     built["bf16"].candidates[0].rel_error = 1.2e-2  # over the budget on the part alone
     assert _needless_mix("bf16+fp32", built, order, tried) == ""  # built at once
+    assert _needless_mix("bf16+fp32", built, order, tried, final=False) == (
+        "not built yet: bf16 alone measures 1.2e-02 on this part (not the model's outputs); "
+        "the mix is built if the end-to-end check refuses it")  # (it may shrink on the way)
 
 
 # -- a runtime whose bf16 is wrong: the end-to-end check refuses it -------------------------
