@@ -4,6 +4,7 @@ of fp32 holds falls back to fp32 and says why."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -329,16 +330,27 @@ class Corrupted(Executable):
         return [o * 1.03 for o in outs]
 
 
-def test_a_runtime_whose_bf16_is_wrong_is_refused_end_to_end(monkeypatch, tmp_path, archive):
-    """Any CPU: the runtime is a stand-in. In-process workers see the patched registry."""
-    monkeypatch.setitem(registry.RUNTIMES, "corrupt", "test_mixed:CorruptBF16")
-    monkeypatch.setitem(registry.BY_KIND, "cpu", (*registry.BY_KIND["cpu"], "corrupt"))
-    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES, runtimes=["corrupt"],
+@contextlib.contextmanager
+def stand_in(monkeypatch, tmp_path, name: str, cls: str):  # noqa: ANN001, ANN201
+    """An engine (thread workers: they see the patched registry) whose CPU runs only the
+    test's stand-in runtime `name` (this module's class `cls`)."""
+    monkeypatch.setitem(registry.RUNTIMES, name, f"test_mixed:{cls}")
+    monkeypatch.setitem(registry.BY_KIND, "cpu", (*registry.BY_KIND["cpu"], name))
+    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES, runtimes=[name],
                         peak_gflops={"fp32": 100.0, "bf16": 400.0}, mem_bw_gbs=20.0,
                         link_bw_gbs=10.0, launch_us=5.0)
-    arena = Arena(f"{os.getpid()}-corrupt")
-    engine = Engine([cpu], tmp_path, arena, workers="thread", runtimes={"cpu": ["corrupt"]})
+    arena = Arena(f"{os.getpid()}-{name}")
+    engine = Engine([cpu], tmp_path, arena, workers="thread", runtimes={"cpu": [name]})
     try:
+        yield engine
+    finally:
+        engine.close()
+        arena.close()
+
+
+def test_a_runtime_whose_bf16_is_wrong_is_refused_end_to_end(monkeypatch, tmp_path, archive):
+    """Any CPU: the runtime is a stand-in. In-process workers see the patched registry."""
+    with stand_in(monkeypatch, tmp_path, "corrupt", "CorruptBF16") as engine:
         path, specs = archive
         loaded = engine.prepare("c", "c", "1", path, specs,
                                 policy=PrecisionPolicy("auto", 1e-2))
@@ -348,10 +360,6 @@ def test_a_runtime_whose_bf16_is_wrong_is_refused_end_to_end(monkeypatch, tmp_pa
         refused = [n for n in notes if n.startswith("p0 bf16 refused: end-to-end error")]
         assert refused and "3.0e-02 > 1e-02" in refused[0], notes
         assert loaded.accuracy.chosen.error < 1e-4
-    finally:
-        engine.close()
-        arena.close()
-
 
 DRIFT = "CUVILD_TEST_DRIFT"
 
@@ -391,8 +399,6 @@ def test_a_mix_left_for_later_is_built_when_the_end_to_end_check_refuses_bf16(
     from cuvild.load import precision
     from runtimes import select
 
-    monkeypatch.setitem(registry.RUNTIMES, "drifting", "test_mixed:DriftingBF16")
-    monkeypatch.setitem(registry.BY_KIND, "cpu", (*registry.BY_KIND["cpu"], "drifting"))
     monkeypatch.setattr(select, "MIXED_RUNTIMES", ("drifting",))
     monkeypatch.setenv(DRIFT, "0.009")
     check = precision.check
@@ -402,12 +408,7 @@ def test_a_mix_left_for_later_is_built_when_the_end_to_end_check_refuses_bf16(
         return check(*args, **kwargs)
 
     monkeypatch.setattr(precision, "check", end_to_end)
-    cpu = DeviceProfile(id="cpu0", kind="cpu", cores=CORES, runtimes=["drifting"],
-                        peak_gflops={"fp32": 100.0, "bf16": 400.0}, mem_bw_gbs=20.0,
-                        link_bw_gbs=10.0, launch_us=5.0)
-    arena = Arena(f"{os.getpid()}-drifting")
-    engine = Engine([cpu], tmp_path, arena, workers="thread", runtimes={"cpu": ["drifting"]})
-    try:
+    with stand_in(monkeypatch, tmp_path, "drifting", "DriftingBF16") as engine:
         path, specs = archive
         loaded = engine.prepare("d", "d", "1", path, specs,
                                 policy=PrecisionPolicy("auto", 1e-2))
@@ -421,9 +422,6 @@ def test_a_mix_left_for_later_is_built_when_the_end_to_end_check_refuses_bf16(
         assert ("bf16", "ok") in said and ("bf16+fp32", "ok") in said, tried
         assert not any(c["reason"].startswith("not built yet") for c in tried), tried
         assert loaded.accuracy.chosen.error <= 1e-2
-    finally:
-        engine.close()
-        arena.close()
 
 
 def test_a_mix_left_for_later_is_built_only_when_the_end_to_end_check_refuses_its_low_alone(
