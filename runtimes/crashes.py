@@ -16,7 +16,7 @@ leaves `.trying` markers only, which count for nothing (CompileCache removes old
 Workers that are threads of the daemon (`engine.workers: thread`) die with it, and nothing is
 left to read their signal. So the daemon has Python's faulthandler write to
 `crashes/<pid>.fault` (`watch`): on a crash signal it writes "Fatal Python error: ..." and the
-threads' stacks there. The next start reads what a dead daemon left (`left_by_the_dead`):
+crashing thread's stack there. The next start reads what a dead daemon left (`left_by_the_dead`):
 where a fault was written, that daemon's markers become `.crashed` as a worker's would, and
 the restart does not compile the same thing again to die again (systemd's restart loop).
 
@@ -82,12 +82,14 @@ def _crashed(root: Path, pid: int) -> list[str]:
 
 
 def watch(root: Path) -> IO[str]:
-    """Have faulthandler write this process's crash to `crashes/<pid>.fault` (its threads'
-    stacks, under "Fatal Python error: <the signal>"); returns the file, kept open."""
+    """Have faulthandler write this process's crash to `crashes/<pid>.fault` (the crashing
+    thread's stack, under "Fatal Python error: <the signal>"); returns the file, kept open."""
     folder = root / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     out = open(folder / f"{os.getpid()}.fault", "w")  # noqa: SIM115 - open while we live
-    faulthandler.enable(file=out, all_threads=True)
+    # (the crashing thread's stack only: dumping the others' while they run can fault again,
+    # which one CI run saw as SIGSEGV after the SIGFPE)
+    faulthandler.enable(file=out, all_threads=False)
     return out
 
 
