@@ -165,7 +165,8 @@ def build_model_part(order: Build, device: DeviceProfile, cache: CompileCache,
     built: dict[str, BuiltPart] = {}
     tried: list[dict[str, Any]] = []
     # (a decode step is never mixed, runtimes/select.py: no mix of its is left for later)
-    decode = bool(state_of(part.module)) and decode_step(
+    decode = any(p.endswith(MIXED) for p in order.precisions) and bool(
+        state_of(part.module)) and decode_step(
         part.module, placeholder_tensors(part.module, order.input_shapes))
     # (a part that gives the model's outputs: its own error is what the check reads there)
     final = any(name in split.outputs for name in part.outputs)
