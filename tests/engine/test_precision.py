@@ -21,20 +21,31 @@ from cuvild.workers.build import SEARCH_SAMPLES
 from partitioner.profile import DeviceProfile
 from runtimes import select
 from runtimes.base import INT8_MIXED, set_error
-from runtimes.profiling.hardware import cpuinfo
 
 CORES = sorted(os.sched_getaffinity(0))
-# The search keeps int8 only where it runs faster than fp32: OpenVINO's int8 kernels are, on
-# CPUs with VNNI or AMX (both host kinds here); on others, whether int8 wins is the host's call.
-INT8_FLAGS = {"amx_int8", "avx512_vnni", "avx_vnni"} & set(cpuinfo()["flags"])
 INT8_RUNS = ("int8", INT8_MIXED)
 
 
-def needs_fast_int8() -> None:
-    if not INT8_FLAGS:
-        reason = "this CPU has none of amx_int8, avx512_vnni, avx_vnni: int8 need not be faster"
-        print(f"skipping: {reason}")
-        pytest.skip(reason)
+def ran(loaded) -> dict[str, float]:
+    """The part's precisions built on OpenVINO and their median ms, as last timed in turn
+    (cuvild/workers/build.py retime): what the search chose by."""
+    return {c["precision"]: c["median_ms"] for c in loaded.routes[0].built.candidates
+            if c["runtime"] == "openvino" and c["status"] == "ok"}
+
+
+def int8_ran_faster(loaded) -> bool:
+    """Whether int8 (or its mix) ran faster than fp32 here. OpenVINO's int8 does on CPUs with
+    VNNI or AMX, ~0.6x on both host kinds here, but not always: one CI run on an AMX Xeon
+    timed it at 1.8 ms against fp32's 0.515 (twice in a row; a busy sibling thread's AMX use
+    is one way), and a test that took VNNI for a speed failed there. So these tests hold the
+    rule (the fastest precision within the budget serves), and say which way the host went."""
+    times = ran(loaded)
+    faster = min((times[p] for p in INT8_RUNS if p in times), default=float("inf")) < times["fp32"]
+    if not faster:
+        print(f"int8 ran no faster than fp32 on this host ({times}): fp32 serves, as it should")
+    return faster
+
+
 CPU = DeviceProfile(id="cpu0", kind="cpu", cores=CORES[:1], runtimes=["openvino", "torch"],
                     peak_gflops={"fp32": 100.0}, mem_bw_gbs=20.0, link_bw_gbs=10.0,
                     launch_us=5.0)
@@ -86,19 +97,27 @@ def held_out_error(engine, model, name):
 
 
 def test_a_loose_budget_runs_int8_and_stays_within_it_on_held_out_inputs(engine, model):
-    needs_fast_int8()
     calibration = str(model[3])
     loaded = load(engine, model, "loose", PrecisionPolicy("auto", 0.25, calibration, "t1"))
     (part,) = loaded.plan.parts
-    # int8, or int8 with a few groups NNCF kept fp32 (INT8_MIXED): where both are built they
-    # run within noise of each other, and timed in turn either may be the faster
-    assert part.precision in INT8_RUNS and part.runtime == "openvino", loaded.plan.notes
-    assert 0 < part.error <= 0.25
+    int8 = next(c for c in loaded.routes[0].built.candidates
+                if (c["precision"], c["runtime"]) == ("int8", "openvino"))
+    assert int8["status"] == "ok" and 0 < int8["rel_error"] <= 0.25, int8  # built, within it
+    if int8_ran_faster(loaded):
+        # int8, or int8 with a few groups NNCF kept fp32 (INT8_MIXED): where both are built
+        # they run within noise of each other, and timed in turn either may be the faster
+        assert part.precision in INT8_RUNS and part.runtime == "openvino", loaded.plan.notes
+        assert 0 < part.error <= 0.25
+        assert any(f"runs {part.precision} on openvino" in n for n in loaded.accuracy.notes), \
+            loaded.accuracy.notes
+    else:
+        assert part.precision == "fp32", loaded.plan.notes
+        assert any(n.startswith("p0 stays fp32: no lower precision ran faster")
+                   for n in loaded.accuracy.notes), loaded.accuracy.notes
     acc = loaded.accuracy
     assert acc.policy == "auto" and acc.calibrated and acc.inputs == 8
     assert acc.chosen.error <= 0.25 and acc.fp32.error < 1e-4
     assert acc.chosen.top1 is not None and acc.fp32.top1 == 1.0
-    assert any(f"runs {part.precision} on openvino" in n for n in acc.notes), acc.notes
     assert held_out_error(engine, model, "loose") <= 0.25
 
 
@@ -168,7 +187,6 @@ def test_fp32_models_are_checked_end_to_end_too(engine, model):
 
 
 def test_a_restart_reuses_the_decision_without_searching(engine, model):
-    needs_fast_int8()
     calibration = str(model[3])
     policy = PrecisionPolicy("auto", 0.25, calibration, "t1")
     first = load(engine, model, "again", policy)
@@ -178,7 +196,8 @@ def test_a_restart_reuses_the_decision_without_searching(engine, model):
     finally:
         again.close()
     chosen = first.plan.parts[0].precision
-    assert chosen in INT8_RUNS and second.plan.parts[0].precision == chosen
+    assert chosen in (INT8_RUNS if int8_ran_faster(first) else ("fp32",)), first.plan.notes
+    assert second.plan.parts[0].precision == chosen
     assert [v for v in second.routes[0].variants] == [chosen]  # built only what was chosen
     assert second.accuracy.fp32.error == first.accuracy.fp32.error  # the recorded report
 
