@@ -8,8 +8,10 @@ crafted archive costs to parse is paid there, not in the daemon's interpreter (i
 deserializer lock, its heap). Children fork from the daemon's forkserver (cuvild/intake/forks.py),
 which has imported torch and the loader once: +40-60 ms an upload over loading in-process. Its
 start costs ~3 s of CPU (2-core host, torch 2.13): it starts (`start_inspector`) as the
-header of an upload of unknown bytes arrives, while they do. Bytes inspected before are not
-inspected again (cuvild/intake/verdicts.py).
+first bytes of an upload of unknown bytes arrive, while the rest do, where they begin as a
+zip does (`zip_head`; bytes that do not are refused without it: one upload of junk to a
+daemon that served from its records made it a resident forkserver and torch in the daemon,
+~9 s of CPU). Bytes inspected before are not inspected again (cuvild/intake/verdicts.py).
 """
 
 from __future__ import annotations
@@ -98,15 +100,31 @@ def summarize(ep: Any, out_spec: str = "") -> dict[str, Any]:
     }
 
 
+# A torch.export archive is a zip written from its first entry on: it begins with that entry's
+# local header. (zipfile would also open a zip behind other bytes, as a self-extractor is.)
+ZIP_HEAD = b"PK\x03\x04"
+
+
+def zip_head(head: bytes) -> bool:
+    """Whether bytes beginning with `head` can be an archive (read here, not by a child)."""
+    return head[:len(ZIP_HEAD)] == ZIP_HEAD
+
+
 def inspect_archive(path: Path, max_bytes: int) -> dict[str, Any]:
     """Load the archive safely and summarise it, in a child process under memory and CPU
     limits. Raises ValueError (UnsafeArchive) if refused or over a limit."""
+    from cuvild.intake.errors import UnsafeArchive
+
+    with open(path, "rb") as f:
+        if not zip_head(f.read(len(ZIP_HEAD))):
+            raise UnsafeArchive("<archive>", "not a readable zip archive (its first bytes are "
+                                "not a zip entry's header)")
     return _inspect_in_child(Path(path), max_bytes, INSPECT_MEMORY_BYTES, INSPECT_CPU_SECONDS)
 
 
 def start_inspector() -> None:
-    """Start the forkserver now (as an upload's bytes arrive), so that its inspection does not
-    wait for it. Optional: inspect_archive starts it when needed."""
+    """Start the forkserver now (as an upload's first bytes arrive), so that its inspection
+    does not wait for it. Optional: inspect_archive starts it when needed."""
     forks.start()
 
 

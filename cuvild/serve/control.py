@@ -16,7 +16,7 @@ import grpc
 import cuvild
 from cuvild.core.loaded import bucket_stats, part_stats
 from cuvild.intake.registry import ModelRecord, Registry, RegistryError
-from cuvild.intake.summary import inspect_archive, start_inspector
+from cuvild.intake.summary import inspect_archive, start_inspector, zip_head
 from cuvild.load import prepare
 from cuvild.serve.chat import options_from as chat_options
 from cuvild.serve.errors import abort
@@ -111,6 +111,18 @@ def with_steps(parts: list[dict[str, Any]], key: str,
                 part["step"] = said
                 lines.append(f"{part['id']}: {said}")
     return lines
+
+
+def _start_ahead() -> None:
+    """What an upload of new bytes will need, started while the rest of them arrive: the
+    inspector's forkserver (torch) and, in the daemon, the load path (torch, its export
+    loader, the partitioner)."""
+    try:
+        start_inspector()
+    except Exception:  # noqa: BLE001 - the inspection starts it then, or says why
+        log.warning("intake: the archive inspector did not start ahead of the upload",
+                    exc_info=True)
+    prepare.import_ahead()
 
 
 class ControlService(cuvil_pb2_grpc.ControlServicer):
@@ -247,13 +259,7 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
         if first is None or first.WhichOneof("part") != "header":
             raise RegistryError("invalid", "the first LoadModel message must be the header")
         h = first.header
-        if not self._registry.known(h.sha256):  # (bytes inspected before are not again)
-            try:
-                start_inspector()  # its forkserver (torch), while the bytes arrive
-            except Exception:  # noqa: BLE001 - the inspection starts it then, or says why
-                log.warning("intake: the archive inspector did not start ahead of the upload",
-                            exc_info=True)
-            prepare.import_ahead()  # (torch for its load, while it uploads and is inspected)
+        ahead = not self._registry.known(h.sha256)  # (bytes inspected before are not again)
         upload = self._registry.begin_upload({
             "name": h.name, "version": h.version, "sha256": h.sha256,
             "size_bytes": h.size_bytes, "replace": h.replace, "precision": h.precision,
@@ -265,6 +271,10 @@ class ControlService(cuvil_pb2_grpc.ControlServicer):
                 stream.active = time.monotonic()
                 part = message.WhichOneof("part")
                 if part == "chunk":
+                    if ahead:  # the first bytes: what may be an archive gets its tools now
+                        ahead = False
+                        if zip_head(message.chunk):
+                            _start_ahead()
                     upload.write(message.chunk)
                 elif part == "calibration_chunk":
                     upload.write_calibration(message.calibration_chunk)

@@ -148,6 +148,21 @@ def test_bad_uploads_get_clear_errors_and_leave_nothing(make_daemon, tmp_path):
     assert_no_residue(d.state_dir)
 
 
+def test_bytes_that_are_no_zip_are_refused_without_starting_torch(make_daemon):
+    """The inspector's forkserver (torch, resident) and the load path (torch in the daemon)
+    start as an upload's first bytes arrive only where those begin as a zip does: junk is
+    refused by the daemon itself, which stays as light as it was."""
+    d = make_daemon()
+    reply = raw_upload(d.target, b"\x80\x04 this is no zip at all" * 64)
+    assert isinstance(reply, grpc.RpcError)
+    assert reply.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a readable zip archive" in reply.details(), reply.details()
+    assert worker_processes(d.proc.pid, "forkserver") == []
+    assert "imported ahead" not in d.log()
+    with Client(d.target) as client:
+        assert client.models() == []
+
+
 def test_crafted_archive_is_refused_and_runs_nothing(make_daemon, tmp_path):
     marker = tmp_path / "pwned"
 
