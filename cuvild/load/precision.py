@@ -335,7 +335,7 @@ def _why_not(route: Route) -> str:
     precision, over the part's sanity bound, or failing to build."""
     candidates = route.built.candidates if route.built else []
     own = route.variants.get(route.precision)
-    tried = []
+    tried, slow = [], set()  # (lower precisions said to be no faster)
     for p in dict.fromkeys(c["precision"] for c in candidates):
         if p == route.precision:
             continue
@@ -344,6 +344,7 @@ def _why_not(route: Route) -> str:
             # (the runtime call alone at build; `cuvilctl partition` MEASURED is the part as
             # served, hop and arena included)
             v = route.variants[p]
+            slow.add(p)
             tried.append(f"{p} ran {v.median_ms:.3g} ms on {v.runtime} vs {own.median_ms:.3g} "
                          f"ms at {route.precision} on {own.runtime}, not faster (runtime call "
                          "alone, median at build)")
@@ -354,6 +355,7 @@ def _why_not(route: Route) -> str:
                   and "its error not measured" in (c.get("reason") or "")]
         if slower and own is not None:  # (runtimes/select.py SLOWER)
             c = min(slower, key=lambda c: c["median_ms"])
+            slow.add(p)
             tried.append(f"{p} ran {c['median_ms']:.3g} ms on {c['runtime']} vs "
                          f"{own.median_ms:.3g} ms at {route.precision} on {own.runtime}, not "
                          "faster (a run at build; its error not measured)")
@@ -362,6 +364,9 @@ def _why_not(route: Route) -> str:
             tried.append(f"{p} error {best['rel_error']:.1e} on {best['runtime']}")
         elif all(c["status"] == "skipped" for c in cands):  # not tried, on purpose
             reason = (cands[0].get("reason") or "").removeprefix("not built: ")
+            low = p.removesuffix(MIXED)
+            if low in slow and reason.startswith(f"{low} alone ran"):  # (said just before)
+                reason = f"{low} alone was no faster"
             tried.append(f"{p} not tried: {reason}" if reason else f"{p} not tried")
         else:
             failed = ", ".join(f"{c['runtime']} {c['status']}" for c in cands
