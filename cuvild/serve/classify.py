@@ -36,13 +36,13 @@ def classify(generator: Generator, doc: Any) -> dict[str, Any]:
     name, version = named(doc, FIELDS)
     served = find(generator.models, name, version)
     data, used = embeddings.counted(generator, served,
-                                    lambda: _classified(generator, served, doc))
+                                    lambda: classified(generator, served, doc))
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list",
             "created": int(time.time()), "model": doc["model"], "data": data,
             "usage": {"prompt_tokens": used, "total_tokens": used, "completion_tokens": 0}}
 
 
-def _classified(generator: Generator, served: Any,
+def classified(generator: Generator, served: Any,
                 doc: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
     names, length = embeddings.inputs_of(served, "classify")
     logits = embeddings.output_of(served, 2, "classify")

@@ -58,7 +58,7 @@ def embed(generator: Generator, doc: Any) -> dict[str, Any]:
     request of the model's in its metrics, as an inference request (its inputs its batch)."""
     name, version = named(doc, FIELDS)
     served = find(generator.models, name, version)
-    data, used = counted(generator, served, lambda: _embedded(generator, served, doc))
+    data, used = counted(generator, served, lambda: embedded(generator, served, doc))
     return {"object": "list", "data": data, "model": doc["model"],
             "usage": {"prompt_tokens": used, "total_tokens": used}}
 
@@ -81,7 +81,7 @@ def counted(generator: Generator, served: Any, answer: Callable[[], tuple[list[A
     return items, used
 
 
-def _embedded(generator: Generator, served: Any,
+def embedded(generator: Generator, served: Any,
               doc: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
     """Each input's embedding object, and the tokens they took."""
     form = doc.get("encoding_format") or "float"

@@ -17,7 +17,7 @@
                                                       generate or embed, with their context
   POST /v1/embeddings, /v1/rerank, /v1/score,         an encoder's: cuvild/serve/embeddings.py,
        /v1/classify (/rerank, /v2/rerank, /score,     cuvild/serve/rerank.py,
-       /classify too)                                 cuvild/serve/classify.py
+       /classify too), /pooling                       cuvild/serve/classify.py, pooling.py
   /openai/v1/...                                      the same, where KServe's model server
                                                       has them
 
@@ -51,7 +51,15 @@ import orjson
 from aiohttp import web
 
 from cuvild.core.layout import BadInput
-from cuvild.serve import classify, embeddings, openai_request, reasoning, rerank, tokenize_http
+from cuvild.serve import (
+    classify,
+    embeddings,
+    openai_request,
+    pooling,
+    reasoning,
+    rerank,
+    tokenize_http,
+)
 from cuvild.serve import tools as tools_mod
 from cuvild.serve.chat import options_of as chat_options_of
 from cuvild.serve.detokenize import continued
@@ -91,7 +99,8 @@ def register(app: web.Application, server: RestServer) -> None:
     answers = [*zip(tokenize_http.ROUTES, (tokenize_http.tokenize, tokenize_http.detokenize),
                     strict=True), *((path, rerank.rerank) for path in rerank.ROUTES),
                *((path, rerank.score) for path in rerank.SCORE_ROUTES),
-               *((path, classify.classify) for path in classify.ROUTES)]
+               *((path, classify.classify) for path in classify.ROUTES),
+               *((path, pooling.pool) for path in pooling.ROUTES)]
     for path, answer in answers:
         app.router.add_post(path, lambda r, answer=answer: _answered(server, r, answer))
 
@@ -101,7 +110,7 @@ async def _answered(server: RestServer, request: web.Request,
     """A request answered whole by `answer(generator, body)` on a pool thread: vLLM's
     /tokenize and /detokenize (cuvild/serve/tokenize_http.py), /v1/embeddings
     (cuvild/serve/embeddings.py), /rerank and /score (cuvild/serve/rerank.py), /classify
-    (cuvild/serve/classify.py)."""
+    (cuvild/serve/classify.py), /pooling (cuvild/serve/pooling.py)."""
     return _json(await _open(server, request, lambda doc: answer(server.generator, doc)))
 
 
@@ -109,7 +118,7 @@ def is_openai(path: str) -> bool:
     """Whether `path` is one of OpenAI's routes (its errors are OpenAI's error object)."""
     return (any(path.startswith(base + "/") for base in PREFIXES)
             or path in (*tokenize_http.ROUTES, *rerank.ROUTES, *rerank.SCORE_ROUTES,
-                        *classify.ROUTES))
+                        *classify.ROUTES, *pooling.ROUTES))
 
 
 def error_object(status: int, message: str) -> dict[str, Any]:

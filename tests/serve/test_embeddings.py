@@ -312,3 +312,44 @@ def test_a_classifier_classifies_texts_with_its_labels(lm_daemon, lm_served) -> 
                        ({"model": "classify", "input": []}, "input must be")):
         code, body = post(lm_daemon.http, "/v1/classify", doc)
         assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
+
+
+def test_pooling_answers_as_vllm_does_for_an_encoder_and_a_classifier(lm_daemon, lm_served) -> None:  # noqa: ANN001
+    """vLLM's /pooling: an encoder's embeddings (as /v1/embeddings gives them, equal to torch
+    eager's) and a classifier's probabilities (as /classify gives them), each model's task
+    found from its outputs unless the request names one; base64 as float32 bytes; per-token
+    tasks, chats and what does not pool refused, naming why."""
+    import base64
+
+    all_ready(lm_daemon.target, ("classify", "embed"))
+    texts = ["The weather in Oslo", "is cold!"]
+    code, body = post(lm_daemon.http, "/pooling", {"model": "embed", "input": texts})
+    said = json.loads(body)
+    assert code == 200 and said["object"] == "list" and said["id"].startswith("pool-"), body
+    assert [(d["index"], d["object"]) for d in said["data"]] == [(0, "pooling"), (1, "pooling")]
+    for got, text in zip(said["data"], texts, strict=True):
+        assert np.allclose(got["data"], eager_cls(lm_served["hf"]["embed"], text), atol=1e-5)
+    _, embedded = post(lm_daemon.http, "/v1/embeddings", {
+        "model": "embed", "input": texts, "encoding_format": "float"})
+    assert [d["embedding"] for d in json.loads(embedded)["data"]] == [
+        d["data"] for d in said["data"]]
+    assert said["usage"] == json.loads(embedded)["usage"] | {"completion_tokens": 0}
+
+    code, body = post(lm_daemon.http, "/pooling", {"model": "classify", "input": texts,
+                                                   "encoding_format": "base64"})
+    pooled = json.loads(body)["data"]
+    _, classified = post(lm_daemon.http, "/classify", {"model": "classify", "input": texts})
+    for got, want in zip(pooled, json.loads(classified)["data"], strict=True):
+        probs = np.frombuffer(base64.b64decode(got["data"]), np.float32)
+        assert code == 200 and np.allclose(probs, want["probs"], atol=1e-6), (got, want)
+    for doc, words in (({"model": "embed", "input": "a", "task": "token_embed"},
+                        "task must be one of ['embed', 'classify']"),
+                       ({"model": "embed", "input": "a", "task": "classify"},
+                        "does not classify: no [batch, labels]"),
+                       ({"model": "classify", "input": "a", "dimensions": 4},
+                        "dimensions is for task embed"),
+                       ({"model": "embed", "messages": [{"role": "user", "content": "a"}]},
+                        "takes input (texts or token ids), not a chat"),
+                       ({"model": "llama", "input": "a"}, "does not embed: its inputs")):
+        code, body = post(lm_daemon.http, "/pooling", doc)
+        assert code == 400 and words in json.loads(body)["error"]["message"], (doc, body)
