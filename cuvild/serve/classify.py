@@ -43,7 +43,7 @@ def classify(generator: Generator, doc: Any) -> dict[str, Any]:
 
 
 def classified(generator: Generator, served: Any,
-                doc: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+               doc: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
     names, length = embeddings.inputs_of(served, "classify")
     logits = embeddings.output_of(served, 2, "classify")
     tokenizer = generator.tokenizer(served.record.name, served.record.version)

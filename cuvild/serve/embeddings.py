@@ -82,7 +82,7 @@ def counted(generator: Generator, served: Any, answer: Callable[[], tuple[list[A
 
 
 def embedded(generator: Generator, served: Any,
-              doc: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+             doc: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
     """Each input's embedding object, and the tokens they took."""
     form = doc.get("encoding_format") or "float"
     if form not in ("float", "base64"):
