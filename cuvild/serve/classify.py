@@ -28,7 +28,7 @@ from cuvild.serve.generation import Generator
 from cuvild.serve.openai_request import named
 
 ROUTES = ("/classify",)  # (and under OpenAI's prefixes: cuvild/serve/generate_http.py)
-FIELDS = {"model", "input", "user", "truncate_prompt_tokens"}
+FIELDS = {"model", "input", "user", "truncate_prompt_tokens", "use_activation"}
 
 
 def classify(generator: Generator, doc: Any) -> dict[str, Any]:
@@ -53,9 +53,10 @@ def classified(generator: Generator, served: Any,
     config = embeddings.json_file(generator, served, embeddings.CONFIG_FILE)
     labels = config.get("id2label") if isinstance(config, dict) else None
     labels = labels if isinstance(labels, dict) else {}
+    activate = embeddings.switch(doc, ("use_activation",)) is not False
     data = []
-    for i, out in enumerate(outputs):
-        probs = probabilities(out[logits])
+    for i, out in enumerate(outputs):  # (vLLM's use_activation false: the logits as they are)
+        probs = probabilities(out[logits]) if activate else np.asarray(out[logits], np.float64)
         top = int(np.argmax(probs))
         data.append({"index": i, "label": str(labels.get(str(top), f"LABEL_{top}")),
                      "probs": [float(p) for p in probs], "num_classes": len(probs)})

@@ -22,7 +22,9 @@ the model takes (its export's bound, engine.max_dim) is refused naming it, unles
 special tokens are added, as transformers' tokenizers truncate). `dimensions` (a
 shorter vector) as vLLM takes it: only for a Matryoshka model (the entry's `config.json` says
 `is_matryoshka` or lists `matryoshka_dimensions`: one of them, else 1 to its size), the
-pooled vector cut to it before it is normalized; any other model refuses it. Concurrent
+pooled vector cut to it before it is normalized; any other model refuses it. vLLM's
+`normalize` (or `use_activation`, its newer name) false sends the pooled vector as it is,
+true normalizes it whatever the entry says. Concurrent
 requests' inputs of one padded length share runs through the model's batcher (engine.batching,
 on by default: cuvild/run/batching.py), a request's own inputs run together. A request counts
 in the model's metrics as an inference request, its inputs its batch.
@@ -44,7 +46,8 @@ from cuvild.serve.generation import Generator
 from cuvild.serve.openai_request import named
 from protos.orders import RawTensor
 
-FIELDS = {"model", "input", "encoding_format", "user", "dimensions", "truncate_prompt_tokens"}
+FIELDS = {"model", "input", "encoding_format", "user", "dimensions", "truncate_prompt_tokens",
+          "normalize", "use_activation"}
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 MAX_INPUTS = 2048  # OpenAI's bound on a request's inputs
 POOLING_FILE = "1_Pooling/config.json"
@@ -92,18 +95,20 @@ def embedded(generator: Generator, served: Any,
     tokenizer = generator.tokenizer(served.record.name, served.record.version)
     most = truncation(generator, served, doc)
     found, used = vectors(generator, served, token_ids(doc.get("input"), tokenizer, most),
-                          size)
+                          size, switch(doc, ("normalize", "use_activation")))
     return [{"object": "embedding", "index": i, "embedding": (
         v.tolist() if form == "float" else base64.b64encode(v.tobytes()).decode())}
         for i, v in enumerate(found)], used
 
 
 def vectors(generator: Generator, served: Any, given: list[list[int]],
-            size: int | None = None) -> tuple[list[np.ndarray], int]:
-    """Each input's embedding (pooled and normalized as the entry says, cut to `size`
-    first where given), and the tokens they took."""
+            size: int | None = None, normalize: bool | None = None,
+            ) -> tuple[list[np.ndarray], int]:
+    """Each input's embedding (pooled and normalized as the entry says, or as `normalize`
+    says where given; cut to `size` first where given), and the tokens they took."""
     names, length = inputs_of(served)
-    pooling, normalize = _pooling(generator, served)
+    pooling, entry_normalizes = _pooling(generator, served)
+    normalize = entry_normalizes if normalize is None else normalize
     hidden = output_of(served, 3, "embed")
     outputs = rows(generator, served, names, [(ids, []) for ids in given], length)
     found = []
@@ -117,6 +122,18 @@ def vectors(generator: Generator, served: Any, given: list[list[int]],
             vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
         found.append(vector.astype(np.float32))
     return found, sum(len(ids) for ids in given)
+
+
+def switch(doc: dict[str, Any], names: tuple[str, ...]) -> bool | None:
+    """A request's on/off option, under any of vLLM's `names` for it (`normalize` and the
+    `use_activation` that replaces it); None where none is given."""
+    given = {n: doc[n] for n in names if doc.get(n) is not None}
+    for name, value in given.items():
+        if not isinstance(value, bool):
+            raise BadInput(f"{name} must be true or false, got {value!r}")
+    if len(set(given.values())) > 1:
+        raise BadInput(f"{' and '.join(given)} disagree")
+    return next(iter(given.values()), None)
 
 
 def _dimensions(generator: Generator, served: Any, wanted: Any) -> int | None:

@@ -11,9 +11,10 @@ Each input's pooled output: for `embed`, its embedding as /v1/embeddings gives i
 normalized as the entry says: cuvild/serve/embeddings.py); for `classify`, its class
 probabilities as /classify gives them (cuvild/serve/classify.py). Without `task`, a model
 with hidden states ([batch, length, hidden]) embeds and one with only logits ([batch,
-labels]) classifies. vLLM's per-token tasks (`token_embed`, `token_classify`) and its
-`messages` (chat-formed input) are refused, naming what is served; base64 is the vector's
-float32 bytes, as /v1/embeddings sends it.
+labels]) classifies; `normalize` / `use_activation` as those routes take them (false: the
+pooled vector unnormalized, the logits without softmax). vLLM's per-token tasks
+(`token_embed`, `token_classify`) and its `messages` (chat-formed input) are refused, naming
+what is served; base64 is the vector's float32 bytes, as /v1/embeddings sends it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from cuvild.serve.openai_request import named
 
 ROUTES = ("/pooling",)
 FIELDS = {"model", "input", "task", "encoding_format", "dimensions", "truncate_prompt_tokens",
-          "user"}
+          "user", "normalize", "use_activation"}
 TASKS = ("embed", "classify")
 
 
@@ -76,8 +77,10 @@ def _pooled(generator: Generator, served: Any, doc: dict[str, Any],
                 for e in items], used
     if form not in ("float", "base64"):
         raise BadInput(f"encoding_format must be \"float\" or \"base64\", got {form!r}")
-    if doc.get("dimensions") is not None:
-        raise BadInput("dimensions is for task embed (a Matryoshka model's shorter vector)")
+    for field, what in (("dimensions", "a Matryoshka model's shorter vector"),
+                        ("normalize", "use_activation for a classifier's probabilities")):
+        if doc.get(field) is not None:
+            raise BadInput(f"{field} is for task embed ({what})")
     items, used = classify.classified(generator, served, doc)
     return [{"index": c["index"], "object": "pooling", "data": c["probs"] if form == "float"
              else base64.b64encode(np.asarray(c["probs"], np.float32).tobytes()).decode()}

@@ -321,6 +321,8 @@ def test_pooling_answers_as_vllm_does_for_an_encoder_and_a_classifier(lm_daemon,
     tasks, chats and what does not pool refused, naming why."""
     import base64
 
+    from tokenizers import Tokenizer
+
     all_ready(lm_daemon.target, ("classify", "embed"))
     texts = ["The weather in Oslo", "is cold!"]
     code, body = post(lm_daemon.http, "/pooling", {"model": "embed", "input": texts})
@@ -342,8 +344,34 @@ def test_pooling_answers_as_vllm_does_for_an_encoder_and_a_classifier(lm_daemon,
     for got, want in zip(pooled, json.loads(classified)["data"], strict=True):
         probs = np.frombuffer(base64.b64decode(got["data"]), np.float32)
         assert code == 200 and np.allclose(probs, want["probs"], atol=1e-6), (got, want)
+    # vLLM's normalize (use_activation, its newer name): the pooled CLS state as it is; and
+    # a classifier's use_activation false: its logits, no softmax
+    bert, cls = lm_served["hf"]["embed"], lm_served["hf"]["classify"]
+    tokenizer = Tokenizer.from_str(byte_tokenizer_json())
+    ids = tokenizer.encode(texts[0]).ids
+    with torch.no_grad():
+        raw = bert(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                            dtype=torch.long))
+    for doc in ({"normalize": False}, {"use_activation": False}):
+        code, body = post(lm_daemon.http, "/pooling", {"model": "embed", "input": texts[0], **doc})
+        (got,) = json.loads(body)["data"]
+        assert code == 200 and np.allclose(got["data"], raw[0][0, 0].numpy(), atol=1e-5), doc
+    cls_tokenizer = Tokenizer.from_str(
+        (lm_served["root"] / "classify" / "tokenizer.json").read_text())
+    with torch.no_grad():
+        logits = cls(input_ids=torch.tensor([cls_tokenizer.encode(texts[0]).ids])).logits[0]
+    code, body = post(lm_daemon.http, "/classify", {"model": "classify", "input": texts[0],
+                                                    "use_activation": False})
+    assert code == 200 and np.allclose(json.loads(body)["data"][0]["probs"], logits.numpy(),
+                                       atol=1e-5), body
     for doc, words in (({"model": "embed", "input": "a", "task": "token_embed"},
                         "task must be one of ['embed', 'classify']"),
+                       ({"model": "embed", "input": "a", "normalize": 1},
+                        "normalize must be true or false"),
+                       ({"model": "embed", "input": "a", "normalize": True,
+                         "use_activation": False}, "normalize and use_activation disagree"),
+                       ({"model": "classify", "input": "a", "normalize": False},
+                        "normalize is for task embed"),
                        ({"model": "embed", "input": "a", "task": "classify"},
                         "does not classify: no [batch, labels]"),
                        ({"model": "classify", "input": "a", "dimensions": 4},
