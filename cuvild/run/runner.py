@@ -189,8 +189,10 @@ class Runner:
         from now): RunTimeout after it. `slot`: the sequence whose state a stateful model's
         parts run on (0: a fresh state)."""
         begun = time.monotonic()
+        # may take a silent worker as hung (decided before the sum: `begun + t - begun` is
+        # less than t where the sum crosses a power of two)
+        patient = deadline is None or deadline - begun >= self.run_timeout_s
         deadline = begun + self.run_timeout_s if deadline is None else deadline
-        patient = deadline - begun >= self.run_timeout_s  # may take a silent worker as hung
         # A sequence's step takes no place among the requests in flight: the sequences live
         # (engine.sequences.max_live) bound those, one step each at a time, and a decode step
         # waits in its worker for the other sequences' to share a run (a place each capped

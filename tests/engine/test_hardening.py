@@ -107,6 +107,36 @@ def test_a_a_short_deadline_fails_the_request_but_spares_the_worker(make_engine,
     assert engine.workers["npu0"].restarts == 0
 
 
+def test_a_request_without_a_deadline_is_patient_whatever_the_clock_reads(make_engine, tmp_path,
+                                                                          monkeypatch):
+    """A request given no deadline has run_timeout_s and may take a silent worker as hung.
+    That was decided from `begun + run_timeout_s - begun`, which is less than run_timeout_s
+    where the sum crosses a power of two (the monotonic clock at 131071.055 s, 36 h up):
+    there a hung worker was left hanging, every request after it timing out too."""
+    from types import SimpleNamespace
+
+    from cuvild.run import runner as runner_mod
+
+    engine = make_engine(workers="thread")
+    model, x = mlp()
+    prepare(engine, tmp_path, "mlp", model, (x,), ["cpu0"])
+    engine.runner.run_timeout_s = 1.0
+    at = 131071.05514345471
+    assert (at + 1.0) - at < 1.0
+    seen, run_parts = [], runner_mod.run_parts
+
+    def recording(*args):  # noqa: ANN002, ANN202
+        seen.append(args[-1])  # (patient)
+        return run_parts(*args)
+
+    monkeypatch.setattr(runner_mod, "run_parts", recording)
+    monkeypatch.setattr(runner_mod, "time", SimpleNamespace(monotonic=lambda: at,
+                                                            perf_counter=time.perf_counter))
+    (out,) = engine.infer("mlp", (x,))
+    torch.testing.assert_close(out, eager(model, x), **CLOSE)
+    assert seen == [True]
+
+
 def test_a_thread_worker_stuck_in_a_part_is_replaced(make_engine, tmp_path, monkeypatch):
     """A thread cannot be killed: it is abandoned and a fresh one serves; the part it is
     stuck in still holds its request's block until it returns, then the thread ends."""
